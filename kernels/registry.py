@@ -1,0 +1,152 @@
+"""Kernel registry: op name -> implementations ``{"aiter", "triton", "torch"}``, and the choice between them.
+
+Every op has a ``torch`` implementation, which is the fp32 oracle in :mod:`k3rocm.model`. Kernel
+families register their ``triton`` (and, on ROCm, ``aiter``) implementations at import time of
+``k3rocm.kernels.<family>``. :func:`select` picks, per op (DESIGN.md §5):
+
+1. the explicit override (``--kernels triton`` / ``torch`` / ``aiter`` or ``op=impl,...``);
+2. ``aiter`` where it is registered, we are on ROCm and its ``supports(**shape)`` says yes;
+3. ``triton`` when a GPU is present (or ``TRITON_INTERPRET=1`` is set and ``allow_interpreter``);
+4. ``torch``.
+
+The validator compares whatever :func:`select` returns against the ``torch`` oracle, so a vendor
+kernel is checked exactly like ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from k3rocm.errors import ConfigError, HardwareError
+
+IMPLS = ("aiter", "triton", "torch")
+
+# op name -> (module, function) of the oracle implementation. The signatures are documented there.
+ORACLE_OPS: dict[str, tuple[str, str]] = {
+    "short_conv": ("k3rocm.model.kda", "short_conv"),
+    "kda_prefill": ("k3rocm.model.kda", "kda_prefill"),
+    "kda_decode": ("k3rocm.model.kda", "kda_decode"),
+    "mla_prefill": ("k3rocm.model.mla", "mla_prefill"),
+    "mla_decode": ("k3rocm.model.mla", "mla_decode"),
+    "mla_cache_write": ("k3rocm.model.mla", "mla_cache_write"),
+    "attn_res": ("k3rocm.model.attnres", "attn_res"),
+    "moe_router": ("k3rocm.model.moe", "moe_router"),
+    "moe_experts": ("k3rocm.model.moe", "moe_experts"),
+}
+
+FAMILIES = ("kda", "mla", "attnres", "moe", "mx")
+
+
+@dataclass
+class Impl:
+    """One registered implementation of an op.
+
+    Attributes:
+        fn: the callable, same signature as the oracle function of the op.
+        supports: ``supports(**kwargs) -> bool`` for shape/dtype limits (default: always).
+        note: short text for reports (e.g. "Triton chunked WY, BT=64").
+    """
+
+    fn: Callable
+    supports: Callable[..., bool] = field(default=lambda **_: True)
+    note: str = ""
+
+
+_REGISTRY: dict[str, dict[str, Impl]] = {}
+_loaded_families = False
+
+
+def register(op: str, impl: str, fn: Callable, supports: Callable[..., bool] | None = None, note: str = "") -> None:
+    """Register ``fn`` as implementation ``impl`` of ``op``. Raises ConfigError for unknown op / impl."""
+    if op not in ORACLE_OPS:
+        raise ConfigError(f"unknown op {op!r}; known: {', '.join(ORACLE_OPS)}")
+    if impl not in IMPLS:
+        raise ConfigError(f"unknown implementation {impl!r}; known: {', '.join(IMPLS)}")
+    _REGISTRY.setdefault(op, {})[impl] = Impl(fn, supports or (lambda **_: True), note)
+
+
+def _load_families() -> None:
+    global _loaded_families
+    if _loaded_families:
+        return
+    _loaded_families = True
+    for fam in FAMILIES:
+        try:
+            importlib.import_module(f"k3rocm.kernels.{fam}")
+        except ImportError:  # a family without kernels yet, or triton missing: torch still serves
+            pass
+
+
+def implementations(op: str) -> dict[str, Impl]:
+    """All implementations of ``op`` (the ``torch`` oracle always included)."""
+    _load_families()
+    if op not in ORACLE_OPS:
+        raise ConfigError(f"unknown op {op!r}; known: {', '.join(ORACLE_OPS)}")
+    impls = dict(_REGISTRY.get(op, {}))
+    if "torch" not in impls:
+        mod, name = ORACLE_OPS[op]
+        fn = getattr(importlib.import_module(mod), name)
+        impls["torch"] = Impl(fn, note="fp32 oracle (k3rocm.model)")
+    return impls
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch import problems are reported by the env tier
+        return False
+
+
+def is_rocm() -> bool:
+    import torch
+    return getattr(torch.version, "hip", None) is not None
+
+
+def parse_override(spec: str | None) -> dict[str, str]:
+    """Parse ``--kernels``: ``"triton"`` (all ops) or ``"kda_prefill=triton,moe_experts=torch"``.
+
+    Returns ``{"*": impl}`` or ``{op: impl}``. Raises ConfigError naming the bad entry.
+    """
+    if not spec or spec == "auto":
+        return {}
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if "=" in part:
+            op, impl = (s.strip() for s in part.split("=", 1))
+            if op not in ORACLE_OPS:
+                raise ConfigError(f"--kernels: unknown op {op!r}; known: {', '.join(ORACLE_OPS)}")
+        else:
+            op, impl = "*", part
+        if impl not in IMPLS:
+            raise ConfigError(f"--kernels: unknown implementation {impl!r}; use one of {', '.join(IMPLS)} or auto")
+        out[op] = impl
+    return out
+
+
+def select(op: str, override: dict[str, str] | None = None, allow_interpreter: bool = False, **shape) -> tuple[str, Impl]:
+    """Choose the implementation of ``op``; returns ``(impl_name, Impl)``.
+
+    Raises:
+        HardwareError: an override asks for ``triton``/``aiter`` where it cannot run (no GPU, not registered).
+    """
+    impls = implementations(op)
+    override = override or {}
+    want = override.get(op, override.get("*"))
+    interp = allow_interpreter and os.environ.get("TRITON_INTERPRET") == "1"
+    if want:
+        if want not in impls:
+            raise HardwareError(f"--kernels asks for {want!r} for {op}, but no such implementation is registered "
+                                f"(have: {', '.join(sorted(impls))})")
+        if want in ("triton", "aiter") and not (gpu_available() or interp):
+            raise HardwareError(f"--kernels {want} for {op} needs a GPU (none visible); use --kernels torch")
+        return want, impls[want]
+    if "aiter" in impls and gpu_available() and is_rocm() and impls["aiter"].supports(**shape):
+        return "aiter", impls["aiter"]
+    if "triton" in impls and (gpu_available() or interp) and impls["triton"].supports(**shape):
+        return "triton", impls["triton"]
+    return "torch", impls["torch"]
