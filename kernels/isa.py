@@ -1,0 +1,196 @@
+"""Ahead-of-time compilation of our Triton kernels for AMD and NVIDIA targets, without the hardware.
+
+The PyPI ``triton`` wheel carries both backends, so a CPU-only machine can lower every kernel to
+AMDGCN (gfx950 = MI350X/MI355X, gfx942 = MI300X/MI325X) and to PTX (sm_90 = H100/H200) and read
+what the hardware would run: matrix instructions (``v_mfma_*``, ``v_mfma_scale_f32_*_f8f6f4``,
+``wgmma.mma_async``), register counts, spills and LDS (shared memory) bytes. This is how CI proves
+the kernels are HIP-ready (HARDWARE.md, "Ahead-of-time compile").
+
+Each kernel family (``k3rocm.kernels.<family>``) exposes ``isa_cases()`` returning a list of
+``(name, fn, signature, constexprs, expects_matrix)`` or the same with a 6th element
+``options: dict[str, dict]`` keyed by backend (``"hip"`` / ``"cuda"``) with compile options
+(``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from k3rocm.errors import HardwareError
+
+TARGETS = ("gfx950", "gfx942", "sm_90")
+
+_MATRIX_RE = {
+    "hip": re.compile(r"\b(v_mfma\w*|v_smfmac\w*)"),
+    "cuda": re.compile(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)"),
+}
+_AMD_META = re.compile(
+    r"\.(vgpr_count|sgpr_count|agpr_count|vgpr_spill_count|sgpr_spill_count|group_segment_fixed_size"
+    r"|private_segment_fixed_size):\s+(\d+)")
+
+
+@dataclass
+class IsaReport:
+    """What one kernel compiled to on one target.
+
+    Attributes:
+        name: kernel case name (family.kernel[variant]).
+        target: ``gfx950``, ``gfx942`` or ``sm_90``.
+        matrix_ops: sorted distinct matrix instructions found (empty when the kernel does no matrix work).
+        vgpr, sgpr, agpr: register counts (AMD; ``None`` on CUDA — ptxas decides at load time).
+        vgpr_spill, sgpr_spill: spill counts (AMD; ``None`` on CUDA).
+        lds_bytes: static shared memory / LDS bytes requested by the kernel (``metadata.shared``).
+        scratch_bytes: private (scratch) segment bytes per lane (AMD).
+        num_warps: warps per program.
+        error: compile error text, if compilation failed.
+    """
+
+    name: str
+    target: str
+    matrix_ops: list[str] = field(default_factory=list)
+    vgpr: int | None = None
+    sgpr: int | None = None
+    agpr: int | None = None
+    vgpr_spill: int | None = None
+    sgpr_spill: int | None = None
+    lds_bytes: int | None = None
+    scratch_bytes: int | None = None
+    num_warps: int | None = None
+    expects_matrix: bool = False
+    error: str | None = None
+    asm: str = field(default="", repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """No compile error, matrix instructions present where expected, no spills on AMD targets."""
+        return not self.problems()
+
+    def problems(self) -> list[str]:
+        """Human-readable list of what is wrong (empty when :attr:`ok`)."""
+        out = []
+        if self.error:
+            return [f"compile failed: {self.error.splitlines()[0] if self.error else ''}"]
+        if self.expects_matrix and not self.matrix_ops:
+            out.append("no matrix instructions (expected v_mfma/wgmma)")
+        if self.target.startswith("gfx"):
+            if self.vgpr_spill:
+                out.append(f"{self.vgpr_spill} VGPR spills")
+            if self.sgpr_spill:
+                out.append(f"{self.sgpr_spill} SGPR spills")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("asm")
+        d["ok"] = self.ok
+        d["problems"] = self.problems()
+        return d
+
+
+def gpu_target(target: str):
+    """``"gfx950"`` / ``"gfx942"`` / ``"sm_90"`` -> ``triton.backends.compiler.GPUTarget``.
+
+    Raises:
+        HardwareError: unknown target name.
+    """
+    from triton.backends.compiler import GPUTarget
+
+    if target.startswith("gfx"):
+        return GPUTarget("hip", target, 64)
+    m = re.fullmatch(r"sm_(\d+)", target)
+    if m:
+        return GPUTarget("cuda", int(m.group(1)), 32)
+    raise HardwareError(f"unknown ISA target {target!r}; use one of {', '.join(TARGETS)}")
+
+
+def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str, Any], target: str,
+                   name: str | None = None, options: dict[str, Any] | None = None,
+                   expects_matrix: bool = False) -> IsaReport:
+    """Compile one ``@triton.jit`` kernel ahead of time for ``target`` and parse the result.
+
+    Args:
+        fn: the jitted kernel (an ``@triton.autotune`` wrapper is unwrapped to its function).
+        signature: argument name -> Triton type (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``,
+            ``"constexpr"``); every argument of the kernel must appear.
+        constexprs: values of the constexpr arguments.
+        target: ``gfx950``, ``gfx942`` or ``sm_90``.
+        options: compile options (``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``).
+
+    Returns:
+        IsaReport (``error`` set instead of raising when the compiler rejects the kernel).
+    """
+    import triton
+    from triton.compiler import ASTSource
+
+    jit = fn
+    while hasattr(jit, "fn") and not hasattr(jit, "arg_names"):  # Autotuner / Heuristics wrappers
+        jit = jit.fn
+    tgt = gpu_target(target)
+    rep = IsaReport(name=name or getattr(jit, "__name__", str(jit)), target=target, expects_matrix=expects_matrix)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            k = triton.compile(ASTSource(fn=jit, signature=signature, constexprs=constexprs), target=tgt,
+                               options=dict(options or {}))
+    except Exception as e:  # compiler errors are data here: the report says which kernel failed where
+        rep.error = f"{type(e).__name__}: {e}"
+        return rep
+    rep.lds_bytes = int(getattr(k.metadata, "shared", 0) or 0)
+    rep.num_warps = int(getattr(k.metadata, "num_warps", 0) or 0)
+    if tgt.backend == "hip":
+        asm = k.asm["amdgcn"]
+        rep.matrix_ops = sorted(set(_MATRIX_RE["hip"].findall(asm)))
+        meta: dict[str, int] = {}
+        for key, val in _AMD_META.findall(asm):
+            meta.setdefault(key, int(val))  # first kernel symbol's metadata
+        rep.vgpr = meta.get("vgpr_count")
+        rep.sgpr = meta.get("sgpr_count")
+        rep.agpr = meta.get("agpr_count")
+        rep.vgpr_spill = meta.get("vgpr_spill_count", 0)
+        rep.sgpr_spill = meta.get("sgpr_spill_count", 0)
+        rep.scratch_bytes = meta.get("private_segment_fixed_size")
+        rep.lds_bytes = max(rep.lds_bytes, meta.get("group_segment_fixed_size", 0))
+    else:
+        asm = k.asm["ptx"]
+        rep.matrix_ops = sorted(set(_MATRIX_RE["cuda"].findall(asm)))
+    rep.asm = asm
+    return rep
+
+
+def family_cases(families: tuple[str, ...] | None = None) -> list[tuple]:
+    """Collect ``isa_cases()`` from every kernel family that defines it (normalised to 6-tuples)."""
+    from k3rocm.kernels.registry import FAMILIES
+
+    cases = []
+    for fam in families or FAMILIES:
+        try:
+            mod = importlib.import_module(f"k3rocm.kernels.{fam}")
+        except ImportError:
+            continue
+        get = getattr(mod, "isa_cases", None)
+        if get is None:
+            continue
+        for case in get():
+            if len(case) == 5:
+                case = (*case, {})
+            name, fn, sig, consts, expects, opts = case
+            cases.append((f"{fam}.{name}", fn, sig, consts, expects, opts or {}))
+    return cases
+
+
+def run_isa(targets: tuple[str, ...] = TARGETS, families: tuple[str, ...] | None = None,
+            progress: Callable[[str], None] | None = None) -> list[IsaReport]:
+    """Compile every family's kernels for every target. Returns one :class:`IsaReport` per (kernel, target)."""
+    out = []
+    for name, fn, sig, consts, expects, opts in family_cases(families):
+        for t in targets:
+            backend = "hip" if t.startswith("gfx") else "cuda"
+            if progress:
+                progress(f"{name} -> {t}")
+            out.append(compile_kernel(fn, sig, consts, t, name=name, options=opts.get(backend, {}),
+                                      expects_matrix=expects))
+    return out
