@@ -99,7 +99,7 @@ def gpu_target(target: str):
     """
     from triton.backends.compiler import GPUTarget
 
-    if target.startswith("gfx"):
+    if re.fullmatch(r"gfx[0-9a-f]{3,4}", target):
         return GPUTarget("hip", target, 64)
     m = re.fullmatch(r"sm_(\d+)", target)
     if m:
