@@ -1,0 +1,56 @@
+"""Shared pytest fixtures.
+
+* ``golden_dir`` — the external k3-tiny golden data (checkpoint written in the released layout by
+  Moonshot's code + fp32 reference outputs); ``$K3ROCM_GOLDEN`` overrides the default location.
+  Tests that need it are skipped when it is absent.
+* ``golden_ckpt`` — ``golden_dir / "checkpoint"``.
+* ``tiny_cfg`` — the ``k3-tiny`` preset config.
+* ``tiny_ckpt`` — a k3-tiny checkpoint written once per session by our writer (seed 0) into a temp dir.
+  Treat it as read-only: copy it (``shutil.copytree``) before damaging it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DEFAULT_GOLDEN = Path("/work/shared/data/k3-tiny-golden")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA or ROCm GPU (skipped cleanly without one)")
+    config.addinivalue_line("markers", "slow: long CPU test")
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    """Directory of the external k3-tiny golden data (``checkpoint/``, ``golden.safetensors``)."""
+    p = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN))
+    if not (p / "checkpoint" / "config.json").is_file():
+        pytest.skip(f"k3-tiny golden data not found at {p} (set K3ROCM_GOLDEN)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def golden_ckpt(golden_dir: Path) -> Path:
+    """The golden k3-tiny checkpoint directory (read-only)."""
+    return golden_dir / "checkpoint"
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    """The ``k3-tiny`` preset (:class:`k3rocm.config.K3Config`)."""
+    from k3rocm.config import preset
+
+    return preset("k3-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, tiny_cfg) -> Path:
+    """A k3-tiny checkpoint written by ``write_checkpoint(seed=0)``, once per test session (read-only)."""
+    from k3rocm.checkpoint.writer import write_checkpoint
+
+    out = tmp_path_factory.mktemp("k3-tiny") / "checkpoint"
+    return write_checkpoint(tiny_cfg, out, seed=0)
