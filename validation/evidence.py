@@ -1,0 +1,412 @@
+"""Evidence model of the staged validation report (schema ``k3rocm.report/1``, see docs/REPORT_SCHEMA.md).
+
+A :class:`Report` holds one :class:`Stage` per tier (``env``, ``load``, ``forward``, ``correctness``,
+``performance``) plus ``bench`` (written by ``k3rocm bench``). Each stage holds :class:`Evidence` rows.
+Every row carries a level of proof (DESIGN.md §4), never mixed up:
+
+* ``measured`` — measured here, on the hardware the profile names;
+* ``measured-fallback`` — measured here, but on other hardware than the profile names (CPU, or CUDA for
+  an MI355X profile);
+* ``projected`` — computed from a model (roofline, memory plan), not measured;
+* ``external`` — compared against results another system produced (golden logits, known answers).
+
+Reports merge: a command that writes into an ``--out`` directory that already holds a report of the
+same checkpoint (same config hash) replaces only the stages it ran and keeps the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import ConfigError
+
+SCHEMA = "k3rocm.report/1"
+LEVELS = ("measured", "measured-fallback", "projected", "external")
+TIERS = ("env", "load", "forward", "correctness", "performance")
+STAGE_ORDER = TIERS + ("bench",)
+STATUSES = ("passed", "failed", "error", "skipped")
+
+# Environment variables that change what runs (device selection, kernels, threading, allocators).
+ENV_PREFIXES = ("HIP_", "ROCR_", "HSA_", "CUDA_", "NCCL_", "RCCL_", "TRITON_", "PYTORCH_", "TORCH_",
+                "AITER_", "K3ROCM_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _jsonable(v: Any) -> Any:
+    """Convert numpy / torch scalars, tuples and non-finite floats to plain JSON values."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)  # "nan" / "inf" stay visible, JSON stays valid
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "tolist"):  # numpy / torch
+        return _jsonable(v.tolist())
+    if hasattr(v, "item"):
+        return _jsonable(v.item())
+    return str(v)
+
+
+@dataclass
+class Evidence:
+    """One fact in the report.
+
+    Attributes:
+        tier: the tier that produced it (one of :data:`TIERS` or ``"bench"``).
+        name: short identifier, e.g. ``"logits.kl"`` or ``"ttft.p50"``.
+        value: number, string, bool or small list (JSON-serialisable after :func:`_jsonable`).
+        unit: unit of ``value`` (``"ms"``, ``"GB/s"``, ``"nats"``, ``""``).
+        threshold: the pass condition as text (``"<= 1e-3"``) or None for informational rows.
+        passed: True / False against the threshold; None when informational.
+        level: one of :data:`LEVELS`.
+        detail: one line of context (what was compared with what).
+
+    Raises:
+        ConfigError: ``level`` is not one of :data:`LEVELS`.
+    """
+
+    tier: str
+    name: str
+    value: Any
+    unit: str = ""
+    threshold: str | None = None
+    passed: bool | None = None
+    level: str = "measured"
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ConfigError(f"evidence {self.name!r}: level {self.level!r} is not one of {', '.join(LEVELS)}")
+        self.value = _jsonable(self.value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Evidence":
+        return cls(**{k: d.get(k) for k in ("tier", "name", "value", "unit", "threshold", "passed", "level",
+                                            "detail")})
+
+
+def check(tier: str, name: str, value: Any, *, le: float | None = None, ge: float | None = None,
+          eq: Any = None, unit: str = "", level: str = "measured", detail: str = "") -> Evidence:
+    """Build an :class:`Evidence` row with a numeric pass condition.
+
+    Exactly one of ``le`` (value <= le), ``ge`` (value >= ge) or ``eq`` (value == eq) should be given.
+    A non-finite numeric value always fails. Returns the row (``passed`` set).
+    """
+    if le is not None:
+        thr, ok = f"<= {le:g}", _finite(value) and value <= le
+    elif ge is not None:
+        thr, ok = f">= {ge:g}", _finite(value) and value >= ge
+    else:
+        thr, ok = f"== {eq}", value == eq
+    return Evidence(tier, name, value, unit, thr, bool(ok), level, detail)
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def info(tier: str, name: str, value: Any, unit: str = "", level: str = "measured", detail: str = "") -> Evidence:
+    """An informational row (no threshold, ``passed`` None)."""
+    return Evidence(tier, name, value, unit, None, None, level, detail)
+
+
+@dataclass
+class Stage:
+    """The result of one tier (or of ``bench``).
+
+    Attributes:
+        tier: stage key (one of :data:`STAGE_ORDER`).
+        status: ``passed`` | ``failed`` (a threshold was missed) | ``error`` (the tier could not run;
+            ``error`` holds the one-line reason) | ``skipped``.
+        started: ISO-8601 UTC start time.
+        seconds: wall time of the stage in seconds.
+        evidence: the rows.
+        series: plot data, ``{name: {"x": [...], "y": {label: [...]}, "xlabel", "ylabel", "log"}}``.
+        command: the command line that produced the stage.
+        error: one-line reason when ``status == "error"``.
+        level: evidence level the stage's measurements carry (``measured`` / ``measured-fallback``).
+    """
+
+    tier: str
+    status: str = "passed"
+    started: str = ""
+    seconds: float = 0.0
+    evidence: list[Evidence] = field(default_factory=list)
+    series: dict = field(default_factory=dict)
+    command: str = ""
+    error: str | None = None
+
+    def add(self, *rows: Evidence) -> None:
+        """Append rows; a row whose ``passed`` is False turns the stage ``failed``."""
+        for r in rows:
+            self.evidence.append(r)
+            if r.passed is False and self.status == "passed":
+                self.status = "failed"
+
+    @property
+    def failures(self) -> list[Evidence]:
+        return [e for e in self.evidence if e.passed is False]
+
+    def to_dict(self) -> dict:
+        return {"tier": self.tier, "status": self.status, "started": self.started,
+                "seconds": round(float(self.seconds), 4), "command": self.command, "error": self.error,
+                "evidence": [e.to_dict() for e in self.evidence], "series": _jsonable(self.series)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stage":
+        return cls(tier=d["tier"], status=d.get("status", "passed"), started=d.get("started", ""),
+                   seconds=float(d.get("seconds", 0.0)), command=d.get("command", ""), error=d.get("error"),
+                   evidence=[Evidence.from_dict(e) for e in d.get("evidence", [])], series=d.get("series", {}))
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Report:
+    """The whole report: reproduction block + stages (keyed and ordered by :data:`STAGE_ORDER`).
+
+    ``to_dict()`` is the JSON document (docs/REPORT_SCHEMA.md); ``status`` is ``passed`` when every
+    stage passed, ``failed`` when any failed or errored.
+    """
+
+    reproduction: dict = field(default_factory=dict)
+    stages: dict[str, Stage] = field(default_factory=dict)
+    created: str = field(default_factory=now_iso)
+    updated: str = field(default_factory=now_iso)
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if not self.stages:
+            return "empty"
+        if any(s.status in ("failed", "error") for s in self.stages.values()):
+            return "failed"
+        return "passed"
+
+    def put(self, stage: Stage) -> None:
+        """Add or replace a stage (a later run of the same tier wins)."""
+        self.stages[stage.tier] = stage
+        self.stages = {k: self.stages[k] for k in sorted(self.stages, key=_stage_rank)}
+        self.updated = now_iso()
+
+    def ordered(self) -> list[Stage]:
+        return [self.stages[k] for k in sorted(self.stages, key=_stage_rank)]
+
+    def level_counts(self) -> dict[str, int]:
+        out = {lv: 0 for lv in LEVELS}
+        for s in self.stages.values():
+            for e in s.evidence:
+                out[e.level] = out.get(e.level, 0) + 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, "status": self.status, "created": self.created, "updated": self.updated,
+                "reproduction": _jsonable(self.reproduction), "history": _jsonable(self.history),
+                "evidence_levels": self.level_counts(),
+                "stages": {s.tier: s.to_dict() for s in self.ordered()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Report":
+        """Parse a report document. Raises ConfigError when the schema is not ``k3rocm.report/1``."""
+        if d.get("schema") != SCHEMA:
+            raise ConfigError(f"report schema {d.get('schema')!r} is not {SCHEMA!r}; use a fresh --out directory")
+        r = cls(reproduction=d.get("reproduction", {}), created=d.get("created", now_iso()),
+                updated=d.get("updated", now_iso()), history=list(d.get("history", [])))
+        for k, s in d.get("stages", {}).items():
+            r.stages[k] = Stage.from_dict(s)
+        return r
+
+    def merge_run(self, reproduction: dict, stages: list[Stage]) -> None:
+        """Record one command's run: update the reproduction block, replace its stages, log the command.
+
+        The reproduction block keeps per-stage timings and the union of thresholds; scalar fields
+        (versions, device, command) describe the latest run, and ``history`` lists every run.
+        """
+        timings = dict(self.reproduction.get("stage_seconds", {}))
+        thresholds = dict(self.reproduction.get("thresholds", {}))
+        self.reproduction = dict(reproduction)
+        for s in stages:
+            self.put(s)
+            timings[s.tier] = round(float(s.seconds), 4)
+        thresholds.update(reproduction.get("thresholds", {}))
+        self.reproduction["stage_seconds"] = {k: timings[k] for k in sorted(timings, key=_stage_rank)}
+        self.reproduction["thresholds"] = thresholds
+        self.history.append({"time": now_iso(), "command": reproduction.get("command", ""),
+                             "stages": [s.tier for s in stages],
+                             "status": {s.tier: s.status for s in stages}})
+
+
+def _stage_rank(k: str) -> int:
+    return STAGE_ORDER.index(k) if k in STAGE_ORDER else len(STAGE_ORDER)
+
+
+# ---------------------------------------------------------------------------- reproduction block
+def git_sha() -> str:
+    """Git commit of the toolkit source (``-dirty`` appended when the tree has changes), or ``unknown``."""
+    src = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True,
+                             timeout=5).stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:
+        return None
+
+
+def software_versions() -> dict:
+    """Versions and builds of python, torch (CUDA/HIP build), triton, aiter, safetensors, k3rocm."""
+    out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                           "k3rocm": _dist_version("k3rocm") or "unknown", "git_sha": git_sha()}
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        out["torch_build"] = ("hip " + torch.version.hip) if getattr(torch.version, "hip", None) else (
+            ("cuda " + torch.version.cuda) if torch.version.cuda else "cpu")
+    except Exception as e:  # pragma: no cover
+        out["torch"] = f"unavailable ({e.__class__.__name__})"
+    for mod in ("triton", "aiter", "safetensors", "compressed-tensors"):
+        out[mod.replace("-", "_")] = _dist_version(mod)
+    return out
+
+
+def relevant_env() -> dict[str, str]:
+    """Environment variables that change device selection, kernels or threading (see ``ENV_PREFIXES``)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def shard_fingerprints(ckpt_dir: str | Path) -> list[dict]:
+    """Per-shard ``{file, bytes, header_sha256}`` for every ``*.safetensors`` in ``ckpt_dir``.
+
+    The header hash covers the 8-byte length and the JSON header (names, dtypes, shapes, offsets), so
+    it identifies a shard's layout in O(header) time even for a 16 GB shard; the byte size completes
+    the fingerprint. (Full-content sha256 is ``k3rocm checkpoint verify``'s job.)
+    """
+    out = []
+    for p in sorted(Path(ckpt_dir).glob("*.safetensors")):
+        try:
+            with open(p, "rb") as f:
+                head = f.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+                body = f.read(min(n, 1 << 28))
+            out.append({"file": p.name, "bytes": p.stat().st_size,
+                        "header_sha256": hashlib.sha256(head + body).hexdigest()})
+        except OSError as e:
+            out.append({"file": p.name, "error": str(e)})
+    return out
+
+
+def reproduction_block(*, command: str, checkpoint: str | None, config_hash: str | None, seed: int,
+                       device: dict | None = None, profile: str | None = None, kernels: str | None = None,
+                       thresholds: dict | None = None, extra: dict | None = None) -> dict:
+    """What is needed to reproduce a run (DESIGN.md §4): versions, command, config, shards, device, env.
+
+    Args:
+        command: the command line as typed (``k3rocm validate --level correctness ...``).
+        checkpoint: checkpoint directory (absolute path), or None.
+        config_hash: ``K3Config.config_hash()`` of the checkpoint's config.
+        seed: the RNG seed used for generated inputs.
+        device: ``{"sku", "arch", "count", "memory_bytes", "backend"}`` from hardware detection.
+    """
+    block = {"command": command, "cwd": os.getcwd(), "host": platform.node(),
+             "software": software_versions(), "checkpoint": checkpoint, "config_hash": config_hash,
+             "shards": shard_fingerprints(checkpoint) if checkpoint and Path(checkpoint).is_dir() else [],
+             "profile": profile, "kernels": kernels or "auto", "device": device or {}, "env": relevant_env(),
+             "seeds": {"seed": seed}, "thresholds": thresholds or {}}
+    if extra:
+        block.update(extra)
+    return block
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command line as a shell would show it (``k3rocm ...``)."""
+    import shlex
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        argv[0] = "k3rocm" if argv[0].endswith(("k3rocm", "main.py", "__main__.py")) else argv[0]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+# ---------------------------------------------------------------------------- persistence
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory + ``os.replace`` (atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_report(out_dir: str | Path, config_hash: str | None = None) -> Report:
+    """Open ``out_dir/report.json`` for merging, or a new :class:`Report`.
+
+    A report of another checkpoint (different ``config_hash``) or an unreadable/old-schema file is not
+    merged into: a fresh report starts (the old file is overwritten when the new one is written).
+    """
+    p = Path(out_dir) / "report.json"
+    if not p.is_file():
+        return Report()
+    try:
+        rep = Report.from_dict(json.loads(p.read_text()))
+    except (ValueError, KeyError, TypeError, ConfigError):
+        return Report()
+    old = rep.reproduction.get("config_hash")
+    if config_hash and old and old != config_hash:
+        return Report()
+    return rep
+
+
+class Timer:
+    """Context manager measuring wall time in seconds (``time.perf_counter``)."""
+
+    def __enter__(self) -> "Timer":
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0

@@ -1,0 +1,191 @@
+"""Report renderers: ``report.json``, ``report.md`` and a self-contained ``report.html``.
+
+The HTML has no external references: CSS is inline and plots are inline SVG drawn with matplotlib
+(Agg backend, text kept as ``<text>`` so the files stay small). Plots are drawn from each stage's
+``series`` (see :class:`k3rocm.validation.evidence.Stage`): per-layer error vs the oracle
+(correctness), per-layer activation max |h| (forward), latency percentiles and throughput (bench /
+performance). Every evidence row shows its level of proof as a coloured badge.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from pathlib import Path
+
+from k3rocm.validation.evidence import LEVELS, Report, Stage, atomic_write
+
+LEVEL_COLORS = {"measured": "#1a7f37", "measured-fallback": "#9a6700", "projected": "#0969da",
+                "external": "#8250df"}
+STATUS_COLORS = {"passed": "#1a7f37", "failed": "#cf222e", "error": "#cf222e", "skipped": "#6e7781"}
+
+
+def render_json(rep: Report) -> str:
+    """The report document (schema ``k3rocm.report/1``) as indented JSON."""
+    return json.dumps(rep.to_dict(), indent=2, sort_keys=False) + "\n"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list):
+        s = ", ".join(_fmt(x) for x in v[:8])
+        return f"[{s}{', ...' if len(v) > 8 else ''}]"
+    return str(v)
+
+
+def _passed_mark(p) -> str:
+    return "" if p is None else ("pass" if p else "FAIL")
+
+
+def render_markdown(rep: Report) -> str:
+    """A Markdown summary: status, reproduction essentials, one table of evidence per stage."""
+    d = rep.to_dict()
+    r = d["reproduction"]
+    sw = r.get("software", {})
+    dev = r.get("device", {})
+    lines = [f"# k3rocm report — {d['status'].upper()}", "",
+             f"- schema `{d['schema']}`, updated {d['updated']}",
+             f"- command: `{r.get('command', '')}`",
+             f"- checkpoint: `{r.get('checkpoint')}` (config sha256 `{str(r.get('config_hash'))[:16]}`)",
+             f"- profile: `{r.get('profile')}`; kernels: `{r.get('kernels')}`",
+             f"- device: {dev.get('sku', '?')} × {dev.get('count', '?')} ({dev.get('arch', '?')}, "
+             f"backend {dev.get('backend', '?')})",
+             f"- k3rocm {sw.get('k3rocm')} @ {sw.get('git_sha')}; torch {sw.get('torch')} ({sw.get('torch_build')}),"
+             f" triton {sw.get('triton')}, aiter {sw.get('aiter')}",
+             f"- evidence levels: " + ", ".join(f"{k} {v}" for k, v in d["evidence_levels"].items()), ""]
+    lines += ["| stage | status | seconds | rows | failures |", "|---|---|---:|---:|---:|"]
+    for s in rep.ordered():
+        lines.append(f"| {s.tier} | {s.status} | {s.seconds:.2f} | {len(s.evidence)} | {len(s.failures)} |")
+    for s in rep.ordered():
+        lines += ["", f"## {s.tier} — {s.status} ({s.seconds:.2f} s)", ""]
+        if s.error:
+            lines += [f"> error: {s.error}", ""]
+        if s.command:
+            lines += [f"`{s.command}`", ""]
+        if s.evidence:
+            lines += ["| evidence | value | unit | threshold | result | level | detail |",
+                      "|---|---|---|---|---|---|---|"]
+            for e in s.evidence:
+                det = str(e.detail).replace("|", "\\|")
+                lines.append(f"| {e.name} | {_fmt(e.value)} | {e.unit} | {e.threshold or ''} | "
+                             f"{_passed_mark(e.passed)} | `{e.level}` | {det} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- HTML
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    s = buf.getvalue()
+    i = s.find("<svg")
+    return s[i:] if i >= 0 else s
+
+
+def _series_svg(name: str, spec: dict) -> str | None:
+    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``."""
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    plt.rcParams["svg.fonttype"] = "none"
+    x = spec.get("x") or []
+    ys = spec.get("y") or {}
+    if not ys:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=100)
+    kind = spec.get("kind", "line")
+    labels = list(ys)
+    for j, lab in enumerate(labels):
+        vals = [float(v) if isinstance(v, (int, float)) else float("nan") for v in ys[lab]]
+        xs = x if len(x) == len(vals) else list(range(len(vals)))
+        if kind == "bar":
+            w = 0.8 / max(1, len(labels))
+            pos = [i + j * w for i in range(len(vals))]
+            ax.bar(pos, vals, width=w, label=lab)
+            ax.set_xticks([i + 0.4 - w / 2 for i in range(len(vals))], [str(v) for v in xs])
+        else:
+            ax.plot(xs, vals, marker="o", markersize=3, label=lab)
+    if spec.get("log"):
+        ax.set_yscale("log")
+    ax.set_title(spec.get("title", name), fontsize=10)
+    ax.set_xlabel(spec.get("xlabel", ""))
+    ax.set_ylabel(spec.get("ylabel", ""))
+    ax.grid(alpha=0.3)
+    if len(labels) > 1:
+        ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#1f2328}
+h1{font-size:1.6em}h2{font-size:1.25em;border-bottom:1px solid #d0d7de;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;font-size:.88em;margin:.6em 0}td,th{border:1px solid #d0d7de;padding:3px 7px;text-align:left}
+th{background:#f6f8fa}.badge{display:inline-block;border-radius:1em;padding:0 .6em;color:#fff;font-size:.8em;white-space:nowrap}
+.fail{color:#cf222e;font-weight:600}.pass{color:#1a7f37}code{background:#f6f8fa;padding:0 .25em}
+.plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}details{margin:.5em 0}
+"""
+
+
+def _badge(text: str, color: str) -> str:
+    return f'<span class="badge" style="background:{color}">{html.escape(text)}</span>'
+
+
+def render_html(rep: Report) -> str:
+    """A self-contained HTML page: summary, legend of levels, per-stage tables with badges, inline SVG plots."""
+    d = rep.to_dict()
+    r = d["reproduction"]
+    e = html.escape
+    out = ["<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>k3rocm report</title>",
+           f"<style>{_CSS}</style></head><body>",
+           f"<h1>k3rocm report {_badge(d['status'], STATUS_COLORS.get(d['status'], '#6e7781'))}</h1>",
+           f"<p>schema <code>{e(d['schema'])}</code> · updated {e(d['updated'])} · command "
+           f"<code>{e(str(r.get('command', '')))}</code></p>",
+           "<p>Levels of proof: " + " ".join(
+               _badge(f"{lv} ({d['evidence_levels'].get(lv, 0)})", LEVEL_COLORS[lv]) for lv in LEVELS) + "</p>",
+           "<table><tr><th>stage</th><th>status</th><th>seconds</th><th>rows</th><th>failures</th></tr>"]
+    for s in rep.ordered():
+        out.append(f"<tr><td><a href=\"#stage-{e(s.tier)}\">{e(s.tier)}</a></td><td>"
+                   f"{_badge(s.status, STATUS_COLORS.get(s.status, '#6e7781'))}</td><td>{s.seconds:.2f}</td>"
+                   f"<td>{len(s.evidence)}</td><td>{len(s.failures)}</td></tr>")
+    out.append("</table>")
+    for s in rep.ordered():
+        out.append(f"<h2 id=\"stage-{e(s.tier)}\">{e(s.tier)} "
+                   f"{_badge(s.status, STATUS_COLORS.get(s.status, '#6e7781'))}</h2>")
+        if s.command:
+            out.append(f"<p><code>{e(s.command)}</code> · {s.seconds:.2f} s · started {e(s.started)}</p>")
+        if s.error:
+            out.append(f"<p class=\"fail\">error: {e(s.error)}</p>")
+        plots = [p for p in (_series_svg(k, v) for k, v in (s.series or {}).items()) if p]
+        if plots:
+            out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
+        if s.evidence:
+            out.append("<table><tr><th>evidence</th><th>value</th><th>unit</th><th>threshold</th>"
+                       "<th>result</th><th>level</th><th>detail</th></tr>")
+            for ev in s.evidence:
+                res = "" if ev.passed is None else (
+                    "<span class=\"pass\">pass</span>" if ev.passed else "<span class=\"fail\">FAIL</span>")
+                out.append(f"<tr><td>{e(ev.name)}</td><td>{e(_fmt(ev.value))}</td><td>{e(ev.unit or '')}</td>"
+                           f"<td>{e(ev.threshold or '')}</td><td>{res}</td>"
+                           f"<td>{_badge(ev.level, LEVEL_COLORS.get(ev.level, '#6e7781'))}</td>"
+                           f"<td>{e(str(ev.detail))}</td></tr>")
+            out.append("</table>")
+    out.append("<h2>Reproduction</h2><details open><summary>reproduction block (JSON)</summary><pre>"
+               + e(json.dumps(r, indent=2)) + "</pre></details>")
+    if d.get("history"):
+        out.append("<details><summary>run history</summary><pre>" + e(json.dumps(d["history"], indent=2))
+                   + "</pre></details>")
+    out.append("</body></html>\n")
+    return "\n".join(out)
+
+
+def write_report(rep: Report, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md, report.html into ``out_dir`` atomically; returns their paths."""
+    out = Path(out_dir)
+    paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
+    atomic_write(paths["html"], render_html(rep))
+    atomic_write(paths["md"], render_markdown(rep))
+    atomic_write(paths["json"], render_json(rep))  # last: it is the merge base of the next command
+    return paths
