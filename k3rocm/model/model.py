@@ -1,0 +1,264 @@
+"""K3Model: the fp32 oracle of the whole Kimi K3 text model (and, via the same class, Kimi-Linear).
+
+``K3Model(cfg, weights, ops=None)`` runs the decoder on flat varlen tokens with the ops of an op table
+(``ops``: op name -> callable, default the oracle functions of :mod:`k3rocm.model`). Everything is fp32;
+weights are read from ``weights`` by name and widened per use, routed MXFP4 experts stay packed and are
+dequantized per expert on the fly inside ``moe_experts`` (never a second full copy).
+
+Sources: K3_FACTS §5 (forward pass, Block Attention Residuals), transformers ``modeling_kimi_linear.py``
+(residual-stream family). The layer-by-layer API (:meth:`K3Model.embed`, :meth:`K3Model.run_layer`,
+:meth:`K3Model.final`) lets a validator check one layer at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from k3rocm.config import K3Config
+from k3rocm.errors import ConfigError
+from k3rocm.model.common import f32, linear, rms_norm
+from k3rocm.model.layer import (AttnResState, Batch, K3Cache, WeightView, attn_side, dense_mlp, final_aggregate,
+                                fold_res_weight, kda_mixer, mla_mixer, mlp_side, moe_block, resolve_ops)
+
+__all__ = ["K3Model", "LayerState"]
+
+
+@dataclass
+class LayerState:
+    """Hidden state of one step between layers (flat tokens).
+
+    Attributes:
+        batch: the :class:`~k3rocm.model.layer.Batch` (cu_seqlens, cache, slots, start positions).
+        res: Block AttnRes state (K3) or None.
+        hidden: ``[T, hidden]`` residual stream (kimi_linear) or None.
+        record: when True, :meth:`K3Model.run_layer` stores ``layerNN.attn_out`` / ``layerNN.mlp_out`` ``[T, hidden]``
+            in ``outputs``.
+        outputs: recorded per-layer outputs.
+        next_layer: index of the next layer to run.
+    """
+
+    batch: Batch
+    res: AttnResState | None = None
+    hidden: torch.Tensor | None = None
+    record: bool = False
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    next_layer: int = 0
+
+
+def _cu(lengths: Sequence[int]) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+class K3Model:
+    """fp32 oracle model.
+
+    Args:
+        cfg: a :class:`~k3rocm.config.K3Config` (family ``"k3"`` or ``"kimi_linear"``).
+        weights: a ``Weights`` object or a ``Mapping[str, Tensor]`` of full checkpoint names, or a
+            :class:`~k3rocm.model.layer.WeightView`.
+        ops: op table overrides (see :func:`~k3rocm.model.layer.resolve_ops`).
+        moe_mode: ``"a16w4"`` (activations as given) or ``"a8w4"`` (MXFP8 E4M3 activations) for MXFP4 experts.
+        prefix / head: checkpoint name prefix and lm_head name (K3 defaults; ``model.`` / ``lm_head.weight``
+            for a bare Kimi-Linear checkpoint).
+    Raises:
+        ConfigError: unknown ``moe_mode`` or op names.
+        CheckpointError: (lazily) a tensor the config needs is missing from ``weights``.
+    """
+
+    def __init__(self, cfg: K3Config, weights: Any, ops: Mapping[str, Callable] | None = None,
+                 moe_mode: str = "a16w4", prefix: str = "language_model.model.",
+                 head: str = "language_model.lm_head.weight"):
+        if moe_mode not in ("a16w4", "a8w4"):
+            raise ConfigError(f"moe_mode {moe_mode!r} is not 'a16w4' or 'a8w4'")
+        self.cfg = cfg
+        self.w = weights if isinstance(weights, WeightView) else WeightView(weights, prefix, head)
+        self.ops = resolve_ops(ops)
+        self.moe_mode = moe_mode
+        self.attn_res = cfg.attn_res_block_size is not None
+        # AttnRes score vectors, folded once (K3_FACTS §5).
+        self._res_attn: dict[int, torch.Tensor] = {}
+        self._res_mlp: dict[int, torch.Tensor] = {}
+        self._res_out: torch.Tensor | None = None
+        if self.attn_res:
+            for i in range(cfg.num_hidden_layers):
+                p = f"layers.{i}."
+                self._res_attn[i] = fold_res_weight(self.w(p + "self_attention_res_norm.weight"),
+                                                    self.w(p + "self_attention_res_proj.weight"))
+                self._res_mlp[i] = fold_res_weight(self.w(p + "mlp_res_norm.weight"), self.w(p + "mlp_res_proj.weight"))
+            self._res_out = fold_res_weight(self.w("output_attn_res_norm.weight"),
+                                            self.w("output_attn_res_proj.weight"))
+
+    # ------------------------------------------------------------------ layer-by-layer API
+    def embed(self, token_ids: torch.Tensor, batch: Batch | None = None, record: bool = False) -> LayerState:
+        """Start a step: token ids ``[T]`` (flat, packed per ``batch.cu_seqlens``) -> :class:`LayerState`.
+
+        ``batch`` defaults to one sequence of T tokens, no cache.
+        Raises ConfigError for ids outside ``0 .. vocab_size-1``.
+        """
+        ids = torch.as_tensor(token_ids).reshape(-1).to(torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            raise ConfigError(f"token ids must lie in 0..{self.cfg.vocab_size - 1} "
+                              f"(got {int(ids.min())}..{int(ids.max())})")
+        if batch is None:
+            batch = Batch(_cu([ids.numel()]))
+        if int(batch.cu_seqlens[-1]) != ids.numel():
+            raise ConfigError(f"cu_seqlens ends at {int(batch.cu_seqlens[-1])} but {ids.numel()} token ids were given")
+        x = f32(self.w("embed_tokens.weight")[ids])
+        if self.attn_res:
+            return LayerState(batch, res=AttnResState([], x), record=record)
+        return LayerState(batch, hidden=x, record=record)
+
+    def _mixer(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.cfg.layer_type(i) == "kda":
+            return kda_mixer(x, self.w, i, self.cfg, self.ops, batch)
+        return mla_mixer(x, self.w, i, self.cfg, self.ops, batch)
+
+    def _channel(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.is_moe_layer(i):
+            return moe_block(x, self.w, i, self.cfg, self.ops, self.moe_mode)
+        return dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg)
+
+    def run_layer(self, i: int, state: LayerState) -> LayerState:
+        """Run decoder layer ``i`` (0-based) on ``state`` in place and return it.
+
+        K3 (K3_FACTS §5): attention-side AttnRes -> ``input_layernorm`` -> token mixer -> prefix += out;
+        MLP-side AttnRes -> ``post_attention_layernorm`` -> channel mixer -> prefix += out.
+        kimi_linear: pre-norm residual stream. Raises ConfigError when layers are run out of order.
+        """
+        cfg = self.cfg
+        if i != state.next_layer:
+            raise ConfigError(f"run_layer({i}) called but layer {state.next_layer} is next; run layers in order")
+        eps = cfg.rms_norm_eps
+        p = f"layers.{i}."
+        if self.attn_res:
+            r = state.res
+            h = attn_side(r, i, self._res_attn[i], cfg, self.ops)
+            a = self._mixer(i, rms_norm(h, self.w(p + "input_layernorm.weight"), eps), state.batch)
+            r.prefix = r.prefix + a
+            h = mlp_side(r, self._res_mlp[i], cfg, self.ops)
+            m = self._channel(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
+            r.prefix = r.prefix + m
+        else:
+            a = self._mixer(i, rms_norm(state.hidden, self.w(p + "input_layernorm.weight"), eps), state.batch)
+            state.hidden = state.hidden + a
+            m = self._channel(i, rms_norm(state.hidden, self.w(p + "post_attention_layernorm.weight"), eps))
+            state.hidden = state.hidden + m
+        if state.record:
+            state.outputs[f"layer{i:02d}.attn_out"] = a
+            state.outputs[f"layer{i:02d}.mlp_out"] = m
+        state.next_layer = i + 1
+        return state
+
+    def final_hidden(self, state: LayerState) -> torch.Tensor:
+        """``[T, hidden]`` fp32 after the output AttnRes (K3) and the final ``norm``."""
+        if state.next_layer != self.cfg.num_hidden_layers:
+            raise ConfigError(f"final() after {state.next_layer} of {self.cfg.num_hidden_layers} layers; run them all")
+        h = final_aggregate(state.res, self._res_out, self.cfg, self.ops) if self.attn_res else state.hidden
+        return rms_norm(h, self.w("norm.weight"), self.cfg.rms_norm_eps)
+
+    def final(self, state: LayerState) -> torch.Tensor:
+        """Logits ``[T, vocab]`` fp32 = lm_head(norm(output AttnRes over bank + prefix))."""
+        head = self.w("embed_tokens.weight") if self.cfg.tie_word_embeddings else self.w.head()
+        return linear(self.final_hidden(state), head)
+
+    def _run(self, ids: torch.Tensor, batch: Batch, record: bool = False) -> tuple[torch.Tensor, dict]:
+        st = self.embed(ids, batch, record)
+        for i in range(self.cfg.num_hidden_layers):
+            self.run_layer(i, st)
+        return self.final(st), st.outputs
+
+    # ------------------------------------------------------------------ whole-model API
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, return_layers: bool = False):
+        """One causal forward, no cache: input_ids ``[B, T]`` int -> logits ``[B, T, vocab]`` fp32.
+
+        With ``return_layers``: ``(logits, {"layerNN.attn_out": [B, T, hidden], "layerNN.mlp_out": ...})``.
+        The B rows are independent sequences (packed varlen internally).
+        """
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2:
+            raise ConfigError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
+        B, T = ids.shape
+        logits, outs = self._run(ids.reshape(-1), Batch(_cu([T] * B)), record=return_layers)
+        logits = logits.view(B, T, -1)
+        if return_layers:
+            return logits, {k: v.view(B, T, -1) for k, v in outs.items()}
+        return logits
+
+    __call__ = forward
+
+    def new_cache(self, batch: int, max_len: int = 1024, block_size: int = 16) -> K3Cache:
+        """Empty decode cache for ``batch`` sequences (KDA conv + recurrent state, MLA latent cache)."""
+        return K3Cache.empty(self.cfg, batch, max_len, block_size)
+
+    @torch.no_grad()
+    def prefill(self, ids, cache: K3Cache):
+        """Run prompts through the model, appending them to ``cache`` (slot n = sequence n).
+
+        Args:
+            ids: ``[B, T]`` int tensor, or a list of B 1-D sequences of any lengths (0 allowed); B must equal
+                ``cache.batch``. Sequences continue from what the cache already holds.
+        Returns:
+            logits ``[B, T, vocab]`` fp32 (tensor input) or a list of ``[L_n, vocab]`` fp32 tensors (list input).
+        """
+        as_tensor = isinstance(ids, torch.Tensor)
+        seqs = [torch.as_tensor(s).reshape(-1).to(torch.int64) for s in (ids if not as_tensor or ids.dim() == 2
+                                                                          else ids.unsqueeze(0))]
+        if len(seqs) != cache.batch:
+            raise ConfigError(f"prefill got {len(seqs)} sequences for a cache of {cache.batch}")
+        lens = [s.numel() for s in seqs]
+        batch = Batch(_cu(lens), cache=cache, slots=torch.arange(cache.batch), start_pos=cache.lengths.clone())
+        flat = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int64)
+        logits, _ = self._run(flat, batch)
+        cache.lengths += torch.tensor(lens, dtype=torch.int64)
+        parts = list(torch.split(logits, lens))
+        if as_tensor:
+            return torch.stack(parts) if ids.dim() == 2 else parts[0].unsqueeze(0)
+        return parts
+
+    @torch.no_grad()
+    def decode(self, token_ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
+        """One decode step: token_ids ``[B]`` (one new token per cached sequence) -> logits ``[B, vocab]`` fp32.
+
+        Uses the decode ops (``kda_decode``, ``mla_cache_write`` + absorbed ``mla_decode``) and advances
+        ``cache.lengths``. Raises ConfigError when a sequence has an empty cache (prefill it first).
+        """
+        ids = torch.as_tensor(token_ids).reshape(-1).to(torch.int64)
+        if ids.numel() != cache.batch:
+            raise ConfigError(f"decode got {ids.numel()} tokens for a cache of {cache.batch} sequences")
+        if bool((cache.lengths == 0).any()):
+            raise ConfigError("decode on a sequence with an empty cache; prefill at least one token first")
+        batch = Batch(_cu([1] * cache.batch), cache=cache, slots=torch.arange(cache.batch),
+                      start_pos=cache.lengths.clone(), decode=True)
+        logits, _ = self._run(ids, batch)
+        cache.lengths += 1
+        return logits
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt_ids, n: int, max_len: int | None = None) -> torch.Tensor:
+        """Greedy continuation: prompt ``[L]`` or ``[B, L]`` -> ``n`` new tokens ``[n]`` or ``[B, n]`` int64.
+
+        Prefill the prompt, take the argmax of the last position, then ``n - 1`` decode steps.
+        """
+        p = torch.as_tensor(prompt_ids).to(torch.int64)
+        single = p.dim() == 1
+        p = p.unsqueeze(0) if single else p
+        B, L = p.shape
+        cache = self.new_cache(B, max_len or (L + n + 1))
+        last = self.prefill(p, cache)[:, -1]
+        out = []
+        for step in range(n):
+            tok = last.argmax(-1)
+            out.append(tok)
+            if step + 1 < n:
+                last = self.decode(tok, cache)
+        toks = torch.stack(out, -1) if out else torch.zeros(B, 0, dtype=torch.int64)
+        return toks[0] if single else toks
