@@ -1,0 +1,262 @@
+"""A validation session: the options of one command and the objects it builds, each built once, lazily.
+
+The CLI and the tiers share one :class:`Session`: the checkpoint directory (default: the embedded
+``k3-tiny`` written once into the user cache), its config and validated index, the detected hardware,
+the hardware profile (``--profile`` or the match for the detected hardware), the placement plan, the
+loaded weights, the fp32 oracle model and the engine that runs the selected kernels.
+
+Whether measurements are ``measured`` or ``measured-fallback`` is decided here
+(:attr:`Session.measured_level`): ``measured`` only when the detected hardware is what the profile names
+(same backend and base arch, at least the profile's device count).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError
+
+
+class Unavailable(HardwareError):
+    """A toolkit component this command needs is not importable in this installation (exit 3)."""
+
+
+def need(module: str, attr: str | None = None) -> Any:
+    """Import ``module`` (and return ``attr`` of it). Raises :class:`Unavailable` with one line."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise Unavailable(f"{module} cannot be imported ({e}); reinstall k3rocm (pip install -e .)") from None
+    if attr is None:
+        return mod
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise Unavailable(f"{module}.{attr} is missing; reinstall k3rocm (pip install -e .)") from None
+
+
+@dataclass
+class Options:
+    """Options common to every command (see ``k3rocm --help``).
+
+    Attributes:
+        checkpoint: checkpoint directory, or None for the embedded ``k3-tiny``.
+        profile: hardware profile name, or None to detect.
+        out: report directory.
+        kernels: ``auto`` | ``torch`` | ``triton`` | ``aiter`` | ``op=impl,...`` (registry.parse_override).
+        seed: RNG seed for generated inputs.
+        golden: optional external golden file (safetensors) for the correctness tier.
+        debug: show tracebacks.
+        command: the command line, for the report.
+    """
+
+    checkpoint: str | None = None
+    profile: str | None = None
+    out: str = "reports/latest"
+    kernels: str = "auto"
+    seed: int = 0
+    golden: str | None = None
+    debug: bool = False
+    command: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Session:
+    """Lazily built objects of one command. Every property raises a :class:`k3rocm.errors.K3Error`
+    subclass with a one-line message on expected failures (missing directory, unknown profile, ...)."""
+
+    def __init__(self, opts: Options):
+        self.opts = opts
+        self._cache: dict[str, Any] = {}
+        self.kernel_override = need("k3rocm.kernels.registry", "parse_override")(opts.kernels)
+
+    def _memo(self, key: str, fn):
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    # ------------------------------------------------------------------ checkpoint
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Absolute checkpoint directory; the embedded default is written on first use."""
+        def build() -> Path:
+            if self.opts.checkpoint is None:
+                return Path(need("k3rocm.embedded", "default_checkpoint")()).resolve()
+            p = Path(self.opts.checkpoint).expanduser()
+            if not p.exists():
+                raise CheckpointError(f"{p}: checkpoint directory does not exist; pass --checkpoint DIR "
+                                      "holding config.json and *.safetensors (or omit it for the embedded k3-tiny)")
+            if not p.is_dir():
+                raise CheckpointError(f"{p}: is a file, not a checkpoint directory; pass the folder that holds it")
+            if not (p / "config.json").is_file():
+                raise CheckpointError(f"{p}: no config.json; pass a checkpoint directory in the released layout")
+            return p.resolve()
+        return self._memo("checkpoint_dir", build)
+
+    @property
+    def index(self):
+        """The validated checkpoint index (``k3rocm.checkpoint.open_checkpoint``), or None when the reader
+        is not installed (the load tier then validates with :func:`~k3rocm.validation.standins.read_checkpoint`)."""
+        def build():
+            fn = getattr(need("k3rocm.checkpoint"), "open_checkpoint", None)
+            return fn(self.checkpoint_dir) if fn is not None else None
+        return self._memo("index", build)
+
+    @property
+    def config(self):
+        """The checkpoint's :class:`k3rocm.config.K3Config`."""
+        def build():
+            idx = self._cache.get("index")
+            cfg = getattr(idx, "config", None) if idx is not None else None
+            if cfg is None:
+                from k3rocm.config import K3Config
+                cfg = K3Config.from_file(self.checkpoint_dir / "config.json")
+            return cfg
+        return self._memo("config", build)
+
+    @property
+    def is_official(self) -> bool:
+        """True when the checkpoint's config and index match the official release (K3_FACTS §6)."""
+        fn = getattr(self.index, "is_official", None)
+        try:
+            return bool(fn()) if callable(fn) else False
+        except Exception:
+            return False
+
+    # ------------------------------------------------------------------ hardware
+    @property
+    def detected(self):
+        return self._memo("detected", lambda: need("k3rocm.hw", "detect")(with_smi=True))
+
+    @property
+    def profile(self):
+        """``--profile`` (ConfigError for an unknown name) or the shipped profile matching the hardware."""
+        def build():
+            hw = need("k3rocm.hw")
+            if self.opts.profile:
+                return hw.load_profile(self.opts.profile)
+            return hw.match_profile(self.detected)
+        return self._memo("profile", build)
+
+    @property
+    def hardware_matches(self) -> bool:
+        """Detected backend/arch equal the profile's and at least its device count is visible."""
+        d, p = self.detected, self.profile
+        if p.backend == "cpu":
+            return True  # the engine runs on this machine's CPU, which is what a CPU profile names
+        return d.backend == p.backend and d.arch == p.arch and d.count >= p.device_count
+
+    @property
+    def measured_level(self) -> str:
+        """``measured`` on the profile's hardware, else ``measured-fallback``."""
+        return "measured" if self.hardware_matches else "measured-fallback"
+
+    @property
+    def device(self) -> str:
+        """torch device the engine runs on: ``cuda`` when a GPU is visible (ROCm too), else ``cpu``."""
+        return "cpu" if self.detected.backend == "cpu" or self.profile.backend == "cpu" else "cuda"
+
+    def device_block(self) -> dict:
+        """``{sku, arch, count, memory_bytes, backend, torch_build}`` of the detected hardware."""
+        d = self.detected
+        return {"backend": d.backend, "sku": d.devices[0].name if d.devices else "cpu",
+                "arch": d.arch or "cpu", "count": d.count, "memory_bytes": d.memory_bytes,
+                "torch_build": d.torch_build, "driver": d.driver}
+
+    # ------------------------------------------------------------------ plan, load, models
+    @property
+    def placement(self):
+        """``k3rocm.runtime.plan.plan(config, profile)`` (PlanError when it does not fit)."""
+        def build():
+            plan = need("k3rocm.runtime.plan", "plan")
+            return plan(self.config, self.profile, **self.opts.extra.get("plan_kwargs", {}))
+        return self._memo("placement", build)
+
+    def load(self, progress=None):
+        """Stream the checkpoint into Weights. Returns ``(weights, load_report)`` (cached).
+
+        Uses ``k3rocm.runtime.load`` when installed, else the validator's own reader
+        (:func:`k3rocm.validation.standins.read_checkpoint`)."""
+        def build():
+            if has_module("k3rocm.runtime.load"):
+                load = need("k3rocm.runtime.load")
+                fn = getattr(load, "load_checkpoint", None) or getattr(load, "load", None)
+                if fn is not None:
+                    return _call_flex(fn, self.checkpoint_dir, placement=self.placement, index=self.index,
+                                      device=self.device, progress=progress)
+            from k3rocm.validation.standins import read_checkpoint
+            w, rep = read_checkpoint(self.checkpoint_dir, self.config, device=self.device, progress=progress)
+            rep.bytes_per_device_planned = _planned_per_device(self._cache.get("placement"), self.device)
+            return w, rep
+        return self._memo("load", build)
+
+    @property
+    def weights(self):
+        res = self.load()
+        return res[0] if isinstance(res, tuple) else getattr(res, "weights", res)
+
+    @property
+    def load_report(self):
+        res = self.load()
+        return res[1] if isinstance(res, tuple) else getattr(res, "report", None)
+
+    @property
+    def oracle(self):
+        """The fp32 reference model (``k3rocm.model.model.K3Model``) over the same Weights."""
+        return self._memo("oracle", lambda: need("k3rocm.model.model", "K3Model")(self.config, self.weights))
+
+    @property
+    def engine(self):
+        """The engine running the registry-selected kernels: ``k3rocm.runtime.engine.Engine`` when installed,
+        else :class:`k3rocm.validation.standins.RegistryEngine` (the model with the registry's ops)."""
+        def build():
+            if has_module("k3rocm.runtime.engine"):
+                Engine = need("k3rocm.runtime.engine", "Engine")
+                return _call_flex(Engine, self.config, self.weights, kernels=self.kernel_override,
+                                  device=self.device, placement=self._cache.get("placement"))
+            from k3rocm.validation.standins import RegistryEngine
+            return RegistryEngine(self.config, self.weights, self.kernel_override)
+        return self._memo("engine", build)
+
+
+def has_module(name: str) -> bool:
+    """True when ``name`` can be found (without importing it)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _planned_per_device(plc, device: str) -> dict:
+    """Planned weight bytes per device from a Placement (rank r -> ``cuda:r``; a 1-rank CPU plan -> ``cpu``)."""
+    if plc is None:
+        return {}
+    ranks = getattr(plc, "ranks", [])
+    if len(ranks) == 1:
+        return {device: int(ranks[0].weights_bytes)}
+    return {f"{device}:{r.rank}": int(r.weights_bytes) for r in ranks}
+
+
+def _call_flex(fn, *args, **kwargs):
+    """Call ``fn`` with the keyword arguments its signature accepts (drops the others; None values dropped)."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(*args, **{k: v for k, v in kwargs.items() if v is not None})
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **{k: v for k, v in kwargs.items() if v is not None})
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params and v is not None})
+
+
+def require_dir_for_output(out: str | Path) -> Path:
+    """Create the report directory. Raises ConfigError when ``out`` exists and is not a directory."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--out {p}: exists and is not a directory; choose another report directory")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
