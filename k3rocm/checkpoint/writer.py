@@ -1,0 +1,237 @@
+"""Write a random-weight checkpoint of any :class:`~k3rocm.config.K3Config` in the released on-disk layout.
+
+Layout (K3_FACTS §2-4, checked byte for byte against the ``k3-tiny-golden`` checkpoint):
+
+* ``config.json`` = ``json.dumps(cfg.to_dict(), indent=2)`` (the wrapper with ``text_config``);
+* ``model.safetensors.index.json`` = ``{"metadata": {"total_size": N}, "weight_map": {name: shard}}``
+  (``indent=2``, names sorted), ``total_size`` = sum of tensor data bytes;
+* shards ``model-{i:05d}-of-{n:06d}.safetensors`` (the release's own spelling, e.g.
+  ``model-00001-of-000096``), each holding whole decoder layers in order (so one MoE layer's experts sit
+  in one shard) and the model-level tensors (embedding, final norms, lm_head) in the last shard;
+* inside a shard, the safetensors serialisation of the ``safetensors`` library: header
+  ``{"__metadata__":{"format":"pt"}, ...}`` (compact JSON, tensors ordered by dtype F32, BF16, U8 then
+  name, space-padded to a multiple of 8 bytes), then the data in the same order.
+
+Shards are streamed tensor by tensor, so a full-width ``k3-prefix-2`` (~17 GB) needs memory for one
+tensor at a time, not one shard. Everything is written into a temporary directory beside ``out_dir`` and
+renamed at the end: a failure leaves nothing half-written under ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from k3rocm import mx
+from k3rocm.checkpoint import layout
+from k3rocm.checkpoint.layout import TensorSpec
+from k3rocm.config import K3Config
+from k3rocm.errors import CheckpointError, ConfigError
+
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+SHARD_TARGET_BYTES = 20 * 10**9
+
+# safetensors orders a shard's tensors by dtype (larger enum first) then name; for the dtypes a
+# checkpoint holds: I64 > F32 > BF16 > F16 > F8 > U8 (checked against safetensors.torch.save_file).
+_DTYPE_ORDER = {"I64": 0, "F32": 1, "BF16": 2, "F16": 3, "F8_E4M3": 4, "U8": 5}
+_TORCH_DTYPE = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8,
+                "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64}
+
+Progress = Callable[[int, int, str], None]
+
+
+def shard_name(i: int, n: int) -> str:
+    """Release spelling of shard ``i`` (1-based) of ``n``: ``model-00001-of-000096.safetensors``."""
+    return f"model-{i:05d}-of-{n:06d}.safetensors"
+
+
+def default_num_shards(cfg: K3Config) -> int:
+    """Shards for a checkpoint: about one per 20 GB, at least 2 (as the golden k3-tiny), at most one per layer."""
+    total = layout.counts(cfg)["bytes"]
+    return max(1, min(cfg.num_hidden_layers, max(2, math.ceil(total / SHARD_TARGET_BYTES))))
+
+
+def plan_shards(cfg: K3Config, num_shards: int | None = None) -> list[list[TensorSpec]]:
+    """Assign every tensor of ``layout.iter_specs(cfg)`` to a shard.
+
+    Whole layers go to shards in order; shard ``k`` is closed before a layer that would take the
+    running total past ``(k+1)/n`` of all bytes (each shard keeps at least one layer); model-level
+    tensors go to the last shard. This reproduces the golden k3-tiny split (layers 0-5 | 6-12 + model).
+
+    Returns:
+        ``n`` lists of specs, each in the safetensors on-disk order.
+    Raises:
+        ConfigError: ``num_shards`` outside ``1..num_hidden_layers``.
+    """
+    L = cfg.num_hidden_layers
+    n = default_num_shards(cfg) if num_shards is None else int(num_shards)
+    if not 1 <= n <= L:
+        raise ConfigError(f"num_shards {n} must be in 1..{L} (shards hold whole layers)")
+    model = layout.model_specs(cfg)
+    layers = [layout.layer_specs(cfg, i) for i in range(L)]
+    sizes = [sum(s.nbytes for s in ls) for ls in layers]
+    total = sum(sizes) + sum(s.nbytes for s in model)
+    shards: list[list[TensorSpec]] = [[] for _ in range(n)]
+    k, cum, in_shard = 0, 0, 0
+    for i, ls in enumerate(layers):
+        layers_left = L - i
+        shards_left_after = n - 1 - k
+        if in_shard and k < n - 1 and (cum + sizes[i] > total * (k + 1) / n or layers_left <= shards_left_after):
+            k += 1
+            in_shard = 0
+        shards[k].extend(ls)
+        cum += sizes[i]
+        in_shard += 1
+    shards[-1].extend(model)
+    return [sorted(sh, key=lambda s: (_DTYPE_ORDER[s.dtype], s.name)) for sh in shards]
+
+
+def shard_header(specs: Iterable[TensorSpec]) -> bytes:
+    """The safetensors header bytes (8-byte length + padded JSON) for ``specs`` in the given order."""
+    hdr: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for s in specs:
+        hdr[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
+        off += s.nbytes
+    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return len(js).to_bytes(8, "little") + js
+
+
+# ------------------------------------------------------------------------------- random weights
+def _generator(seed: int, name: str) -> torch.Generator:
+    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
+
+
+def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
+    """Deterministic random values for a trunk tensor (realistic scales), stored dtype.
+
+    norms ~ 1 + N(0, 0.05^2); ``A_log`` = log U(1, 16) (so exp(A_log) in 1..16); ``dt_bias`` ~ N(0, 0.1^2);
+    conv weights ~ N(0, 1/W); ``e_score_correction_bias`` ~ N(0, 0.01^2); every other matrix (projections,
+    embedding, lm_head, AttnRes pseudo-queries) ~ N(0, 1/in) with ``in`` = last dim.
+    """
+    g = _generator(seed, spec.name)
+    shape, n = spec.shape, spec.name
+    if n.endswith("A_log"):
+        v = torch.log(1.0 + 15.0 * torch.rand(shape, generator=g))
+    elif n.endswith("dt_bias"):
+        v = 0.1 * torch.randn(shape, generator=g)
+    elif n.endswith("e_score_correction_bias"):
+        v = 0.01 * torch.randn(shape, generator=g)
+    elif "conv1d" in n:
+        v = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    elif len(shape) == 1:  # every other vector is a norm weight
+        v = 1.0 + 0.05 * torch.randn(shape, generator=g)
+    else:
+        v = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+    return v.to(_TORCH_DTYPE[spec.dtype])
+
+
+def random_expert_weight(name: str, out_features: int, in_features: int, seed: int,
+                         scale_rule: str = "even") -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ``(weight_packed [out, in/2] u8, weight_scale [out, in/32] u8)`` of N(0, 1/in) values.
+
+    ``name`` is the weight's base name (``...experts.{e}.w1``); both tensors come from one draw.
+    """
+    g = _generator(seed, name)
+    w = torch.randn((out_features, in_features), generator=g) / math.sqrt(in_features)
+    return mx.quantize_mxfp4(w, scale_rule)
+
+
+class _ExpertCache:
+    """Quantize each expert weight once and hand out its packed and scale tensors."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.base: str | None = None
+        self.pair: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, spec: TensorSpec) -> torch.Tensor:
+        base, kind = spec.name.rsplit(".", 1)
+        if base != self.base:
+            packed_shape = spec.shape if kind == "weight_packed" else None
+            out = spec.shape[0]
+            in_f = (packed_shape[1] * 2) if packed_shape else spec.shape[1] * mx.GROUP
+            self.pair = random_expert_weight(base, out, in_f, self.seed)
+            self.base = base
+        assert self.pair is not None
+        return self.pair[0] if kind == "weight_packed" else self.pair[1]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()).cast("B")
+
+
+# ------------------------------------------------------------------------------- writer
+def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shards: int | None = None,
+                     progress: Progress | None = None) -> Path:
+    """Write a deterministic random-weight checkpoint of ``cfg`` into ``out_dir``.
+
+    Args:
+        cfg: any config ``layout.iter_specs`` understands (k3-tiny, k3-prefix-N, full K3, ...).
+        out_dir: target directory; must not exist or be empty.
+        seed: weights are a pure function of (seed, tensor name).
+        num_shards: shard count (default :func:`default_num_shards`).
+        progress: called as ``progress(bytes_done, bytes_total, tensor_name)`` after each tensor.
+    Returns:
+        ``out_dir`` as a Path.
+    Raises:
+        CheckpointError: ``out_dir`` exists and is not an empty directory, or the disk write fails.
+        ConfigError: bad ``num_shards``.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: already exists and is not empty; remove it or choose another directory")
+    shards = plan_shards(cfg, num_shards)
+    n = len(shards)
+    total = sum(s.nbytes for sh in shards for s in sh)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
+        weight_map: dict[str, str] = {}
+        done = 0
+        experts = _ExpertCache(seed)
+        for k, specs in enumerate(shards):
+            name = shard_name(k + 1, n)
+            with open(tmp / name, "wb") as f:
+                f.write(shard_header(specs))
+                for s in specs:
+                    t = experts.get(s) if s.part == "expert" and s.dtype == "U8" else random_tensor(s, seed)
+                    if tuple(t.shape) != s.shape:
+                        raise CheckpointError(f"internal: {s.name} generated with shape {tuple(t.shape)}, "
+                                              f"layout says {s.shape}")
+                    f.write(_bytes_of(t))
+                    weight_map[s.name] = name
+                    done += s.nbytes
+                    if progress is not None:
+                        progress(done, total, s.name)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{out}: writing the checkpoint failed ({e}); check free space and permissions") \
+            from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+__all__ = ["write_checkpoint", "plan_shards", "shard_header", "shard_name", "default_num_shards",
+           "random_tensor", "random_expert_weight", "INDEX_NAME", "CONFIG_NAME"]
