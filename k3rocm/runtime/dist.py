@@ -1,0 +1,310 @@
+"""Process groups and a local launcher with a watchdog (one process per GPU, DESIGN.md §6).
+
+Backends: ``nccl`` when a GPU is visible (on a ROCm build of torch this *is* RCCL — same name), else
+``gloo`` (CPU, tests). Rendezvous is ``env://``: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``
+(and ``LOCAL_RANK`` for the device index).
+
+Two ways to run N workers:
+
+* **Local launcher** — :func:`launch(fn, world_size, args)` starts the N workers itself (``spawn`` start
+  method, a free localhost port), each calls ``fn(ctx, *args)`` with a :class:`DistContext`, and returns the
+  per-rank results in rank order. ``fn`` must be importable (a module-level function).
+* **torchrun** — across nodes, or when you want torchrun's elastic agent, start one Python process per GPU
+  with torchrun and call :func:`run_under_torchrun(fn, *args)` (or :func:`init` then your own code) in the
+  script; ``torchrun`` exports the env:// variables. Example (2 nodes x 8 GPUs)::
+
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
+          -m k3rocm.runtime.dist   # or your script calling run_under_torchrun(...)
+
+  :func:`under_torchrun` tells whether the env was set up by torchrun (``TORCHELASTIC_RUN_ID`` or
+  ``LOCAL_WORLD_SIZE`` present together with ``RANK``/``WORLD_SIZE``).
+
+Watchdog (local launcher): every collective has a timeout (``timeout_s``, passed to
+``init_process_group``), and the parent polls the workers: when one exits with an error, is killed, or the
+whole run passes ``deadline_s``, the parent terminates (then kills) every remaining worker and raises
+:class:`WorkerFailed` with one line naming the rank and what happened. Children are also terminated when the
+parent exits (``atexit``), and each child exits when its parent disappears (a parent-death check thread),
+so no orphan processes remain.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue as _queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from k3rocm.errors import HardwareError, K3Error
+
+__all__ = ["DistContext", "WorkerFailed", "default_backend", "init", "launch", "run_under_torchrun",
+           "under_torchrun", "all_reduce", "all_gather_cat", "free_port"]
+
+
+class WorkerFailed(HardwareError):
+    """A distributed worker died, raised, or hung (one line: which rank, what happened, what to do)."""
+
+
+@dataclass
+class DistContext:
+    """What a worker knows about its place in the run.
+
+    Attributes:
+        rank, world_size, local_rank: from env:// (``LOCAL_RANK`` = device index on this node).
+        backend: ``nccl`` (RCCL on ROCm) or ``gloo``.
+        device: ``torch.device`` of this rank (``cuda:LOCAL_RANK`` or ``cpu``).
+        group: the process group (``None`` = default world group).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    group: Any = None
+
+
+def default_backend() -> str:
+    """``nccl`` when a CUDA/ROCm device is visible (RCCL on ROCm), else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a local rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (torch.distributed.elastic) set up this process's env:// variables."""
+    env = os.environ
+    return "RANK" in env and "WORLD_SIZE" in env and ("TORCHELASTIC_RUN_ID" in env or "LOCAL_WORLD_SIZE" in env)
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:
+    """Join the env:// process group (idempotent) and pick this rank's device.
+
+    Args:
+        backend: ``nccl`` / ``gloo`` (default :func:`default_backend`).
+        timeout_s: timeout of every collective (the watchdog's first line of defence against a hang).
+    Raises:
+        HardwareError: env:// variables missing, or ``nccl`` asked for without a GPU.
+    """
+    env = os.environ
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in env]
+    if missing:
+        raise HardwareError(f"distributed env:// rendezvous needs {', '.join(missing)}; start with "
+                            f"torchrun or k3rocm.runtime.dist.launch")
+    backend = backend or default_backend()
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local = int(env.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise HardwareError("backend nccl (RCCL on ROCm) needs a GPU and none is visible; use gloo")
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", local % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    if not tdist.is_initialized():
+        kw = {}
+        if backend == "nccl":
+            kw["device_id"] = device
+        tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                                 timeout=datetime.timedelta(seconds=timeout_s), **kw)
+    return DistContext(rank, world, local, backend, device)
+
+
+def all_reduce(t: torch.Tensor, ctx: DistContext | None) -> torch.Tensor:
+    """Sum ``t`` over all ranks in place (no-op for a single rank / no group). Returns ``t``."""
+    if ctx is not None and ctx.world_size > 1:
+        tdist.all_reduce(t, op=tdist.ReduceOp.SUM, group=ctx.group)
+    return t
+
+
+def all_gather_cat(t: torch.Tensor, ctx: DistContext | None, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``t`` (same shape on all ranks) along ``dim``, in rank order."""
+    if ctx is None or ctx.world_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
+    tdist.all_gather(parts, t.contiguous(), group=ctx.group)
+    return torch.cat(parts, dim=dim)
+
+
+def run_under_torchrun(fn: Callable[..., Any], *args, backend: str | None = None, timeout_s: float = 300.0) -> Any:
+    """Entry point for a script started by ``torchrun``: ``init`` from env://, run ``fn(ctx, *args)``, clean up."""
+    ctx = init(backend, timeout_s)
+    try:
+        return fn(ctx, *args)
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------ local launcher
+_children: list = []
+
+
+def _reap_children() -> None:
+    for p in list(_children):
+        _stop(p)
+
+
+atexit.register(_reap_children)
+
+
+def _stop(p, grace: float = 3.0) -> None:
+    try:
+        if p.is_alive():
+            p.terminate()
+            p.join(grace)
+        if p.is_alive():
+            p.kill()
+            p.join(grace)
+    except Exception:  # pragma: no cover - already gone
+        pass
+    if p in _children:
+        _children.remove(p)
+
+
+def _watch_parent(ppid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:  # parent died: re-parented to init / a subreaper
+            os._exit(3)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn, args, results, ppid: int,
+            env: dict[str, str]) -> None:
+    threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1"))))
+    try:
+        ctx = init(backend, timeout_s)
+        out = fn(ctx, *args)
+        results.put((rank, "ok", out))
+    except BaseException as e:  # report, then exit non-zero
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        kind = type(e).__name__
+        results.put((rank, "error", f"{kind}: {line}", traceback.format_exc(), isinstance(e, K3Error)))
+        try:
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
+        finally:
+            os._exit(1)
+    try:
+        if tdist.is_initialized():
+            tdist.barrier()
+            tdist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), backend: str | None = None,
+           timeout_s: float = 120.0, deadline_s: float | None = None, env: dict[str, str] | None = None,
+           poll_s: float = 0.05) -> list[Any]:
+    """Start ``world_size`` local workers running ``fn(ctx, *args)``; return their results in rank order.
+
+    Args:
+        fn: module-level function (it is pickled by reference for the ``spawn`` start method).
+        world_size: processes to start (one per GPU; on CPU they share the cores).
+        backend: ``nccl`` / ``gloo`` (default :func:`default_backend`).
+        timeout_s: per-collective timeout in the workers.
+        deadline_s: whole-run limit (default ``2 * timeout_s + 60``); past it the run is a hang.
+        env: extra environment for the workers (``OMP_NUM_THREADS`` defaults to 1).
+    Raises:
+        WorkerFailed: a worker raised (its first line is quoted), died (exit code / signal), or the run hung;
+            all other workers are terminated first.
+    """
+    import multiprocessing as mp
+
+    if world_size < 1:
+        raise HardwareError(f"world_size {world_size} must be >= 1")
+    backend = backend or default_backend()
+    deadline_s = deadline_s if deadline_s is not None else 2 * timeout_s + 60
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    wenv = {"OMP_NUM_THREADS": "1"}
+    wenv.update(env or {})
+    procs = []
+    for r in range(world_size):
+        p = ctx.Process(target=_worker, name=f"k3rocm-rank{r}",
+                        args=(r, world_size, port, backend, timeout_s, fn, args, results, os.getpid(), wenv),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+        _children.append(p)
+    got: dict[int, Any] = {}
+    t0 = time.monotonic()
+    failure: str | None = None
+    worker_tb = ""
+    try:
+        while len(got) < world_size and failure is None:
+            try:
+                item = results.get(timeout=poll_s)
+            except _queue.Empty:
+                item = None
+            if item is not None:
+                if item[1] == "ok":
+                    got[item[0]] = item[2]
+                else:
+                    failure = f"rank {item[0]} failed: {item[2]}"
+                    worker_tb = item[3]
+                    break
+            for r, p in enumerate(procs):
+                if r not in got and not p.is_alive() and p.exitcode not in (None, 0):
+                    # give its queued error message a moment to arrive
+                    try:
+                        item = results.get(timeout=0.5)
+                        if item[1] == "error":
+                            failure = f"rank {item[0]} failed: {item[2]}"
+                            worker_tb = item[3]
+                        else:
+                            got[item[0]] = item[2]
+                            continue
+                    except _queue.Empty:
+                        code = p.exitcode
+                        how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
+                               else f"exited with code {code}")
+                        failure = f"rank {r} {how} without a result"
+                    break
+            if failure is None and time.monotonic() - t0 > deadline_s:
+                missing = [r for r in range(world_size) if r not in got]
+                failure = (f"ranks {missing} hung: no result after {deadline_s:.0f} s "
+                           f"(collective timeout {timeout_s:.0f} s)")
+    finally:
+        if failure is not None:
+            for p in procs:
+                _stop(p, grace=2.0)
+        else:
+            for p in procs:
+                p.join(timeout=10)
+                _stop(p)
+    if failure is not None:
+        err = WorkerFailed(f"distributed run of {getattr(fn, '__name__', fn)} on {world_size} {backend} workers: "
+                           f"{failure}; all workers stopped (the worker traceback is in .worker_traceback)")
+        err.worker_traceback = worker_tb
+        raise err
+    return [got[r] for r in range(world_size)]
+
+
+def _demo(ctx: DistContext) -> dict:
+    t = torch.full((2,), float(ctx.rank + 1), device=ctx.device)
+    all_reduce(t, ctx)
+    return {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend, "sum": t.tolist()}
+
+
+if __name__ == "__main__":  # ``torchrun --nproc-per-node N -m k3rocm.runtime.dist``: a collective smoke test
+    print(run_under_torchrun(_demo))
