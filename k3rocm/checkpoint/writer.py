@@ -113,25 +113,32 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
 
 
-def random_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
-    """Deterministic random values for a trunk tensor (realistic scales), stored dtype.
+def random_tensor(spec: TensorSpec, seed: int, kda_num_heads: int | None = None) -> torch.Tensor:
+    """Deterministic random values for a trunk tensor (realistic scales, close to the golden k3-tiny's), stored dtype.
 
-    norms ~ 1 + N(0, 0.05^2); ``A_log`` = log U(1, 16) (so exp(A_log) in 1..16); ``dt_bias`` ~ N(0, 0.1^2);
-    conv weights ~ N(0, 1/W); ``e_score_correction_bias`` ~ N(0, 0.01^2); every other matrix (projections,
-    embedding, lm_head, AttnRes pseudo-queries) ~ N(0, 1/in) with ``in`` = last dim.
+    norms ~ 1 + N(0, 0.1^2); ``A_log`` = log U(1, 16) (exp(A_log) in 1..16) for the first ``kda_num_heads``
+    entries, 0 for the unused rest (K3_FACTS §3); ``dt_bias`` ~ N(0, 0.1^2); conv weights ~ N(0, 1/W);
+    ``e_score_correction_bias`` ~ N(0, 0.05^2); embedding ~ N(0, 1); AttnRes pseudo-queries ``*_res_proj``
+    ~ N(0, 0.5^2); every other matrix (projections, lm_head) ~ N(0, 1/in) with ``in`` = last dim.
     """
     g = _generator(seed, spec.name)
     shape, n = spec.shape, spec.name
     if n.endswith("A_log"):
         v = torch.log(1.0 + 15.0 * torch.rand(shape, generator=g))
+        if kda_num_heads is not None:
+            v[kda_num_heads:] = 0.0
     elif n.endswith("dt_bias"):
         v = 0.1 * torch.randn(shape, generator=g)
     elif n.endswith("e_score_correction_bias"):
-        v = 0.01 * torch.randn(shape, generator=g)
+        v = 0.05 * torch.randn(shape, generator=g)
     elif "conv1d" in n:
         v = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
     elif len(shape) == 1:  # every other vector is a norm weight
-        v = 1.0 + 0.05 * torch.randn(shape, generator=g)
+        v = 1.0 + 0.1 * torch.randn(shape, generator=g)
+    elif n.endswith("embed_tokens.weight"):
+        v = torch.randn(shape, generator=g)
+    elif n.endswith("_res_proj.weight"):
+        v = 0.5 * torch.randn(shape, generator=g)
     else:
         v = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
     return v.to(_TORCH_DTYPE[spec.dtype])
@@ -209,7 +216,7 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
             with open(tmp / name, "wb") as f:
                 f.write(shard_header(specs))
                 for s in specs:
-                    t = experts.get(s) if s.part == "expert" and s.dtype == "U8" else random_tensor(s, seed)
+                    t = experts.get(s) if s.part == "expert" and s.dtype == "U8" else random_tensor(s, seed, cfg.kda_num_heads)
                     if tuple(t.shape) != s.shape:
                         raise CheckpointError(f"internal: {s.name} generated with shape {tuple(t.shape)}, "
                                               f"layout says {s.shape}")
