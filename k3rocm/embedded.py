@@ -1,0 +1,86 @@
+"""The embedded default checkpoint: k3-tiny, written once into the user cache.
+
+With no ``--checkpoint`` every command uses :func:`default_checkpoint` (DESIGN §1): a tiny
+K3-architecture checkpoint (the ``k3-tiny`` preset, random weights from a fixed seed) in the released
+on-disk format, written by :func:`k3rocm.checkpoint.writer.write_checkpoint`. It is built into a private
+temporary directory and renamed into place, so concurrent callers are safe: the first rename wins, the
+others validate the winner's copy and use it. An existing copy is reused only when it passes
+:func:`~k3rocm.checkpoint.reader.open_checkpoint` and its config is the current k3-tiny preset;
+otherwise it is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from k3rocm.config import preset
+from k3rocm.errors import CheckpointError, K3Error
+
+DEFAULT_NAME = "k3-tiny-v1"
+DEFAULT_SEED = 0
+CACHE_ENV = "K3ROCM_CACHE"
+
+
+def cache_root() -> Path:
+    """``$K3ROCM_CACHE`` if set, else ``~/.cache/k3rocm``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "k3rocm"
+
+
+def _usable(path: Path) -> bool:
+    from k3rocm.checkpoint.reader import open_checkpoint
+
+    if not (path / "config.json").is_file():
+        return False
+    try:
+        idx = open_checkpoint(path)
+    except K3Error:
+        return False
+    return idx.config.to_dict() == preset("k3-tiny").to_dict()
+
+
+def default_checkpoint() -> Path:
+    """Path of the embedded k3-tiny checkpoint (``<cache_root()>/k3-tiny-v1``), writing it on first use.
+
+    Returns:
+        the checkpoint directory (validated).
+    Raises:
+        CheckpointError: the cache directory cannot be written (the message names it).
+    """
+    from k3rocm.checkpoint.writer import write_checkpoint
+
+    root = cache_root()
+    final = root / DEFAULT_NAME
+    if _usable(final):
+        return final
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        build = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.build-", dir=root))
+    except OSError as e:
+        raise CheckpointError(f"{root}: cannot create the k3rocm cache ({e}); set {CACHE_ENV} to a writable "
+                              "directory") from None
+    try:
+        ck = write_checkpoint(preset("k3-tiny"), build / "checkpoint", seed=DEFAULT_SEED)
+        if final.exists() and not _usable(final):
+            # a stale or broken copy: move it aside (atomic) and delete it
+            stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.stale-", dir=root))
+            try:
+                os.rename(final, stale / "old")
+            except OSError:
+                pass  # someone else moved or replaced it meanwhile
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(ck, final)
+        except OSError:
+            if not _usable(final):  # lost a race to a copy that is not usable: report it
+                raise CheckpointError(f"{final}: cannot install the default checkpoint; remove that directory "
+                                      "and retry") from None
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return final
+
+
+__all__ = ["default_checkpoint", "cache_root", "DEFAULT_NAME", "DEFAULT_SEED", "CACHE_ENV"]
