@@ -1,0 +1,216 @@
+"""Serving benchmark: InferenceX-style load on an in-process :class:`~k3rocm.runtime.engine.Engine` or an
+OpenAI-compatible endpoint (:mod:`k3rocm.bench.client`), vLLM-named metrics, fraction of roofline.
+
+:func:`run_bench` issues ``warmups`` then ``num_prompts`` random requests (:mod:`k3rocm.bench.loadgen`)
+with at most ``concurrency`` in flight, records each request's token arrival times and aggregates
+them (:mod:`k3rocm.bench.metrics`). A watchdog stops the run cleanly when an in-flight request has taken
+longer than ``watchdog_factor`` x the running median E2EL of completed requests: that request is
+marked as a hang with where it was (phase, tokens done, seconds), every other in-flight request is
+aborted, and the result holds what completed.
+
+With an engine, the watchdog runs between engine steps (a step that never returns cannot be
+interrupted in-process; the endpoint client checks it while streaming).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, BenchRequest, plan_load
+from k3rocm.bench.metrics import RequestRecord, aggregate
+from k3rocm.bench.roofline import StepRoofline, fraction_of_roofline
+from k3rocm.errors import ConfigError
+
+__all__ = ["BenchResult", "run_bench", "sweep"]
+
+
+@dataclass
+class BenchResult:
+    """One benchmark point.
+
+    Attributes:
+        concurrency, input_len, output_len, num_prompts, num_warmups, range_ratio, seed: the load.
+        metrics: :func:`k3rocm.bench.metrics.aggregate` fields (``mean_ttft_ms``, ``output_throughput``, ...).
+        records: per-request :class:`RequestRecord` (measured requests only).
+        hang: None, or ``{"request_id", "elapsed_s", "threshold_s", "median_e2el_s", "where": {...}}``.
+        target: the engine's ``describe()`` or the endpoint's description.
+        roofline: fraction of roofline over the measured steps (engine with a roofline model), else None.
+    """
+
+    concurrency: int
+    input_len: int
+    output_len: int
+    num_prompts: int
+    num_warmups: int
+    range_ratio: float
+    seed: int
+    metrics: dict
+    records: list[RequestRecord]
+    hang: dict | None = None
+    target: dict = field(default_factory=dict)
+    roofline: dict | None = None
+
+    @property
+    def completed_cleanly(self) -> bool:
+        return self.hang is None and self.metrics.get("failed", 0) == 0
+
+    def to_dict(self, per_request: bool = True, per_step: bool = False) -> dict:
+        d = {"concurrency": self.concurrency, "input_len": self.input_len, "output_len": self.output_len,
+             "num_prompts": self.num_prompts, "num_warmups": self.num_warmups, "range_ratio": self.range_ratio,
+             "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target}
+        if self.roofline is not None:
+            r = dict(self.roofline)
+            if not per_step:
+                r.pop("per_step", None)
+            d["roofline"] = r
+        if per_request:
+            d["requests"] = [r.to_dict() for r in self.records]
+        return d
+
+
+class _Watchdog:
+    def __init__(self, factor: float, min_completed: int = 1):
+        self.factor = factor
+        self.min_completed = min_completed
+        self.e2els: list[float] = []
+
+    def add(self, e2el: float | None) -> None:
+        if e2el is not None:
+            self.e2els.append(e2el)
+
+    def threshold(self) -> float | None:
+        if not self.factor or len(self.e2els) < self.min_completed:
+            return None
+        return self.factor * statistics.median(self.e2els)
+
+
+def _is_engine(target: Any) -> bool:
+    return hasattr(target, "add_request") and hasattr(target, "step")
+
+
+def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchdog, progress: Callable | None,
+                  label: str) -> tuple[list[RequestRecord], dict | None, float, float]:
+    pending = deque(reqs)
+    active: dict[int, RequestRecord] = {}
+    done: list[RequestRecord] = []
+    t_start = time.perf_counter()
+    t_end = t_start
+    hang = None
+    while pending or active:
+        while pending and len(active) < conc:
+            r = pending.popleft()
+            now = time.perf_counter()
+            rid = engine.add_request(list(r.prompt_ids), r.output_len, ignore_eos=True)
+            active[rid] = RequestRecord(r.request_id, r.input_len, r.output_len, now)
+        events = engine.step()
+        for ev in events:
+            rec = active.get(ev.request_id)
+            if rec is None:
+                continue
+            rec.token_times.append(ev.time)
+            rec.output_tokens += 1
+            if ev.finished:
+                rec.success = True
+                del active[ev.request_id]
+                done.append(rec)
+                dog.add(rec.e2el)
+                t_end = max(t_end, ev.time)
+                if progress:
+                    progress(label, len(done), len(reqs))
+        thr = dog.threshold()
+        now = time.perf_counter()
+        if thr is not None:
+            for rid, rec in active.items():
+                if now - rec.issue_time > thr:
+                    where = engine.where(rid) if hasattr(engine, "where") else {}
+                    hang = {"request_id": rec.request_id, "elapsed_s": now - rec.issue_time, "threshold_s": thr,
+                            "median_e2el_s": thr / dog.factor, "where": where, "phase": label}
+                    rec.error = "hang"
+                    rec.where = where
+                    break
+        if hang is not None:
+            for rid, rec in list(active.items()):
+                engine.abort(rid)
+                if not rec.error:
+                    rec.error = "aborted after a hang"
+                done.append(rec)
+            active.clear()
+            pending.clear()
+            t_end = now
+            break
+        if not events and not engine.has_unfinished() and (pending or active):
+            raise ConfigError("engine made no progress with requests outstanding; check its scheduler limits")
+    return done, hang, t_start, t_end
+
+
+def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, num_prompts: int | None = None,
+              range_ratio: float = DEFAULT_RANGE_RATIO, warmups: int | None = None, seed: int = 0,
+              progress: Callable[[str, int, int], None] | None = None, watchdog_factor: float = 10,
+              num_gpus: int = 1, roofline: StepRoofline | None = None, vocab_size: int | None = None,
+              special_ids: Sequence[int] | None = None) -> BenchResult:
+    """Benchmark one concurrency on an engine (``add_request``/``step``/``abort``) or an endpoint client
+    (:class:`k3rocm.bench.client.OpenAIClient`).
+
+    Args:
+        target: the engine or client.
+        concurrency: requests in flight at most (>= 1).
+        input_len, output_len: upper ends of the uniform length draws (``[range_ratio * L, L]``).
+        num_prompts: measured requests (default ``10 * concurrency``); warmups: default ``2 * concurrency``.
+        seed: load generator seed.
+        progress: ``progress(phase, done, total)`` called as requests complete (phase "warmup" / "measure").
+        watchdog_factor: hang threshold as a multiple of the running median E2EL (0 = off).
+        num_gpus: for tok/s/GPU.
+        roofline: a :class:`StepRoofline` to report the fraction of roofline of the measured engine steps.
+        vocab_size, special_ids: for prompt ids (default from ``target.cfg`` / the client).
+
+    Raises:
+        ConfigError: bad load parameters or a target of neither kind.
+    """
+    cfg = getattr(target, "cfg", None)
+    vocab = vocab_size or (cfg.vocab_size if cfg is not None else getattr(target, "vocab_size", None))
+    if vocab is None:
+        raise ConfigError("run_bench: pass vocab_size (the target does not tell its vocabulary)")
+    if special_ids is None:
+        special_ids = (tuple(x for x in (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) if x is not None)
+                       if cfg is not None else tuple(getattr(target, "special_ids", ())))
+    plan = plan_load(concurrency, input_len, output_len, vocab, num_prompts, range_ratio, warmups, seed,
+                     tuple(special_ids))
+    dog = _Watchdog(watchdog_factor)
+    if _is_engine(target):
+        _, hang, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
+        step0 = len(getattr(target, "step_log", []))
+        recs, hang2, t0, t1 = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
+                               if hang is None else ([], None, 0.0, 1e-9))
+        hang = hang or hang2
+        steps = getattr(target, "step_log", [])[step0:]
+        desc = target.describe() if hasattr(target, "describe") else {}
+    elif hasattr(target, "drive"):
+        _, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
+        recs, hang2, t0, t1 = (target.drive(plan.requests, concurrency, dog, progress, "measure")
+                               if hang is None else ([], None, 0.0, 1e-9))
+        hang = hang or hang2
+        steps = []
+        desc = target.describe() if hasattr(target, "describe") else {}
+    else:
+        raise ConfigError(f"run_bench: {type(target).__name__} is neither an engine nor an endpoint client")
+    recs.sort(key=lambda r: r.request_id)
+    metrics = aggregate(recs, t1 - t0, num_gpus)
+    roof = fraction_of_roofline(roofline, steps) if (roofline is not None and steps) else None
+    return BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
+                       metrics, recs, hang, desc, roof)
+
+
+def sweep(target: Any, concurrencies: Sequence[int], input_len: int, output_len: int, stop_on_hang: bool = True,
+          **kw) -> list[BenchResult]:
+    """:func:`run_bench` at each concurrency in order; stops after a point that hung when ``stop_on_hang``."""
+    out = []
+    for c in concurrencies:
+        r = run_bench(target, c, input_len, output_len, **kw)
+        out.append(r)
+        if stop_on_hang and r.hang is not None:
+            break
+    return out

@@ -63,6 +63,7 @@ class StepStats:
     prefill_contexts: tuple[int, ...]
     seconds: float
     graph: bool
+    prefill_sizes: tuple[int, ...] = ()
 
 
 class _DeviceWeights:
@@ -437,7 +438,8 @@ class Engine:
         done = {s.seq_id for s in self.scheduler.update(plan, sampled)}
         self.step_log.append(StepStats(nd, sum(s.num_tokens for s in pres),
                                        tuple(s.start + 1 for s in decs),
-                                       tuple(s.start + s.num_tokens for s in pres), now - t0, used_graph))
+                                       tuple(s.start + s.num_tokens for s in pres), now - t0, used_graph,
+                                       tuple(s.num_tokens for s in pres)))
         return [TokenEvent(s.seq_id, sampled[s.seq_id], s.seq_id in done, s.finish_reason, now) for s in sample_seqs]
 
     # ------------------------------------------------------------------ CUDA/HIP graphs

@@ -1,0 +1,215 @@
+"""The benchmark load against an OpenAI-compatible ``/v1/completions`` streaming endpoint (stdlib HTTP only).
+
+Each request is ``POST {endpoint}/v1/completions`` with JSON ``{"model", "prompt": [token ids], "max_tokens",
+"stream": true, "temperature": 0, "ignore_eos": true, "stream_options": {"include_usage": true}}`` and
+reads the server-sent events (``data: {...}`` lines, ending with ``data: [DONE]``), as vLLM's
+``benchmark_serving`` does: every event carrying non-empty ``choices[0].text`` is a token arrival (its time
+feeds TTFT / ITL); the output token count is ``usage.completion_tokens`` when the server reports it, else
+the number of such events.
+
+Command line: ``python -m k3rocm.bench.client --endpoint http://host:8000 --concurrency 4 --input-len 1024
+--output-len 1024`` prints the result as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from k3rocm.bench.loadgen import BenchRequest
+from k3rocm.bench.metrics import RequestRecord
+from k3rocm.errors import ConfigError, HardwareError
+
+
+class OpenAIClient:
+    """Streaming client of one endpoint.
+
+    Args:
+        endpoint: base URL (``http://host:port``; a trailing ``/v1/completions`` is accepted).
+        model: the ``model`` field (None = omitted; vLLM then uses its only model).
+        vocab_size: vocabulary for random prompts (K3: 163840). special_ids: ids never used in prompts.
+        timeout: socket timeout per read, seconds (a stalled stream also ends at the watchdog).
+
+    Raises:
+        ConfigError: a URL that is not ``http``/``https`` with a host.
+    """
+
+    def __init__(self, endpoint: str, model: str | None = None, vocab_size: int = 163840,
+                 special_ids: tuple[int, ...] = (163584, 163585, 163586, 163839), timeout: float = 60.0):
+        u = urlsplit(endpoint)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ConfigError(f"--endpoint {endpoint!r} is not an http(s)://host[:port] URL")
+        self.endpoint = endpoint
+        self.scheme, self.host, self.port = u.scheme, u.hostname, u.port
+        path = u.path.rstrip("/")
+        self.path = path if path.endswith("/v1/completions") else path + "/v1/completions"
+        self.model = model
+        self.vocab_size = vocab_size
+        self.special_ids = special_ids
+        self.timeout = timeout
+
+    def describe(self) -> dict:
+        return {"endpoint": self.endpoint, "path": self.path, "model": self.model}
+
+    def _conn(self) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=self.timeout)
+
+    def stream(self, prompt_ids: list[int], max_tokens: int, on_token: Callable[[float, int], None],
+               stop: threading.Event | None = None) -> int:
+        """Send one request and call ``on_token(arrival_time, n_tokens)`` per streamed event with text.
+
+        Returns the output token count (``usage.completion_tokens`` or the number of events).
+        Raises:
+            HardwareError: connection failure or an HTTP status other than 200 (one line with the status).
+        """
+        body = {"prompt": list(prompt_ids), "max_tokens": int(max_tokens), "stream": True, "temperature": 0.0,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
+        conn = self._conn()
+        events = 0
+        usage = None
+        try:
+            try:
+                conn.request("POST", self.path, body=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                resp = conn.getresponse()
+            except OSError as e:
+                raise HardwareError(f"endpoint {self.endpoint}: cannot connect ({e}); is the server up?") from None
+            if resp.status != 200:
+                text = resp.read(300).decode(errors="replace").replace("\n", " ")
+                raise HardwareError(f"endpoint {self.endpoint}{self.path}: HTTP {resp.status} {text}")
+            while True:
+                if stop is not None and stop.is_set():
+                    break
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                try:
+                    msg = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+                if msg.get("usage"):
+                    usage = msg["usage"].get("completion_tokens", usage)
+                ch = msg.get("choices") or []
+                if ch and ch[0].get("text"):
+                    events += 1
+                    on_token(time.perf_counter(), 1)
+        finally:
+            conn.close()
+        return int(usage) if usage is not None else events
+
+    def drive(self, reqs: list[BenchRequest], conc: int, dog: Any, progress: Callable | None,
+              label: str) -> tuple[list[RequestRecord], dict | None, float, float]:
+        """Issue ``reqs`` with at most ``conc`` in flight (one thread each); returns
+        ``(records, hang or None, t_start, t_end)``. Used by :func:`k3rocm.bench.run_bench`."""
+        stop = threading.Event()
+        finished: queue.Queue = queue.Queue()
+        pending = list(reversed(reqs))
+        active: dict[int, tuple[RequestRecord, threading.Thread]] = {}
+        done: list[RequestRecord] = []
+        t_start = time.perf_counter()
+        t_end = t_start
+        hang = None
+
+        def work(r: BenchRequest, rec: RequestRecord) -> None:
+            def on_token(t: float, n: int) -> None:
+                rec.token_times.append(t)
+                rec.output_tokens += n
+            try:
+                n = self.stream(list(r.prompt_ids), r.output_len, on_token, stop)
+                rec.output_tokens = n
+                rec.success = not stop.is_set() and bool(rec.token_times)
+                if not rec.success and not rec.error:
+                    rec.error = "stopped" if stop.is_set() else "no tokens streamed"
+            except Exception as e:  # recorded per request, as vLLM does
+                rec.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            finished.put(r.request_id)
+
+        while pending or active:
+            while pending and len(active) < conc and not stop.is_set():
+                r = pending.pop()
+                rec = RequestRecord(r.request_id, r.input_len, r.output_len, time.perf_counter())
+                th = threading.Thread(target=work, args=(r, rec), daemon=True)
+                active[r.request_id] = (rec, th)
+                th.start()
+            try:
+                rid = finished.get(timeout=0.02)
+            except queue.Empty:
+                rid = None
+            if rid is not None:
+                rec, th = active.pop(rid)
+                th.join()
+                done.append(rec)
+                if rec.success:
+                    dog.add(rec.e2el)
+                    t_end = max(t_end, rec.token_times[-1])
+                if progress:
+                    progress(label, len(done), len(reqs))
+            thr = dog.threshold()
+            now = time.perf_counter()
+            if thr is not None and hang is None:
+                for rid2, (rec, _) in active.items():
+                    if now - rec.issue_time > thr:
+                        where = {"status": "decode" if rec.token_times else "waiting for first token",
+                                 "output_tokens": rec.output_tokens}
+                        hang = {"request_id": rid2, "elapsed_s": now - rec.issue_time, "threshold_s": thr,
+                                "median_e2el_s": thr / dog.factor, "where": where, "phase": label}
+                        rec.where = where
+                        rec.error = "hang"
+                        break
+            if hang is not None:
+                # end cleanly: tell the streams to stop, do not wait on a stalled socket (daemon threads)
+                stop.set()
+                pending.clear()
+                for rid2, (rec, _) in active.items():
+                    rec.success = False
+                    rec.error = rec.error or "aborted after a hang"
+                    done.append(rec)
+                active.clear()
+                t_end = now
+        return done, hang, t_start, t_end
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: benchmark an endpoint; prints the :class:`~k3rocm.bench.BenchResult` as JSON."""
+    from k3rocm.bench import sweep
+
+    ap = argparse.ArgumentParser(prog="python -m k3rocm.bench.client",
+                                 description="InferenceX-style load against an OpenAI-compatible endpoint")
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--concurrency", default="4", help="one value or a comma list")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--range-ratio", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-gpus", type=int, default=1)
+    ap.add_argument("--vocab-size", type=int, default=163840)
+    a = ap.parse_args(argv)
+    client = OpenAIClient(a.endpoint, a.model, a.vocab_size)
+    concs = [int(x) for x in a.concurrency.split(",")]
+    res = sweep(client, concs, a.input_len, a.output_len, num_prompts=a.num_prompts, range_ratio=a.range_ratio,
+                seed=a.seed, num_gpus=a.num_gpus)
+    json.dump([r.to_dict(per_request=False) for r in res], sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
