@@ -1,0 +1,86 @@
+"""Triton kernels of the Stable LatentMoE: router, dispatch, grouped MXFP4 GEMMs (A16W4 / A8W4), reduction.
+
+Importing this package registers the ``triton`` implementations of ``moe_router`` and ``moe_experts`` in
+:mod:`k3rocm.kernels.registry`. Oracle: :mod:`k3rocm.model.moe`. The activation mode of ``moe_experts`` is
+an explicit argument (``mode="a16w4"`` or ``"a8w4"``); no environment variable or global selects it.
+"""
+
+from __future__ import annotations
+
+from k3rocm.kernels.registry import register
+
+from .configs import GEMM_CONFIGS, ROUTER_CONFIGS, GemmConfig, RouterConfig, backend_name, pick_gemm_config
+from .gemm import moe_gemm_kernel, moe_reduce_kernel
+from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
+from .router import router_logits_kernel, router_topk_kernel
+
+__all__ = ["moe_router", "moe_experts", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
+           "GemmConfig", "RouterConfig", "pick_gemm_config", "backend_name", "isa_cases"]
+
+
+def _packed_only(quantized: bool = True, **_) -> bool:
+    return bool(quantized)
+
+
+register("moe_router", "triton", moe_router,
+         note="Triton router: split-K fp32 logits, sigmoid, biased top-k (lowest-id ties), renormalised weights")
+register("moe_experts", "triton", moe_experts, supports=_packed_only,
+         note="Triton grouped GEMM on packed MXFP4 (tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit")
+
+
+def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
+    sig = {
+        "a_ptr": "*fp8e4nv" if a8 else "*bf16", "as_ptr": "*u8" if a8 else "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8",
+        "out_ptr": ("*fp8e4nv" if a8 else "*bf16") if gated else "*fp32",
+        "outs_ptr": ("*u8" if a8 else "*bf16") if gated else "*fp32",
+        "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
+        "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
+        "stride_am": "i32", "stride_asm": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
+        "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
+    }
+    consts = {"TOPK": 16, "GATED": gated, "A8": a8, "ACT_FMT": "e4m3" if a8 else "bf16", "ACT": "situ",
+              "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+    for c in consts:
+        sig[c] = "constexpr"
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **(cfg.extra if backend == "hip" else {})}
+    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{cfg.name()}]"
+    return name, moe_gemm_kernel, sig, consts, True, opts
+
+
+def isa_cases() -> list[tuple]:
+    """Kernels for ``kernels isa``: both grouped GEMMs x both modes x the first config of each size class,
+    the router logits GEMM (matrix instructions expected) and the top-k / reduce kernels (none expected).
+
+    Options are per backend: each case carries the HIP config for gfx targets and the CUDA config for sm_90.
+    """
+    cases = []
+    for gated in (True, False):
+        for a8 in (False, True):
+            for i in (0, 2):
+                hip = _gemm_case(gated, a8, GEMM_CONFIGS["hip"][i], "hip")
+                cuda = _gemm_case(gated, a8, GEMM_CONFIGS["cuda"][i], "cuda")
+                if hip[3] == cuda[3]:
+                    cases.append((*hip[:5], {"hip": hip[5], "cuda": cuda[5]}))
+                else:
+                    cases.append((hip[0] + "@hip", *hip[1:5], {"hip": hip[5], "cuda": hip[5]}))
+                    cases.append((cuda[0] + "@cuda", *cuda[1:5], {"hip": cuda[5], "cuda": cuda[5]}))
+    rc = ROUTER_CONFIGS["cuda"][0]
+    rsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "D": "i32",
+            "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
+            "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
+    rconst = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k}
+    ropts = {"num_warps": rc.num_warps, "num_stages": rc.num_stages}
+    cases.append(("router_logits", router_logits_kernel, rsig, rconst, True,
+                  {"hip": {**ropts, "num_stages": 2}, "cuda": ropts}))
+    tsig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
+            "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "SPLITS": "constexpr", "TOPK": "constexpr",
+            "HAS_BIAS": "constexpr", "RENORM": "constexpr", "BLOCK_E": "constexpr", "BLOCK_KOUT": "constexpr"}
+    tconst = {"SPLITS": 4, "TOPK": 16, "HAS_BIAS": True, "RENORM": True, "BLOCK_E": 1024, "BLOCK_KOUT": 16}
+    cases.append(("router_topk", router_topk_kernel, tsig, tconst, False, {"hip": {"num_warps": 4},
+                                                                         "cuda": {"num_warps": 4}}))
+    dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
+            "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
+            "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr"}
+    cases.append(("reduce_norm", moe_reduce_kernel, dsig, {"TOPK": 16, "NORM": True, "BLOCK_D": 4096}, False,
+                  {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
+    return cases

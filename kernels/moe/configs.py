@@ -1,0 +1,92 @@
+"""Launch configurations of the MoE kernels, per backend. The only place where tile sizes, warps and stages live.
+
+``GEMM_CONFIGS[backend]`` is an ordered list; :func:`pick_gemm_config` takes the first whose ``max_rows``
+(average rows per expert group it is meant for) covers the problem. Tests run every entry of every list
+(interpreter: small tiles only), so every shipped config is checked against the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One grouped-GEMM launch: tile M x N x K (K a multiple of 64, N of 32), warps, pipeline stages.
+
+    ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
+    ``extra``: backend-only compile options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    max_rows: float = float("inf")
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def name(self) -> str:
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+
+
+GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
+    # Hopper: memory-bound decode-sized groups take narrow M and wide K; big groups take 64 x 128 tiles.
+    "cuda": [
+        GemmConfig(16, 128, 256, 4, 4, max_rows=16),
+        GemmConfig(32, 128, 128, 4, 4, max_rows=48),
+        GemmConfig(64, 128, 128, 8, 3),
+    ],
+    # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
+    "hip": [
+        # (zero VGPR/SGPR spills on gfx950 and gfx942 for both GEMMs and both modes: tests/test_moe_isa.py)
+        GemmConfig(16, 64, 128, 4, 2, max_rows=16),
+        GemmConfig(32, 128, 64, 4, 2, max_rows=48),
+        GemmConfig(64, 128, 64, 8, 2),
+    ],
+    # Triton interpreter (CPU tests): small tiles so the grid runs in seconds; semantics are the same.
+    "interpreter": [
+        GemmConfig(16, 32, 64, 4, 1, max_rows=4),
+        GemmConfig(32, 64, 64, 4, 1),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    block_t: int
+    block_e: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+ROUTER_CONFIGS: dict[str, list[RouterConfig]] = {
+    "cuda": [RouterConfig(16, 128, 128, 4, 4), RouterConfig(64, 128, 64, 4, 3)],
+    "hip": [RouterConfig(16, 128, 128, 4, 2), RouterConfig(64, 128, 64, 4, 2)],
+    "interpreter": [RouterConfig(16, 32, 32, 4, 1)],
+}
+
+
+def backend_name() -> str:
+    """``"interpreter"`` under ``TRITON_INTERPRET=1``, else ``"hip"`` on ROCm, else ``"cuda"``."""
+    import os
+
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter"
+    return "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def pick_gemm_config(mean_rows: float, backend: str | None = None) -> GemmConfig:
+    """First config of the backend's list whose ``max_rows`` covers ``mean_rows`` pairs per active expert."""
+    for c in GEMM_CONFIGS[backend or backend_name()]:
+        if mean_rows <= c.max_rows:
+            return c
+    return GEMM_CONFIGS[backend or backend_name()][-1]
+
+
+def pick_router_config(tokens: int, backend: str | None = None) -> RouterConfig:
+    lst = ROUTER_CONFIGS[backend or backend_name()]
+    return lst[0] if tokens <= 256 or len(lst) == 1 else lst[1]

@@ -1,0 +1,273 @@
+"""Launch wrappers of the MoE kernels, with the oracle's signatures (``k3rocm.model.moe``).
+
+* :func:`moe_router` — Triton router (``router.py``).
+* :func:`dispatch_gpu` — (token, expert) pairs sorted by local expert on the device with torch ops (stable
+  radix sort, bincount, cumsum, searchsorted; no host synchronisation), plus the M-block table of the grouped
+  GEMM for a given ``block_m``.
+* :func:`moe_experts` — w1|w3 grouped GEMM + SiTU-GLU, w2 grouped GEMM x router weight, per-token reduction;
+  ``mode`` is explicit (``"a16w4"`` / ``"a8w4"``); nothing in the environment changes it.
+* :func:`latent_moe` — the whole Stable LatentMoE layer: router, latent down projection, experts, reduction
+  fused with the latent RMSNorm, up projection and shared experts (dense bf16 GEMMs through torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from k3rocm.errors import ConfigError, HardwareError
+from k3rocm.kernels.moe.configs import GemmConfig, backend_name, pick_gemm_config, pick_router_config
+from k3rocm.kernels.moe.gemm import moe_gemm_kernel, moe_reduce_kernel
+from k3rocm.kernels.moe.router import router_logits_kernel, router_topk_kernel
+from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
+
+MODES = ("a16w4", "a8w4")
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def _launch_opts(cfg: Any) -> dict:
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if backend_name() == "hip":
+        opts.update(getattr(cfg, "extra", {}) or {})
+    return opts
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+               renormalize: bool = True, scaling: float = 1.0, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton router; same contract as ``k3rocm.model.moe.moe_router`` (FP32 logits, lowest-id ties).
+
+    x ``[T, D]`` and gate_weight ``[E, D]`` are used in their own dtype (bf16 in the model; fp32 under the
+    interpreter, whose bf16 ``tl.dot`` is not trustworthy). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
+    Raises ConfigError on bad shapes / top_k.
+    """
+    if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ConfigError(f"moe_router: x {tuple(x.shape)} and gate.weight {tuple(gate_weight.shape)} do not match")
+    T, D = x.shape
+    E = gate_weight.shape[0]
+    if not 0 < top_k <= E:
+        raise ConfigError(f"moe_router: top_k {top_k} must be in 1..{E} (num_experts_per_token)")
+    if gate_weight.dtype != x.dtype:
+        gate_weight = gate_weight.to(x.dtype)
+    x = x.contiguous()
+    gate_weight = gate_weight.contiguous()
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    wts = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return ids, wts
+    cfg = config or pick_router_config(T)
+    tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(E, cfg.block_e)
+    splits = max(1, min(8, 264 // tiles, triton.cdiv(D, cfg.block_k)))
+    k_per = triton.cdiv(triton.cdiv(D, splits), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(D, k_per)
+    part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
+    router_logits_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(E, cfg.block_e), splits)](
+        x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, **_launch_opts(cfg))
+    b = bias.float().contiguous() if bias is not None else part
+    router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
+                             SPLITS=splits, TOPK=top_k, HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+                             BLOCK_E=triton.next_power_of_2(E), BLOCK_KOUT=triton.next_power_of_2(top_k),
+                             num_warps=4)
+    return ids, wts
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GpuDispatch:
+    """Device-side dispatch of (token, slot) pairs (P = T*k, all pairs; only the first ``offsets[-1]`` sorted
+    rows belong to this rank).
+
+    sorted_pair ``[P]`` int32 (flat pair index t*k+j, grouped by local expert); pos ``[P]`` int32 (sorted row
+    of each pair, -1 when its expert is on another rank); counts ``[E_loc]`` int64; offsets ``[E_loc+1]``
+    int64; block_expert / block_start ``[UB]`` int32 (local expert and first sorted row of each M block of
+    ``block_m`` rows; -1 = empty block).
+    """
+
+    sorted_pair: torch.Tensor
+    pos: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    block_expert: torch.Tensor
+    block_start: torch.Tensor
+    block_m: int
+
+
+def dispatch_gpu(topk_ids: torch.Tensor, first_expert: int, num_local: int, block_m: int) -> GpuDispatch:
+    """Group pairs by local expert (ids ``first_expert .. first_expert+num_local-1``; others dropped).
+
+    Same grouping as ``k3rocm.model.moe.dispatch`` (stable: ascending pair index within a group).
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    local = flat - int(first_expert)
+    valid = (local >= 0) & (local < num_local)
+    key = torch.where(valid, local, torch.full_like(local, num_local))
+    _, order = torch.sort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_local + 1)[:num_local]
+    offsets = torch.zeros(num_local + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0)
+    pos = torch.empty(P, dtype=torch.int64, device=dev)
+    pos[order] = torch.arange(P, device=dev)
+    pos = torch.where(valid, pos, torch.full_like(pos, -1)).to(torch.int32)
+    blocks = (counts + block_m - 1) // block_m
+    bcum = torch.cumsum(blocks, 0)
+    ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
+    b = torch.arange(ub, device=dev)
+    e = torch.searchsorted(bcum, b, right=True)
+    ok = e < num_local
+    ec = torch.clamp(e, max=num_local - 1)
+    first_block = bcum[ec] - blocks[ec]
+    block_start = offsets[ec] + (b - first_block) * block_m
+    block_expert = torch.where(ok, ec, torch.full_like(ec, -1)).to(torch.int32)
+    return GpuDispatch(order.to(torch.int32), pos, counts, offsets, block_expert, block_start.to(torch.int32), block_m)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _act_format(dtype: torch.dtype) -> str:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    raise ConfigError(f"moe_experts: activation dtype {dtype} unsupported by the A16W4 kernel; pass bf16 or fp16")
+
+
+def _fit_block_k(cfg_k: int, K: int) -> int:
+    bk = cfg_k
+    while bk > 32 and K % bk:
+        bk //= 2
+    if K % bk:
+        raise ConfigError(f"moe_experts: width {K} is not a multiple of 32 (MXFP4 group size)")
+    return bk
+
+
+def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: GemmConfig | None,
+                  norm_weight=None, eps=1e-5, normed_dtype=torch.bfloat16):
+    if mode not in MODES:
+        raise ConfigError(f"moe_experts: mode {mode!r} is not one of {', '.join(MODES)}; pass it explicitly")
+    if act not in ("situ", "silu"):
+        raise ConfigError(f"moe_experts: act {act!r} is not one of situ, silu")
+    w13p, w13s = _get(experts, "w13_packed"), _get(experts, "w13_scale")
+    w2p, w2s = _get(experts, "w2_packed"), _get(experts, "w2_scale")
+    if w13p is None or w2p is None:
+        raise ConfigError("moe_experts (triton): needs packed MXFP4 experts (w13_packed/w2_packed); "
+                          "use the torch implementation for unquantized experts")
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    E_loc, N13, _ = w13p.shape
+    inter = N13 // 2
+    first = int(_get(experts, "first_expert") or 0)
+    if w13p.shape[2] * 2 != D or w2p.shape[1] != D or w2p.shape[2] * 2 != inter:
+        raise ConfigError(f"moe_experts: x {tuple(x.shape)} does not fit w13_packed {tuple(w13p.shape)} / "
+                          f"w2_packed {tuple(w2p.shape)}")
+    dev = x.device
+    out = torch.zeros(T, D, dtype=torch.float32, device=dev)
+    normed = torch.empty(T, D, dtype=normed_dtype, device=dev) if norm_weight is not None else None
+    P = T * k
+    if P == 0:
+        return out, normed
+    w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13p, w13s, w2p, w2s))
+    a8 = mode == "a8w4"
+    if a8:
+        a, a_s = quantize_mxfp8_rows(x)
+    else:
+        a = x if x.dtype in (torch.bfloat16, torch.float16) else x.to(torch.bfloat16)
+        a = a.contiguous()
+        a_s = a  # unused placeholder pointer
+    fmt = "e4m3" if a8 else _act_format(a.dtype)
+    cfg = config or pick_gemm_config(P / max(1, min(E_loc, P)))
+    d = dispatch_gpu(topk_ids, first, E_loc, cfg.block_m)
+    ub = d.block_expert.numel()
+    wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    # h: [P, I] per sorted pair (bf16, or fp8 + scales)
+    if a8:
+        h = torch.empty(P, inter, dtype=torch.float8_e4m3fn, device=dev)
+        hs = torch.empty(P, inter // 32, dtype=torch.uint8, device=dev)
+    else:
+        h = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
+        hs = h
+    opts = _launch_opts(cfg)
+    bk1 = _fit_block_k(cfg.block_k, D)
+    moe_gemm_kernel[(ub, triton.cdiv(inter, cfg.block_n))](
+        a, a_s, w13p, w13s, h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+        inter, D, inter,
+        a.stride(0), a_s.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1),
+        h.stride(0), hs.stride(0),
+        TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk1, **opts)
+    y = torch.empty(P, D, dtype=torch.float32, device=dev)
+    bk2 = _fit_block_k(cfg.block_k, inter)
+    moe_gemm_kernel[(ub, triton.cdiv(D, cfg.block_n))](
+        h, hs, w2p, w2s, y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+        D, inter, 0,
+        h.stride(0), hs.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1),
+        y.stride(0), y.stride(0),
+        TOPK=k, GATED=False, A8=a8, ACT_FMT="e4m3" if a8 else "bf16", ACT=act, BETA=float(beta),
+        BETA_LIN=float(beta_lin), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk2, **opts)
+    nw = norm_weight.contiguous() if norm_weight is not None else out
+    moe_reduce_kernel[(T,)](y, d.pos, out, nw, normed if normed is not None else out, D, y.stride(0), out.stride(0),
+                            D, float(eps), TOPK=k, NORM=norm_weight is not None,
+                            BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+    return out, normed
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Any,
+                act: str = "situ", mode: str = "a16w4", beta: float = 4.0, beta_lin: float = 25.0,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """Routed experts on packed MXFP4 in Triton; contract of ``k3rocm.model.moe.moe_experts``.
+
+    Args:
+        x: ``[T, D]`` bf16 (fp16 accepted; fp32 is rounded to bf16 for A16W4 — the kernel's activation type).
+        topk_ids, topk_weights: ``[T, k]`` global ids / fp32 weights from the router.
+        experts: ``ExpertWeights`` with ``w13_packed/w13_scale/w2_packed/w2_scale`` (checkpoint layout,
+            unconverted), ``first_expert`` for expert parallelism (pairs of other ranks' experts add nothing).
+        mode: ``"a16w4"`` (bf16 x decoded MXFP4) or ``"a8w4"`` (MXFP8 E4M3 activations, quantized on the fly,
+            x MXFP4 through ``tl.dot_scaled``); explicit, no global switch.
+        config: one entry of ``GEMM_CONFIGS`` (default: :func:`pick_gemm_config`).
+    Returns:
+        ``[T, D]`` fp32. Raises ConfigError on bad mode / act / shapes / unquantized experts.
+    """
+    return _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config)[0]
+
+
+def latent_moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, experts: Any, top_k: int,
+               down_proj: torch.Tensor, norm_weight: torch.Tensor, up_proj: torch.Tensor,
+               shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
+               shared_down: torch.Tensor | None = None, eps: float = 1e-5, renormalize: bool = True,
+               scaling: float = 1.0, act: str = "situ", mode: str = "a16w4", beta: float = 4.0,
+               beta_lin: float = 25.0) -> torch.Tensor:
+    """Whole Stable LatentMoE layer on the GPU (oracle: ``k3rocm.model.moe.latent_moe``); x ``[T, H]`` bf16.
+
+    Fusions: the per-token expert reduction and the latent RMSNorm run in one kernel (the normed latent is
+    written in bf16 for the up projection); the dense projections (down 7168->3584, up 3584->7168, shared
+    experts 6144 wide) are bf16 GEMMs with fp32 accumulation through torch, SiTU of the shared experts in fp32.
+    Returns ``[T, H]`` fp32.
+    """
+    if not x.is_cuda:
+        raise HardwareError("latent_moe (triton) needs a GPU tensor; use k3rocm.model.moe.latent_moe on CPU")
+    ids, w = moe_router(x, gate_weight, bias, top_k, renormalize, scaling)
+    xl = (x @ down_proj.t()).to(torch.bfloat16)
+    _, normed = _experts_impl(xl, ids, w, experts, act, mode, beta, beta_lin, None, norm_weight, eps)
+    out = (normed @ up_proj.t()).float()
+    if shared_gate is not None:
+        g = (x @ shared_gate.t()).float()
+        u = (x @ shared_up.t()).float()
+        if act == "situ":
+            hsh = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
+        else:
+            hsh = torch.nn.functional.silu(g) * u
+        out += (hsh.to(torch.bfloat16) @ shared_down.t()).float()
+    return out
