@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from k3rocm.errors import CheckpointError, ConfigError
+from k3rocm.mx import dequantize_mxfp4
 
 __all__ = [
     "MODES",
@@ -45,8 +46,6 @@ ACTS = ("situ", "silu")
 E4M3_MAX = 448.0  # largest finite OCP E4M3 value (1.75 * 2^8)
 E4M3_EMAX = 8  # exponent of the largest E4M3 binade
 
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
@@ -57,36 +56,12 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes 0..15 (bit 3 = sign) -> fp32 (K3_FACTS §4)."""
-    lut = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return lut[codes.long()]
-
-
-def _e8m0_to_float(scale: torch.Tensor, what: str = "weight_scale") -> torch.Tensor:
-    """E8M0 byte s -> 2^(s-127) in fp32. Raises CheckpointError on 0xFF (NaN in the OCP spec)."""
-    if scale.dtype != torch.uint8:
-        raise CheckpointError(f"{what} has dtype {scale.dtype}, expected uint8 E8M0 bytes; pass the stored scale tensor")
-    if bool((scale == 255).any()):
-        raise CheckpointError(f"{what} holds the E8M0 byte 0xFF (NaN in OCP MX); the checkpoint is corrupt, re-download it")
-    # 2^(s-127) exactly: s = 0 gives 2^-127, a subnormal fp32, which ldexp produces exactly.
-    return torch.ldexp(torch.ones_like(scale, dtype=torch.float32), scale.to(torch.int32) - 127)
-
-
 def _dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, what: str = "weight") -> torch.Tensor:
-    """Packed MXFP4 ``[..., n/2]`` u8 (element 2i in the low nibble) + scale ``[..., n/32]`` u8 -> fp32 ``[..., n]``."""
-    if packed.dtype != torch.uint8:
-        raise CheckpointError(f"{what}_packed has dtype {packed.dtype}, expected uint8; pass the stored weight_packed tensor")
-    n = packed.shape[-1] * 2
-    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 32 != n:
-        raise CheckpointError(f"{what}: scale shape {tuple(scale.shape)} does not match packed shape "
-                              f"{tuple(packed.shape)} (one scale per 32 elements); check the tensor pair")
-    lo = packed & 0x0F
-    hi = packed >> 4
-    codes = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], n)
-    vals = _e2m1_to_float(codes)
-    s = _e8m0_to_float(scale, f"{what}_scale")
-    return (vals.reshape(*packed.shape[:-1], n // 32, 32) * s.unsqueeze(-1)).reshape(*packed.shape[:-1], n)
+    """Packed MXFP4 ``[..., n/2]`` u8 (element 2i in the low nibble) + scale ``[..., n/32]`` u8 -> fp32 ``[..., n]``.
+
+    Exact (``k3rocm.mx.dequantize_mxfp4``). Raises CheckpointError (``MXFormatError``) on 0xFF scales / bad shapes.
+    """
+    return dequantize_mxfp4(packed, scale, where=f"{what} (MXFP4 expert weight)")
 
 
 def quantize_mxfp8_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
