@@ -40,6 +40,15 @@ def _load_weights(ckpt):
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes: one intra-op thread is fastest and avoids OpenMP spin-waiting on a shared 2-core runner."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def golden(golden_dir):
     from safetensors.torch import load_file

@@ -215,6 +215,10 @@ class K3Model:
         if len(seqs) != cache.batch:
             raise ConfigError(f"prefill got {len(seqs)} sequences for a cache of {cache.batch}")
         lens = [s.numel() for s in seqs]
+        over = [n for n, L in enumerate(lens) if int(cache.lengths[n]) + L > cache.max_len]
+        if over:
+            raise ConfigError(f"prefill: sequence {over[0]} would hold {int(cache.lengths[over[0]]) + lens[over[0]]} "
+                              f"tokens, over the cache capacity {cache.max_len}; create the cache with a larger max_len")
         batch = Batch(_cu(lens), cache=cache, slots=torch.arange(cache.batch), start_pos=cache.lengths.clone())
         flat = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int64)
         logits, _ = self._run(flat, batch)
@@ -236,6 +240,9 @@ class K3Model:
             raise ConfigError(f"decode got {ids.numel()} tokens for a cache of {cache.batch} sequences")
         if bool((cache.lengths == 0).any()):
             raise ConfigError("decode on a sequence with an empty cache; prefill at least one token first")
+        if bool((cache.lengths >= cache.max_len).any()):
+            raise ConfigError(f"decode: a sequence already holds {cache.max_len} tokens, the cache capacity; "
+                              "create the cache with a larger max_len")
         batch = Batch(_cu([1] * cache.batch), cache=cache, slots=torch.arange(cache.batch),
                       start_pos=cache.lengths.clone(), decode=True)
         logits, _ = self._run(ids, batch)
