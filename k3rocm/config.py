@@ -333,7 +333,7 @@ def _prefix_doc(n: int) -> dict:
     if not 1 <= n <= L:
         raise ConfigError(f"k3-prefix-{n}: N must be in 1..{L}")
     lac = t["linear_attn_config"]
-    lac["full_attn_layers"] = [x for x in lac["full_attn_layers"] if x <= n and x != L]
+    lac["full_attn_layers"] = [x for x in lac["full_attn_layers"] if x <= n]
     lac["kda_layers"] = [x for x in range(1, n + 1) if x not in lac["full_attn_layers"]]
     t["num_hidden_layers"] = n
     return doc
