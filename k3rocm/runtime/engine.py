@@ -130,6 +130,7 @@ class Engine:
         moe_mode: ``"a16w4"`` or ``"a8w4"``.
         cuda_graphs: capture decode steps (default: on a GPU).
         graph_batch_sizes: the ladder of captured decode batch sizes.
+        num_blocks: MLA cache blocks, overriding the sizing from the budget / ``max_model_len``.
 
     Raises:
         ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU).
@@ -140,7 +141,7 @@ class Engine:
                  max_batch: int = 8, max_num_batched_tokens: int = 256, block_size: int = 16,
                  max_model_len: int = 2048, cache_budget_bytes: int | None = None, dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Iterable[int] = GRAPH_LADDER):
+                 graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
@@ -177,10 +178,10 @@ class Engine:
         # ---- caches
         if cache_budget_bytes is not None:
             sz = size_caches(cfg, cache_budget_bytes, max_batch, block_size, self.kv_dtype)
-            num_slots, num_blocks = sz.num_slots, max(1, sz.num_blocks)
+            num_slots, num_blocks = sz.num_slots, num_blocks or max(1, sz.num_blocks)
         else:
             num_slots = max_batch
-            num_blocks = max_batch * -(-max_model_len // block_size)
+            num_blocks = num_blocks or max_batch * -(-max_model_len // block_size)
         self.mla = MLACache(cfg, num_blocks, block_size, self.kv_dtype, self.device)
         self.kda = KDAStatePool(cfg, num_slots, self.device)
         self.scheduler = Scheduler(self.mla, self.kda, max_num_seqs=min(max_batch, num_slots),
