@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import pickle
 import queue as _queue
 import signal
 import socket
@@ -193,7 +194,9 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout_s: float, fn
     try:
         ctx = init(backend, timeout_s)
         out = fn(ctx, *args)
-        results.put((rank, "ok", out))
+        # plain pickle (tensors copied into the bytes): torch's queue reducers would pass shared-memory
+        # file descriptors that vanish when this worker exits
+        results.put((rank, "ok", pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException as e:  # report, then exit non-zero
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
         kind = type(e).__name__
@@ -258,7 +261,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), backend: s
                 item = None
             if item is not None:
                 if item[1] == "ok":
-                    got[item[0]] = item[2]
+                    got[item[0]] = pickle.loads(item[2])
                 else:
                     failure = f"rank {item[0]} failed: {item[2]}"
                     worker_tb = item[3]
@@ -272,7 +275,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), backend: s
                             failure = f"rank {item[0]} failed: {item[2]}"
                             worker_tb = item[3]
                         else:
-                            got[item[0]] = item[2]
+                            got[item[0]] = pickle.loads(item[2])
                             continue
                     except _queue.Empty:
                         code = p.exitcode
