@@ -102,6 +102,8 @@ class Session:
         is not installed (the load tier then validates with :func:`~k3rocm.validation.standins.read_checkpoint`)."""
         def build():
             fn = getattr(need("k3rocm.checkpoint"), "open_checkpoint", None)
+            if fn is None and has_module("k3rocm.checkpoint.reader"):
+                fn = getattr(need("k3rocm.checkpoint.reader"), "open_checkpoint", None)
             return fn(self.checkpoint_dir) if fn is not None else None
         return self._memo("index", build)
 
@@ -181,17 +183,38 @@ class Session:
         Uses ``k3rocm.runtime.load`` when installed, else the validator's own reader
         (:func:`k3rocm.validation.standins.read_checkpoint`)."""
         def build():
+            self._small_cpu_threads()
             if has_module("k3rocm.runtime.load"):
                 load = need("k3rocm.runtime.load")
                 fn = getattr(load, "load_checkpoint", None) or getattr(load, "load", None)
                 if fn is not None:
                     return _call_flex(fn, self.checkpoint_dir, placement=self.placement, index=self.index,
                                       device=self.device, progress=progress)
-            from k3rocm.validation.standins import read_checkpoint
-            w, rep = read_checkpoint(self.checkpoint_dir, self.config, device=self.device, progress=progress)
+            from k3rocm.validation.standins import load_from_index, read_checkpoint
+            if self.index is not None:
+                w, rep = load_from_index(self.index, device=self.device, progress=progress)
+            else:
+                w, rep = read_checkpoint(self.checkpoint_dir, self.config, device=self.device, progress=progress)
             rep.bytes_per_device_planned = _planned_per_device(self._cache.get("placement"), self.device)
             return w, rep
         return self._memo("load", build)
+
+    def _small_cpu_threads(self) -> None:
+        """On the CPU, run a small checkpoint (< 1 GB) on one thread unless OMP_NUM_THREADS says otherwise:
+        its tensors are too small to gain from threads, and on a shared machine threads oversubscribe
+        the cores (measured: a k3-tiny decode step 20x slower with 2 threads on 2 busy cores)."""
+        import os
+        if self.device != "cpu" or "OMP_NUM_THREADS" in os.environ:
+            return
+        try:
+            from k3rocm.checkpoint import layout
+            small = layout.counts(self.config)["bytes"] < 1e9
+        except Exception:
+            small = False
+        if small:
+            import torch
+            torch.set_num_threads(1)
+            self._cache["threads"] = 1
 
     @property
     def weights(self):
@@ -210,16 +233,43 @@ class Session:
 
     @property
     def engine(self):
-        """The engine running the registry-selected kernels: ``k3rocm.runtime.engine.Engine`` when installed,
-        else :class:`k3rocm.validation.standins.RegistryEngine` (the model with the registry's ops)."""
+        """The engine with the registry-selected kernels (default sizes); see :meth:`engine_for`."""
+        return self.engine_for()
+
+    def engine_for(self, max_batch: int = 8, max_model_len: int = 2048):
+        """``k3rocm.runtime.engine.Engine`` (continuous batching, registry ops) able to hold ``max_batch``
+        sequences of ``max_model_len`` tokens; falls back to
+        :class:`k3rocm.validation.standins.RegistryEngine` when the runtime engine is not installed.
+        Cached per size; the last one built is also ``self._cache["engine"]`` (for the report)."""
+        key = f"engine:{max_batch}:{max_model_len}"
+
         def build():
             if has_module("k3rocm.runtime.engine"):
                 Engine = need("k3rocm.runtime.engine", "Engine")
-                return _call_flex(Engine, self.config, self.weights, kernels=self.kernel_override,
-                                  device=self.device, placement=self._cache.get("placement"))
+                return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
+                              max_batch=max_batch, max_model_len=max_model_len)
             from k3rocm.validation.standins import RegistryEngine
             return RegistryEngine(self.config, self.weights, self.kernel_override)
-        return self._memo("engine", build)
+        eng = self._memo(key, build)
+        self._cache["engine"] = eng
+        return eng
+
+    def engine_model(self, engine=None):
+        """A layer-by-layer model running exactly the engine's ops on the engine's weights (dtype and
+        device as the engine holds them): the path the correctness tier compares with the fp32 oracle."""
+        eng = engine or self.engine
+        model = getattr(eng, "model", None)
+        if model is not None:
+            return model
+        K3Model = need("k3rocm.model.model", "K3Model")
+        return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"))
+
+    def kernel_selection(self) -> dict:
+        """op -> implementation name the engine runs."""
+        eng = self._cache.get("engine")
+        if eng is None:
+            return {}
+        return dict(getattr(eng, "op_impls", None) or getattr(eng, "impls", None) or {})
 
 
 def has_module(name: str) -> bool:

@@ -125,6 +125,28 @@ def read_checkpoint(ckpt: str | Path, cfg, device: str = "cpu", progress=None):
     return out, rep
 
 
+def load_from_index(index, device: str = "cpu", progress=None):
+    """Read every text tensor of a validated ``CheckpointIndex`` onto ``device`` (stored dtypes; packed
+    MXFP4 stays packed). Returns ``(weights: dict[str, Tensor], ReadReport)``."""
+    import torch
+    rep = ReadReport(shards=len(getattr(index, "shards", [])), loader="CheckpointIndex.read")
+    out = {}
+    t0 = time.perf_counter()
+    names = list(index.entries)
+    for i, n in enumerate(names):
+        t = index.read(n, device)
+        out[n] = t
+        rep.bytes_loaded += t.numel() * t.element_size()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            rep.nonfinite += 1
+        if progress and (i % 64 == 0 or i == len(names) - 1):
+            progress(i + 1, len(names))
+    rep.tensors_loaded = len(out)
+    rep.seconds = time.perf_counter() - t0
+    rep.bytes_per_device = {device: rep.bytes_loaded}
+    return out, rep
+
+
 class RegistryEngine:
     """The model run with the implementations :func:`k3rocm.kernels.registry.select` picks per op.
 
@@ -156,3 +178,130 @@ class RegistryEngine:
 
     def describe(self) -> str:
         return "K3Model with registry ops: " + ", ".join(f"{k}={v}" for k, v in self.impls.items())
+
+
+def static_bench(engine, concurrency: int, input_len: int, output_len: int, num_prompts: int | None = None,
+                 range_ratio: float = 0.8, warmups: int | None = None, seed: int = 0, num_gpus: int = 1,
+                 progress=None) -> dict:
+    """Benchmark ``engine`` with static batches of ``concurrency`` requests (the load of
+    :func:`k3rocm.bench.loadgen.plan_load`, metrics of :func:`k3rocm.bench.metrics.aggregate`).
+
+    Each wave prefills its prompts together (varlen) and decodes until every request has its
+    ``output_len`` tokens (EOS ignored); a token's arrival time is when its step returns. Used when
+    ``k3rocm.bench.run_bench`` (continuous batching) is not installed; results say ``runner``.
+
+    Returns the aggregate dict (vLLM field names) plus ``concurrency``, ``input_len``, ``output_len``,
+    ``runner``.
+    """
+    import torch
+
+    from k3rocm.bench.loadgen import plan_load
+    from k3rocm.bench.metrics import RequestRecord, aggregate
+
+    cfg = engine.cfg
+    special = (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)
+    lp = plan_load(concurrency, input_len, output_len, cfg.vocab_size, num_prompts, range_ratio, warmups, seed,
+                   special)
+    total = len(lp.warmups) + len(lp.requests)
+    done = 0
+
+    def wave(reqs, measure: bool) -> list:
+        nonlocal done
+        recs = []
+        cache = engine.new_cache(len(reqs), max(r.input_len + r.output_len for r in reqs) + 1)
+        t_issue = time.perf_counter()
+        for r in reqs:
+            recs.append(RequestRecord(r.request_id, r.input_len, r.output_len, t_issue))
+        with torch.no_grad():
+            logits = engine.prefill([torch.tensor(r.prompt_ids) for r in reqs], cache)
+            last = torch.stack([lg[-1] for lg in logits])
+            now = time.perf_counter()
+            for rec in recs:
+                rec.token_times.append(now)
+                rec.output_tokens = 1
+            for _ in range(max(r.output_len for r in reqs) - 1):
+                tok = last.argmax(-1)
+                last = engine.decode(tok, cache)
+                now = time.perf_counter()
+                for rec in recs:
+                    if rec.output_tokens < rec.output_len_target:
+                        rec.token_times.append(now)
+                        rec.output_tokens += 1
+        for rec in recs:
+            rec.success = rec.output_tokens == rec.output_len_target
+        done += len(reqs)
+        if progress:
+            progress(done, total)
+        return recs if measure else []
+
+    for i in range(0, len(lp.warmups), concurrency):
+        wave(lp.warmups[i:i + concurrency], False)
+    records = []
+    t0 = time.perf_counter()
+    for i in range(0, len(lp.requests), concurrency):
+        records += wave(lp.requests[i:i + concurrency], True)
+    out = aggregate(records, time.perf_counter() - t0, num_gpus)
+    out.update(concurrency=concurrency, input_len=input_len, output_len=output_len,
+               runner="static batches (k3rocm.validation.standins.static_bench)")
+    return out
+
+
+def serve_bench(engine, concurrency: int, input_len: int, output_len: int, num_prompts: int | None = None,
+                range_ratio: float = 0.8, warmups: int | None = None, seed: int = 0, num_gpus: int = 1,
+                progress=None) -> dict:
+    """Benchmark a continuous-batching engine (``add_request`` / ``step`` / ``has_unfinished``) with the
+    InferenceX load of :func:`k3rocm.bench.loadgen.plan_load`: at most ``concurrency`` requests in flight,
+    a new one issued as soon as one finishes, EOS ignored; token times are the engine's event times.
+    Used when ``k3rocm.bench.run_bench`` is not installed. Returns
+    :func:`k3rocm.bench.metrics.aggregate`'s dict plus ``concurrency``, ``input_len``, ``output_len``,
+    ``runner``, ``steps``.
+    """
+    from k3rocm.bench.loadgen import plan_load
+    from k3rocm.bench.metrics import RequestRecord, aggregate
+
+    cfg = engine.cfg
+    lp = plan_load(concurrency, input_len, output_len, cfg.vocab_size, num_prompts, range_ratio, warmups, seed,
+                   (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id))
+    total = len(lp.warmups) + len(lp.requests)
+    state = {"done": 0, "steps": 0}
+
+    def run(reqs) -> list:
+        pending = list(reqs)
+        inflight: dict[int, RequestRecord] = {}
+        finished = []
+        while pending or inflight:
+            while pending and len(inflight) < concurrency:
+                r = pending.pop(0)
+                rec = RequestRecord(r.request_id, r.input_len, r.output_len, time.perf_counter())
+                rid = engine.add_request(list(r.prompt_ids), r.output_len, ignore_eos=True)
+                inflight[rid] = rec
+            events = engine.step()
+            state["steps"] += 1
+            if not events and not engine.has_unfinished():
+                break
+            for ev in events:
+                rec = inflight.get(ev.request_id)
+                if rec is None:
+                    continue
+                rec.token_times.append(ev.time)
+                rec.output_tokens += 1
+                if ev.finished:
+                    rec.success = rec.output_tokens == rec.output_len_target
+                    if not rec.success:
+                        rec.error = f"finished after {rec.output_tokens} tokens ({ev.finish_reason})"
+                    finished.append(inflight.pop(ev.request_id))
+                    state["done"] += 1
+                    if progress:
+                        progress(state["done"], total)
+        for rec in inflight.values():  # the engine stopped with requests open: count them as failed
+            rec.error = "engine idle with the request unfinished"
+            finished.append(rec)
+        return finished
+
+    run(lp.warmups)
+    t0 = time.perf_counter()
+    records = run(lp.requests)
+    out = aggregate(records, time.perf_counter() - t0, num_gpus)
+    out.update(concurrency=concurrency, input_len=input_len, output_len=output_len, steps=state["steps"],
+               runner="continuous batching through Engine.step (k3rocm.validation.standins.serve_bench)")
+    return out

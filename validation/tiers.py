@@ -100,23 +100,51 @@ def oracle_forward(model, ids):
     return model_forward(model, ids, model.cfg.num_hidden_layers)
 
 
-def engine_forward(engine, ids):
-    """Engine prefill without cache; see :func:`model_forward`."""
-    return model_forward(engine, ids, engine.cfg.num_hidden_layers)
+def serve_with_logits(engine, prompt: list[int], n: int):
+    """Serve one request of ``prompt`` for ``n`` greedy tokens through the engine's own path (prefill
+    chunk, then decode steps on the KDA slot pool and paged MLA cache, CUDA/HIP graphs when on) and
+    capture the logits it sampled from. Returns ``(tokens [n] list, logits [n, V] fp32 cpu)``.
 
-
-def engine_decode_logits(engine, ids, n_decode: int):
-    """Logits of every position of ``ids`` ``[B, T]`` through the cache path: prefill the first
-    ``T - n_decode`` tokens into a fresh cache, then decode the last ``n_decode`` one token per step.
-    Returns ``[B, T, V]`` fp32."""
+    Works on ``k3rocm.runtime.engine.Engine`` (``add_request``/``step``; logits observed at its
+    ``_forward`` / ``_graph_decode`` return) and on K3Model-like objects (``new_cache``/``prefill``/``decode``).
+    """
     torch = _t()
-    B, T = ids.shape
-    cache = engine.new_cache(B, T + 1)
+    if hasattr(engine, "add_request"):
+        seen = []
+        spies = {}
+        for name in ("_forward", "_graph_decode"):
+            orig = getattr(engine, name, None)
+            if orig is None:
+                continue
+
+            def spy(*a, _orig=orig, **k):
+                out = _orig(*a, **k)
+                if out is not None:
+                    seen.append(out.detach().float().cpu())
+                return out
+            spies[name] = spy
+            setattr(engine, name, spy)
+        try:
+            rid = engine.add_request(list(prompt), n, ignore_eos=True)
+            while engine.has_unfinished():
+                engine.step()
+        finally:
+            for name in spies:
+                delattr(engine, name)  # back to the class method
+        toks = list(engine.seqs[rid].output)
+        rows = [x[-1] for x in seen if x.dim() == 2 and x.shape[0] >= 1]
+        return toks, (torch.stack(rows) if rows else torch.zeros(0))
+    cache = engine.new_cache(1, len(prompt) + n + 1)
     with torch.no_grad():
-        parts = [engine.prefill(ids[:, : T - n_decode], cache).float()]
-        for j in range(T - n_decode, T):
-            parts.append(engine.decode(ids[:, j], cache).float().unsqueeze(1))
-    return torch.cat(parts, 1)
+        last = engine.prefill(torch.tensor([prompt]), cache)[:, -1].float()
+        toks, rows = [], []
+        for step in range(n):
+            rows.append(last[0].cpu())
+            tok = last.argmax(-1)
+            toks.append(int(tok))
+            if step + 1 < n:
+                last = engine.decode(tok, cache).float()
+    return toks, torch.stack(rows)
 
 
 def _absmax(layer: dict) -> float:
@@ -215,31 +243,52 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         weights, rep = session.load(progress=progress)
     lv = session.measured_level
     r = _as_dict(rep)
-    nbytes = r.get("bytes_loaded") or r.get("bytes") or r.get("total_bytes")
-    stage.add(info("load", "load.seconds", round(tl.seconds, 3), "s", level=lv))
-    if nbytes:
-        stage.add(info("load", "load.bytes", int(nbytes), "B", level=lv),
-                  info("load", "load.throughput", round(nbytes / max(tl.seconds, 1e-9) / 1e9, 3), "GB/s", level=lv))
-    planned = r.get("bytes_per_device_planned") or _plan_per_device(plc)
-    used = r.get("bytes_per_device") or r.get("bytes_per_device_used")
+    stage.add(info("load", "load.seconds", round(tl.seconds, 3), "s", level=lv,
+                   detail=f"loader: {r.get('loader', 'k3rocm.runtime.load')}, device {r.get('device', session.device)}"))
+    if "tensors_planned" in r:
+        stage.add(check("load", "load.tensors_loaded", int(r.get("tensors_loaded", 0)), eq=int(r["tensors_planned"]),
+                        level=lv, detail="tensors the plan names for the loaded ranks"),
+                  check("load", "load.tensors_verified", int(r.get("tensors_verified", 0)),
+                        eq=int(r["tensors_planned"]), level=lv,
+                        detail="checksum of each loaded slice equals the same slice read independently"))
+    elif "tensors_loaded" in r:
+        stage.add(check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=_len_tensors(session.index)
+                        or int(r["tensors_loaded"]), level=lv))
+    if "problems" in r:
+        probs = list(r["problems"] or [])
+        stage.add(check("load", "load.problems", len(probs), eq=0, level=lv,
+                        detail="; ".join(map(str, probs))[:300] or "none"))
+    planned, used = _per_rank(r.get("bytes_planned") or r.get("bytes_per_device_planned")), \
+        _per_rank(r.get("bytes_loaded") or r.get("bytes_per_device"))
     if planned and used:
-        for dev in sorted(set(planned) | set(used), key=str):
-            p, u = planned.get(dev, 0), used.get(dev, 0)
-            stage.add(check("load", f"bytes[{dev}]", int(u), eq=int(p), unit="B", level=lv,
-                            detail="bytes resident vs planned for this device"))
-        keys = sorted(set(planned) | set(used), key=str)
-        stage.series["bytes_per_device"] = {"title": "weight bytes per device: planned vs loaded", "kind": "bar",
-                                            "x": [str(k) for k in keys], "xlabel": "device", "ylabel": "GB",
-                                            "y": {"planned": [planned.get(k, 0) / 1e9 for k in keys],
-                                                  "loaded": [used.get(k, 0) / 1e9 for k in keys]}}
-    for key, thr in (("missing", 0), ("bad_scales", 0), ("scales_ff", 0), ("nonfinite", 0)):
+        keys = sorted(set(planned) | set(used), key=lambda k: (len(k), k))
+        for k in keys:
+            stage.add(check("load", f"bytes[rank {k}]", int(used.get(k, 0)), eq=int(planned.get(k, 0)), unit="B",
+                            level=lv, detail="bytes loaded vs planned for this rank"))
+        stage.series["bytes_per_device"] = {"title": "weight bytes per rank: planned vs loaded", "kind": "bar",
+                                            "x": keys, "xlabel": "rank", "ylabel": "MB",
+                                            "y": {"planned": [planned.get(k, 0) / 1e6 for k in keys],
+                                                  "loaded": [used.get(k, 0) / 1e6 for k in keys]}}
+    total = sum(used.values()) if used else None
+    if total:
+        stage.add(info("load", "load.bytes", int(total), "B", level=lv))
+    for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks"),
+                         ("raw_read_gbps", "GB/s", "sequential read of the same shard files"),
+                         ("load_vs_raw", "", "load throughput / raw read throughput"),
+                         ("verify_seconds", "s", "time to verify every tensor")):
+        if r.get(key):
+            stage.add(info("load", f"load.{key}", round(float(r[key]), 4), unit, level=lv, detail=d))
+    if "aggregate_gbps" not in r and total:
+        stage.add(info("load", "load.throughput", round(total / max(tl.seconds, 1e-9) / 1e9, 4), "GB/s", level=lv))
+    for key in ("scales_ff", "nonfinite"):
         if key in r:
-            v = r[key]
-            v = len(v) if isinstance(v, (list, tuple, set, dict)) else v
-            stage.add(check("load", f"load.{key}", int(v), eq=thr, level=lv))
-    for k in ("tensors_loaded", "packed_bytes", "peak_host_bytes"):
-        if k in r:
-            stage.add(info("load", f"load.{k}", r[k], level=lv))
+            stage.add(check("load", f"load.{key}", int(r[key]), eq=0, level=lv))
+
+
+def _per_rank(d) -> dict:
+    if not d:
+        return {}
+    return {str(k): int(v) for k, v in dict(d).items()}
 
 
 def _len_tensors(idx) -> int | None:
@@ -298,14 +347,17 @@ def _placement_rows(stage: Stage, plc, tier: str) -> None:
 def tier_forward(session: Session, stage: Stage) -> None:
     """Does a prefill + decode run? Finite outputs, shapes, per-layer activation max |h|, timings."""
     torch = _t()
-    cfg, eng, lv = session.config, session.engine, session.measured_level
-    B, T = 2, 16
+    cfg, lv = session.config, session.measured_level
+    eng = session.engine
+    model = session.engine_model(eng)
+    B, T, steps = 2, 16, 4
     ids = _ids(session, B, T)
     with Timer() as tp:
-        logits, layers = engine_forward(eng, ids)
+        logits, layers = model_forward(model, ids, cfg.num_hidden_layers)
     stage.add(check("forward", "prefill.shape", list(logits.shape), eq=[B, T, cfg.vocab_size], level=lv),
               check("forward", "prefill.finite", bool(torch.isfinite(logits).all()), eq=True, level=lv),
-              info("forward", "prefill.ms", round(tp.seconds * 1e3, 3), "ms", level=lv, detail=f"B={B}, T={T}"))
+              info("forward", "prefill.ms", round(tp.seconds * 1e3, 3), "ms", level=lv,
+                   detail=f"B={B}, T={T}, layer by layer with the engine's ops"))
     am = [_absmax(x) for x in layers]
     if am:
         worst = max(am) if all(math.isfinite(a) for a in am) else float("inf")
@@ -313,16 +365,17 @@ def tier_forward(session: Session, stage: Stage) -> None:
                         detail=f"max over {len(am)} layers of max |h|"))
         stage.series["absmax"] = {"title": "per-layer activation max |h|", "x": list(range(len(am))),
                                   "y": {"max |h|": am}, "xlabel": "layer", "ylabel": "max |h|", "log": True}
-    steps = 4
     with Timer() as td:
-        toks = eng.generate_greedy(ids, steps)
-    toks = torch.as_tensor(toks)
+        if hasattr(eng, "generate") and hasattr(eng, "add_request"):
+            toks = torch.tensor(eng.generate([r.tolist() for r in ids], steps))
+        else:
+            toks = torch.as_tensor(eng.generate_greedy(ids, steps))
     stage.add(check("forward", "decode.shape", list(toks.shape), eq=[B, steps], level=lv,
-                    detail="greedy prefill + decode through the cache produced the requested tokens"),
+                    detail="served prompts produced the requested number of tokens"),
               check("forward", "decode.in_vocab", bool(((toks >= 0) & (toks < cfg.vocab_size)).all()),
                     eq=True, level=lv),
-              info("forward", "decode.ms_per_token", round(td.seconds * 1e3 / steps, 3), "ms", level=lv,
-                   detail=f"B={B}, prompt {T} tokens, prefill included"))
+              info("forward", "serve.ms_per_token", round(td.seconds * 1e3 / steps, 3), "ms", level=lv,
+                   detail=f"{B} requests of {T} prompt tokens, {steps} output tokens each, prefill included"))
 
 
 def tier_correctness(session: Session, stage: Stage) -> None:
@@ -330,9 +383,10 @@ def tier_correctness(session: Session, stage: Stage) -> None:
     torch = _t()
     lv = session.measured_level
     eng, orc = session.engine, session.oracle
+    model = session.engine_model(eng)
     ids = _ids(session, 2, 16)
     ol, olay = oracle_forward(orc, ids)
-    el, elay = engine_forward(eng, ids)
+    el, elay = model_forward(model, ids, session.config.num_hidden_layers)
     # per layer
     names = ("attn_out", "mlp_out")
     series = {n: [] for n in names}
@@ -356,15 +410,27 @@ def tier_correctness(session: Session, stage: Stage) -> None:
               check("correctness", "logits.top1_agreement", c["top1"], ge=THRESHOLDS["engine.top1_agreement"],
                     level=lv),
               check("correctness", "logits.max_abs", c["max_abs"], le=THRESHOLDS["engine.logits_max_abs"], level=lv))
-    # decode vs prefill on the engine path
-    if all(hasattr(eng, a) for a in ("new_cache", "prefill", "decode")):
-        dl = engine_decode_logits(eng, ids, 4)
-        stage.add(check("correctness", "decode_vs_prefill.max_abs", float((dl - el).abs().max()),
-                        le=THRESHOLDS["decode_vs_prefill.max_abs"], level=lv,
-                        detail="prefill 12 + decode 4 through the cache (KDA state, MLA latent cache) vs one "
-                               "forward, same kernels"),
-                  check("correctness", "decode_vs_prefill.top1", float((dl.argmax(-1) == el.argmax(-1)).double().mean()),
-                        ge=1.0, level=lv))
+    # the engine's serving path (decode kernels, caches, graphs) vs one forward of the same ops
+    n_dec = 4
+    worst_abs, agree, rows = 0.0, 0, 0
+    for r in range(ids.shape[0]):
+        prompt = ids[r, :12].tolist()
+        toks, got = serve_with_logits(eng, prompt, n_dec)
+        full = torch.tensor([prompt + toks[:-1]])
+        ref, _ = model_forward(model, full, session.config.num_hidden_layers)
+        ref = ref[0, len(prompt) - 1:].cpu()
+        if got.shape != ref.shape:
+            stage.add(check("correctness", "serve.logits_rows", list(got.shape), eq=list(ref.shape), level=lv,
+                            detail="logits observed from the engine per sampled token"))
+            return
+        worst_abs = max(worst_abs, float((got - ref).abs().max()))
+        agree += int((torch.tensor(toks) == ref.argmax(-1)).sum())
+        rows += n_dec
+    stage.add(check("correctness", "decode_vs_prefill.max_abs", worst_abs, le=THRESHOLDS["decode_vs_prefill.max_abs"],
+                    level=lv, detail=f"engine serving path (prefill 12 + decode {n_dec - 1}, slot pool, paged MLA "
+                                     "cache) vs one forward of the same ops, logits"),
+              check("correctness", "decode_vs_prefill.tokens", agree / max(rows, 1), ge=1.0, level=lv,
+                    detail="served greedy tokens equal the forward's argmax"))
     if session.opts.golden:
         golden_checks(session, stage)
     if session.is_official:
@@ -372,14 +438,9 @@ def tier_correctness(session: Session, stage: Stage) -> None:
 
 
 def _impl_note(session: Session) -> str:
-    reg = need("k3rocm.kernels.registry")
-    picks = []
-    for op in reg.ORACLE_OPS:
-        try:
-            picks.append(f"{op}={reg.select(op, session.kernel_override)[0]}")
-        except K3Error:
-            picks.append(f"{op}=?")
-    return ", ".join(picks)
+    sel = session.kernel_selection()
+    kinds = sorted(set(sel.values()))
+    return "ops: " + (", ".join(kinds) if len(kinds) <= 1 else ", ".join(f"{k}={v}" for k, v in sel.items()))
 
 
 def golden_checks(session: Session, stage: Stage) -> None:
@@ -490,19 +551,42 @@ def tier_performance(session: Session, stage: Stage, progress: Callable | None =
 def run_bench_point(session: Session, *, concurrency: int, input_len: int, output_len: int,
                     num_prompts: int | None = None, range_ratio: float = 0.8, warmups: int | None = None,
                     progress: Callable | None = None) -> dict:
-    """Run one benchmark point through ``k3rocm.bench.run_bench``; returns a plain dict of its results
-    (vLLM field names, plus ``concurrency`` and ``roofline`` when the bench reports one)."""
-    run_bench = need("k3rocm.bench", "run_bench")
-    from k3rocm.validation.session import _call_flex
-    res = _call_flex(run_bench, session.engine, concurrency=concurrency, input_len=input_len,
-                     output_len=output_len, num_prompts=num_prompts, range_ratio=range_ratio, warmups=warmups,
-                     seed=session.opts.seed, progress=progress, profile=session.profile,
-                     placement=session._cache.get("placement"))
-    d = _as_dict(res)
-    metrics = dict(d.get("metrics", d))
+    """Run one benchmark point; returns a plain dict of results (vLLM field names) with ``concurrency``,
+    ``runner`` and ``roofline`` (the plan's decode-step floor at this batch and mean context, per rank).
+
+    Uses ``k3rocm.bench.run_bench`` when installed, else
+    :func:`k3rocm.validation.standins.static_bench`."""
+    from k3rocm.validation.session import _call_flex, has_module
+    eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1)
+    ngpu = max(1, session.detected.count) if session.device != "cpu" else 1
+    run_bench = None
+    if has_module("k3rocm.bench"):
+        run_bench = getattr(need("k3rocm.bench"), "run_bench", None)
+    if run_bench is not None:
+        res = _call_flex(run_bench, eng, concurrency=concurrency, input_len=input_len, output_len=output_len,
+                         num_prompts=num_prompts, range_ratio=range_ratio, warmups=warmups, seed=session.opts.seed,
+                         progress=progress, profile=session.profile, num_gpus=ngpu)
+        d = _as_dict(res)
+        metrics = dict(d.get("metrics", d))
+        metrics.setdefault("runner", "k3rocm.bench.run_bench")
+        if d.get("roofline") is not None and "roofline" not in metrics:
+            metrics["roofline"] = _as_dict(d["roofline"])
+    else:
+        from k3rocm.validation.standins import serve_bench, static_bench
+        runner = serve_bench if hasattr(eng, "add_request") else static_bench
+        metrics = runner(eng, concurrency, input_len, output_len, num_prompts, range_ratio, warmups,
+                         session.opts.seed, ngpu, progress)
     metrics.setdefault("concurrency", concurrency)
-    if "roofline" in d and "roofline" not in metrics:
-        metrics["roofline"] = _as_dict(d["roofline"])
+    if not metrics.get("roofline"):
+        roof = getattr(session.placement, "roofline", None)
+        if roof is not None and hasattr(roof, "step"):
+            ctx = int(round(range_ratio * input_len + (input_len - range_ratio * input_len) / 2 + output_len / 2))
+            st = roof.step(concurrency, max(ctx, 1))
+            if math.isfinite(st["floor_s"]):
+                metrics["roofline"] = {"tpot_floor_ms": st["floor_s"] * 1e3, "bound": st["bound"],
+                                       "detail": f"plan roofline: batch {concurrency}, context {ctx}, "
+                                                 f"{st['bytes'] / 1e6:.1f} MB + {st['flops'] / 1e9:.2f} GFLOP "
+                                                 f"per rank per step ({st['bound']}-bound)"}
     return metrics
 
 

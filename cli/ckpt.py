@@ -1,0 +1,136 @@
+"""``k3rocm checkpoint make | inspect | verify``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from k3rocm.cli.common import Progress, console, debug_option, handle_errors
+from k3rocm.errors import CheckpointError
+
+GB = 1e9
+
+
+def _fn(name: str, *modules: str):
+    """``name`` from the first of ``modules`` that has it (the package, then its submodule)."""
+    from k3rocm.validation.session import has_module, need
+    for m in modules:
+        if has_module(m):
+            f = getattr(need(m), name, None)
+            if f is not None:
+                return f
+    from k3rocm.validation.session import Unavailable
+    raise Unavailable(f"{name} is not available in this installation ({', '.join(modules)}); reinstall k3rocm")
+
+
+@click.group("checkpoint")
+def checkpoint_group():
+    """Make, inspect and verify checkpoints in the released K3 layout."""
+
+
+@checkpoint_group.command("make", epilog="""\b
+Examples:
+  k3rocm checkpoint make --out ./k3-tiny                     # random k3-tiny, seed 0
+  k3rocm checkpoint make --preset k3-prefix-2 --out ./k3p2 --seed 7
+  k3rocm checkpoint make --out ./k3-tiny --manifest          # + manifest.json of sha256""")
+@click.option("--preset", default="k3-tiny", show_default=True, metavar="NAME",
+              help="k3-tiny, k3-prefix-N, k3, kimi-linear-48b-a3b (full sizes need the disk space).")
+@click.option("--out", required=True, type=click.Path(path_type=str), metavar="DIR", help="New directory to write.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Weights are a function of (seed, tensor name).")
+@click.option("--shards", type=int, default=None, help="Number of shards (default: by size).")
+@click.option("--manifest", is_flag=True, help="Also write manifest.json (sha256 per file).")
+@debug_option
+@handle_errors
+def make_cmd(preset, out, seed, shards, manifest, debug):
+    """Write a deterministic random-weight checkpoint in the released on-disk layout."""
+    from k3rocm.config import preset as make_preset
+    cfg = make_preset(preset)
+    write = _fn("write_checkpoint", "k3rocm.checkpoint", "k3rocm.checkpoint.writer")
+    with Progress() as bar:
+        cb = bar.callback(f"writing {preset}")
+        path = write(cfg, out, seed=seed, num_shards=shards, progress=lambda done, total, *_: cb(done, total))
+    if manifest:
+        _fn("make_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(path)
+    files = sorted(Path(path).iterdir())
+    click.echo(f"wrote {preset} (seed {seed}) to {path}: {len(files)} files, "
+               f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB")
+
+
+@checkpoint_group.command("inspect", epilog="""\b
+Examples:
+  k3rocm checkpoint inspect --checkpoint /models/Kimi-K3
+  k3rocm checkpoint inspect                 # the embedded k3-tiny
+  k3rocm checkpoint inspect --json""")
+@click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR",
+              help="Checkpoint directory (default: the embedded k3-tiny).")
+@click.option("--json", "as_json", is_flag=True)
+@debug_option
+@handle_errors
+def inspect_cmd(checkpoint, as_json, debug):
+    """Validate the index and every shard header against the config's layout, and summarise it."""
+    from rich.table import Table
+
+    from k3rocm.checkpoint import layout
+    from k3rocm.validation.evidence import shard_fingerprints
+    from k3rocm.validation.session import Options, Session
+    s = Session(Options(checkpoint=checkpoint))
+    idx = s.index
+    cfg = s.config
+    cnt = layout.counts(cfg)
+    parts = idx.nbytes_by_part() if idx is not None and hasattr(idx, "nbytes_by_part") else {}
+    doc = {"checkpoint": str(s.checkpoint_dir), "config_hash": cfg.config_hash(), "family": cfg.family,
+           "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+           "mla_layers": cfg.num_mla_layers, "kda_layers": cfg.num_kda_layers, "experts": cfg.num_experts,
+           "top_k": cfg.num_experts_per_token, "quantization": cfg.quant.format if cfg.quant else None,
+           "tensors": len(idx) if idx is not None else None, "tensors_expected": cnt["tensors"],
+           "params": cnt["params"], "params_activated": cnt["params_activated"], "bytes_by_part": parts,
+           "official": bool(idx.is_official()) if idx is not None and hasattr(idx, "is_official") else None,
+           "shards": shard_fingerprints(s.checkpoint_dir)}
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    t = Table(title=f"checkpoint {doc['checkpoint']}", show_header=False)
+    t.add_column("item")
+    t.add_column("value")
+    for k, v in doc.items():
+        if k in ("shards", "checkpoint"):
+            continue
+        t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+    t.add_row("shards", f"{len(doc['shards'])} files, {sum(x.get('bytes', 0) for x in doc['shards']) / GB:.3f} GB")
+    console().print(t)
+    click.echo("index and shard headers valid" if idx is not None else "index not validated (reader unavailable)")
+
+
+@checkpoint_group.command("verify", epilog="""\b
+Examples:
+  k3rocm checkpoint verify --checkpoint ./k3-tiny                 # against manifest.json
+  k3rocm checkpoint verify --checkpoint ./k3-tiny --write-manifest""")
+@click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR")
+@click.option("--write-manifest", is_flag=True, help="Write manifest.json (sha256 of every file) instead of checking.")
+@debug_option
+@handle_errors
+def verify_cmd(checkpoint, write_manifest, debug):
+    """Check every file's sha256 against manifest.json (exit 2 naming the first mismatch)."""
+    from k3rocm.validation.session import Options, Session
+    s = Session(Options(checkpoint=checkpoint))
+    d = s.checkpoint_dir
+    if write_manifest:
+        _fn("make_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
+        click.echo(f"wrote {d / 'manifest.json'}")
+        return
+    if not (d / "manifest.json").is_file():
+        raise CheckpointError(f"{d}: no manifest.json; create one with `k3rocm checkpoint verify --checkpoint {d} "
+                              "--write-manifest` on a trusted copy")
+    s.index  # headers and layout first
+    res = _fn("verify_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
+    from k3rocm.validation.tiers import _manifest_problems
+    bad = _manifest_problems(res)
+    if bad:
+        raise CheckpointError(f"{d}: {len(bad)} file(s) differ from manifest.json, first: {bad[0]}")
+    click.echo(f"{d}: every file matches manifest.json")
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(checkpoint_group)

@@ -1,0 +1,200 @@
+"""Shared CLI plumbing: common options, one-line errors with exit codes, report writing, progress bars.
+
+Exit codes (DESIGN.md §7): 0 ok, 1 a tier failed, 2 bad input or usage, 3 environment / hardware.
+Expected failures (:class:`k3rocm.errors.K3Error`) print ONE line ``error: ...`` on stderr and no
+traceback, unless ``--debug``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import click
+
+from k3rocm.errors import K3Error
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
+
+
+def console(stderr: bool = False):
+    """A rich console bound to the current stdout/stderr at call time (works under click's test runner)."""
+    from rich.console import Console
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def fail(msg: str, code: int) -> None:
+    """Print ``error: msg`` (one line) on stderr and exit with ``code``."""
+    click.echo(f"error: {msg}", err=True)
+    raise SystemExit(code)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Turn a :class:`K3Error` into its one-line message and exit code; ``--debug`` adds the traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = bool(kwargs.get("debug"))
+        try:
+            return fn(*args, **kwargs)
+        except K3Error as e:
+            if debug:
+                traceback.print_exc()
+            fail(str(e).splitlines()[0] if str(e) else type(e).__name__, e.exit_code)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+    return wrapper
+
+
+def checkpoint_option(f):
+    return click.option("--checkpoint", "checkpoint", type=click.Path(path_type=str), default=None,
+                        metavar="DIR", help="Checkpoint directory (config.json + index + shards). "
+                        "Default: the embedded k3-tiny, written once into the user cache.")(f)
+
+
+def profile_option(f):
+    return click.option("--profile", default=None, metavar="NAME",
+                        help="Hardware profile (see `k3rocm profiles`). Default: detected.")(f)
+
+
+def out_option(f):
+    return click.option("--out", default="reports/latest", show_default=True, metavar="DIR",
+                        help="Report directory; report.json/md/html are merged with what is already there.")(f)
+
+
+def kernels_option(f):
+    return click.option("--kernels", default="auto", show_default=True, metavar="SPEC",
+                        help="Kernel choice: auto | torch | triton | aiter, or per op: "
+                             "'kda_prefill=triton,moe_experts=torch'.")(f)
+
+
+def debug_option(f):
+    return click.option("--debug", is_flag=True, help="Show tracebacks for expected errors.")(f)
+
+
+def seed_option(f):
+    return click.option("--seed", default=0, show_default=True, type=int, help="Seed of generated inputs.")(f)
+
+
+def common_options(f):
+    """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up)."""
+    for opt in (debug_option, seed_option, kernels_option, out_option, profile_option, checkpoint_option):
+        f = opt(f)
+    return f
+
+
+def make_session(checkpoint, profile, out, kernels, seed, debug, **extra):
+    """Build a :class:`k3rocm.validation.session.Session` from the common options."""
+    from k3rocm.validation.evidence import command_line
+    from k3rocm.validation.session import Options, Session
+    opts = Options(checkpoint=checkpoint, profile=profile, out=out, kernels=kernels, seed=seed, debug=debug,
+                   command=command_line(), golden=extra.pop("golden", None), extra=extra)
+    return Session(opts)
+
+
+class Progress:
+    """A rich progress bar (on stderr, transient) with a ``(done, total)`` callback.
+
+    Use as a context manager; ``cb = bar.callback("loading")`` gives the function to pass down.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._p = None
+
+    def __enter__(self) -> "Progress":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
+            self._p = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                         console=console(stderr=True), transient=True)
+            self._p.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._p is not None:
+            self._p.__exit__(*exc)
+
+    def callback(self, description: str) -> Callable:
+        if self._p is None:
+            return lambda *a, **k: None
+        task = self._p.add_task(description, total=None)
+
+        def cb(done=None, total=None, *_, **__):
+            if total is not None:
+                self._p.update(task, total=total)
+            if done is not None:
+                self._p.update(task, completed=done)
+        return cb
+
+
+def write_stages(session, stages) -> Path:
+    """Merge ``stages`` into ``--out``'s report (same checkpoint config) and write json/md/html."""
+    from k3rocm.validation.evidence import load_report, reproduction_block
+    from k3rocm.validation.render import write_report
+    from k3rocm.validation.session import require_dir_for_output
+    from k3rocm.validation.tiers import THRESHOLDS
+
+    out = require_dir_for_output(session.opts.out)
+    cfg_hash = ckpt = dev = prof = None
+    for attr in ("config",):
+        try:
+            cfg_hash = getattr(session, attr).config_hash()
+        except K3Error:
+            pass
+    try:
+        ckpt = str(session.checkpoint_dir)
+    except K3Error:
+        ckpt = session.opts.checkpoint
+    try:
+        dev = session.device_block()
+        prof = session.profile.name
+    except K3Error:
+        pass
+    rep = load_report(out, cfg_hash)
+    extra = {}
+    sel = session.kernel_selection()
+    if sel:
+        extra["kernel_selection"] = sel
+    eng = session._cache.get("engine")
+    if eng is not None and hasattr(eng, "describe"):
+        d = eng.describe()
+        extra["engine"] = d if isinstance(d, dict) else str(d)
+    if session.opts.golden:
+        extra["golden"] = str(Path(session.opts.golden).resolve())
+    block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
+                               seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
+                               thresholds=THRESHOLDS, extra=extra)
+    rep.merge_run(block, stages)
+    paths = write_report(rep, out)
+    return paths["html"]
+
+
+def print_stages(stages) -> None:
+    """A rich table of the stages just run, then the failing rows."""
+    from rich.table import Table
+    c = console()
+    t = Table(title=None, show_lines=False)
+    for col in ("tier", "status", "seconds", "evidence", "failures"):
+        t.add_column(col)
+    colors = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
+    for s in stages:
+        t.add_row(s.tier, f"[{colors.get(s.status, 'white')}]{s.status}[/]", f"{s.seconds:.2f}",
+                  str(len(s.evidence)), str(len(s.failures)))
+    c.print(t)
+    for s in stages:
+        for e in s.failures:
+            c.print(f"  [red]FAIL[/] {s.tier}.{e.name} = {e.value} {e.unit} (needs {e.threshold}; {e.level})")
+
+
+def finish(stages, report_html: Path) -> None:
+    """Print where the report is and exit: 0 all passed, else the first failing stage's code, one line."""
+    click.echo(f"report: {report_html}")
+    for s in stages:
+        if s.status == "error":
+            fail(f"{s.tier} tier could not run: {s.error}", getattr(s, "exit_code", EXIT_USAGE))
+        if s.status == "failed":
+            f = s.failures[0]
+            fail(f"{s.tier} tier failed: {f.name} = {f.value} {f.unit}".rstrip()
+                 + f" (needs {f.threshold}); see {report_html}", EXIT_FAILED)

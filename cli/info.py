@@ -1,0 +1,161 @@
+"""Supporting commands: ``profiles``, ``env``, ``plan``."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, profile_option
+from k3rocm.errors import PlanError
+
+GB = 1e9
+
+
+@click.command("profiles", epilog="""\b
+Examples:
+  k3rocm profiles
+  k3rocm profiles --json""")
+@click.option("--json", "as_json", is_flag=True, help="Print the profiles as JSON.")
+@debug_option
+@handle_errors
+def profiles_cmd(as_json, debug):
+    """List the shipped hardware profiles (datasheet figures, sourced in each TOML file)."""
+    from rich.table import Table
+
+    from k3rocm.hw import list_profiles, load_profile
+    profs = [load_profile(n) for n in list_profiles()]
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in profs], indent=2))
+        return
+    t = Table(title="hardware profiles (datasheet values)")
+    for col in ("name", "device", "arch", "GPUs", "HBM GiB", "TB/s", "bf16 TF", "mxfp4 TF", "tp/ep"):
+        t.add_column(col)
+    for p in profs:
+        bf, fp4 = p.peak_flops.get("bf16"), p.peak_flops.get("mxfp4")
+        t.add_row(p.name, p.device_name, p.arch, str(p.device_count), f"{p.memory_bytes / 2**30:.0f}",
+                  f"{p.hbm_bandwidth / 1e12:.2f}", f"{bf / 1e12:.0f}" if bf else "-",
+                  f"{fp4 / 1e12:.0f}" if fp4 else "none", f"{p.tp}/{p.ep}")
+    console().print(t)
+
+
+@click.command("env", epilog="""\b
+Examples:
+  k3rocm env                      # what is here, and which profile it matches
+  k3rocm env --profile mi355x-8   # compare with a given profile
+  k3rocm env --json""")
+@profile_option
+@click.option("--json", "as_json", is_flag=True, help="Print detection + profile as JSON.")
+@debug_option
+@handle_errors
+def env_cmd(profile, as_json, debug):
+    """Detect backend, devices, arch, memory and software; match a hardware profile.
+
+    Exit 3 when --profile names hardware that is not here (the one-line error says what differs).
+    """
+    from rich.table import Table
+
+    from k3rocm.errors import HardwareError
+    from k3rocm.hw import detect, load_profile, match_profile
+    det = detect()
+    prof = load_profile(profile) if profile else match_profile(det)
+    matches = prof.backend == "cpu" or (det.backend == prof.backend and det.arch == prof.arch
+                                        and det.count >= prof.device_count)
+    if as_json:
+        click.echo(json.dumps({"detected": det.to_dict(), "profile": prof.to_dict(), "matches": matches},
+                              indent=2, default=str))
+    else:
+        t = Table(title="environment", show_header=False)
+        t.add_column("item")
+        t.add_column("value")
+        t.add_row("backend", det.backend)
+        t.add_row("torch", f"{det.torch_version} ({det.torch_build})")
+        t.add_row("triton", f"{det.triton_version} (target {det.triton_target})")
+        t.add_row("aiter", str(det.aiter_version))
+        t.add_row("driver", str(det.driver))
+        for d in det.devices:
+            t.add_row(f"device {d.index}", f"{d.name} {d.arch} {d.memory_bytes / GB:.1f} GB, {d.multiprocessors} CUs/SMs")
+        if not det.devices:
+            t.add_row("devices", f"none (CPU, {det.cpu_count} cores)")
+        t.add_row("profile", f"{prof.name}: {prof.device_count} x {prof.device_name} ({prof.arch})")
+        t.add_row("matches", "yes" if matches else "no: measurements would be measured-fallback")
+        for k, v in det.env.items():
+            t.add_row(k, v)
+        for n in det.notes:
+            t.add_row("note", n)
+        console().print(t)
+    if profile and not matches:
+        raise HardwareError(f"profile {prof.name} expects {prof.device_count} x {prof.arch} ({prof.backend}); "
+                            f"found {det.count} x {det.arch or 'cpu'} ({det.backend})")
+
+
+@click.command("plan", epilog="""\b
+Examples:
+  k3rocm plan --preset k3 --profile mi355x-8            # the real model on 8 x MI355X (fits at TP8)
+  k3rocm plan --preset k3 --profile mi300x-8            # does not fit: exit 2 with the numbers
+  k3rocm plan --checkpoint /models/Kimi-K3 --profile mi355x-8 --kv-dtype fp8
+  k3rocm plan                                           # embedded k3-tiny on this machine""")
+@checkpoint_option
+@click.option("--preset", default=None, metavar="NAME",
+              help="Plan a preset config instead of a checkpoint: k3, k3-tiny, k3-prefix-N, kimi-linear-48b-a3b.")
+@profile_option
+@click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the profile's).")
+@click.option("--ep", type=int, default=None, help="Expert-parallel degree, a divisor of tp (default: the profile's).")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--context-len", type=int, default=None, help="Tokens per sequence for the concurrency figure.")
+@click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")
+@debug_option
+@handle_errors
+def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json, debug):
+    """Will it fit, where does every byte go, what is the roofline? (layout, per-GPU bytes, cache capacity)
+
+    Exit 2 with the numbers when the checkpoint does not fit the profile.
+    """
+    from rich.table import Table
+
+    from k3rocm.config import preset as make_preset
+    from k3rocm.hw import detect, load_profile, match_profile
+    from k3rocm.runtime.plan import plan
+    if preset:
+        cfg = make_preset(preset)
+    else:
+        from k3rocm.validation.session import Options, Session
+        cfg = Session(Options(checkpoint=checkpoint)).config
+    prof = load_profile(profile) if profile else match_profile(detect(with_smi=False))
+    pl = plan(cfg, prof, tp=tp, ep=ep, kv_dtype=kv_dtype, context_len=context_len, strict=False)
+    if as_json:
+        click.echo(json.dumps(pl.to_dict(), indent=2, default=str))
+    else:
+        c = console()
+        t = Table(title=f"plan: {cfg.name} on {prof.name} (tp={pl.tp}, ep={pl.ep}, {pl.experts_per_rank} "
+                        f"experts/rank)")
+        for col in ("item", "per GPU", "detail"):
+            t.add_column(col)
+        for r in pl.summary():
+            t.add_row(r["item"], f"{r['GB']:.3f} GB", r["detail"])
+        c.print(t)
+        rt = Table(title="per-rank weight bytes")
+        rt.add_column("rank")
+        rt.add_column("ep rank")
+        rt.add_column("experts")
+        rt.add_column("GB")
+        rt.add_column("tensors")
+        for r in pl.ranks:
+            rt.add_row(str(r.rank), str(r.ep_rank), f"{r.expert_first}..{r.expert_stop - 1}" if r.expert_stop > r.expert_first else "-",
+                       f"{r.weights_bytes / GB:.3f}", str(getattr(r, "num_tensors", "")))
+        c.print(rt)
+        st = pl.roofline.step(1, 1024)
+        c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
+                f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
+                f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3f} ms "
+                f"({st['bound']}-bound, projected)")
+        for n in pl.notes:
+            c.print(f"note: {n}")
+    if not pl.fits:
+        raise PlanError(pl.problem or f"{cfg.name} does not fit {prof.name}")
+
+
+def register(cli: click.Group) -> None:
+    for cmd in (profiles_cmd, env_cmd, plan_cmd):
+        cli.add_command(cmd)
+

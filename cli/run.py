@@ -1,0 +1,148 @@
+"""The three jobs: ``load``, ``validate``, ``bench``. Each adds its stages to the report in ``--out``."""
+
+from __future__ import annotations
+
+import click
+
+from k3rocm.cli.common import (Progress, common_options, finish, handle_errors, make_session, print_stages,
+                               write_stages)
+from k3rocm.errors import ConfigError
+
+
+@click.command("load", epilog="""\b
+Examples:
+  k3rocm load                                            # embedded k3-tiny on this machine
+  k3rocm load --profile mi355x-8 --checkpoint /models/Kimi-K3
+  k3rocm load --checkpoint ./k3-tiny --out reports/tiny  # then open reports/tiny/report.html""")
+@common_options
+@handle_errors
+def load_cmd(checkpoint, profile, out, kernels, seed, debug):
+    """Plan, place and stream the weights, and prove they landed (tiers env + load).
+
+    Checks the index and every shard header before any device work, streams the tensors to the
+    devices of the plan (MXFP4 experts stay packed) and records bytes per device, GB/s and scale
+    sanity in the report.
+    """
+    from k3rocm.validation.tiers import run_tiers
+    s = make_session(checkpoint, profile, out, kernels, seed, debug)
+    with Progress() as bar:
+        stages = run_tiers(s, "load", progress=bar.callback("loading"))
+    print_stages(stages)
+    finish(stages, write_stages(s, stages))
+
+
+@click.command("validate", epilog="""\b
+Examples:
+  k3rocm validate                                  # every tier up to correctness, embedded k3-tiny
+  k3rocm validate --level performance --out reports/demo
+  k3rocm validate --level correctness --profile mi355x-8 --checkpoint /models/Kimi-K3
+  k3rocm validate --checkpoint ckpt/ --golden golden.safetensors   # + external golden logits
+  k3rocm validate --kernels moe_experts=torch,kda_prefill=triton  # choose implementations per op""")
+@click.option("--level", type=click.Choice(["env", "load", "forward", "correctness", "performance"]),
+              default="correctness", show_default=True, help="Run every tier up to this one; stop at the first failure.")
+@click.option("--golden", type=click.Path(path_type=str), default=None, metavar="FILE",
+              help="External golden outputs (safetensors: input_ids, logits, layerNN.attn_out/mlp_out, "
+                   "greedy_prompt, greedy_tokens, margins) to compare the fp32 oracle against.")
+@common_options
+@handle_errors
+def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
+    """Run the validation tiers env → load → forward → correctness → performance.
+
+    Correctness compares the selected implementation path (the kernel registry's choice per op, see
+    `k3rocm kernels list`) with the fp32 oracle layer by layer: per-layer error, logits KL,
+    top-1 agreement, max error, decode-vs-prefill equality. With --golden, or on the official
+    checkpoint (its known answers), it adds `external` evidence.
+    """
+    from k3rocm.validation.tiers import run_tiers
+    s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden)
+    with Progress() as bar:
+        stages = run_tiers(s, level, progress=bar.callback("working"))
+    print_stages(stages)
+    finish(stages, write_stages(s, stages))
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """``"1,8,64"`` -> ``[1, 8, 64]``. Raises ConfigError for anything but positive integers."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency {text!r}: give positive integers, e.g. 8 or 1,8,64") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ConfigError(f"--concurrency {text!r}: give positive integers, e.g. 8 or 1,8,64")
+    return vals
+
+
+@click.command("bench", epilog="""\b
+Examples:
+  k3rocm bench                                         # embedded k3-tiny, small defaults on CPU
+  k3rocm bench --concurrency 1,8,64 --input-len 1024 --output-len 1024 --profile mi355x-8 \\
+               --checkpoint /models/Kimi-K3
+  k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
+
+\b
+Defaults follow InferenceX's random dataset: lengths uniform in [0.8 L, L], num-prompts = 10 x
+concurrency, warm-ups = 2 x concurrency. Without --input-len/--output-len: 1024/1024 on a GPU
+profile, 64/16 on the CPU profile; without --concurrency: 64 on a GPU profile, 4 on the CPU.""")
+@click.option("--concurrency", default=None, metavar="N[,N...]", help="Concurrency, or a list: 1,8,64.")
+@click.option("--input-len", type=int, default=None, help="Prompt length L (drawn in [ratio*L, L]).")
+@click.option("--output-len", type=int, default=None, help="Output length L (drawn in [ratio*L, L]; EOS ignored).")
+@click.option("--num-prompts", type=int, default=None, help="Measured requests per point (default 10 x concurrency).")
+@click.option("--range-ratio", type=float, default=0.8, show_default=True, help="Lower end of the length draws.")
+@click.option("--warmups", type=int, default=None, help="Warm-up requests per point (default 2 x concurrency).")
+@common_options
+@handle_errors
+def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warmups, checkpoint, profile, out,
+              kernels, seed, debug):
+    """Benchmark serving: TTFT, TPOT, ITL, E2EL percentiles, tok/s and tok/s/GPU, fraction of roofline.
+
+    Every point's results go into the report's `bench` stage with plots of latency percentiles and
+    throughput against concurrency.
+    """
+    from k3rocm.validation.evidence import Stage, now_iso
+    from k3rocm.validation.tiers import bench_rows, run_bench_point, run_stage
+    s = make_session(checkpoint, profile, out, kernels, seed, debug)
+    gpu = s.profile.backend != "cpu"
+    cs = parse_concurrency(concurrency) if concurrency else [64 if gpu else 4]
+    il = input_len or (1024 if gpu else 64)
+    ol = output_len or (1024 if gpu else 16)
+    if num_prompts is not None and num_prompts < 1:
+        raise ConfigError(f"--num-prompts {num_prompts} must be >= 1")
+    if warmups is not None and warmups < 0:
+        raise ConfigError(f"--warmups {warmups} must be >= 0")
+
+    def body(stage: Stage) -> None:
+        results = []
+        with Progress() as bar:
+            s.load(progress=bar.callback("loading"))
+            for c in cs:
+                results.append(run_bench_point(s, concurrency=c, input_len=il, output_len=ol,
+                                               num_prompts=num_prompts, range_ratio=range_ratio, warmups=warmups,
+                                               progress=bar.callback(f"bench c={c}")))
+        bench_rows(s, stage, results, tier="bench")
+
+    stage = run_stage("bench", body, s.opts.command, debug)
+    stage.started = stage.started or now_iso()
+    stages = [stage]
+    print_stages(stages)
+    _print_bench(stage)
+    finish(stages, write_stages(s, stages))
+
+
+def _print_bench(stage) -> None:
+    from rich.table import Table
+
+    from k3rocm.cli.common import console
+    rows = [e for e in stage.evidence if e.passed is None]
+    if not rows:
+        return
+    t = Table()
+    for col in ("metric", "value", "unit", "level"):
+        t.add_column(col)
+    for e in rows:
+        t.add_row(e.name, str(e.value), e.unit, e.level)
+    console().print(t)
+
+
+def register(cli: click.Group) -> None:
+    for cmd in (load_cmd, validate_cmd, bench_cmd):
+        cli.add_command(cmd)
