@@ -155,7 +155,7 @@ def _fit_block_k(cfg_k: int, K: int) -> int:
 
 
 def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: GemmConfig | None,
-                  norm_weight=None, eps=1e-5, normed_dtype=torch.bfloat16):
+                  norm_weight=None, eps=1e-5, normed_dtype=torch.bfloat16, poison=False):
     if mode not in MODES:
         raise ConfigError(f"moe_experts: mode {mode!r} is not one of {', '.join(MODES)}; pass it explicitly")
     if act not in ("situ", "silu"):
@@ -174,11 +174,12 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         raise ConfigError(f"moe_experts: x {tuple(x.shape)} does not fit w13_packed {tuple(w13p.shape)} / "
                           f"w2_packed {tuple(w2p.shape)}")
     dev = x.device
-    out = torch.zeros(T, D, dtype=torch.float32, device=dev)
+    out = torch.empty(T, D, dtype=torch.float32, device=dev)
     normed = torch.empty(T, D, dtype=normed_dtype, device=dev) if norm_weight is not None else None
     P = T * k
     if P == 0:
-        return out, normed
+        out.zero_()
+        return out, (normed.zero_() if normed is not None else None)
     w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13p, w13s, w2p, w2s))
     a8 = mode == "a8w4"
     if a8:
@@ -200,6 +201,15 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         h = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
         hs = h
     opts = _launch_opts(cfg)
+    if poison:  # testing aid: NaN (0xFF for fp8) wherever a kernel should write, so an unwritten element shows
+        if a8:
+            h.view(torch.uint8).fill_(0xFF)
+            hs.fill_(0xFF)
+        else:
+            h.fill_(float("nan"))
+        out.fill_(float("nan"))
+        if normed is not None:
+            normed.fill_(float("nan"))
     bk1 = _fit_block_k(cfg.block_k, D)
     moe_gemm_kernel[(ub, triton.cdiv(inter, cfg.block_n))](
         a, a_s, w13p, w13s, h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -209,6 +219,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk1, **opts)
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
+    if poison:
+        y.fill_(float("nan"))
     bk2 = _fit_block_k(cfg.block_k, inter)
     moe_gemm_kernel[(ub, triton.cdiv(D, cfg.block_n))](
         h, hs, w2p, w2s, y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -226,7 +238,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Any,
                 act: str = "situ", mode: str = "a16w4", beta: float = 4.0, beta_lin: float = 25.0,
-                config: GemmConfig | None = None) -> torch.Tensor:
+                config: GemmConfig | None = None, poison: bool = False) -> torch.Tensor:
     """Routed experts on packed MXFP4 in Triton; contract of ``k3rocm.model.moe.moe_experts``.
 
     Args:
@@ -237,10 +249,11 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         mode: ``"a16w4"`` (bf16 x decoded MXFP4) or ``"a8w4"`` (MXFP8 E4M3 activations, quantized on the fly,
             x MXFP4 through ``tl.dot_scaled``); explicit, no global switch.
         config: one entry of ``GEMM_CONFIGS`` (default: :func:`pick_gemm_config`).
+        poison: testing aid — fill every intermediate and the output with NaN before the kernels run.
     Returns:
         ``[T, D]`` fp32. Raises ConfigError on bad mode / act / shapes / unquantized experts.
     """
-    return _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config)[0]
+    return _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config, poison=poison)[0]
 
 
 def latent_moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, experts: Any, top_k: int,
