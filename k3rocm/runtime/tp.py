@@ -233,7 +233,7 @@ def tp_forward_worker(ctx: DistContext, checkpoint: str, input_ids: torch.Tensor
     if via_loader:
         from k3rocm.runtime.load import load
         res = load(index, pl, ranks=[ctx.rank], device=ctx.device)
-        tensors = res.weights[ctx.rank]
+        tensors = res.rank_weights[ctx.rank]
     else:
         tensors = shard_weights(index, pl.ranks[ctx.rank])
     model = TPModel(cfg, pl, ctx.rank, tensors, ctx)
