@@ -1,0 +1,69 @@
+"""Triton MLA kernels: prefill (flash attention, shared k_rope), paged latent-cache write, absorbed split-K decode.
+
+Importing this package registers the ``triton`` implementations of ``mla_prefill``, ``mla_decode`` and
+``mla_cache_write`` in :mod:`k3rocm.kernels.registry`. Oracles: :mod:`k3rocm.model.mla`.
+"""
+
+from __future__ import annotations
+
+from k3rocm.kernels.registry import register
+
+from .decode import (CACHE_WRITE_CONFIGS, DECODE_CONFIGS, REDUCE_CONFIGS, _mla_cache_write_kernel,
+                     _mla_decode_merge_kernel, _mla_decode_split_kernel, mla_cache_write, mla_decode)
+from .prefill import PREFILL_CONFIGS, _mla_prefill_kernel, mla_prefill
+
+__all__ = ["mla_prefill", "mla_decode", "mla_cache_write", "PREFILL_CONFIGS", "DECODE_CONFIGS", "REDUCE_CONFIGS",
+           "CACHE_WRITE_CONFIGS", "isa_cases"]
+
+
+def _pow2_rank(kv_lora_rank: int = 512, **_) -> bool:
+    return kv_lora_rank > 0 and kv_lora_rank & (kv_lora_rank - 1) == 0
+
+
+register("mla_prefill", "triton", mla_prefill, note="Triton flash attention, shared k_rope, fused gate")
+register("mla_decode", "triton", mla_decode, supports=_pow2_rank,
+         note="Triton absorbed split-K decode over the paged 576-wide cache + merge/W_vc/gate kernel")
+register("mla_cache_write", "triton", mla_cache_write, note="Triton paged slot write (bf16 / FP8 + scale)")
+
+
+def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int):
+    sig = {"QL": q, "QR": q, "CACHE": cache, "BT": "*i32", "CL": "*i32", "PART": "*fp32", "LSE": "*fp32"}
+    for s in ("stride_qln", "stride_qlt", "stride_qlh", "stride_qrn", "stride_qrt", "stride_qrh",
+              "stride_cb", "stride_cs", "stride_bt", "H", "TQ", "ROWS", "NSEQ", "chunk"):
+        sig[s] = "i32"
+    sig["qk_scale"] = "fp32"
+    sig["out_scale"] = "fp32"
+    consts = dict(R=512, DR=64, PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n)
+    sig.update({k: "constexpr" for k in consts})
+    return sig, consts
+
+
+def isa_cases() -> list[tuple]:
+    """Every MLA kernel at K3 dims for ``kernels isa``: ``(name, fn, signature, constexprs, expects_matrix, options)``."""
+    from .prefill import isa_signature
+
+    cases = []
+    sig, consts, opts = isa_signature("bf16", has_gate=True)
+    cases.append(("mla_prefill_bf16_gate", _mla_prefill_kernel, sig, consts, True, opts))
+    for cfg in DECODE_CONFIGS["hip"]:  # the HIP configs' tiles; CUDA compiles the same tiles
+        sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"])
+        opts = {"cuda": {"num_warps": cfg["num_warps"], "num_stages": 2},
+                "hip": {k: v for k, v in cfg.items() if not k.startswith("BLOCK")}}
+        cases.append((f"mla_decode_split_bf16_h{cfg['BLOCK_H']}_n{cfg['BLOCK_N']}", _mla_decode_split_kernel, sig,
+                      consts, True, opts))
+    sig = {"PART": "*fp32", "LSE": "*fp32", "WVC": "*bf16", "G": "*bf16", "O": "*bf16"}
+    for s in ("H", "TQ", "ROWS", "NSEQ", "num_splits", "stride_wh", "stride_wr", "stride_gn", "stride_gt",
+              "stride_on", "stride_ot", "stride_oh"):
+        sig[s] = "i32"
+    rc = REDUCE_CONFIGS["cuda"][0]
+    consts = dict(R=512, DV=128, BDV=128, BLOCK_M=rc["BLOCK_M"], BLOCK_R=rc["BLOCK_R"], HAS_GATE=True)
+    sig.update({k: "constexpr" for k in consts})
+    cases.append(("mla_decode_merge_bf16", _mla_decode_merge_kernel, sig, consts, True,
+                  {"cuda": {"num_warps": 4, "num_stages": 2}, "hip": {"num_warps": 4, "num_stages": 1}}))
+    sig = {"CACHE": "*bf16", "SLOT": "*i64", "LAT": "*bf16", "KR": "*bf16", "stride_cb": "i32", "stride_cs": "i32",
+           "stride_lt": "i32", "stride_kt": "i32", "block_size": "i32", "inv_scale": "fp32"}
+    consts = dict(R=512, DR=64, BR=512, BDR=64, IS_FP8=False, FP8_LIM=0.0)
+    sig.update({k: "constexpr" for k in consts})
+    cases.append(("mla_cache_write_bf16", _mla_cache_write_kernel, sig, consts, False,
+                  {"cuda": {"num_warps": 4}, "hip": {"num_warps": 4}}))
+    return cases

@@ -1,0 +1,202 @@
+"""Block AttnRes in one kernel: score the bank rows and the prefix, softmax, mix, then the following RMSNorm.
+
+Per token (one program each): pass 1 reads every source once and accumulates ``sum(v^2)`` and ``<v, w>``
+(the key is the weight-free RMSNorm of v, so ``score = <v, w> * rsqrt(mean(v^2) + eps)`` needs no key
+tensor); the softmax over the S <= 16 sources is fp32 in registers; pass 2 re-reads the sources (a token's
+rows were just read, so they come from L2), mixes the **raw** values, writes ``h`` and accumulates
+``sum(h^2)``; pass 3 writes ``h_normed = h * rsqrt(mean(h^2) + eps) * norm_weight`` (in registers when
+the row fits one block). The write-layer variant stores the prefix into bank row ``num_rows`` during
+pass 1. Outputs are always fresh tensors, never bank storage (K3_FACTS §5: reusing a bank row's storage
+for a later output corrupts layers 85–92).
+
+Oracle: :func:`k3rocm.model.attnres.attn_res_norm` (fused) and :func:`k3rocm.model.attnres.attn_res` (op).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3rocm.errors import ConfigError
+from k3rocm.kernels.mla import _tune
+
+#: per-backend configs
+ATTNRES_CONFIGS: dict[str, list[dict]] = {
+    "cuda": [
+        dict(BLOCK_D=1024, num_warps=4, num_stages=1),
+        dict(BLOCK_D=2048, num_warps=8, num_stages=1),
+        dict(BLOCK_D=8192, num_warps=16, num_stages=1),
+        dict(BLOCK_D=512, num_warps=2, num_stages=1),
+    ],
+    "hip": [
+        dict(BLOCK_D=1024, num_warps=4, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=2048, num_warps=8, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=8192, num_warps=16, num_stages=1, waves_per_eu=0),
+    ],
+    "interp": [dict(BLOCK_D=16), dict(BLOCK_D=64)],
+}
+
+MAX_SOURCES = 16
+
+
+@triton.jit
+def _attn_res_kernel(
+    BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT,
+    num_rows, D, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
+    APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    sidx = tl.arange(0, S_PAD)
+    offs = tl.arange(0, BLOCK_D)
+    scores = tl.full([S_PAD], float("-inf"), tl.float32)
+    # pass 1: scores of the bank rows
+    src = BANK + t * stride_bt
+    for j in range(0, num_rows):
+        ss = tl.zeros([BLOCK_D], tl.float32)
+        dt = tl.zeros([BLOCK_D], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs
+            m = d < D
+            v = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
+            ss += v * v
+            dt += v * w
+        sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
+        scores = tl.where(sidx == j, sc, scores)
+        src += stride_br
+    # ... and of the prefix (appended to the bank on a write layer)
+    pre = PREFIX + t * stride_pt
+    ss = tl.zeros([BLOCK_D], tl.float32)
+    dt = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs
+        m = d < D
+        vr = tl.load(pre + d, mask=m, other=0.0)
+        v = vr.to(tl.float32)
+        w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
+        ss += v * v
+        dt += v * w
+        if APPEND:
+            tl.store(BANK_NEW + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
+    sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
+    scores = tl.where(sidx == num_rows, sc, scores)
+    mx = tl.max(scores, 0)
+    p = tl.exp(scores - mx)
+    p = p / tl.sum(p, 0)
+    # pass 2: mix raw values
+    hss = tl.zeros([BLOCK_D], tl.float32)
+    h = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs
+        m = d < D
+        h = tl.zeros([BLOCK_D], tl.float32)
+        vp = BANK + t * stride_bt + d
+        for j in range(0, num_rows):
+            pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
+            h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
+            vp += stride_br
+        pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
+        h += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
+        tl.store(H_OUT + t * stride_ht + d, h.to(H_OUT.dtype.element_ty), mask=m)
+        hss += h * h
+    if HAS_NORM:
+        rs = tl.rsqrt(tl.sum(hss, 0) / D + norm_eps)
+        if ONE_BLOCK:
+            m = offs < D
+            nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
+        else:
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + offs
+                m = d < D
+                hv = tl.load(H_OUT + t * stride_ht + d, mask=m, other=0.0).to(tl.float32)
+                nw = tl.load(NW + d, mask=m, other=0.0).to(tl.float32)
+                tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
+
+
+def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, config):
+    T, D = prefix.shape
+    if T == 0:
+        return
+
+    def launch(cfg):
+        meta, opts = _tune.split(cfg)
+        _attn_res_kernel[(T,)](
+            bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
+            num_rows, D, bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
+            (hn if hn is not None else h).stride(0), float(eps), float(norm_eps),
+            APPEND=append, HAS_NORM=norm_weight is not None, S_PAD=MAX_SOURCES, ONE_BLOCK=meta["BLOCK_D"] >= D,
+            **meta, **opts)
+
+    if config is None:
+        # timing must not append twice into a live bank: tune on the non-appending variant's shape
+        configs = _tune.config_list(ATTNRES_CONFIGS)
+        key = (D, _tune.pow2(T), bank.dtype, prefix.dtype, norm_weight is not None)
+        if append:
+            config = _tune._CACHE.get(("attn_res", key), configs[0])
+        else:
+            config = _tune.pick("attn_res", key, configs, launch)
+    launch(config)
+
+
+def _check(bank, num_rows, prefix, append):
+    R_max = bank.shape[0]
+    if not 0 <= num_rows <= R_max or (append and num_rows >= R_max) or num_rows + 1 > MAX_SOURCES:
+        raise ConfigError(f"attn_res_norm: num_rows={num_rows} (append={append}) does not fit a bank of {R_max} rows "
+                          f"(kernel limit {MAX_SOURCES - 1}); size the bank with K3Config.num_attn_res_bank_rows")
+    if tuple(bank.shape[1:]) != tuple(prefix.shape):
+        raise ConfigError(f"attn_res_norm: bank rows {tuple(bank.shape[1:])} and prefix {tuple(prefix.shape)} differ")
+    if bank.stride(-1) != 1 or prefix.stride(-1) != 1:
+        raise ConfigError("attn_res_norm: bank and prefix need a contiguous last dim")
+
+
+def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weight: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, append: bool = False, norm_eps: float | None = None,
+                  out_dtype: torch.dtype | None = None, config: dict | None = None):
+    """Triton fused AttnRes step; same contract as :func:`k3rocm.model.attnres.attn_res_norm`.
+
+    Args (beyond the oracle's):
+        out_dtype: dtype of ``h_normed`` (default fp32; ``h`` is always fp32).
+        config: one entry of ``ATTNRES_CONFIGS[backend]`` (default: tuned pick).
+    Returns:
+        ``(h [T, D] fp32, h_normed [T, D])``, freshly allocated.
+    Raises:
+        ConfigError: bank full / shapes disagree / more than 15 bank rows.
+    """
+    _check(bank, num_rows, prefix, append)
+    T, D = prefix.shape
+    h = torch.empty(T, D, dtype=torch.float32, device=prefix.device)
+    hn = torch.empty(T, D, dtype=out_dtype or torch.float32, device=prefix.device)
+    _launch(bank, num_rows, prefix, weight, norm_weight, eps, eps if norm_eps is None else norm_eps, append, h, hn,
+            config)
+    return h, hn
+
+
+def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float, config: dict | None = None) -> torch.Tensor:
+    """Triton ``attn_res`` op (registry contract): ``sources [S, T, D]`` -> ``[T, D]`` fp32 (no following norm).
+
+    Raises:
+        ConfigError: ``S`` is 0 or above 16, or widths disagree.
+    """
+    if sources.dim() != 3 or sources.shape[0] == 0 or sources.shape[0] > MAX_SOURCES or weight.shape[-1] != sources.shape[-1]:
+        raise ConfigError(f"attn_res: sources {tuple(sources.shape)} must be [1..{MAX_SOURCES}, T, D] with weight [D]")
+    if sources.stride(-1) != 1:
+        sources = sources.contiguous()
+    S, T, D = sources.shape
+    h = torch.empty(T, D, dtype=torch.float32, device=sources.device)
+    _launch(sources, S - 1, sources[S - 1], weight, None, eps, eps, False, h, None, config)
+    return h
+
+
+def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024):
+    """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa``."""
+    p = "*" + dtype
+    sig = {"BANK": p, "BANK_NEW": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
+           "num_rows": "i32", "D": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
+           "stride_ht": "i32", "stride_hnt": "i32", "eps": "fp32", "norm_eps": "fp32"}
+    consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MAX_SOURCES, BLOCK_D=block_d, ONE_BLOCK=False)
+    for k in consts:
+        sig[k] = "constexpr"
+    return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}

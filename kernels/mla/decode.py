@@ -1,0 +1,333 @@
+"""MLA over the paged latent cache: the slot-write kernel and the absorbed split-K decode.
+
+Cache layout (K3_FACTS §5/§7): ``kv_cache [num_blocks, block_size, R+Dr]`` (576 = 512 normed latent + 64
+k_rope per token), ``block_table [N, max_blocks]`` int32, ``context_lens [N]`` int32. Dtype bf16 (or fp16 /
+fp32), or FP8 e4m3fn (gfx950, CUDA) / e4m3fnuz (gfx942) with one dequantisation scale ``kv_scale``.
+
+Decode absorbs ``kv_b_proj`` (DeepSeek-V2 §2.1.2): the wrapper forms q_lat = q_nope @ W_kc (a batched
+matmul, [H, Dn, R]) so the attention kernel reads only the 576-wide cache rows; per (sequence, context
+split, head group) it computes an online softmax over its slice and writes an fp32 partial ``[R]`` plus its
+log-sum-exp. A second kernel merges the splits, multiplies by W_vc ([H, R, Dv], the value side of the
+absorption) and applies the output gate ``sigmoid(g_proj(x))``: the o_proj input comes out ready.
+
+Oracle: :func:`k3rocm.model.mla.mla_decode`, :func:`k3rocm.model.mla.mla_cache_write`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3rocm.errors import ConfigError
+from k3rocm.kernels.mla import _tune
+from k3rocm.model.mla import FP8_MAX
+
+LOG2E = 1.4426950408889634
+
+#: split (attention) kernel configs per backend
+DECODE_CONFIGS: dict[str, list[dict]] = {
+    "cuda": [
+        dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),
+        dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2),
+        dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=2),
+        dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+        dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=3),
+    ],
+    "hip": [
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
+        dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
+    ],
+    "interp": [
+        dict(BLOCK_H=16, BLOCK_N=16),
+        dict(BLOCK_H=32, BLOCK_N=32),
+    ],
+}
+
+#: merge + W_vc + gate kernel configs per backend
+REDUCE_CONFIGS: dict[str, list[dict]] = {
+    "cuda": [dict(BLOCK_M=16, BLOCK_R=64, num_warps=4, num_stages=2)],
+    "hip": [dict(BLOCK_M=16, BLOCK_R=64, num_warps=4, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1)],
+    "interp": [dict(BLOCK_M=16, BLOCK_R=16)],
+}
+
+CACHE_WRITE_CONFIGS: dict[str, list[dict]] = {
+    "cuda": [dict(num_warps=4)], "hip": [dict(num_warps=4)], "interp": [dict()],
+}
+
+#: a context slice shorter than this is not split further
+MIN_SPLIT_TOKENS = 256
+#: upper bound on the fp32 partial buffer (bytes) that decides how far a batch may be split
+PARTIAL_BUDGET = 256 << 20
+
+
+@triton.jit
+def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_lt, stride_kt, block_size, inv_scale,
+                            R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
+                            IS_FP8: tl.constexpr, FP8_LIM: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t).to(tl.int64)
+    if slot < 0:
+        return
+    base = CACHE + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    r = tl.arange(0, BR)
+    d = tl.arange(0, BDR)
+    lat = tl.load(LAT + t.to(tl.int64) * stride_lt + r, mask=r < R, other=0.0).to(tl.float32)
+    kr = tl.load(KR + t.to(tl.int64) * stride_kt + d, mask=d < DR, other=0.0).to(tl.float32)
+    if IS_FP8:
+        lat = tl.minimum(tl.maximum(lat * inv_scale, -FP8_LIM), FP8_LIM)
+        kr = tl.minimum(tl.maximum(kr * inv_scale, -FP8_LIM), FP8_LIM)
+    tl.store(base + r, lat.to(CACHE.dtype.element_ty), mask=r < R)
+    tl.store(base + R + d, kr.to(CACHE.dtype.element_ty), mask=d < DR)
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    QL, QR, CACHE, BT, CL, PART, LSE,
+    stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
+    stride_cb, stride_cs, stride_bt,
+    H, TQ, ROWS, NSEQ, chunk, qk_scale, out_scale,
+    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    n = tl.program_id(0)
+    s = tl.program_id(1)
+    g = tl.program_id(2)
+    L = tl.load(CL + n)
+    start = s * chunk
+    end = tl.minimum(L, start + chunk)
+    rows = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < ROWS
+    lse_ptr = LSE + (s * NSEQ + n).to(tl.int64) * ROWS + rows
+    if start >= end:
+        tl.store(lse_ptr, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=row_ok)
+        return
+    t = rows // H
+    hh = rows % H
+    last = L - TQ + t  # last visible position of each query row
+    r = tl.arange(0, R)
+    dr = tl.arange(0, DR)
+    ql = tl.load(QL + n.to(tl.int64) * stride_qln + (t * stride_qlt + hh * stride_qlh)[:, None] + r[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    qr = tl.load(QR + n.to(tl.int64) * stride_qrn + (t * stride_qrt + hh * stride_qrh)[:, None] + dr[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    bt_row = BT + n.to(tl.int64) * stride_bt
+    for k0 in range(start, end, BLOCK_N):
+        pos = k0 + offs
+        ok = pos < end
+        # positions past the slice are clamped to its last row (real, finite data) and masked in the
+        # scores, so the tile loads need no per-lane masks
+        pc = tl.minimum(pos, end - 1)
+        blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
+        rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
+        lat = tl.load(rowp[:, None] + r[None, :]).to(ql.dtype)
+        kr = tl.load(rowp[None, :] + R + dr[:, None]).to(qr.dtype)
+        sc = tl.dot(ql, tl.trans(lat)) + tl.dot(qr, kr)
+        sc = sc * qk_scale
+        vis = ok[None, :] & (pos[None, :] <= last[:, None])
+        sc = tl.where(vis, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+        m_i = m_new
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    part = acc * (out_scale / l_safe)[:, None]
+    pp = PART + ((s * NSEQ + n).to(tl.int64) * ROWS + rows)[:, None] * R + r[None, :]
+    tl.store(pp, part, mask=row_ok[:, None])
+    tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    PART, LSE, WVC, G, O,
+    H, TQ, ROWS, NSEQ, num_splits,
+    stride_wh, stride_wr, stride_gn, stride_gt, stride_on, stride_ot, stride_oh,
+    R: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    h = tl.program_id(0)
+    mb = tl.program_id(1)
+    idx = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # (sequence, query) pairs
+    ok = idx < NSEQ * TQ
+    n = idx // TQ
+    t = idx % TQ
+    row = (n.to(tl.int64) * ROWS + t * H + h)
+    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(LSE + s * NSEQ * ROWS + row, mask=ok, other=float("-inf"))
+        mx = tl.maximum(mx, lse)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(LSE + s * NSEQ * ROWS + row, mask=ok, other=float("-inf"))
+        den += tl.exp2(lse - mx_safe)
+    inv = tl.where(den > 0.0, 1.0 / den, 0.0)
+    dv = tl.arange(0, BDV)
+    rr = tl.arange(0, BLOCK_R)
+    out = tl.zeros([BLOCK_M, BDV], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        c = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for s in range(0, num_splits):
+            lse = tl.load(LSE + s * NSEQ * ROWS + row, mask=ok, other=float("-inf"))
+            w = tl.exp2(lse - mx_safe) * inv
+            use = ok & (w > 0.0)
+            pv = tl.load(PART + (s * NSEQ * ROWS + row)[:, None] * R + r0 + rr[None, :], mask=use[:, None], other=0.0)
+            c += w[:, None] * pv
+        wv = tl.load(WVC + h * stride_wh + (r0 + rr)[:, None] * stride_wr + dv[None, :], mask=dv[None, :] < DV,
+                     other=0.0)
+        out += tl.dot(c.to(wv.dtype), wv)
+    st = ok[:, None] & (dv[None, :] < DV)
+    if HAS_GATE:
+        gv = tl.load(G + n[:, None].to(tl.int64) * stride_gn + t[:, None] * stride_gt + h * DV + dv[None, :], mask=st,
+                     other=0.0).to(tl.float32)
+        out = out * tl.sigmoid(gv)
+    tl.store(O + n[:, None].to(tl.int64) * stride_on + t[:, None] * stride_ot + h * stride_oh + dv[None, :],
+             out.to(O.dtype.element_ty), mask=st)
+
+
+def _tl_fp8_ok(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                    kv_scale: float | None = None) -> None:
+    """Triton slot write; same contract as :func:`k3rocm.model.mla.mla_cache_write` (in place, -1 = skip).
+
+    Raises:
+        ConfigError: widths disagree with the cache, or the cache's last dim is not contiguous.
+    """
+    nb, bs, W = kv_cache.shape
+    T, R = latent.shape
+    Dr = k_rope.shape[1]
+    if R + Dr != W or k_rope.shape[0] != T or slot_mapping.shape[0] != T:
+        raise ConfigError(f"mla_cache_write: latent {tuple(latent.shape)} + k_rope {tuple(k_rope.shape)} do not fill "
+                          f"cache rows of width {W} for {slot_mapping.shape[0]} slots")
+    if kv_cache.stride(-1) != 1 or latent.stride(-1) != 1 or k_rope.stride(-1) != 1:
+        raise ConfigError("mla_cache_write: kv_cache, latent and k_rope need a contiguous last dim")
+    if T == 0:
+        return
+    fp8 = _tl_fp8_ok(kv_cache.dtype)
+    inv = 1.0 / float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
+    meta, opts = _tune.split(_tune.config_list(CACHE_WRITE_CONFIGS)[0])
+    _mla_cache_write_kernel[(T,)](
+        kv_cache, slot_mapping.to(torch.int64), latent, k_rope, kv_cache.stride(0), kv_cache.stride(1),
+        latent.stride(0), k_rope.stride(0), bs, inv,
+        R=R, DR=Dr, BR=_tune.pow2(R), BDR=_tune.pow2(Dr), IS_FP8=fp8, FP8_LIM=FP8_MAX.get(kv_cache.dtype, 0.0),
+        **meta, **opts)
+
+
+def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: int, R: int, n_sm: int,
+                   block_h: int = 16) -> tuple[int, int]:
+    """Split-K plan: ``(num_splits, chunk)`` with chunk a multiple of 64 tokens.
+
+    Aims at ~2 programs per multiprocessor (``n_sm``) with slices no shorter than ``MIN_SPLIT_TOKENS``,
+    sized from the batch's *total* context so that one long sequence among short ones is cut as finely as
+    the work needs, and capped so the fp32 partial buffer stays under ``PARTIAL_BUDGET``.
+    """
+    groups = triton.cdiv(rows, block_h)
+    target = 2 * n_sm
+    chunk = max(MIN_SPLIT_TOKENS, triton.cdiv(max(total_tokens, 1) * groups, target))
+    chunk = triton.cdiv(chunk, 64) * 64
+    splits = max(1, triton.cdiv(max(context_lens_max, 1), chunk))
+    cap = max(1, PARTIAL_BUDGET // max(1, n_seq * rows * R * 4))
+    if splits > cap:
+        splits = cap
+        chunk = triton.cdiv(triton.cdiv(max(context_lens_max, 1), splits), 64) * 64
+    return splits, chunk
+
+
+def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float,
+               gate: torch.Tensor | None = None, kv_scale: float | None = None, out: torch.Tensor | None = None,
+               config: dict | None = None, num_splits: int | None = None,
+               max_context_len: int | None = None) -> torch.Tensor:
+    """Triton absorbed MLA decode; same contract as :func:`k3rocm.model.mla.mla_decode`.
+
+    Args (beyond the oracle's):
+        out: optional preallocated ``[N, Tq, H, Dv]``; default dtype ``q_nope.dtype``.
+        config: one entry of ``DECODE_CONFIGS[backend]`` (default: tuned pick).
+        num_splits: force the number of context splits (default: :func:`num_splits_for`).
+        max_context_len: the batch's longest context (avoids a device->host read).
+    Returns:
+        o ``[N, Tq, H, Dv]``.
+    Raises:
+        ConfigError: inconsistent widths or non-contiguous cache rows.
+    """
+    N, Tq, H, Dn = q_nope.shape
+    Dr = q_rope.shape[-1]
+    R = w_kc.shape[-1]
+    Dv = w_vc.shape[-1]
+    nb, page, W = kv_cache.shape
+    if W != R + Dr or tuple(w_kc.shape) != (H, Dn, R) or tuple(w_vc.shape[:2]) != (H, R) \
+            or tuple(q_rope.shape[:3]) != (N, Tq, H):
+        raise ConfigError(f"mla_decode: cache width {W}, w_kc {tuple(w_kc.shape)}, w_vc {tuple(w_vc.shape)}, "
+                          f"q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)} are inconsistent")
+    if R & (R - 1) or Dr & (Dr - 1) or Dr < 16 or R < 16:
+        raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be powers of two >= 16 for the "
+                          f"Triton kernel; use --kernels mla_decode=torch")
+    if kv_cache.stride(-1) != 1:
+        raise ConfigError("mla_decode: kv_cache rows must be contiguous")
+    if out is None:
+        out = torch.empty(N, Tq, H, Dv, dtype=q_nope.dtype, device=q_nope.device)
+    if N == 0:
+        return out
+    fp8 = _tl_fp8_ok(kv_cache.dtype)
+    cdt = torch.bfloat16 if fp8 else kv_cache.dtype  # dot operand dtype
+    # absorption on the query side: [H, N*Tq, Dn] @ [H, Dn, R]
+    qn = q_nope.reshape(N * Tq, H, Dn).transpose(0, 1).to(cdt)
+    q_lat = torch.bmm(qn, w_kc.to(cdt)).view(H, N, Tq, R)  # strides (n, t, h) below
+    q_r = q_rope.to(cdt)
+    if q_r.stride(-1) != 1:
+        q_r = q_r.contiguous()
+    wv = w_vc.to(cdt).contiguous()
+    rows = Tq * H
+    cl = context_lens.to(torch.int32)
+    bt = block_table.to(torch.int32)
+    if max_context_len is None:
+        max_context_len = int(cl.max())
+    total = int(cl.sum()) if num_splits is None else 0
+    if gate is not None:
+        gate = gate.reshape(N, Tq, H * Dv)
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
+    gt = gate if gate is not None else out.view(N, Tq, H * Dv)
+    back = _tune.backend()[0]
+    n_sm = 1 if back == "interp" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
+    splits, chunk = num_splits_for(max_context_len, total, N, rows, R, n_sm)
+    if num_splits is not None:
+        splits = max(1, int(num_splits))
+        chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), 64) * 64
+    part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
+    lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
+    fold = float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
+    qk_scale = float(scale) * LOG2E * fold
+
+    def launch(cfg: dict) -> None:
+        meta, opts = _tune.split(cfg)
+        grid = (N, splits, triton.cdiv(rows, meta["BLOCK_H"]))
+        _mla_decode_split_kernel[grid](
+            q_lat, q_r, kv_cache, bt, cl, part, lse,
+            q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
+            H, Tq, rows, N, chunk, qk_scale, fold,
+            R=R, DR=Dr, PAGE=page, **meta, **opts)
+
+    if config is None:
+        key = (rows, R, Dr, page, kv_cache.dtype, splits, _tune.pow2(chunk), _tune.pow2(N))
+        config = _tune.pick("mla_decode", key, _tune.config_list(DECODE_CONFIGS), launch)
+    launch(config)
+    meta, opts = _tune.split(_tune.config_list(REDUCE_CONFIGS)[0])
+    meta["BLOCK_R"] = min(meta["BLOCK_R"], R)
+    _mla_decode_merge_kernel[(H, triton.cdiv(N * Tq, meta["BLOCK_M"]))](
+        part, lse, wv, gt, out, H, Tq, rows, N, splits,
+        wv.stride(0), wv.stride(1), gt.stride(0), gt.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        R=R, DV=Dv, BDV=_tune.pow2(Dv), HAS_GATE=gate is not None, **meta, **opts)
+    return out

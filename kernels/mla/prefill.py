@@ -1,0 +1,219 @@
+"""MLA prefill: causal flash attention (varlen, bottom-right aligned) with a shared k_rope and Dv != Dq.
+
+score = (q[:, :Dn] . k_nope + q[:, Dn:] . k_rope) * scale (K3_FACTS §5: scale = 192^-0.5); the 64 rope
+dims of the key are one ``[Tk, Dr]`` tensor shared by all heads, so the kernel reads them once per key
+tile instead of materialising a 192-wide per-head key. Online softmax in fp32 (Dao et al., FlashAttention-2,
+in base 2); v keeps its own width (128), no padding to 192. Optional fused output gate
+``o *= sigmoid(gate)`` (gate = ``g_proj(x)``) in the epilogue.
+
+Oracle: :func:`k3rocm.model.mla.mla_prefill`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from k3rocm.errors import ConfigError
+from k3rocm.kernels.mla import _tune
+
+LOG2E = 1.4426950408889634
+
+#: per-backend configs (the only place vendor knobs live)
+PREFILL_CONFIGS: dict[str, list[dict]] = {
+    "cuda": [
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ],
+    "hip": [
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+    ],
+    "interp": [
+        dict(BLOCK_M=16, BLOCK_N=16),
+        dict(BLOCK_M=32, BLOCK_N=16),
+    ],
+}
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    Q, KN, KR, V, O, G, CUQ, CUK,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_krt, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_gt, stride_gh,
+    qk_scale, num_m_blocks,
+    DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,
+):
+    # heavy (late) query blocks first: causal work grows with the block index
+    pid_m = num_m_blocks - 1 - tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(CUQ + n)
+    lq = tl.load(CUQ + n + 1) - q0
+    k0 = tl.load(CUK + n)
+    lk = tl.load(CUK + n + 1) - k0
+    m_start = pid_m * BLOCK_M
+    if m_start >= lq:
+        return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    dn = tl.arange(0, DN)
+    dr = tl.arange(0, DR)
+    dv = tl.arange(0, DV)
+    m_ok = offs_m < lq
+    q_base = Q + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+    qn = tl.load(q_base + dn[None, :], mask=m_ok[:, None], other=0.0)
+    qr = tl.load(q_base + DN + dr[None, :], mask=m_ok[:, None], other=0.0)
+
+    diag = lk - lq  # query j sees keys 0 .. diag + j
+    m_last = tl.minimum(m_start + BLOCK_M, lq) - 1
+    hi = tl.minimum(lk, diag + m_last + 1)
+    lo = tl.maximum(diag + m_start + 1, 0)
+    lo = tl.minimum((lo // BLOCK_N) * BLOCK_N, tl.maximum(hi, 0))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    kn_base = KN + h * stride_knh
+    v_base = V + h * stride_vh
+    # keys every row of the block sees: no causal mask
+    for start in range(0, lo, BLOCK_N):
+        kt = (k0 + start + offs_n).to(tl.int64)
+        kn = tl.load(kn_base + kt[None, :] * stride_knt + dn[:, None])
+        kr = tl.load(KR + kt[None, :] * stride_krt + dr[:, None])
+        s = tl.dot(qn, kn) + tl.dot(qr, kr)
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(v_base + kt[:, None] * stride_vt + dv[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
+    # the diagonal band: causal + length mask; out-of-range keys are clamped to the last valid one (real,
+    # finite data) and masked in the scores, so the loads need no per-lane masks (fewer AMD SGPRs)
+    for start in range(lo, hi, BLOCK_N):
+        kidx = start + offs_n
+        k_ok = kidx < hi
+        kt = (k0 + tl.minimum(kidx, hi - 1)).to(tl.int64)
+        kn = tl.load(kn_base + kt[None, :] * stride_knt + dn[:, None])
+        kr = tl.load(KR + kt[None, :] * stride_krt + dr[:, None])
+        s = tl.dot(qn, kn) + tl.dot(qr, kr)
+        s = s * qk_scale
+        vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(v_base + kt[:, None] * stride_vt + dv[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    row = (q0 + offs_m).to(tl.int64)
+    st_mask = m_ok[:, None]
+    if HAS_GATE:
+        grow = (q0 + tl.minimum(offs_m, lq - 1)).to(tl.int64)  # clamped rows: no load mask
+        g = tl.load(G + grow[:, None] * stride_gt + h * stride_gh + dv[None, :]).to(tl.float32)
+        out = out * tl.sigmoid(g)
+    tl.store(O + row[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty), mask=st_mask)
+
+
+def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, scale: float,
+                gate: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                config: dict | None = None, max_seqlen_q: int | None = None) -> torch.Tensor:
+    """Triton MLA prefill; same contract as :func:`k3rocm.model.mla.mla_prefill`.
+
+    Args (beyond the oracle's):
+        gate: optional ``[Tq, H*Dv]`` / ``[Tq, H, Dv]`` raw ``g_proj(x)``, fused as ``o * sigmoid(gate)``.
+        out: optional preallocated ``[Tq, H, Dv]`` output (its dtype is kept); default ``q.dtype``.
+        config: one entry of ``PREFILL_CONFIGS[backend]`` (default: tuned pick).
+        max_seqlen_q: longest query segment (avoids a device->host read of cu_seqlens_q).
+    Returns:
+        o ``[Tq, H, Dv]`` in ``q.dtype`` (or ``out``'s).
+    Raises:
+        ConfigError: inconsistent shapes.
+    """
+    Tq, H, Dq = q.shape
+    Tk, _, Dn = k_nope.shape
+    Dr = k_rope.shape[1]
+    Dv = v.shape[2]
+    if Dq != Dn + Dr or k_nope.shape[1] != H or tuple(v.shape[:2]) != (Tk, H) or k_rope.shape[0] != Tk:
+        raise ConfigError(f"mla_prefill: q {tuple(q.shape)}, k_nope {tuple(k_nope.shape)}, k_rope {tuple(k_rope.shape)}, "
+                          f"v {tuple(v.shape)} are inconsistent; expect q [Tq,H,Dn+Dr], k_nope [Tk,H,Dn], k_rope [Tk,Dr]")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ConfigError("mla_prefill: cu_seqlens_q and cu_seqlens_k describe different numbers of sequences")
+    for name, t in (("q", q), ("k_nope", k_nope), ("k_rope", k_rope), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ConfigError(f"mla_prefill: {name} must have a contiguous last dim; call .contiguous()")
+    for name, d in (("qk_nope_head_dim", Dn), ("qk_rope_head_dim", Dr), ("v_head_dim", Dv)):
+        if d < 16 or d & (d - 1):
+            raise ConfigError(f"mla_prefill: {name}={d} must be a power of two >= 16 for the Triton kernel; "
+                              f"use --kernels mla_prefill=torch")
+    N = cu_seqlens_q.shape[0] - 1
+    if out is None:
+        out = torch.empty(Tq, H, Dv, dtype=q.dtype, device=q.device)
+    if Tq == 0 or N == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if gate is not None:
+        gate = gate.reshape(Tq, H, Dv)
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
+    g = gate if gate is not None else out
+    cuq = cu_seqlens_q.to(torch.int32)
+    cuk = cu_seqlens_k.to(torch.int32)
+    qk_scale = float(scale) * LOG2E
+
+    def launch(cfg: dict) -> None:
+        meta, opts = _tune.split(cfg)
+        nmb = triton.cdiv(max(max_seqlen_q, 1), meta["BLOCK_M"])
+        _mla_prefill_kernel[(nmb, N, H)](
+            q, k_nope, k_rope, v, out, g, cuq, cuk,
+            q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), g.stride(0), g.stride(1),
+            qk_scale, nmb,
+            DN=Dn, DR=Dr, DV=Dv,
+            HAS_GATE=gate is not None, **meta, **opts)
+
+    if config is None:
+        configs = _tune.config_list(PREFILL_CONFIGS)
+        key = (H, Dn, Dr, Dv, q.dtype, _tune.pow2(max_seqlen_q), gate is not None)
+        config = _tune.pick("mla_prefill", key, configs, launch)
+    launch(config)
+    return out
+
+
+def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None = None):
+    """(signature, constexprs, options-by-backend) of the prefill kernel at K3's dims (for ``kernels isa``)."""
+    cfg = cfg or PREFILL_CONFIGS["cuda"][0]
+    p = "*" + dtype
+    sig = {"Q": p, "KN": p, "KR": p, "V": p, "O": p, "G": p, "CUQ": "*i32", "CUK": "*i32"}
+    for s in ("stride_qt", "stride_qh", "stride_knt", "stride_knh", "stride_krt", "stride_vt", "stride_vh",
+              "stride_ot", "stride_oh", "stride_gt", "stride_gh"):
+        sig[s] = "i32"
+    sig["qk_scale"] = "fp32"
+    sig["num_m_blocks"] = "i32"
+    consts = dict(DN=128, DR=64, DV=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                  HAS_GATE=has_gate)
+    for k in consts:
+        sig[k] = "constexpr"
+    hip = dict(PREFILL_CONFIGS["hip"][0])
+    opts = {"cuda": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+            "hip": {k: hip[k] for k in _tune.LAUNCH_KEYS if k in hip} | {"num_warps": cfg["num_warps"]}}
+    return sig, consts, opts
+
+
+def default_scale(qk_nope_head_dim: int, qk_rope_head_dim: int) -> float:
+    """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (K3_FACTS §5: 192^-0.5)."""
+    return 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
