@@ -34,13 +34,13 @@ def checkpoint_group():
 Examples:
   k3rocm checkpoint make --out ./k3-tiny                     # random k3-tiny, seed 0
   k3rocm checkpoint make --preset k3-prefix-2 --out ./k3p2 --seed 7
-  k3rocm checkpoint make --out ./k3-tiny --manifest          # + manifest.json of sha256""")
+  k3rocm checkpoint make --out ./k3-tiny --manifest          # + k3rocm-manifest.json (sha256)""")
 @click.option("--preset", default="k3-tiny", show_default=True, metavar="NAME",
               help="k3-tiny, k3-prefix-N, k3, kimi-linear-48b-a3b (full sizes need the disk space).")
 @click.option("--out", required=True, type=click.Path(path_type=str), metavar="DIR", help="New directory to write.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Weights are a function of (seed, tensor name).")
 @click.option("--shards", type=int, default=None, help="Number of shards (default: by size).")
-@click.option("--manifest", is_flag=True, help="Also write manifest.json (sha256 per file).")
+@click.option("--manifest", is_flag=True, help="Also write k3rocm-manifest.json (sha256 per file).")
 @debug_option
 @handle_errors
 def make_cmd(preset, out, seed, shards, manifest, debug):
@@ -105,31 +105,33 @@ def inspect_cmd(checkpoint, as_json, debug):
 
 @checkpoint_group.command("verify", epilog="""\b
 Examples:
-  k3rocm checkpoint verify --checkpoint ./k3-tiny                 # against manifest.json
+  k3rocm checkpoint verify --checkpoint ./k3-tiny                 # against k3rocm-manifest.json
   k3rocm checkpoint verify --checkpoint ./k3-tiny --write-manifest""")
 @click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR")
-@click.option("--write-manifest", is_flag=True, help="Write manifest.json (sha256 of every file) instead of checking.")
+@click.option("--write-manifest", is_flag=True, help="Write k3rocm-manifest.json (sha256 of every file) instead of checking.")
 @debug_option
 @handle_errors
 def verify_cmd(checkpoint, write_manifest, debug):
-    """Check every file's sha256 against manifest.json (exit 2 naming the first mismatch)."""
+    """Check every file's sha256 against k3rocm-manifest.json (exit 2 naming the first mismatch)."""
     from k3rocm.validation.session import Options, Session
     s = Session(Options(checkpoint=checkpoint))
     d = s.checkpoint_dir
     if write_manifest:
-        _fn("make_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
-        click.echo(f"wrote {d / 'manifest.json'}")
+        mf = _fn("make_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
+        click.echo(f"wrote {mf}")
         return
-    if not (d / "manifest.json").is_file():
-        raise CheckpointError(f"{d}: no manifest.json; create one with `k3rocm checkpoint verify --checkpoint {d} "
+    from k3rocm.validation.tiers import _manifest_name
+    if not (d / _manifest_name()).is_file():
+        raise CheckpointError(f"{d}: no {_manifest_name()}; create one with `k3rocm checkpoint verify --checkpoint {d} "
                               "--write-manifest` on a trusted copy")
     s.index  # headers and layout first
     res = _fn("verify_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
     from k3rocm.validation.tiers import _manifest_problems
     bad = _manifest_problems(res)
     if bad:
-        raise CheckpointError(f"{d}: {len(bad)} file(s) differ from manifest.json, first: {bad[0]}")
-    click.echo(f"{d}: every file matches manifest.json")
+        raise CheckpointError(f"{d}: {len(bad)} file(s) differ from {_manifest_name()}, first: {bad[0]}; "
+                              "re-download them")
+    click.echo(f"{d}: every file matches {_manifest_name()}")
 
 
 def register(cli: click.Group) -> None:

@@ -12,6 +12,15 @@ from k3rocm.errors import PlanError
 GB = 1e9
 
 
+def human_bytes(b: float) -> str:
+    """``1234567`` -> ``"1.23 MB"`` (decimal units)."""
+    b = float(b)
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= f:
+            return f"{b / f:.3f} {unit}"
+    return f"{int(b)} B"
+
+
 @click.command("profiles", epilog="""\b
 Examples:
   k3rocm profiles
@@ -132,7 +141,7 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
         for col in ("item", "per GPU", "detail"):
             t.add_column(col)
         for r in pl.summary():
-            t.add_row(r["item"], f"{r['GB']:.3f} GB", r["detail"])
+            t.add_row(r["item"], human_bytes(r["bytes"]), r["detail"])
         c.print(t)
         rt = Table(title="per-rank weight bytes")
         rt.add_column("rank")

@@ -6,7 +6,9 @@ import click
 
 from k3rocm.cli.common import (Progress, common_options, finish, handle_errors, make_session, print_stages,
                                write_stages)
-from k3rocm.errors import ConfigError
+from pathlib import Path
+
+from k3rocm.errors import CheckpointError, ConfigError
 
 
 @click.command("load", epilog="""\b
@@ -25,6 +27,7 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     """
     from k3rocm.validation.tiers import run_tiers
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
+    s.preflight()
     with Progress() as bar:
         stages = run_tiers(s, "load", progress=bar.callback("loading"))
     print_stages(stages)
@@ -55,6 +58,9 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
     """
     from k3rocm.validation.tiers import run_tiers
     s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden)
+    s.preflight()
+    if golden and not Path(golden).is_file():
+        raise CheckpointError(f"--golden {golden}: file not found; pass a safetensors file with input_ids and logits")
     with Progress() as bar:
         stages = run_tiers(s, level, progress=bar.callback("working"))
     print_stages(stages)
@@ -101,6 +107,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     from k3rocm.validation.evidence import Stage, now_iso
     from k3rocm.validation.tiers import bench_rows, run_bench_point, run_stage
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
+    s.preflight()
     gpu = s.profile.backend != "cpu"
     cs = parse_concurrency(concurrency) if concurrency else [64 if gpu else 4]
     il = input_len or (1024 if gpu else 64)

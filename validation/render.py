@@ -108,7 +108,9 @@ def _series_svg(name: str, spec: dict) -> str | None:
             ax.set_xticks([i + 0.4 - w / 2 for i in range(len(vals))], [str(v) for v in xs])
         else:
             ax.plot(xs, vals, marker="o", markersize=3, label=lab)
-    if spec.get("log"):
+    positive = [float(v) for vals in ys.values() for v in vals
+                if isinstance(v, (int, float)) and v == v and v > 0]
+    if spec.get("log") and positive:
         ax.set_yscale("log")
     ax.set_title(spec.get("title", name), fontsize=10)
     ax.set_xlabel(spec.get("xlabel", ""))

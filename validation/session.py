@@ -73,6 +73,13 @@ class Session:
         self._cache: dict[str, Any] = {}
         self.kernel_override = need("k3rocm.kernels.registry", "parse_override")(opts.kernels)
 
+    def preflight(self) -> None:
+        """Resolve what bad input can break before any tier runs: the checkpoint directory (its existence
+        and config.json) and the hardware profile. Raises the one-line K3Error (exit 2)."""
+        self.checkpoint_dir
+        self.config
+        self.profile
+
     def _memo(self, key: str, fn):
         if key not in self._cache:
             self._cache[key] = fn()
@@ -177,6 +184,18 @@ class Session:
             return plan(self.config, self.profile, **self.opts.extra.get("plan_kwargs", {}))
         return self._memo("placement", build)
 
+    @property
+    def run_placement(self):
+        """The placement the weights are loaded with: the profile's when this is the profile's hardware,
+        else a plan for the hardware detected here (a fallback run measures on what is present)."""
+        def build():
+            if self.hardware_matches:
+                return self.placement
+            hw = need("k3rocm.hw")
+            plan = need("k3rocm.runtime.plan", "plan")
+            return plan(self.config, hw.match_profile(self.detected))
+        return self._memo("run_placement", build)
+
     def load(self, progress=None):
         """Stream the checkpoint into Weights. Returns ``(weights, load_report)`` (cached).
 
@@ -188,14 +207,14 @@ class Session:
                 load = need("k3rocm.runtime.load")
                 fn = getattr(load, "load_checkpoint", None) or getattr(load, "load", None)
                 if fn is not None:
-                    return _call_flex(fn, self.checkpoint_dir, placement=self.placement, index=self.index,
+                    return _call_flex(fn, self.checkpoint_dir, placement=self.run_placement, index=self.index,
                                       device=self.device, progress=progress)
             from k3rocm.validation.standins import load_from_index, read_checkpoint
             if self.index is not None:
                 w, rep = load_from_index(self.index, device=self.device, progress=progress)
             else:
                 w, rep = read_checkpoint(self.checkpoint_dir, self.config, device=self.device, progress=progress)
-            rep.bytes_per_device_planned = _planned_per_device(self._cache.get("placement"), self.device)
+            rep.bytes_per_device_planned = _planned_per_device(self.run_placement, self.device)
             return w, rep
         return self._memo("load", build)
 

@@ -228,14 +228,14 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         stage.add(check("load", "index.tensors", n_found, eq=n_exp, detail="tensors in the index vs the layout of config"))
     stage.add(info("load", "checkpoint.official", session.is_official, level="external",
                    detail="config and index match the official release (K3_FACTS §2)"))
-    manifest = session.checkpoint_dir / "manifest.json"
+    manifest = session.checkpoint_dir / _manifest_name()
     if manifest.is_file():
         verify = need("k3rocm.checkpoint", "verify_manifest")
         with Timer() as tv:
             res = verify(session.checkpoint_dir)
         bad = _manifest_problems(res)
         stage.add(check("load", "manifest.sha256", len(bad), eq=0, unit="files",
-                        detail=("all shard hashes match manifest.json" if not bad else "; ".join(bad)[:200])),
+                        detail=(f"every file matches {manifest.name}" if not bad else "; ".join(bad)[:200])),
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
@@ -291,6 +291,14 @@ def _per_rank(d) -> dict:
     return {str(k): int(v) for k, v in dict(d).items()}
 
 
+def _manifest_name() -> str:
+    try:
+        from k3rocm.checkpoint.verify import MANIFEST_NAME
+        return MANIFEST_NAME
+    except ImportError:
+        return "k3rocm-manifest.json"
+
+
 def _len_tensors(idx) -> int | None:
     for k in ("num_tensors", "tensor_count"):
         v = getattr(idx, k, None)
@@ -337,11 +345,20 @@ def _plan_per_device(plc) -> dict:
 
 
 def _placement_rows(stage: Stage, plc, tier: str) -> None:
+    """Projected rows of a placement: layout, per-GPU bytes, fits, cache capacity."""
     d = _as_dict(plc)
-    for k in ("fits", "tp", "ep", "weight_bytes_per_device", "max_bytes_per_device", "cache_tokens",
-              "kv_cache_tokens", "max_concurrency", "usable_bytes"):
-        if k in d and not isinstance(d[k], (dict, list)):
-            stage.add(info(tier, f"plan.{k}", d[k], level="projected", detail="memory plan"))
+    where = f"plan of {d.get('config', '?')} on {d.get('profile', '?')}"
+    if "fits" in d:
+        stage.add(check(tier, "plan.fits", bool(d["fits"]), eq=True, level="projected",
+                        detail=d.get("problem") or f"{where}: weights + reserves + one sequence of cache fit"))
+    for k, unit in (("tp", ""), ("ep", ""), ("experts_per_rank", ""), ("weights_bytes_per_gpu", "B"),
+                    ("needed_bytes", "B"), ("usable_bytes", "B")):
+        if k in d:
+            stage.add(info(tier, f"plan.{k}", d[k], unit, level="projected", detail=where))
+    cache = d.get("cache") or {}
+    for k in ("max_tokens", "max_sequences", "context_len"):
+        if k in cache:
+            stage.add(info(tier, f"plan.cache.{k}", cache[k], level="projected", detail=where))
 
 
 def tier_forward(session: Session, stage: Stage) -> None:
@@ -578,7 +595,7 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
                          session.opts.seed, ngpu, progress)
     metrics.setdefault("concurrency", concurrency)
     if not metrics.get("roofline"):
-        roof = getattr(session.placement, "roofline", None)
+        roof = getattr(session.run_placement, "roofline", None)
         if roof is not None and hasattr(roof, "step"):
             ctx = int(round(range_ratio * input_len + (input_len - range_ratio * input_len) / 2 + output_len / 2))
             st = roof.step(concurrency, max(ctx, 1))
