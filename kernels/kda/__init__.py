@@ -1,0 +1,72 @@
+"""KDA Triton kernels: short conv (prefill), chunked prefill, fused decode; registered as ``triton`` impls.
+
+* ``short_conv``  -> :func:`conv.short_conv`
+* ``kda_prefill`` -> :func:`prefill.kda_prefill` (gate form ``"k3"``, ``lower_bound >= -10``)
+* ``kda_decode``  -> :func:`decode.kda_decode`
+
+Per-backend launch configurations live in :mod:`configs`; :func:`isa_cases` lists every kernel for the
+ahead-of-time ISA check (``k3rocm kernels isa``).
+"""
+
+from __future__ import annotations
+
+from k3rocm.kernels.registry import register
+
+from . import configs
+from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
+from .decode import _decode_kernel, kda_decode
+from .prefill import BC, BT, _intra_kernel, _state_kernel, kda_prefill
+
+__all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases"]
+
+
+def _prefill_supports(**shape) -> bool:
+    return shape.get("gate_form", "k3") == "k3" and shape.get("lower_bound", -5.0) >= -10.0
+
+
+register("short_conv", "triton", short_conv, note="Triton causal depthwise conv + SiLU, varlen, conv state in/out")
+register("kda_prefill", "triton", kda_prefill, supports=_prefill_supports,
+         note=f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, fp32 state")
+register("kda_decode", "triton", kda_decode, note="Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)")
+
+
+def _opts(name: str) -> dict:
+    """Compile options per backend for a kernel: the first config of each list, launch options only."""
+    return {be: configs.split(configs.configs(name, be)[0], interp=False)[1] for be in ("hip", "cuda")}
+
+
+def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
+    """Every KDA kernel at the K3 head size, for ahead-of-time compilation.
+
+    Returns ``(name, fn, signature, constexprs, expects_matrix, options_by_backend)`` tuples. The prefill
+    kernels use fp32 dot operands at the backend's default precision (``PREC=None``: TF32 wgmma on sm_90,
+    fp32 MFMA on gfx942 / gfx950).
+    """
+    p = f"*{dtype}"
+    conv_sig = dict(x=p, w="*fp32", y=p, state_in="*fp32", cu="*i32", tok_seq="*i32", TT="i32", NCH="i32",
+                    HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
+    cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
+                  W="constexpr", BLOCK_C="constexpr")
+    intra_sig = dict(q=p, k=p, v=p, draw=p, braw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32",
+                     chunk_len="*i32", gbuf="*fp32", qg="*fp32", kg="*fp32", w="*fp32", u="*fp32", aqk="*fp32",
+                     glast="*fp32", scale="fp32", lower_bound="fp32", H="i32", K="constexpr", V="constexpr",
+                     BT="constexpr", BC="constexpr", PREC="constexpr")
+    state_sig = dict(qg="*fp32", kg="*fp32", w="*fp32", u="*fp32", aqk="*fp32", glast="*fp32", h0="*fp32", o=p,
+                     ht="*fp32", seq_chunk="*i32", chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr",
+                     K="constexpr", V="constexpr", BT="constexpr", BV="constexpr", PREC="constexpr")
+    dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
+                   A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
+                   slot_ids="*i32", out=p, H="i32", scale="fp32", lower_bound="fp32", eps="fp32",
+                   K="constexpr", V="constexpr", W="constexpr", BV="constexpr")
+    cc = configs.configs("conv", "cuda")[0]
+    st = configs.configs("state", "cuda")[0]
+    return [
+        ("short_conv", _conv_fwd_kernel, conv_sig,
+         dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts("conv")),
+        ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None), True, _opts("intra")),
+        ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], PREC=None), True,
+         _opts("state")),
+        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=configs.configs("decode", "hip")[0]["BV"]), False,
+         _opts("decode")),
+    ]

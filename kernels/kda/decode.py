@@ -1,0 +1,128 @@
+"""Triton fused KDA decode: one token per sequence, states in slot pools. Oracle: ``k3rocm.model.kda.kda_decode``.
+
+One program per (row, head) fuses: the short conv of q/k/v with the row's conv state (and its in-place
+update), SiLU, L2 norm of q and k, the q scale, the gate ``lb * sigmoid(exp(A_log[h]) (raw + dt_bias))``,
+``beta = sigmoid(beta_raw)``, the state step ``S <- diag(e^g) S; S <- S + beta k (v - S^T k)^T`` on the fp32
+``[K, V]`` state read from and written back to ``state_pool[slot, h]``, ``o = S^T q`` and the gated per-head
+RMSNorm ``rms_norm(o) * o_norm.weight * sigmoid(gate_raw)`` (K3_FACTS §5).
+
+A padding row (slot id < 0) loads nothing, stores nothing but zeros into its output row. No host
+synchronisation, no data-dependent allocation: safe under CUDA / HIP graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3rocm.errors import ConfigError
+
+from . import configs as C
+
+
+@C.kjit
+def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr):
+    """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state."""
+    valid = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
+    x = tl.load(xr + n.to(tl.int64) * NCH + ch, mask=valid, other=0.0).to(tl.float32)
+    base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
+    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32)
+    prev = tl.load(pool + base, mask=valid, other=0.0)
+    acc += prev * tl.load(wt + ch * W).to(tl.float32)
+    for j in tl.static_range(1, W - 1):
+        cur = tl.load(pool + base + j, mask=valid, other=0.0)
+        acc += cur * tl.load(wt + ch * W + j).to(tl.float32)
+        tl.store(pool + base + (j - 1), cur, mask=valid)
+    tl.store(pool + base + (W - 2), x, mask=valid)
+    return acc * tl.sigmoid(acc)
+
+
+@C.kjit
+def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
+                   conv_pool, state_pool, slot_ids, out, H, scale, lower_bound, eps,
+                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BV: tl.constexpr):
+    n = tl.program_id(0)
+    hh = tl.program_id(1)
+    slot_raw = tl.load(slot_ids + n)
+    valid = (slot_raw >= 0).to(tl.int32)
+    slot = tl.maximum(slot_raw, 0)
+    offs_k = tl.arange(0, K)
+    offs_v = tl.arange(0, V)
+    NCH = H * K
+    ck = hh * K + offs_k
+    cv = hh * V + offs_v
+    q = _conv_step(q_raw, wq, conv_pool, n, slot, ck, valid, NCH, 0, W)
+    k = _conv_step(k_raw, wk, conv_pool, n, slot, ck, valid, NCH, 1, W)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    raw = tl.load(d_raw + n.to(tl.int64) * NCH + ck, mask=(valid + 0 * ck) > 0, other=0.0).to(tl.float32)
+    a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
+    g = lower_bound * tl.sigmoid(a_h * (raw + tl.load(dt_bias + ck).to(tl.float32)))
+    beta = tl.sigmoid(tl.load(b_raw + n.to(tl.int64) * H + hh).to(tl.float32))
+    eg = tl.exp(g)
+    # the state is walked in [K, BV] column blocks (columns of S are independent in the delta rule);
+    # each block convolves its own v channels (and updates their conv state).
+    ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
+    obase = out + n.to(tl.int64) * (H * V) + hh * V
+    for vb in range(0, V // BV):
+        offs_b = vb * BV + tl.arange(0, BV)
+        vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W)
+        sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_b[None, :]
+        smask = (valid + 0 * offs_k[:, None] + 0 * offs_b[None, :]) > 0
+        S = tl.load(sp, mask=smask, other=0.0)
+        S = S * eg[:, None]
+        pred = tl.sum(S * k[:, None], 0)
+        S += k[:, None] * (beta * (vblk - pred))[None, :]
+        o = tl.sum(S * q[:, None], 0)
+        tl.store(sp, S, mask=smask)
+        ss += tl.sum(o * o, 0)
+        tl.store(obase + offs_b, o.to(out.dtype.element_ty))
+    tl.debug_barrier()
+    rstd = tl.rsqrt(ss / V + eps)
+    o = tl.load(obase + offs_v).to(tl.float32)
+    y = o * rstd * tl.load(onw + offs_v).to(tl.float32)
+    gr = tl.load(g_raw + n.to(tl.int64) * (H * V) + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
+    y = tl.where((valid + 0 * cv) > 0, y * tl.sigmoid(gr), 0.0)
+    tl.store(obase + offs_v, y.to(out.dtype.element_ty))
+
+
+def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights, A_log, dt_bias, o_norm_weight,
+               conv_pool, state_pool, slot_ids, eps, scale=None, lower_bound=-5.0, out: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.float32, config: dict | None = None):
+    """Triton fused KDA decode step; contract of :func:`k3rocm.model.kda.kda_decode`.
+
+    Extra args: ``out`` (preallocated ``[N, H*V]`` output, for graph capture), ``out_dtype`` (fp32 by contract),
+    ``config`` (one entry of ``configs("decode")``; default: the first, no tuning, so that the call is
+    capture-safe and the pools are not advanced by timing runs).
+    Returns ``o [N, H*V]``. Raises ConfigError on shape mismatch (before any launch).
+    Pools must be contiguous fp32 (they are updated in place); slot ids of valid rows must be distinct.
+    """
+    N = q_raw.shape[0]
+    S_, H, K, V = state_pool.shape
+    NCH = H * K
+    if K != V or q_raw.shape != (N, NCH) or k_raw.shape != (N, NCH) or v_raw.shape != (N, H * V):
+        raise ConfigError(f"kda_decode (triton): q/k/v_raw {tuple(q_raw.shape)} / {tuple(v_raw.shape)} must be "
+                          f"[N, H*K] with K == V (state_pool {tuple(state_pool.shape)})")
+    W = conv_weights[0].shape[-1]
+    if conv_pool.shape[1:] != (3, NCH, W - 1) or not conv_pool.is_contiguous() or not state_pool.is_contiguous():
+        raise ConfigError(f"kda_decode (triton): conv_pool {tuple(conv_pool.shape)} must be contiguous "
+                          f"[S, 3, {NCH}, {W - 1}] and state_pool contiguous")
+    if conv_pool.dtype != torch.float32 or state_pool.dtype != torch.float32:
+        raise ConfigError("kda_decode (triton): conv_pool and state_pool must be fp32")
+    if K & (K - 1):
+        raise ConfigError(f"kda_decode (triton): head dim {K} must be a power of two")
+    scale = K ** -0.5 if scale is None else float(scale)
+    if out is None:
+        out = torch.empty(N, H * V, dtype=out_dtype, device=q_raw.device)
+    ws = [w.reshape(-1, W) if w.is_contiguous() and w.dtype == torch.float32 else w.reshape(-1, W).float().contiguous()
+          for w in conv_weights]
+    cfg = dict(config or C.configs("decode")[0])
+    meta, opts = C.split(cfg)
+    bv = min(meta.get("BV", V), V)
+    if N:
+        C.launch(_decode_kernel, (N, H), q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
+                               beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias,
+                               o_norm_weight, conv_pool, state_pool, slot_ids, out, H, scale, float(lower_bound),
+                               float(eps), K=K, V=V, W=W, BV=bv, **opts)
+    return out

@@ -1,0 +1,370 @@
+"""Triton chunked KDA prefill (WY / UT-transform form), varlen, fp32 state. Oracle: ``k3rocm.model.kda.kda_prefill``.
+
+Two kernels:
+
+1. ``_intra_kernel`` — one program per (chunk of BT = 64 tokens, head), all chunks in parallel. It computes in
+   fp32 the gate ``g = lb * sigmoid(exp(A_log[h]) * (raw + dt_bias))``, its in-chunk cumulative sum ``G``,
+   ``beta = sigmoid(beta_raw)``, L2-normalised q (times ``scale``) and k; then, in 16 x 16 sub-blocks,
+   ``A[i,j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` (j < i) and the causal ``Aqk[i,j] = sum_c q_ic k_jc
+   exp(G_ic - G_jc)`` (j <= i), the inverse ``M = (I + A)^-1`` (forward substitution on the four diagonal
+   blocks, then block products), and ``w = M (beta k e^G)``, ``u = M (beta v)``. It stores ``w, u, Aqk``,
+   ``qg = q e^G``, ``kg = k e^(G_L - G)`` and ``e^(G_L)``.
+   Pairwise decays use one reference row per 16-row block (its middle): ``q_i e^(G_i - G_r)`` and
+   ``k_j e^(G_r - G_j)`` stay within e^(+-8|lb|) (so ``lower_bound >= -10``), and never ``exp(-G)``.
+2. ``_state_kernel`` — one program per (sequence, head, BV columns of the state); walks the sequence's chunks in
+   order: ``v' = u - w h``, ``o = qg h + Aqk v'``, ``h <- e^(G_L) h + kg^T v'``. The state stays in fp32
+   registers for the whole sequence; the output is written directly (no per-chunk state is stored).
+
+Chunks never cross a sequence boundary, so one launch serves a packed batch of long prefills and 1-token
+sequences. Algebra: Yang et al. 2024 (DeltaNet over sequence length), Kimi Linear report 2025 (KDA);
+``k3rocm.model.kda._chunk_core`` is the same algebra in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3rocm.errors import ConfigError
+
+from . import configs as C
+
+BT = 64  # tokens per chunk
+BC = 16  # rows per sub-block
+
+
+@C.kjit
+def _rows(ptr, t0, L, hh, H, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """Rows j*BC .. j*BC+BC-1 of a chunk of a [tokens, H, D] tensor, head hh, as fp32 (zeros past L)."""
+    r = j * BC + tl.arange(0, BC)
+    tok = (t0 + r).to(tl.int64)
+    return tl.load(ptr + (tok[:, None] * H + hh) * D + tl.arange(0, D)[None, :], mask=(r < L)[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@C.kjit
+def _l2n(x):
+    return x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+
+
+@C.kjit
+def _beta(braw, t0, L, hh, H, j: tl.constexpr, BC: tl.constexpr):
+    r = j * BC + tl.arange(0, BC)
+    b = tl.load(braw + (t0 + r).to(tl.int64) * H + hh, mask=r < L, other=0.0).to(tl.float32)
+    return tl.where(r < L, tl.sigmoid(b), 0.0)
+
+
+@C.kjit
+def _pair(k, gbuf, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka, qa,
+          K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Blocks (i, j) of A (strictly lower overall) and Aqk (lower incl. diagonal), j <= i."""
+    r = j * BC + tl.arange(0, BC)
+    kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
+    Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
+    kb = tl.where((r < L)[:, None], kj * tl.exp(Gref[None, :] - Gj), 0.0)
+    a = tl.dot(ka, tl.trans(kb), input_precision=PREC)
+    s = tl.dot(qa, tl.trans(kb), input_precision=PREC)
+    if i == j:
+        ri = tl.arange(0, BC)[:, None]
+        ci = tl.arange(0, BC)[None, :]
+        a = tl.where(ri > ci, a, 0.0)
+        s = tl.where(ri >= ci, s, 0.0)
+    return a, s
+
+
+@C.kjit
+def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """(ka_i, qa_i, Gref_i): beta k and scaled q of block i, decayed relative to the block's middle row."""
+    rref = tl.minimum(i * BC + BC // 2, L - 1)
+    Gref = tl.load(gbuf + ((t0 + rref).to(tl.int64) * H + hh) * K + tl.arange(0, K)).to(tl.float32)
+    r = i * BC + tl.arange(0, BC)
+    m = (r < L)[:, None]
+    Gi = _rows(gbuf, t0, L, hh, H, i, K, BC)
+    e = tl.exp(Gi - Gref[None, :])
+    qi = _l2n(_rows(q, t0, L, hh, H, i, K, BC)) * scale
+    ki = _l2n(_rows(k, t0, L, hh, H, i, K, BC))
+    bi = _beta(braw, t0, L, hh, H, i, BC)
+    ka = tl.where(m, ki * e * bi[:, None], 0.0)
+    qa = tl.where(m, qi * e, 0.0)
+    return ka, qa, Gref
+
+
+@C.kjit
+def _inv_diag(a, BC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [BC, BC] block, by forward substitution."""
+    r = tl.arange(0, BC)
+    nm = -a
+    for i in range(1, BC):
+        row = tl.sum(tl.where(r[:, None] == i, nm, 0.0), 0)
+        row = row + tl.sum(row[:, None] * nm, 0)
+        nm = tl.where(r[:, None] == i, row[None, :], nm)
+    return nm + (r[:, None] == r[None, :]).to(tl.float32)
+
+
+@C.kjit
+def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """Store a [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer."""
+    r = i * BC + tl.arange(0, BC)
+    c = j * BC + tl.arange(0, BC)
+    tok = (t0 + r).to(tl.int64)
+    tl.store(ptr + (tok[:, None] * H + hh) * D + c[None, :], x, mask=(r < L)[:, None])
+
+
+@C.kjit
+def _store_rows(ptr, x, t0, L, hh, H, i: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    r = i * BC + tl.arange(0, BC)
+    tok = (t0 + r).to(tl.int64)
+    tl.store(ptr + (tok[:, None] * H + hh) * D + tl.arange(0, D)[None, :], x, mask=(r < L)[:, None])
+
+
+@C.kjit
+def _bkv(k, v, gbuf, braw, t0, L, hh, H, j: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    """beta k e^G and beta v of block j."""
+    r = j * BC + tl.arange(0, BC)
+    m = (r < L)[:, None]
+    kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
+    Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
+    bj = _beta(braw, t0, L, hh, H, j, BC)
+    bk = tl.where(m, kj * tl.exp(Gj) * bj[:, None], 0.0)
+    bv = _rows(v, t0, L, hh, H, j, V, BC) * bj[:, None]
+    return bk, bv
+
+
+@C.kjit
+def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, i: tl.constexpr, m0, m1, m2, m3,
+        K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """w_i = sum_{j<=i} M_ij (beta k e^G)_j, u_i = sum_{j<=i} M_ij (beta v)_j; stored."""
+    bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 0, K, V, BC)
+    wa = tl.dot(m0, bk, input_precision=PREC)
+    ua = tl.dot(m0, bv, input_precision=PREC)
+    if i >= 1:
+        bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 1, K, V, BC)
+        wa += tl.dot(m1, bk, input_precision=PREC)
+        ua += tl.dot(m1, bv, input_precision=PREC)
+    if i >= 2:
+        bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 2, K, V, BC)
+        wa += tl.dot(m2, bk, input_precision=PREC)
+        ua += tl.dot(m2, bv, input_precision=PREC)
+    if i >= 3:
+        bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 3, K, V, BC)
+        wa += tl.dot(m3, bk, input_precision=PREC)
+        ua += tl.dot(m3, bv, input_precision=PREC)
+    _store_rows(w, wa, t0, L, hh, H, i, K, BC)
+    _store_rows(u, ua, t0, L, hh, H, i, V, BC)
+
+
+@C.kjit
+def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
+                  gbuf, qg, kg, w, u, aqk, glast, scale, lower_bound, H,
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    t0 = tl.load(chunk_tok + c)
+    L = tl.load(chunk_len + c)
+    rows = tl.arange(0, BT)
+    mr = (rows < L)[:, None]
+    offs_k = tl.arange(0, K)
+    tok = (t0 + rows).to(tl.int64)
+    # ---- phase 1: gate, cumulative decay, normalised q/k over the whole chunk
+    raw = tl.load(draw + tok[:, None] * (H * K) + hh * K + offs_k[None, :], mask=mr, other=0.0).to(tl.float32)
+    a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
+    dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
+    g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
+    g = tl.where(mr, g, 0.0)
+    G = tl.cumsum(g, 0)
+    gl = tl.sum(g, 0)
+    ptr_hk = (tok[:, None] * H + hh) * K + offs_k[None, :]
+    tl.store(gbuf + ptr_hk, G, mask=mr)
+    tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
+    qn = tl.load(q + ptr_hk, mask=mr, other=0.0).to(tl.float32)
+    qn = _l2n(qn) * scale
+    tl.store(qg + ptr_hk, qn * tl.exp(G), mask=mr)
+    kn = tl.load(k + ptr_hk, mask=mr, other=0.0).to(tl.float32)
+    kn = _l2n(kn)
+    tl.store(kg + ptr_hk, tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0), mask=mr)
+    tl.debug_barrier()
+    # ---- phase 2: A and Aqk in 16x16 blocks (10 of each)
+    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 0, K, BC)
+    a00, s00 = _pair(k, gbuf, t0, L, hh, H, 0, 0, Gr, ka, qa, K, BC, PREC)
+    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 1, K, BC)
+    a10, s10 = _pair(k, gbuf, t0, L, hh, H, 1, 0, Gr, ka, qa, K, BC, PREC)
+    a11, s11 = _pair(k, gbuf, t0, L, hh, H, 1, 1, Gr, ka, qa, K, BC, PREC)
+    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 2, K, BC)
+    a20, s20 = _pair(k, gbuf, t0, L, hh, H, 2, 0, Gr, ka, qa, K, BC, PREC)
+    a21, s21 = _pair(k, gbuf, t0, L, hh, H, 2, 1, Gr, ka, qa, K, BC, PREC)
+    a22, s22 = _pair(k, gbuf, t0, L, hh, H, 2, 2, Gr, ka, qa, K, BC, PREC)
+    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 3, K, BC)
+    a30, s30 = _pair(k, gbuf, t0, L, hh, H, 3, 0, Gr, ka, qa, K, BC, PREC)
+    a31, s31 = _pair(k, gbuf, t0, L, hh, H, 3, 1, Gr, ka, qa, K, BC, PREC)
+    a32, s32 = _pair(k, gbuf, t0, L, hh, H, 3, 2, Gr, ka, qa, K, BC, PREC)
+    a33, s33 = _pair(k, gbuf, t0, L, hh, H, 3, 3, Gr, ka, qa, K, BC, PREC)
+    _store_blk(aqk, s00, t0, L, hh, H, 0, 0, BT, BC)
+    _store_blk(aqk, s10, t0, L, hh, H, 1, 0, BT, BC)
+    _store_blk(aqk, s11, t0, L, hh, H, 1, 1, BT, BC)
+    _store_blk(aqk, s20, t0, L, hh, H, 2, 0, BT, BC)
+    _store_blk(aqk, s21, t0, L, hh, H, 2, 1, BT, BC)
+    _store_blk(aqk, s22, t0, L, hh, H, 2, 2, BT, BC)
+    _store_blk(aqk, s30, t0, L, hh, H, 3, 0, BT, BC)
+    _store_blk(aqk, s31, t0, L, hh, H, 3, 1, BT, BC)
+    _store_blk(aqk, s32, t0, L, hh, H, 3, 2, BT, BC)
+    _store_blk(aqk, s33, t0, L, hh, H, 3, 3, BT, BC)
+    # ---- phase 3: M = (I + A)^-1, block lower triangular
+    m00 = _inv_diag(a00, BC)
+    m11 = _inv_diag(a11, BC)
+    m22 = _inv_diag(a22, BC)
+    m33 = _inv_diag(a33, BC)
+    m10 = -tl.dot(m11, tl.dot(a10, m00, input_precision=PREC), input_precision=PREC)
+    m21 = -tl.dot(m22, tl.dot(a21, m11, input_precision=PREC), input_precision=PREC)
+    m20 = -tl.dot(m22, tl.dot(a20, m00, input_precision=PREC) + tl.dot(a21, m10, input_precision=PREC),
+                  input_precision=PREC)
+    m32 = -tl.dot(m33, tl.dot(a32, m22, input_precision=PREC), input_precision=PREC)
+    m31 = -tl.dot(m33, tl.dot(a31, m11, input_precision=PREC) + tl.dot(a32, m21, input_precision=PREC),
+                  input_precision=PREC)
+    m30 = -tl.dot(m33, tl.dot(a30, m00, input_precision=PREC) + tl.dot(a31, m10, input_precision=PREC)
+                  + tl.dot(a32, m20, input_precision=PREC), input_precision=PREC)
+    # ---- phase 4: w, u
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 0, m00, m00, m00, m00, K, V, BC, PREC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 1, m10, m11, m11, m11, K, V, BC, PREC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 2, m20, m21, m22, m22, K, V, BC, PREC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 3, m30, m31, m32, m33, K, V, BC, PREC)
+
+
+@C.kjit
+def _state_kernel(qg, kg, w, u, aqk, glast, h0, o, ht, seq_chunk, chunk_tok, chunk_len, H,
+                  HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                  PREC: tl.constexpr):
+    n = tl.program_id(0)
+    hh = tl.program_id(1)
+    vb = tl.program_id(2)
+    offs_k = tl.arange(0, K)
+    offs_v = vb * BV + tl.arange(0, BV)
+    rows = tl.arange(0, BT)
+    hbase = ((n.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :]
+    if HAS_H0:
+        h = tl.load(h0 + hbase).to(tl.float32)
+    else:
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    c0 = tl.load(seq_chunk + n)
+    c1 = tl.load(seq_chunk + n + 1)
+    for c in range(c0, c1):
+        t0 = tl.load(chunk_tok + c)
+        L = tl.load(chunk_len + c)
+        mr = (rows < L)[:, None]
+        tok = (t0 + rows).to(tl.int64)
+        pk = (tok[:, None] * H + hh) * K + offs_k[None, :]
+        w_c = tl.load(w + pk, mask=mr, other=0.0)
+        qg_c = tl.load(qg + pk, mask=mr, other=0.0)
+        kg_c = tl.load(kg + pk, mask=mr, other=0.0)
+        u_c = tl.load(u + (tok[:, None] * H + hh) * V + offs_v[None, :], mask=mr, other=0.0)
+        a_c = tl.load(aqk + (tok[:, None] * H + hh) * BT + rows[None, :],
+                      mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+        gl = tl.load(glast + (c * H + hh) * K + offs_k)
+        vn = u_c - tl.dot(w_c, h, input_precision=PREC)
+        oc = tl.dot(qg_c, h, input_precision=PREC) + tl.dot(a_c, vn, input_precision=PREC)
+        tl.store(o + (tok[:, None] * H + hh) * V + offs_v[None, :], oc.to(o.dtype.element_ty), mask=mr)
+        h = h * gl[:, None] + tl.dot(tl.trans(kg_c), vn, input_precision=PREC)
+    tl.store(ht + hbase, h)
+
+
+def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(chunk_tok [NC], chunk_len [NC], seq_chunk [N+1])`` int32 for packed sequences with offsets ``cu_host``."""
+    tok, ln, sc = [], [], [0]
+    for a, b in zip(cu_host, cu_host[1:]):
+        for s in range(a, b, BT):
+            tok.append(s)
+            ln.append(min(BT, b - s))
+        sc.append(len(tok))
+    mk = lambda x: torch.tensor(x, dtype=torch.int32).to(device)  # noqa: E731
+    return mk(tok), mk(ln), mk(sc)
+
+
+def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
+                lower_bound=-5.0, gate_form="k3", out_dtype: torch.dtype = torch.float32,
+                config: dict | None = None):
+    """Triton chunked KDA prefill; contract of :func:`k3rocm.model.kda.kda_prefill`.
+
+    Args: as the oracle (q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` in fp32 / bf16 / fp16, decay_raw
+        ``[B, T, H*K]``, beta_raw ``[B, T, H]``, A_log ``[>= H]``, dt_bias ``[H*K]``, initial_state
+        ``[N, H, K, V]`` fp32 or None, cu_seqlens ``[N+1]`` int32 with B = 1), plus
+        ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"intra": cfg, "state": cfg}`` entries
+        of :func:`configs.configs` to force (tests); default: tuned.
+    Returns:
+        ``(o [B, T, H, V] out_dtype, final_state [N, H, K, V] fp32)``.
+    Raises:
+        ConfigError: gate form other than ``"k3"``, ``lower_bound < -10`` (the in-chunk decay factorisation
+        would overflow fp32), K or V not a power of two >= 16, or inconsistent shapes.
+    Note: reads ``cu_seqlens`` on the host once (to build the chunk table); not for graph capture.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if gate_form != "k3":
+        raise ConfigError(f"kda_prefill (triton): gate form {gate_form!r} is not supported; use the torch oracle")
+    if lower_bound < -10.0 or lower_bound > 0.0:
+        raise ConfigError(f"kda_prefill (triton): lower_bound {lower_bound} outside [-10, 0]; use the torch oracle")
+    for d, nm in ((K, "K"), (V, "V")):
+        if d < 16 or d & (d - 1):
+            raise ConfigError(f"kda_prefill (triton): head dim {nm} = {d} must be a power of two >= 16")
+    if k.shape != q.shape or v.shape[:3] != (B, T, H):
+        raise ConfigError(f"kda_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+    dev = q.device
+    if cu_seqlens is None:
+        cu_host = [b * T for b in range(B + 1)]
+    else:
+        if B != 1:
+            raise ConfigError(f"kda_prefill: cu_seqlens needs B = 1 (packed), got B = {B}")
+        cu_host = [int(x) for x in cu_seqlens.tolist()]
+        if cu_host[0] != 0 or cu_host[-1] != T or any(b < a for a, b in zip(cu_host, cu_host[1:])):
+            raise ConfigError(f"kda_prefill: cu_seqlens must start at 0, be non-decreasing and end at T = {T}")
+    N = len(cu_host) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise ConfigError(f"kda_prefill: initial_state shape {tuple(initial_state.shape)} != [{N}, {H}, {K}, {V}]")
+    if A_log.numel() < H or dt_bias.numel() != H * K:
+        raise ConfigError(f"kda_prefill: A_log ({A_log.numel()}) / dt_bias ({dt_bias.numel()}) do not fit H={H}, K={K}")
+    TT = B * T
+    scale = K ** -0.5 if scale is None else float(scale)
+    qc = q.reshape(TT, H, K).contiguous()
+    kc = k.reshape(TT, H, K).contiguous()
+    vc = v.reshape(TT, H, V).contiguous()
+    dr = decay_raw.reshape(TT, H * K).contiguous()
+    br = beta_raw.reshape(TT, H).contiguous()
+    al = A_log.to(torch.float32).contiguous()
+    dtb = dt_bias.to(torch.float32).reshape(-1).contiguous()
+    chunk_tok, chunk_len, seq_chunk = chunk_table(cu_host, dev)
+    NC = chunk_tok.numel()
+    f32 = torch.float32
+    gbuf = torch.empty(TT, H, K, dtype=f32, device=dev)
+    qg = torch.empty(TT, H, K, dtype=f32, device=dev)
+    kg = torch.empty(TT, H, K, dtype=f32, device=dev)
+    w = torch.empty(TT, H, K, dtype=f32, device=dev)
+    u = torch.empty(TT, H, V, dtype=f32, device=dev)
+    aqk = torch.empty(TT, H, BT, dtype=f32, device=dev)
+    glast = torch.empty(max(NC, 1), H, K, dtype=f32, device=dev)
+    o = torch.empty(B, T, H, V, dtype=out_dtype, device=dev)
+    ht = torch.empty(N, H, K, V, dtype=f32, device=dev)
+    h0 = initial_state.to(f32).contiguous() if initial_state is not None else ht
+    exact = q.dtype == torch.float32
+    cfg = config or {}
+
+    def fix(c):
+        c = dict(c)
+        c["PREC"] = "ieee" if exact else c.get("PREC")  # None: the backend's default (TF32 / fp32 MFMA)
+        return c
+
+    def launch_intra(c):
+        meta, opts = C.split(fix(c))
+        if NC:
+            C.launch(_intra_kernel, (NC, H), qc, kc, vc, dr, br, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, w, u, aqk, glast,
+                                   scale, float(lower_bound), H, K=K, V=V, BT=BT, BC=BC, **meta, **opts)
+
+    def launch_state(c):
+        meta, opts = C.split(fix(c))
+        bv = min(meta.pop("BV"), V)
+        if N:
+            C.launch(_state_kernel, (N, H, V // bv), qg, kg, w, u, aqk, glast, h0, o, ht, seq_chunk, chunk_tok, chunk_len, H,
+                                           HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv, **meta, **opts)
+
+    key = (TT // 1024, N, H, K, V, q.dtype)
+    C.tuned("intra", key, [cfg["intra"]] if "intra" in cfg else C.configs("intra"), launch_intra)
+    C.tuned("state", key, [cfg["state"]] if "state" in cfg else C.configs("state"), launch_state)
+    return o, ht
