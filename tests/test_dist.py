@@ -227,3 +227,21 @@ def test_tp2_ep2_per_layer_teacher_forced(golden_ckpt, golden_ref):
     for k, v in errs.items():
         if k.startswith("layer"):
             assert v <= 5e-6, (k, v)
+
+
+@pytest.mark.gpu
+def test_tp2_ep2_nccl_on_two_gpus(tiny_ckpt):
+    """The same TP2/EP2 forward with backend nccl (RCCL on ROCm), one GPU per rank, vs the CPU oracle."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from k3rocm.checkpoint.reader import open_checkpoint
+    from k3rocm.model.model import K3Model
+    from k3rocm.runtime.tp import tp_forward_worker
+
+    index = open_checkpoint(tiny_ckpt)
+    ids = torch.randint(0, index.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    ref = K3Model(index.config, {n: index.read(n) for n in index.entries}).forward(ids)
+    out = dist.launch(tp_forward_worker, 2, args=(str(tiny_ckpt), ids, 2, 2, True), backend="nccl", timeout_s=120)
+    a = out[0]["logits"]
+    assert torch.equal(a, out[1]["logits"])
+    assert (a - ref).abs().max().item() <= 2e-4 * ref.abs().max().item()

@@ -136,3 +136,21 @@ def test_checksum_properties():
     _bytes(u)[17] ^= 0x80
     assert checksum(u)[0] != c[0]
     assert checksum(t.to(torch.bfloat16)) != checksum(t.to(torch.bfloat16) + 1)
+
+
+@pytest.mark.gpu
+def test_load_to_gpu(tiny_ckpt):
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    index = open_checkpoint(tiny_ckpt)
+    pl = plan(index.config, load_profile("cpu"), tp=2, ep=2)
+    res = load(index, pl, device="cuda:0")
+    rep = res.report
+    assert rep.ok and rep.tensors_verified == rep.tensors_planned
+    for r in (0, 1):
+        assert rep.device_bytes_used[r] >= rep.bytes_planned[r] == rep.bytes_loaded[r]
+        t = res.rank_weights[r]["language_model.model.layers.0.self_attn.o_proj.weight"]
+        assert t.is_cuda
+    src = index.read("language_model.model.layers.0.self_attn.o_proj.weight")
+    assert torch.equal(res.rank_weights[1]["language_model.model.layers.0.self_attn.o_proj.weight"].cpu(),
+                       src[:, src.shape[1] // 2:])
