@@ -163,6 +163,7 @@ class TPModel(K3Model):
             batch = Batch(_cu([ids.numel()]))
         v0, v1 = self.vocab_range
         table = self.w("embed_tokens.weight")
+        ids = ids.to(table.device)
         mine = (ids >= v0) & (ids < v1)
         x = torch.zeros(ids.numel(), self.cfg.hidden_size, dtype=torch.float32, device=table.device)
         x[mine] = f32(table[ids[mine] - v0])
