@@ -64,14 +64,15 @@ def isa_cases() -> list[tuple]:
                 else:
                     cases.append((hip[0] + "@hip", *hip[1:5], {"hip": hip[5], "cuda": hip[5]}))
                     cases.append((cuda[0] + "@cuda", *cuda[1:5], {"hip": cuda[5], "cuda": cuda[5]}))
-    rc = ROUTER_CONFIGS["cuda"][0]
     rsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "D": "i32",
             "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
             "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
-    rconst = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k}
-    ropts = {"num_warps": rc.num_warps, "num_stages": rc.num_stages}
-    cases.append(("router_logits", router_logits_kernel, rsig, rconst, True,
-                  {"hip": {**ropts, "num_stages": 2}, "cuda": ropts}))
+    for backend in ("hip", "cuda"):
+        for rc in ROUTER_CONFIGS[backend]:
+            rconst = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k}
+            ropts = {"num_warps": rc.num_warps, "num_stages": rc.num_stages}
+            cases.append((f"router_logits[t{rc.block_t}e{rc.block_e}k{rc.block_k}]@{backend}", router_logits_kernel,
+                          rsig, rconst, True, {"hip": ropts, "cuda": ropts}))
     tsig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
             "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "SPLITS": "constexpr", "TOPK": "constexpr",
             "HAS_BIAS": "constexpr", "RENORM": "constexpr", "BLOCK_E": "constexpr", "BLOCK_KOUT": "constexpr"}

@@ -63,7 +63,7 @@ class RouterConfig:
 
 ROUTER_CONFIGS: dict[str, list[RouterConfig]] = {
     "cuda": [RouterConfig(16, 128, 128, 4, 4), RouterConfig(64, 128, 64, 4, 3)],
-    "hip": [RouterConfig(16, 128, 128, 4, 2), RouterConfig(64, 128, 64, 4, 2)],
+    "hip": [RouterConfig(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
     "interpreter": [RouterConfig(16, 32, 32, 4, 1)],
 }
 
