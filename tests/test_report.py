@@ -1,0 +1,165 @@
+"""Evidence model, report merging and the JSON / Markdown / HTML renderers (no model runs here)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+
+from k3rocm.errors import ConfigError
+from k3rocm.validation.evidence import (LEVELS, SCHEMA, Evidence, Report, Stage, atomic_write, check, info,
+                                        load_report, reproduction_block, shard_fingerprints)
+from k3rocm.validation.render import render_html, render_json, render_markdown, write_report
+
+
+def _stage(tier: str, ok: bool = True, level: str = "measured") -> Stage:
+    st = Stage(tier, started="2026-11-30T00:00:00Z", seconds=1.5, command=f"k3rocm {tier}")
+    st.add(check(tier, f"{tier}.metric", 0.5 if ok else 2.0, le=1.0, unit="ms", level=level, detail="d|x"),
+           info(tier, f"{tier}.info", [1, 2, 3], level="projected"))
+    st.series["curve"] = {"title": "t", "x": [0, 1, 2], "y": {"a": [1e-4, 2e-3, 3e-2], "b": [0.0, 0.0, 0.0]},
+                          "xlabel": "layer", "ylabel": "err", "log": True}
+    return st
+
+
+def _repro(cfg_hash: str = "h1", cmd: str = "k3rocm x") -> dict:
+    return reproduction_block(command=cmd, checkpoint=None, config_hash=cfg_hash, seed=3,
+                              device={"sku": "cpu", "arch": "cpu", "count": 0}, profile="cpu",
+                              thresholds={"t.a": 1.0})
+
+
+def test_level_must_be_known():
+    for lv in LEVELS:
+        assert Evidence("env", "x", 1, level=lv).level == lv
+    with pytest.raises(ConfigError, match="level"):
+        Evidence("env", "x", 1, level="guessed")
+
+
+def test_check_thresholds_and_nonfinite():
+    assert check("t", "a", 1.0, le=1.0).passed is True
+    assert check("t", "a", 1.0001, le=1.0).passed is False
+    assert check("t", "a", 0.9, ge=0.95).passed is False
+    assert check("t", "a", [1, 2], eq=[1, 2]).passed is True
+    assert check("t", "a", [1, 3], eq=[1, 2]).passed is False
+    # NaN / inf never pass a numeric threshold
+    assert check("t", "a", float("nan"), le=1.0).passed is False
+    assert check("t", "a", float("inf"), ge=0.0).passed is False
+    assert info("t", "b", 3).passed is None
+
+
+def test_stage_status_follows_failures():
+    st = Stage("forward")
+    st.add(info("forward", "i", 1))
+    assert st.status == "passed"
+    st.add(check("forward", "c", 5, le=1))
+    assert st.status == "failed" and [e.name for e in st.failures] == ["c"]
+
+
+def test_report_merge_accumulates_and_replaces():
+    rep = Report()
+    rep.merge_run(_repro(cmd="k3rocm load"), [_stage("env"), _stage("load")])
+    rep.merge_run(_repro(cmd="k3rocm bench"), [_stage("bench")])
+    # a later run of the same tier replaces it
+    rep.merge_run(_repro(cmd="k3rocm validate"), [_stage("env", ok=False), _stage("forward")])
+    d = rep.to_dict()
+    assert d["schema"] == SCHEMA
+    assert list(d["stages"]) == ["env", "load", "forward", "bench"]  # tier order, bench last
+    assert d["stages"]["env"]["status"] == "failed" and d["status"] == "failed"
+    assert [h["command"] for h in d["history"]] == ["k3rocm load", "k3rocm bench", "k3rocm validate"]
+    assert set(d["reproduction"]["stage_seconds"]) == {"env", "load", "forward", "bench"}
+    assert d["reproduction"]["command"] == "k3rocm validate"
+    assert d["evidence_levels"]["projected"] == 4 and d["evidence_levels"]["measured"] == 4
+    # round trip
+    back = Report.from_dict(json.loads(render_json(rep)))
+    assert back.to_dict()["stages"] == d["stages"]
+    with pytest.raises(ConfigError, match="schema"):
+        Report.from_dict({"schema": "other/9"})
+
+
+def test_load_report_merges_only_same_checkpoint(tmp_path):
+    rep = Report()
+    rep.merge_run(_repro("hashA"), [_stage("env")])
+    write_report(rep, tmp_path)
+    same = load_report(tmp_path, "hashA")
+    assert list(same.stages) == ["env"]
+    other = load_report(tmp_path, "hashB")  # another checkpoint: start fresh
+    assert other.stages == {}
+    (tmp_path / "report.json").write_text("{not json")
+    assert load_report(tmp_path, "hashA").stages == {}
+
+
+def test_reproduction_block_contents(tmp_path, golden_ckpt, monkeypatch):
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("UNRELATED_VAR", "x")
+    b = reproduction_block(command="k3rocm validate", checkpoint=str(golden_ckpt), config_hash="c", seed=11)
+    sw = b["software"]
+    for k in ("python", "torch", "torch_build", "triton", "aiter", "k3rocm", "git_sha"):
+        assert k in sw
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", sw["git_sha"])
+    assert b["env"].get("HIP_VISIBLE_DEVICES") == "0,1" and "UNRELATED_VAR" not in b["env"]
+    assert b["seeds"] == {"seed": 11}
+    shards = b["shards"]
+    assert [s["file"] for s in shards] == sorted(p.name for p in golden_ckpt.glob("*.safetensors"))
+    for s in shards:
+        assert s["bytes"] == (golden_ckpt / s["file"]).stat().st_size and len(s["header_sha256"]) == 64
+    # header hash changes when a header byte changes
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(golden_ckpt, d)
+    p = d / shards[0]["file"]
+    os.chmod(p, 0o644)
+    raw = bytearray(p.read_bytes())
+    raw[20] ^= 0x01
+    p.write_bytes(bytes(raw))
+    assert shard_fingerprints(d)[0]["header_sha256"] != shards[0]["header_sha256"]
+
+
+def test_renderers(tmp_path):
+    rep = Report()
+    st = _stage("correctness", level="external")
+    st.add(Evidence("correctness", "nan.value", float("nan"), passed=None))
+    rep.merge_run(_repro(), [_stage("env"), st, _stage("bench", ok=False)])
+    paths = write_report(rep, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "report.json", "report.md"]
+    doc = json.loads(paths["json"].read_text())  # valid JSON even with NaN inside
+    assert doc["stages"]["correctness"]["evidence"][-1]["value"] == "nan"
+    md = paths["md"].read_text()
+    assert "| correctness.metric | 0.5 | ms | <= 1 | pass | `external` | d\\|x |" in md
+    assert "FAIL" in md and "FAILED" in md
+    html = paths["html"].read_text()
+    assert html.count("<svg") == 3  # one plot per stage series
+    # self-contained: nothing fetched from elsewhere
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", html)
+    assert "@import" not in html and not re.search(r"url\((?!#)", html)  # only in-document references
+    # every evidence row carries its level as a badge
+    rows = sum(len(s.evidence) for s in rep.stages.values())
+    badges = re.findall(r'<td><span class="badge"[^>]*>(measured|measured-fallback|projected|external)</span></td>',
+                        html)
+    assert len(badges) == rows
+    assert render_markdown(rep).startswith("# k3rocm report")
+
+
+def test_html_survives_odd_series():
+    rep = Report()
+    st = Stage("forward")
+    st.series["empty"] = {"x": [], "y": {}}
+    st.series["zeros"] = {"x": [0, 1], "y": {"z": [0.0, 0.0]}, "log": True}
+    st.series["bars"] = {"x": [1, 8], "y": {"p50": [1.0, 2.0], "p99": [3.0, math.inf]}, "kind": "bar"}
+    rep.put(st)
+    html = render_html(rep)
+    assert html.count("<svg") == 2 and "<script" not in html
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    p = tmp_path / "report.json"
+    atomic_write(p, "old")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        atomic_write(p, "new")
+    assert p.read_text() == "old"
+    assert [q.name for q in tmp_path.iterdir()] == ["report.json"]  # no temp file left behind
