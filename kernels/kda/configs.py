@@ -156,3 +156,16 @@ def launch(kernel, grid, *args, **kwargs):
     finally:
         for d, sv in zip(spaces, saved):
             d.update(sv)
+
+
+POISON = False  # tests set True: every output buffer starts as NaN, so an unwritten element cannot pass
+
+
+def empty(*shape, dtype, device):
+    """``torch.empty`` for kernel outputs; NaN-filled when :data:`POISON` is set (tests)."""
+    import torch
+
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if POISON and t.is_floating_point():
+        t.fill_(float("nan"))
+    return t

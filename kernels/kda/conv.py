@@ -106,8 +106,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor |
     xc = x.contiguous()
     wc = weight.reshape(NCH, W).to(torch.float32).contiguous()
     st = conv_state.contiguous() if conv_state is not None else xc  # dummy pointer when absent
-    y = torch.empty(B, T, NCH, dtype=out_dtype, device=x.device)
-    fin = torch.empty(N, NCH, W - 1, dtype=torch.float32, device=x.device)
+    y = C.empty(B, T, NCH, dtype=out_dtype, device=x.device)
+    fin = C.empty(N, NCH, W - 1, dtype=torch.float32, device=x.device)
     TT = B * T
 
     def launch(cfg):

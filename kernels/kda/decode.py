@@ -114,7 +114,7 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         raise ConfigError(f"kda_decode (triton): head dim {K} must be a power of two")
     scale = K ** -0.5 if scale is None else float(scale)
     if out is None:
-        out = torch.empty(N, H * V, dtype=out_dtype, device=q_raw.device)
+        out = C.empty(N, H * V, dtype=out_dtype, device=q_raw.device)
     ws = [w.reshape(-1, W) if w.is_contiguous() and w.dtype == torch.float32 else w.reshape(-1, W).float().contiguous()
           for w in conv_weights]
     cfg = dict(config or C.configs("decode")[0])

@@ -333,15 +333,15 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     chunk_tok, chunk_len, seq_chunk = chunk_table(cu_host, dev)
     NC = chunk_tok.numel()
     f32 = torch.float32
-    gbuf = torch.empty(TT, H, K, dtype=f32, device=dev)
-    qg = torch.empty(TT, H, K, dtype=f32, device=dev)
-    kg = torch.empty(TT, H, K, dtype=f32, device=dev)
-    w = torch.empty(TT, H, K, dtype=f32, device=dev)
-    u = torch.empty(TT, H, V, dtype=f32, device=dev)
-    aqk = torch.empty(TT, H, BT, dtype=f32, device=dev)
-    glast = torch.empty(max(NC, 1), H, K, dtype=f32, device=dev)
-    o = torch.empty(B, T, H, V, dtype=out_dtype, device=dev)
-    ht = torch.empty(N, H, K, V, dtype=f32, device=dev)
+    gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
+    qg = C.empty(TT, H, K, dtype=f32, device=dev)
+    kg = C.empty(TT, H, K, dtype=f32, device=dev)
+    w = C.empty(TT, H, K, dtype=f32, device=dev)
+    u = C.empty(TT, H, V, dtype=f32, device=dev)
+    aqk = C.empty(TT, H, BT, dtype=f32, device=dev)
+    glast = C.empty(max(NC, 1), H, K, dtype=f32, device=dev)
+    o = C.empty(B, T, H, V, dtype=out_dtype, device=dev)
+    ht = C.empty(N, H, K, V, dtype=f32, device=dev)
     h0 = initial_state.to(f32).contiguous() if initial_state is not None else ht
     exact = q.dtype == torch.float32
     cfg = config or {}
