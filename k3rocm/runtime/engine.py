@@ -35,7 +35,7 @@ from k3rocm.errors import ConfigError, PlanError
 from k3rocm.kernels import registry
 from k3rocm.model.common import f32, linear, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate,
-                                fold_res_weight, kda_mixer, mla_mixer, mlp_side, moe_block)
+                                fold_res_weight, kda_mixer, mlp_side, moe_block)
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
 
@@ -153,6 +153,8 @@ class Engine:
         self.max_model_len = max_model_len
         # ---- ops
         override = registry.parse_override(kernels) if isinstance(kernels, str) or kernels is None else dict(kernels)
+        if not on_gpu and "*" not in override:
+            override["*"] = "torch"  # a CPU engine never takes GPU kernels, even where a GPU is visible
         self.ops: dict[str, Any] = {}
         self.op_impls: dict[str, str] = {}
         for op in registry.ORACLE_OPS:
@@ -292,21 +294,9 @@ class Engine:
         """Gated MLA token mixer for one token per row: write the token's latent + k_rope into its paged
         slot (``mla_cache_write``), then absorbed ``mla_decode`` (K3_FACTS §5). Rows with slot id −1 write
         nothing (slot mapping −1) and attend to nothing (context length 0)."""
-        cfg, w = self.cfg, self.w
-        p = f"layers.{layer}.self_attn."
-        H, Dn, Dr, Dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                            cfg.kv_lora_rank)
-        N = x.shape[0]
-        eps = cfg.rms_norm_eps
-        if cfg.q_lora_rank:
-            q = linear(rms_norm(linear(x, w(p + "q_a_proj.weight")), w(p + "q_a_layernorm.weight"), eps),
-                       w(p + "q_b_proj.weight"))
-        else:
-            q = linear(x, w(p + "q_proj.weight"))
-        q = q.view(N, H, Dn + Dr)
-        ckv = linear(x, w(p + "kv_a_proj_with_mqa.weight"))
-        latent = rms_norm(ckv[:, :R], w(p + "kv_a_layernorm.weight"), eps)
-        k_rope = ckv[:, R:].contiguous()
+        cfg = self.cfg
+        Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q, latent, k_rope = self._mla_qkv(x, layer)
         bs = self.mla.block_size
         valid = slot_ids >= 0
         col = torch.clamp(pos // bs, max=block_rows.shape[1] - 1).unsqueeze(1)
@@ -317,22 +307,76 @@ class Engine:
         w_kc, w_vc = self._kv_split(layer)
         o = self.ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(),
                                    self.mla.kv_cache[layer], block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5)
-        o = f32(o).reshape(N, H * Dv)
-        if w.has(p + "g_proj.weight"):
-            o = o * torch.sigmoid(linear(x, w(p + "g_proj.weight")))
-        return linear(o, w(p + "o_proj.weight"))
+        return self._mla_out(o, x, layer)
+
+    def _mla_qkv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, Dn+Dr]``, normed latent ``[T, R]``, k_rope ``[T, Dr]`` of a gated MLA layer (K3_FACTS §5)."""
+        cfg, w = self.cfg, self.w
+        p = f"layers.{layer}.self_attn."
+        H, Dn, Dr, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        eps = cfg.rms_norm_eps
+        if cfg.q_lora_rank:
+            q = linear(rms_norm(linear(x, w(p + "q_a_proj.weight")), w(p + "q_a_layernorm.weight"), eps),
+                       w(p + "q_b_proj.weight"))
+        else:
+            q = linear(x, w(p + "q_proj.weight"))
+        ckv = linear(x, w(p + "kv_a_proj_with_mqa.weight"))
+        latent = rms_norm(ckv[:, :R], w(p + "kv_a_layernorm.weight"), eps)
+        return q.view(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
+
+    def _mla_out(self, o: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Output gate ``sigmoid(g_proj(x))`` (when the layer has one) and ``o_proj``."""
+        p = f"layers.{layer}.self_attn."
+        o = f32(o).reshape(x.shape[0], -1)
+        if self.w.has(p + "g_proj.weight"):
+            o = o * torch.sigmoid(linear(x, self.w(p + "g_proj.weight")))
+        return linear(o, self.w(p + "o_proj.weight"))
+
+    def _mla_chunks(self, x: torch.Tensor, layer: int, info: dict) -> torch.Tensor:
+        """Gated MLA on prefill chunks: write every chunk token into its paged slot, then ``mla_prefill``
+        when every chunk starts a sequence (keys/values expanded by ``kv_b_proj``), else absorbed
+        ``mla_decode`` per chunk with its queries as the last positions of the cached context."""
+        cfg, w = self.cfg, self.w
+        H, Dn, Dr, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        dev = x.device
+        q, latent, k_rope = self._mla_qkv(x, layer)
+        starts, sizes, rows = info["starts"], info["sizes"], info["block_rows"]
+        bs = self.mla.block_size
+        pos = torch.cat([torch.arange(a, a + n, device=dev) for a, n in zip(starts, sizes)])
+        which = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev))
+        slot_mapping = rows.to(torch.int64)[which, pos // bs] * bs + pos % bs
+        self.ops["mla_cache_write"](self.mla.kv_cache[layer], slot_mapping, latent, k_rope)
+        scale = (Dn + Dr) ** -0.5
+        if all(a == 0 for a in starts):
+            cu = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+            kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(-1, H, Dn + Dv)
+            o = self.ops["mla_prefill"](q, kvb[..., :Dn].contiguous(), k_rope, kvb[..., Dn:].contiguous(), cu, cu,
+                                        scale)
+        else:
+            w_kc, w_vc = self._kv_split(layer)
+            outs, off = [], 0
+            for j, (a, n) in enumerate(zip(starts, sizes)):
+                ctx = torch.tensor([a + n], dtype=torch.int32, device=dev)
+                qj = q[off:off + n]
+                outs.append(self.ops["mla_decode"](qj[..., :Dn].unsqueeze(0).contiguous(),
+                                                   qj[..., Dn:].unsqueeze(0).contiguous(), self.mla.kv_cache[layer],
+                                                   rows[j:j + 1], ctx, w_kc, w_vc, scale)[0])
+                off += n
+            o = torch.cat(outs, 0)
+        return self._mla_out(o, x, layer)
 
     def _channel(self, i: int, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.is_moe_layer(i):
             return moe_block(x, self.w, i, self.cfg, self.ops, self.moe_mode)
         return dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg)
 
-    def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None, pre_view: Any,
+    def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None, pre_info: dict | None,
                  sample_rows: torch.Tensor) -> torch.Tensor:
         """Run all layers on flat ``ids [T]`` (first ``nd`` = decode rows) and return logits of ``sample_rows``.
 
         ``dec``: ``slot_ids [nd] int32``, ``pos [nd] int64`` (tokens cached before), ``block_rows [nd, nb]``.
-        ``pre``: the prefill chunks' :class:`Batch` (its cache = ``pre_view``), or None.
+        ``pre``: the prefill chunks' :class:`Batch` (for the KDA mixer), or None; ``pre_info``: their
+        ``block_rows [P, nb]``, ``starts`` and ``sizes`` (for the MLA chunk path).
         """
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
@@ -354,8 +398,10 @@ class Engine:
                 else:
                     parts.append(self._mla_decode_rows(xd, i, dec["slot_ids"], dec["pos"], dec["block_rows"]))
             if pre is not None:
-                mixer = kda_mixer if cfg.layer_type(i) == "kda" else mla_mixer
-                parts.append(mixer(xn[nd:], w, i, cfg, self.ops, pre))
+                if cfg.layer_type(i) == "kda":
+                    parts.append(kda_mixer(xn[nd:], w, i, cfg, self.ops, pre))
+                else:
+                    parts.append(self._mla_chunks(xn[nd:], i, pre_info))
             a = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
             if self.attn_res:
                 res.prefix = res.prefix + a
@@ -414,15 +460,19 @@ class Engine:
                    "pos": torch.tensor([s.start for s in decs], dtype=torch.int64, device=dev),
                    "block_rows": table[slots.to(dev)]}
             if self.cfg.family != "k3":
-                dec["batch"] = Batch(torch.arange(nd + 1, dtype=torch.int32), _PagedCacheView(self.mla, self.kda, table),
+                dec["batch"] = Batch(torch.arange(nd + 1, dtype=torch.int32, device=dev),
+                                     _PagedCacheView(self.mla, self.kda, table),
                                      slots, torch.tensor([s.start for s in decs]), decode=False)
-        pre = None
+        pre = pre_info = None
         view = _PagedCacheView(self.mla, self.kda, table)
         if pres:
+            pslots = torch.tensor([self.kda.slot_of(s.seq.seq_id) for s in pres], dtype=torch.int64, device=dev)
+            pre_info = {"block_rows": table[pslots], "starts": [s.start for s in pres],
+                        "sizes": [s.num_tokens for s in pres]}
             cu = [0]
             for s in pres:
                 cu.append(cu[-1] + s.num_tokens)
-            pre = Batch(torch.tensor(cu, dtype=torch.int32), view,
+            pre = Batch(torch.tensor(cu, dtype=torch.int32, device=dev), view,
                         torch.tensor([self.kda.slot_of(s.seq.seq_id) for s in pres], dtype=torch.int64),
                         torch.tensor([s.start for s in pres], dtype=torch.int64), decode=False)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
@@ -432,7 +482,7 @@ class Engine:
             logits = self._graph_decode(ids_t, dec)
             used_graph = logits is not None
         if not used_graph:
-            logits = self._forward(ids_t, nd, dec, pre, view, rows_t) if sample_rows or pres or nd else None
+            logits = self._forward(ids_t, nd, dec, pre, pre_info, rows_t)
         toks = logits.argmax(-1).tolist() if sample_rows else []
         now = time.perf_counter()
         sampled = {s.seq_id: int(t) for s, t in zip(sample_seqs, toks)}
