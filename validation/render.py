@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import math
 from pathlib import Path
 
 from k3rocm.validation.evidence import LEVELS, Report, Stage, atomic_write
@@ -99,7 +100,7 @@ def _series_svg(name: str, spec: dict) -> str | None:
     kind = spec.get("kind", "line")
     labels = list(ys)
     for j, lab in enumerate(labels):
-        vals = [float(v) if isinstance(v, (int, float)) else float("nan") for v in ys[lab]]
+        vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("nan") for v in ys[lab]]
         xs = x if len(x) == len(vals) else list(range(len(vals)))
         if kind == "bar":
             w = 0.8 / max(1, len(labels))
