@@ -228,6 +228,9 @@ def tp_forward_worker(ctx: DistContext, checkpoint: str, input_ids: torch.Tensor
     from k3rocm.hw import load_profile
     from k3rocm.runtime.plan import plan
 
+    if ctx.device.type == "cuda":  # an fp32 oracle: no TF32 in matmuls or convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     index = open_checkpoint(checkpoint)
     cfg = index.config
     pl = plan(cfg, load_profile("cpu"), tp=tp, ep=ep)
