@@ -21,34 +21,6 @@ LAYER_REL_RMS = 1e-3
 MARGIN = 1e-2
 
 
-def _load_weights(ckpt):
-    """Weights of the golden checkpoint through the toolkit's reader when present, else safetensors by index."""
-    try:
-        from k3rocm.model.weights import load_weights  # type: ignore
-    except ImportError:
-        load_weights = None
-    if load_weights is not None:
-        return load_weights(ckpt)
-    import json
-
-    from safetensors.torch import load_file
-
-    idx = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for shard in sorted(set(idx.values())):
-        out.update(load_file(str(ckpt / shard)))
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny shapes: one intra-op thread is fastest and avoids OpenMP spin-waiting on a shared 2-core runner."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def golden(golden_dir):
     from safetensors.torch import load_file
@@ -57,9 +29,19 @@ def golden(golden_dir):
 
 
 @pytest.fixture(scope="module")
-def model(golden_ckpt):
+def weights(golden_ckpt):
+    """The golden checkpoint through the toolkit's reader (index + headers validated, MXFP4 kept packed)."""
+    from k3rocm.model.weights import load_weights
+
+    w = load_weights(golden_ckpt)
+    w.bytes_at_load = w.nbytes()
+    return w
+
+
+@pytest.fixture(scope="module")
+def model(weights, golden_ckpt):
     cfg = K3Config.from_file(golden_ckpt / "config.json")
-    return K3Model(cfg, _load_weights(golden_ckpt))
+    return K3Model(cfg, weights)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +53,9 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
-def test_golden_logits(run, golden):
+def test_golden_logits(run, golden, weights):
     logits, _ = run
+    assert weights.nbytes() == weights.bytes_at_load  # experts stayed packed, held once (no dequantized copy kept)
     ref = golden["logits"]
     assert logits.dtype == torch.float32 and logits.shape == ref.shape
     assert torch.isfinite(logits).all()
