@@ -154,21 +154,31 @@ def _check(bank, num_rows, prefix, append):
 
 def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weight: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, append: bool = False, norm_eps: float | None = None,
-                  out_dtype: torch.dtype | None = None, config: dict | None = None):
+                  out_dtype: torch.dtype | None = None, config: dict | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Triton fused AttnRes step; same contract as :func:`k3rocm.model.attnres.attn_res_norm`.
 
     Args (beyond the oracle's):
         out_dtype: dtype of ``h_normed`` (default fp32; ``h`` is always fp32).
         config: one entry of ``ATTNRES_CONFIGS[backend]`` (default: tuned pick).
+        out: optional preallocated ``(h, h_normed)`` (must not overlap the bank; checked).
     Returns:
-        ``(h [T, D] fp32, h_normed [T, D])``, freshly allocated.
+        ``(h [T, D] fp32, h_normed [T, D])``, freshly allocated unless ``out`` is given.
     Raises:
         ConfigError: bank full / shapes disagree / more than 15 bank rows.
     """
     _check(bank, num_rows, prefix, append)
     T, D = prefix.shape
-    h = torch.empty(T, D, dtype=torch.float32, device=prefix.device)
-    hn = torch.empty(T, D, dtype=out_dtype or torch.float32, device=prefix.device)
+    if out is None:
+        h = torch.empty(T, D, dtype=torch.float32, device=prefix.device)
+        hn = torch.empty(T, D, dtype=out_dtype or torch.float32, device=prefix.device)
+    else:
+        h, hn = out
+        b0, b1 = bank.data_ptr(), bank.data_ptr() + bank.numel() * bank.element_size()
+        for o in (h, hn):
+            if b0 < o.data_ptr() + o.numel() * o.element_size() and o.data_ptr() < b1:
+                raise ConfigError("attn_res_norm: an output buffer overlaps the bank; bank rows must stay live "
+                                  "(K3_FACTS §5), allocate outputs separately")
     _launch(bank, num_rows, prefix, weight, norm_weight, eps, eps if norm_eps is None else norm_eps, append, h, hn,
             config)
     return h, hn
