@@ -1,0 +1,157 @@
+"""Benchmark one K3 MoE layer's routed experts on packed MXFP4 (Triton) against bf16 ``torch._grouped_mm``.
+
+Problem (K3_FACTS §2-§5): 896 experts, latent 3584, intermediate 3072, top-16, router over hidden 7168.
+For each token count: router time, dispatch time, each kernel of the expert path alone (quantize for A8W4,
+w1|w3 + SiTU, w2 x weight, reduce), the whole ``moe_experts`` call for every config of the backend's list, and
+the bf16 baseline (two ``torch._grouped_mm`` on the same routing, SiTU in between). Floors: bytes of the
+experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth, FLOPs over the
+measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
+
+Usage: ``python bench/bench_moe.py --tokens 64 512 8192 --modes a16w4 --json out.json --md out.md``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from k3rocm.kernels.moe import GEMM_CONFIGS, backend_name, moe_experts, moe_router, pick_gemm_config
+from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu
+
+E, D, I, H, K = 896, 3584, 3072, 7168, 16
+EXPERT_BYTES = 3 * 3584 * 3072 // 2 + 3 * 3584 * 3072 // 32  # 17,547,264
+COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
+BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
+
+
+def situ(g, u):
+    return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 8192])
+    ap.add_argument("--modes", nargs="+", default=["a16w4"])
+    ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args()
+    dev = "cuda"
+    torch.manual_seed(0)
+    ew = dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev),
+              w13_scale=torch.randint(119, 122, (E, 2 * I, D // 32), dtype=torch.uint8, device=dev),
+              w2_packed=torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device=dev),
+              w2_scale=torch.randint(119, 122, (E, D, I // 32), dtype=torch.uint8, device=dev),
+              num_experts=E, first_expert=0)
+    gate = (torch.randn(E, H, device=dev) * H ** -0.5).bfloat16()
+    bias = torch.randn(E, device=dev) * 0.01
+    w13_bf = w2_bf = None
+    if not args.no_bf16:
+        w13_bf = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16).mul_(0.02)
+        w2_bf = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16).mul_(0.02)
+    rows = []
+    for T in args.tokens:
+        xh = torch.randn(T, H, device=dev).bfloat16()
+        xl = torch.randn(T, D, device=dev).bfloat16()
+        ids, wts = moe_router(xh, gate, bias, K)
+        torch.cuda.synchronize()
+        used = int((torch.bincount(ids.flatten().long(), minlength=E) > 0).sum())
+        bytes_fp4 = used * EXPERT_BYTES + T * D * 2 + T * D * 4
+        flops = 2 * T * K * (D * 2 * I + I * D)
+        floor_fp4 = bytes_fp4 / COPY_BW
+        floor_flop = flops / BF16_RATE
+        r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
+                 floor_flops_ms=floor_flop * 1e3)
+        r["router_ms"] = do_bench(lambda: moe_router(xh, gate, bias, K))
+        cfg0 = pick_gemm_config(T * K / min(E, T * K))
+        r["dispatch_ms"] = do_bench(lambda: dispatch_gpu(ids, 0, E, cfg0.block_m))
+        r["picked_config"] = cfg0.name()
+        for mode in args.modes:
+            for cfg in GEMM_CONFIGS[backend_name()]:
+                key = f"{mode}_{cfg.name()}"
+                try:
+                    stages: dict = {}
+                    _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
+                    t_all = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode=mode, config=cfg))
+                    r[f"{key}_experts_ms"] = t_all
+                    for st in ("w13", "w2", "reduce", "quantize"):
+                        if stages.get(st) is not None:
+                            r[f"{key}_{st}_ms"] = do_bench(stages[st])
+                    r[f"{key}_frac_of_floor"] = max(floor_fp4, floor_flop) * 1e3 / t_all
+                except Exception as e:  # noqa: BLE001 - a failing config is a result to report
+                    r[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            best = min((r[f"{mode}_{c.name()}_experts_ms"], c.name()) for c in GEMM_CONFIGS[backend_name()]
+                       if f"{mode}_{c.name()}_experts_ms" in r)
+            r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
+            r[f"{mode}_picked_ms"] = r.get(f"{mode}_{cfg0.name()}_experts_ms")
+            r[f"{mode}_layer_ms"] = r[f"{mode}_picked_ms"] + r["router_ms"] if r[f"{mode}_picked_ms"] else None
+        if w13_bf is not None:
+            try:
+                counts = torch.bincount(ids.flatten().long(), minlength=E)
+                order = torch.argsort(ids.flatten().long(), stable=True)
+                xs = xl[order // K].contiguous()
+                offs = torch.cumsum(counts, 0).to(torch.int32)
+                b13 = w13_bf.transpose(1, 2)
+                b2 = w2_bf.transpose(1, 2)
+
+                def bf16_path():
+                    gu = torch._grouped_mm(xs, b13, offs=offs)
+                    h = situ(gu[:, :I].float(), gu[:, I:].float()).bfloat16()
+                    return torch._grouped_mm(h, b2, offs=offs)
+
+                r["bf16_grouped_mm_ms"] = do_bench(bf16_path)
+                gu = torch._grouped_mm(xs, b13, offs=offs)
+                r["bf16_w13_only_ms"] = do_bench(lambda: torch._grouped_mm(xs, b13, offs=offs))
+                del gu
+            except Exception as e:  # noqa: BLE001
+                r["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=backend_name(),
+                commit=_commit())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(_markdown(meta, rows, args.modes))
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _markdown(meta, rows, modes) -> str:
+    out = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+           f"commit {meta['commit']}", "",
+           "| tokens | experts used | router ms | dispatch ms | mode | experts ms (picked) | best config | "
+           "w13 ms | w2 ms | reduce ms | MXFP4 floor ms | fraction | bf16 grouped_mm ms | speed-up |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for m in modes:
+            pc = r["picked_config"]
+            t = r.get(f"{m}_picked_ms")
+            bf = r.get("bf16_grouped_mm_ms")
+            out.append(
+                f"| {r['tokens']} | {r['experts_used']} | {r['router_ms']:.3f} | {r['dispatch_ms']:.3f} | {m} | "
+                f"{t if t is None else round(t, 3)} ({pc}) | {r.get(f'{m}_best_config')} "
+                f"{round(r.get(f'{m}_best_ms', 0), 3)} | {round(r.get(f'{m}_{pc}_w13_ms', 0), 3)} | "
+                f"{round(r.get(f'{m}_{pc}_w2_ms', 0), 3)} | {round(r.get(f'{m}_{pc}_reduce_ms', 0), 3)} | "
+                f"{max(r['floor_fp4_ms'], r['floor_flops_ms']):.3f} | "
+                f"{(max(r['floor_fp4_ms'], r['floor_flops_ms']) / t) if t else 0:.2f} | "
+                f"{bf if bf is None else round(bf, 3)} | {(bf / t) if (bf and t) else 0:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()
