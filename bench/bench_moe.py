@@ -21,13 +21,19 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from k3rocm.kernels.moe import GEMM_CONFIGS, backend_name, moe_experts, moe_router, pick_gemm_config
+from k3rocm.kernels.moe import GEMM_CONFIGS, GemmConfig, backend_name, moe_experts, moe_router, pick_gemm_config
 from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu
 
 E, D, I, H, K = 896, 3584, 3072, 7168, 16
 EXPERT_BYTES = 3 * 3584 * 3072 // 2 + 3 * 3584 * 3072 // 32  # 17,547,264
 COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
 BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
+
+
+# tile candidates tried by --candidates (not shipped until they join GEMM_CONFIGS and its tests)
+CANDIDATES = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 128, 128, 4, 4), GemmConfig(16, 256, 128, 8, 3),
+              GemmConfig(32, 64, 256, 4, 4), GemmConfig(64, 64, 128, 4, 4), GemmConfig(128, 128, 64, 8, 3),
+              GemmConfig(64, 256, 64, 8, 3)]
 
 
 def situ(g, u):
@@ -39,6 +45,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 8192])
     ap.add_argument("--modes", nargs="+", default=["a16w4"])
     ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--candidates", action="store_true", help="also time CANDIDATES (A16W4 only, total time)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args()
@@ -91,6 +98,14 @@ def main() -> None:
             r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
             r[f"{mode}_picked_ms"] = r.get(f"{mode}_{cfg0.name()}_experts_ms")
             r[f"{mode}_layer_ms"] = r[f"{mode}_picked_ms"] + r["router_ms"] if r[f"{mode}_picked_ms"] else None
+        if args.candidates:
+            for cfg in CANDIDATES:
+                try:
+                    moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg)
+                    r[f"cand_{cfg.name()}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4",
+                                                                              config=cfg))
+                except Exception as e:  # noqa: BLE001
+                    r[f"cand_{cfg.name()}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         if w13_bf is not None:
             try:
                 counts = torch.bincount(ids.flatten().long(), minlength=E)
