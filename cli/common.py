@@ -22,8 +22,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
 def console(stderr: bool = False):
     """A rich console bound to the current stdout/stderr at call time (works under click's test runner)."""
+    import os
+
     from rich.console import Console
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    # into a file or pipe: wide enough that tables are not cut (COLUMNS still wins when set)
+    width = None if tty or os.environ.get("COLUMNS") else 200
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
 def fail(msg: str, code: int) -> None:

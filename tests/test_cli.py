@@ -1,0 +1,177 @@
+"""CLI integration on k3-tiny: every command runs, exit codes, one-line errors, report merging."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from k3rocm.cli.main import cli
+from k3rocm.kernels import registry
+
+torch.set_num_threads(1)
+
+COMMANDS = [["load"], ["validate"], ["bench"], ["profiles"], ["env"], ["plan"], ["checkpoint", "make"],
+            ["checkpoint", "inspect"], ["checkpoint", "verify"], ["kernels", "list"], ["kernels", "isa"]]
+
+
+def run(args, code=0, env=None):
+    r = CliRunner().invoke(cli, [str(a) for a in args], env=env)
+    assert r.exit_code == code, (args, r.exit_code, r.output, r.exception)
+    return r
+
+
+def one_line_error(r) -> str:
+    """The run printed exactly one ``error: ...`` line on stderr and no traceback."""
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output
+    return err[0]
+
+
+def no_gpu():
+    return not torch.cuda.is_available()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private user cache for the embedded default checkpoint."""
+    monkeypatch.setenv("K3ROCM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_help_teaches():
+    top = run(["--help"]).output
+    for word in ("load", "validate", "bench", "Exit codes", "--profile mi355x-8"):
+        assert word in top
+    for cmd in COMMANDS:
+        out = run(cmd + ["--help"]).output
+        assert "Examples:" in out and "k3rocm " + cmd[0] in out, cmd
+
+
+def test_profiles_env_and_kernels_list():
+    assert "mi355x-8" in run(["profiles"]).output
+    prof = json.loads(run(["profiles", "--json"]).output)
+    assert {p["name"] for p in prof} >= {"cpu", "mi355x-8", "h200-1"}
+    assert "backend" in run(["env"]).output
+    out = run(["kernels", "list"]).output
+    for op in registry.ORACLE_OPS:
+        assert op in out
+    one_line_error(run(["kernels", "list", "--kernels", "bogus"], code=2))
+
+
+@pytest.mark.skipif(not no_gpu(), reason="checks the CPU-only answer")
+def test_env_profile_mismatch_is_exit_3():
+    line = one_line_error(run(["env", "--profile", "mi355x-8"], code=3))
+    assert "gfx950" in line and "cpu" in line
+
+
+def test_plan_fits_and_does_not_fit(cache):
+    out = run(["plan", "--preset", "k3", "--profile", "mi355x-8"]).output
+    assert "fits: yes" in out and "784..895" in out  # EP: 112 experts per rank
+    r = run(["plan", "--preset", "k3", "--profile", "mi300x-8"], code=2)
+    line = one_line_error(r)
+    assert "does not fit mi300x-8" in line and "GB" in line
+    assert "NO" in r.stdout  # the table with the numbers was printed first
+    d = json.loads(run(["plan", "--preset", "k3", "--profile", "mi355x-8", "--json"]).output)
+    assert d["tp"] == 8 and d["fits"] is True
+    assert "fits: yes" in run(["plan"]).output  # the embedded default, written into the private cache
+    assert (cache / "k3-tiny-v1" / "config.json").is_file()
+
+
+def test_kernels_isa_one_family():
+    out = run(["kernels", "isa", "--target", "gfx950", "--family", "mx"]).output
+    assert "gfx950" in out
+
+
+def test_checkpoint_make_inspect_verify(tmp_path):
+    d = tmp_path / "ck"
+    assert "wrote k3-tiny" in run(["checkpoint", "make", "--out", d, "--seed", "3"]).output
+    doc = json.loads(run(["checkpoint", "inspect", "--checkpoint", d, "--json"]).output)
+    assert doc["tensors"] == doc["tensors_expected"] == 1492 and doc["official"] is False
+    one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))  # no manifest yet
+    run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"])
+    assert "every file matches" in run(["checkpoint", "verify", "--checkpoint", d]).output
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shard.chmod(0o644)
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    assert shard.name in one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))
+    one_line_error(run(["checkpoint", "make", "--out", d], code=2))  # refuses a non-empty directory
+
+
+def test_expected_failures_are_one_line(golden_ckpt, tmp_path):
+    out = tmp_path / "r"
+    line = one_line_error(run(["load", "--checkpoint", tmp_path / "missing", "--out", out], code=2))
+    assert "does not exist" in line
+    line = one_line_error(run(["validate", "--profile", "nope", "--checkpoint", golden_ckpt, "--out", out], code=2))
+    assert "mi355x-8" in line  # lists the known profiles
+    one_line_error(run(["bench", "--concurrency", "0,x", "--checkpoint", golden_ckpt, "--out", out], code=2))
+    one_line_error(run(["validate", "--golden", tmp_path / "nope.safetensors", "--checkpoint", golden_ckpt,
+                        "--out", out], code=2))
+    # a broken checkpoint: a shard cut short
+    d = tmp_path / "broken"
+    shutil.copytree(golden_ckpt, d)
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shard.chmod(0o644)
+    shard.write_bytes(shard.read_bytes()[:1000])
+    line = one_line_error(run(["load", "--checkpoint", d, "--out", out], code=2))
+    assert shard.name in line
+    # --debug shows the traceback of the same failure
+    r = run(["load", "--checkpoint", d, "--out", out, "--debug"], code=2)
+    assert "Traceback" in r.output
+    # a broken checkpoint's report records the error stage
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["stages"]["load"]["status"] == "error"
+
+
+@pytest.mark.skipif(not no_gpu(), reason="checks the CPU-only answer")
+def test_triton_without_gpu_is_exit_3(golden_ckpt, tmp_path):
+    line = one_line_error(run(["validate", "--level", "forward", "--kernels", "triton", "--checkpoint", golden_ckpt,
+                               "--out", tmp_path], code=3))
+    assert "GPU" in line
+
+
+def test_commands_merge_into_one_report(golden_dir, tmp_path):
+    ck, out = golden_dir / "checkpoint", tmp_path / "rep"
+    run(["load", "--checkpoint", ck, "--out", out])
+    run(["validate", "--level", "correctness", "--checkpoint", ck, "--out", out,
+         "--golden", golden_dir / "golden.safetensors"])
+    r = run(["bench", "--checkpoint", ck, "--out", out, "--concurrency", "1,2", "--input-len", "8",
+             "--output-len", "4", "--num-prompts", "2", "--warmups", "1"])
+    assert "c2.median_tpot_ms" in r.output
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["schema"] == "k3rocm.report/1" and rep["status"] == "passed"
+    assert list(rep["stages"]) == ["env", "load", "forward", "correctness", "bench"]
+    assert [h["stages"] for h in rep["history"]] == [["env", "load"], ["env", "load", "forward", "correctness"],
+                                                     ["bench"]]
+    assert rep["reproduction"]["kernel_selection"]["moe_experts"] == "torch"
+    ev = {e["name"]: e for e in rep["stages"]["bench"]["evidence"]}
+    assert ev["c1.completed"]["value"] == 2 and ev["c2.completed"]["value"] == 2
+    levels = rep["evidence_levels"]
+    assert levels["measured"] > 0 and levels["projected"] > 0 and levels["external"] > 0
+    html = (out / "report.html").read_text()
+    assert html.count("<svg") >= 4 and "external" in html
+    assert "| bench |" in (out / "report.md").read_text()
+
+
+def test_wrong_kernel_fails_validate_with_exit_1(golden_ckpt, tmp_path, monkeypatch):
+    good = registry.implementations("attn_res")["torch"].fn
+    saved = registry._REGISTRY.get("attn_res", {}).get("torch")
+    # an AttnRes kernel that drops the current block's prefix weight a little: a plausible softmax bug
+    registry.register("attn_res", "torch", lambda src, w, eps, *a, **k: good(src, w * 0.5, eps, *a, **k))
+    try:
+        r = run(["validate", "--checkpoint", golden_ckpt, "--out", tmp_path], code=1)
+    finally:
+        if saved is None:
+            registry._REGISTRY["attn_res"].pop("torch")
+        else:
+            registry._REGISTRY["attn_res"]["torch"] = saved
+    line = one_line_error(r)
+    assert line.startswith("error: correctness tier failed")
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["status"] == "failed" and rep["stages"]["correctness"]["status"] == "failed"
