@@ -73,11 +73,11 @@ class TensorEntry:
 
 def _no_dup_object(where: str) -> Callable[[list], dict]:
     def hook(pairs: list) -> dict:
-        d: dict = {}
-        for k, v in pairs:
-            if k in d:
-                raise CheckpointError(f"{where}: key {k!r} appears twice; the file is corrupt - re-download it")
-            d[k] = v
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            seen: set = set()
+            k = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise CheckpointError(f"{where}: key {k!r} appears twice; the file is corrupt - re-download it")
         return d
     return hook
 
@@ -133,19 +133,28 @@ def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
     hdr, base, size = read_shard_header(path)
     out: dict[str, TensorEntry] = {}
     spans = []
+    sizes = {k: v[1] for k, v in DTYPES.items()}
     for name, info in hdr.items():
         if name == "__metadata__":
             continue
         try:
             dtype = info["dtype"]
-            shape = tuple(int(x) for x in info["shape"])
-            a, b = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+            shape = tuple(info["shape"])
+            a, b = info["data_offsets"]
+            n = sizes[dtype]
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise ValueError
+                n *= d
+        except KeyError:
+            if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in sizes:
+                raise CheckpointError(f"{shard}: tensor {name} has unknown dtype {info['dtype']!r}") from None
             raise CheckpointError(f"{shard}: header entry for {name} lacks dtype/shape/data_offsets; "
                                   "re-download the shard") from None
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{shard}: tensor {name} has unknown dtype {dtype!r}")
-        if not 0 <= a <= b or any(d < 0 for d in shape) or b - a != prod(shape) * DTYPES[dtype][1]:
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{shard}: header entry for {name} has a malformed shape or data_offsets; "
+                                  "re-download the shard") from None
+        if type(a) is not int or type(b) is not int or not 0 <= a <= b or b - a != n:
             raise CheckpointError(f"{shard}: tensor {name} data_offsets [{a}, {b}] do not match shape "
                                   f"{list(shape)} x {dtype}; the header is corrupt")
         if base + b > size:

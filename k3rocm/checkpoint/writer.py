@@ -60,38 +60,48 @@ def default_num_shards(cfg: K3Config) -> int:
     return max(1, min(cfg.num_hidden_layers, max(2, math.ceil(total / SHARD_TARGET_BYTES))))
 
 
+def _units(cfg: K3Config) -> list[list[TensorSpec]]:
+    """Indivisible groups of tensors, in file order: each decoder layer (its experts included), then the
+    embedding, the small model-level tensors (final norms / AttnRes), the lm_head."""
+    units = [layout.layer_specs(cfg, i) for i in range(cfg.num_hidden_layers)]
+    model = layout.model_specs(cfg)
+    embed = [s for s in model if s.name.endswith("embed_tokens.weight")]
+    head = [s for s in model if s.name == layout.LM_HEAD]
+    rest = [s for s in model if s not in embed and s not in head]
+    return units + [u for u in (embed, rest, head) if u]
+
+
 def plan_shards(cfg: K3Config, num_shards: int | None = None) -> list[list[TensorSpec]]:
     """Assign every tensor of ``layout.iter_specs(cfg)`` to a shard.
 
-    Whole layers go to shards in order; shard ``k`` is closed before a layer that would take the
-    running total past ``(k+1)/n`` of all bytes (each shard keeps at least one layer); model-level
-    tensors go to the last shard. This reproduces the golden k3-tiny split (layers 0-5 | 6-12 + model).
+    Units (see :func:`_units`: whole decoder layers, then embedding / final norms / lm_head) go to
+    shards in order; shard ``k`` is closed before a unit that would take the running total past
+    ``(k+1)/n`` of all bytes, or when the units left are needed one per remaining shard. So one MoE
+    layer's experts always share a shard, and this reproduces the golden k3-tiny split
+    (layers 0-5 | layers 6-12 + model-level tensors); the official 96 shards are one unit each.
 
     Returns:
         ``n`` lists of specs, each in the safetensors on-disk order.
     Raises:
-        ConfigError: ``num_shards`` outside ``1..num_hidden_layers``.
+        ConfigError: ``num_shards`` outside ``1..(layers + model-level units)``.
     """
-    L = cfg.num_hidden_layers
+    units = _units(cfg)
     n = default_num_shards(cfg) if num_shards is None else int(num_shards)
-    if not 1 <= n <= L:
-        raise ConfigError(f"num_shards {n} must be in 1..{L} (shards hold whole layers)")
-    model = layout.model_specs(cfg)
-    layers = [layout.layer_specs(cfg, i) for i in range(L)]
-    sizes = [sum(s.nbytes for s in ls) for ls in layers]
-    total = sum(sizes) + sum(s.nbytes for s in model)
+    if not 1 <= n <= len(units):
+        raise ConfigError(f"num_shards {n} must be in 1..{len(units)} (a shard holds whole layers)")
+    sizes = [sum(s.nbytes for s in u) for u in units]
+    total = sum(sizes)
     shards: list[list[TensorSpec]] = [[] for _ in range(n)]
     k, cum, in_shard = 0, 0, 0
-    for i, ls in enumerate(layers):
-        layers_left = L - i
+    for i, u in enumerate(units):
+        units_left = len(units) - i
         shards_left_after = n - 1 - k
-        if in_shard and k < n - 1 and (cum + sizes[i] > total * (k + 1) / n or layers_left <= shards_left_after):
+        if in_shard and k < n - 1 and (cum + sizes[i] > total * (k + 1) / n or units_left <= shards_left_after):
             k += 1
             in_shard = 0
-        shards[k].extend(ls)
+        shards[k].extend(u)
         cum += sizes[i]
         in_shard += 1
-    shards[-1].extend(model)
     return [sorted(sh, key=lambda s: (_DTYPE_ORDER[s.dtype], s.name)) for sh in shards]
 
 
