@@ -79,6 +79,8 @@ def test_decode_equals_forward(model):
     prompts = [torch.randint(3, cfg.vocab_size, (L,), generator=g) for L in lens]
     new = torch.randint(3, cfg.vocab_size, (2, steps), generator=g)
     cache = model.new_cache(2, max_len=32, block_size=4)  # several MLA blocks per sequence
+    for kv in cache.kv.values():  # poison: a read of a slot nobody wrote turns the logits into NaN
+        kv.fill_(float("nan"))
     pre = model.prefill(prompts, cache)
     assert cache.lengths.tolist() == lens
     dec = []
@@ -131,3 +133,27 @@ def test_generate_greedy_matches_forward_argmax(model):
     seq = torch.cat([prompt, toks], 1)
     ref = model.forward(seq)[:, 3:-1].argmax(-1)
     assert torch.equal(ref, toks)
+
+
+def test_ops_table_is_used(model):
+    """Every op goes through the ``ops`` mapping (the engine swaps kernels in there); unknown names are refused."""
+    from k3rocm.model.layer import resolve_ops
+
+    calls: dict[str, int] = {}
+    base = resolve_ops()
+
+    def counted(name):
+        def fn(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return base[name](*a, **k)
+        return fn
+
+    m = K3Model(model.cfg, model.w, ops={n: counted(n) for n in base})
+    cache = m.new_cache(1, max_len=8)
+    ref = model.prefill([torch.tensor([5, 6, 7])], model.new_cache(1, max_len=8))[0]
+    out = m.prefill([torch.tensor([5, 6, 7])], cache)[0]
+    assert torch.equal(out, ref)
+    m.decode(torch.tensor([9]), cache)
+    assert set(calls) == set(base), f"ops never called: {set(base) - set(calls)}"
+    with pytest.raises(ConfigError):
+        K3Model(model.cfg, model.w, ops={"not_an_op": lambda: None})
