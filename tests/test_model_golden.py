@@ -110,7 +110,7 @@ def test_a8w4_mode_runs_and_stays_close(model, golden, run):
     """A8W4 (MXFP8 E4M3 activations into the MXFP4 experts) is a different, nearby model.
 
     Compared at the first MoE layer (layer 1), whose inputs are still identical in both modes: E4M3 keeps
-    3 mantissa bits, so the routed part moves by about a percent. (The logits are not compared: the random
+    3 mantissa bits, so the layer output moves by a few percent (3.9% measured). (The logits are not compared: the random
     model is chaotic and routing flips downstream.)
     """
     a8_logits, a8 = K3Model(model.cfg, model.w, moe_mode="a8w4").forward(golden["input_ids"], return_layers=True)
@@ -118,6 +118,6 @@ def test_a8w4_mode_runs_and_stays_close(model, golden, run):
     assert torch.isfinite(a8_logits).all()
     assert torch.equal(a8["layer01.attn_out"], a16["layer01.attn_out"])
     d = _rel_rms(a8["layer01.mlp_out"], a16["layer01.mlp_out"])
-    assert 1e-3 < d < 5e-2, f"A8W4 vs A16W4 layer01.mlp_out relative RMS difference {d:.3e}"
+    assert 1e-3 < d < 1e-1, f"A8W4 vs A16W4 layer01.mlp_out relative RMS difference {d:.3e}"
     with pytest.raises(ConfigError):
         K3Model(model.cfg, model.w, moe_mode="fp8")
