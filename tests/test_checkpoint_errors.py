@@ -1,0 +1,216 @@
+"""Each kind of broken checkpoint is refused before any device work with one clear line.
+
+Every case copies a freshly written k3-tiny checkpoint (the session's ``tiny_ckpt``) and damages it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3rocm.checkpoint.reader import INDEX_NAME, open_checkpoint
+from k3rocm.errors import CheckpointError, ConfigError, K3Error
+
+S1 = "model-00001-of-000002.safetensors"
+S2 = "model-00002-of-000002.safetensors"
+A_LOG = "language_model.model.layers.1.self_attn.A_log"
+SCALE = "language_model.model.layers.2.block_sparse_moe.experts.10.w2.weight_scale"
+
+
+@pytest.fixture
+def ck(tiny_ckpt, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_ckpt, tmp_path / "ck"))
+
+
+def _refused(path: Path, kind: type[K3Error], *needles: str, **kw) -> str:
+    with pytest.raises(kind) as ei:
+        open_checkpoint(path, **kw)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.strip() == msg and len(msg) < 400, msg
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg
+
+
+def _index(ck: Path) -> dict:
+    return json.loads((ck / INDEX_NAME).read_text())
+
+
+def _write_index(ck: Path, doc: dict) -> None:
+    (ck / INDEX_NAME).write_text(json.dumps(doc, indent=2))
+
+
+def _rewrite_shard(ck: Path, shard: str, edit) -> None:
+    t = load_file(str(ck / shard))
+    edit(t)
+    save_file(t, str(ck / shard), metadata={"format": "pt"})
+
+
+def test_fresh_copy_is_accepted(ck):
+    assert len(open_checkpoint(ck)) == 1492
+
+
+def test_missing_shard(ck):
+    (ck / S2).unlink()
+    _refused(ck, CheckpointError, S2, "missing")
+
+
+def test_truncated_shard(ck):
+    size = (ck / S1).stat().st_size
+    with open(ck / S1, "r+b") as f:
+        f.truncate(size - 100)
+    _refused(ck, CheckpointError, S1, "truncated", "language_model.model.")
+
+
+def test_header_length_past_end_of_file(ck):
+    b = bytearray((ck / S2).read_bytes())
+    b[:8] = (len(b) + 1).to_bytes(8, "little")
+    (ck / S2).write_bytes(bytes(b))
+    _refused(ck, CheckpointError, S2, "header length", "past the end")
+
+
+def test_shard_shorter_than_a_header(ck):
+    (ck / S2).write_bytes(b"\x01\x02")
+    _refused(ck, CheckpointError, S2, "too short")
+
+
+def test_header_not_json(ck):
+    b = bytearray((ck / S1).read_bytes())
+    b[8:12] = b"\xff\xfe{["
+    (ck / S1).write_bytes(bytes(b))
+    _refused(ck, CheckpointError, S1, "not valid JSON")
+
+
+def test_index_names_tensor_the_shard_lacks(ck):
+    doc = _index(ck)
+    doc["weight_map"]["language_model.model.layers.0.self_attn.extra.weight"] = S1
+    _write_index(ck, doc)
+    _refused(ck, CheckpointError, "language_model.model.layers.0.self_attn.extra.weight", S1, "does not hold")
+
+
+def test_index_points_at_the_wrong_shard(ck):
+    doc = _index(ck)
+    doc["weight_map"][A_LOG] = S2
+    _write_index(ck, doc)
+    _refused(ck, CheckpointError, A_LOG, S2, S1)
+
+
+def test_tensor_in_two_shards(ck):
+    dup = load_file(str(ck / S1))[A_LOG]
+    _rewrite_shard(ck, S2, lambda t: t.__setitem__(A_LOG, dup))
+    _refused(ck, CheckpointError, A_LOG, S1, S2, "both")
+
+
+def test_shard_tensor_missing_from_index(ck):
+    doc = _index(ck)
+    del doc["weight_map"][A_LOG]
+    _write_index(ck, doc)
+    _refused(ck, CheckpointError, A_LOG, "does not list")
+
+
+def test_wrong_dtype(ck):
+    _rewrite_shard(ck, S1, lambda t: t.__setitem__(A_LOG, t[A_LOG].to(torch.bfloat16)))
+    _refused(ck, CheckpointError, A_LOG, "BF16", "F32")
+
+
+def test_wrong_shape(ck):
+    _rewrite_shard(ck, S1, lambda t: t.__setitem__(A_LOG, t[A_LOG][:16].clone()))
+    _refused(ck, CheckpointError, A_LOG, "[16]", "[32]")
+
+
+def test_missing_and_unexpected_tensors(ck, tmp_path):
+    other = Path(shutil.copytree(ck, tmp_path / "other"))
+    _rewrite_shard(ck, S1, lambda t: t.pop(A_LOG))
+    doc = _index(ck)
+    del doc["weight_map"][A_LOG]
+    _write_index(ck, doc)
+    _refused(ck, CheckpointError, A_LOG, "missing")
+
+    name = "language_model.model.layers.1.self_attn.bonus.weight"
+    _rewrite_shard(other, S1, lambda t: t.__setitem__(name, torch.zeros(2, dtype=torch.bfloat16)))
+    doc = _index(other)
+    doc["weight_map"][name] = S1
+    _write_index(other, doc)
+    _refused(other, CheckpointError, name, "unexpected")
+
+
+def test_0xff_scale_byte(ck):
+    ix = open_checkpoint(ck)
+    e = ix.entries[SCALE]
+    ix.close()
+    b = bytearray((ck / e.shard).read_bytes())
+    b[e.start + 2 * 3 + 1] = 0xFF  # row 3, column 1 of a [64, 2] scale
+    (ck / e.shard).write_bytes(bytes(b))
+    _refused(ck, CheckpointError, SCALE, e.shard, "0xFF", "(3, 1)")
+    assert len(open_checkpoint(ck, check_scales=False)) == 1492  # the scan can be skipped for huge checkpoints
+
+
+@pytest.mark.parametrize("bad", ["../evil.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_shard_path_escaping_the_directory(ck, bad):
+    doc = _index(ck)
+    doc["weight_map"][A_LOG] = bad
+    _write_index(ck, doc)
+    _refused(ck, CheckpointError, bad, "leaves the checkpoint directory")
+
+
+def test_shard_symlink_leaving_the_directory(ck, tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(ck / S2, outside)
+    os.symlink(outside, ck / S2)
+    _refused(ck, CheckpointError, S2, "outside the checkpoint directory")
+
+
+def test_config_without_full_attn_layers(ck):
+    doc = json.loads((ck / "config.json").read_text())
+    del doc["text_config"]["linear_attn_config"]["full_attn_layers"]
+    (ck / "config.json").write_text(json.dumps(doc))
+    _refused(ck, ConfigError, "config.json", "full_attn_layers")
+
+
+def test_config_missing_or_not_json(ck):
+    (ck / "config.json").write_text("{not json")
+    _refused(ck, ConfigError, "config.json", "not valid JSON")
+    (ck / "config.json").unlink()
+    _refused(ck, ConfigError, "config.json", "not found")
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.pth", "optimizer.pkl"])
+def test_pickle_file_refused(ck, name):
+    (ck / name).write_bytes(b"\x80\x04K\x01.")
+    _refused(ck, CheckpointError, name, "pickle")
+
+
+def test_missing_index_and_not_a_directory(ck):
+    (ck / INDEX_NAME).unlink()
+    _refused(ck, CheckpointError, INDEX_NAME)
+    _refused(ck / "config.json", CheckpointError, "not a checkpoint directory")
+    _refused(ck / "nope", CheckpointError, "not a checkpoint directory")
+
+
+def test_index_not_json_or_duplicate_keys(ck):
+    raw = (ck / INDEX_NAME).read_text()
+    first = raw.index('"language_model.')
+    line_end = raw.index("\n", first)
+    dup = raw[:line_end] + "\n" + raw[first:line_end] + raw[line_end:]
+    (ck / INDEX_NAME).write_text(dup)
+    _refused(ck, CheckpointError, INDEX_NAME, "twice")
+    (ck / INDEX_NAME).write_text("[")
+    _refused(ck, CheckpointError, INDEX_NAME, "not valid JSON")
+
+
+def test_corrupt_data_offsets(ck):
+    b = (ck / S1).read_bytes()
+    n = int.from_bytes(b[:8], "little")
+    hdr = json.loads(b[8:8 + n])
+    hdr[A_LOG]["data_offsets"][1] += 4  # no longer shape x dtype
+    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js += b" " * (n - len(js)) if len(js) <= n else b""
+    assert len(js) == n
+    (ck / S1).write_bytes(b[:8] + js + b[8 + n:])
+    _refused(ck, CheckpointError, A_LOG, "data_offsets")
