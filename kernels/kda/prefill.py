@@ -268,15 +268,22 @@ def _state_kernel(qg, kg, w, u, aqk, glast, h0, o, ht, seq_chunk, chunk_tok, chu
 
 
 def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(chunk_tok [NC], chunk_len [NC], seq_chunk [N+1])`` int32 for packed sequences with offsets ``cu_host``."""
-    tok, ln, sc = [], [], [0]
-    for a, b in zip(cu_host, cu_host[1:]):
-        for s in range(a, b, BT):
-            tok.append(s)
-            ln.append(min(BT, b - s))
-        sc.append(len(tok))
-    mk = lambda x: torch.tensor(x, dtype=torch.int32).to(device)  # noqa: E731
-    return mk(tok), mk(ln), mk(sc)
+    """``(chunk_tok [NC], chunk_len [NC], seq_chunk [N+1])`` int32 for packed sequences with offsets ``cu_host``.
+
+    Built vectorised on the host (one small copy to the device): a chunk is BT tokens of one sequence.
+    """
+    cu = torch.tensor(cu_host, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + BT - 1) // BT
+    sc = torch.zeros(len(cu_host), dtype=torch.int64)
+    sc[1:] = nch.cumsum(0)
+    NC = int(sc[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), nch, output_size=NC)
+    idx = torch.arange(NC) - sc[:-1][seq]
+    tok = cu[:-1][seq] + idx * BT
+    ln = torch.minimum(cu[1:][seq] - tok, torch.full_like(tok, BT))
+    packed = torch.cat([tok, ln, sc]).to(torch.int32).to(device)
+    return packed[:NC], packed[NC:2 * NC], packed[2 * NC:]
 
 
 def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
