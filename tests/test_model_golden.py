@@ -110,8 +110,8 @@ def test_a8w4_mode_runs_and_stays_close(model, golden, run):
     """A8W4 (MXFP8 E4M3 activations into the MXFP4 experts) is a different, nearby model.
 
     Compared at the first MoE layer (layer 1), whose inputs are still identical in both modes: E4M3 keeps
-    3 mantissa bits, so the layer output moves by a few percent (3.9% measured). (The logits are not compared: the random
-    model is chaotic and routing flips downstream.)
+    3 mantissa bits, so the layer output moves by a few percent (3.9% measured). (The logits are not
+    compared: the random model is chaotic and routing flips downstream.)
     """
     a8_logits, a8 = K3Model(model.cfg, model.w, moe_mode="a8w4").forward(golden["input_ids"], return_layers=True)
     a16 = run[1]

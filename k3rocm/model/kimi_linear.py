@@ -13,7 +13,8 @@ The smaller released sibling of K3 shares the token mixers but differs (transfor
 
 The same :class:`~k3rocm.model.model.K3Model` runs it (``cfg.family == "kimi_linear"``); this module adds the
 config bridge and the name mapping from transformers' ``KimiLinearForCausalLM`` state dict to the released
-checkpoint names the oracle reads (``model.layers.{i}.self_attn.q_conv1d.weight``, ``…block_sparse_moe.experts.{e}.w1.weight``).
+checkpoint names the oracle reads (``model.layers.{i}.self_attn.q_conv1d.weight``,
+``model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight``).
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def hf_to_checkpoint_names(state_dict: Mapping[str, torch.Tensor], cfg: K3Config
     The inverse of transformers' ``conversion_mapping["kimi_linear"]``: ``self_attn.conv1d.weight``
     ``[3P, 1, W]`` -> ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` ``[P, 1, W]``; ``self_attn.forget_gate.*`` ->
     ``self_attn.*``; ``mlp.experts.gate_up_proj`` ``[E, 2I, D]`` -> ``block_sparse_moe.experts.{e}.w1/w3.weight``
-    (gate rows first), ``mlp.experts.down_proj`` ``[E, D, I]`` -> ``…w2.weight``; ``mlp.gate`` / ``mlp.shared_experts``
-    of MoE layers -> ``block_sparse_moe.…``. Tensors are views (no copies) except where split.
+    (gate rows first), ``mlp.experts.down_proj`` ``[E, D, I]`` -> ``…w2.weight``; ``mlp.gate`` /
+    ``mlp.shared_experts`` of MoE layers -> ``block_sparse_moe.…``. Tensors are the same objects or views
+    (no copies).
 
     Raises:
         CheckpointError: a conv or expert tensor has an unexpected shape.

@@ -237,7 +237,7 @@ class Batch:
 
 def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
               batch: Batch) -> torch.Tensor:
-    """KDA token mixer (K3_FACTS §5 "KDA layer"): x ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]`` fp32.
+    """KDA token mixer (K3_FACTS §5 "KDA layer"): x ``[T, hidden]`` (after ``input_layernorm``) -> ``[T, hidden]``.
 
     q, k, v = full-rank projections; causal depthwise conv (``short_conv``, FP32 weights) + SiLU on each;
     decay_raw = ``f_b(f_a(x))``; beta_raw = ``b_proj(x)``; ``kda_prefill`` (L2 norm, scale K^-0.5, gate, delta
@@ -485,6 +485,7 @@ def mlp_side(state: AttnResState, weight: torch.Tensor, cfg: K3Config, ops: Mapp
     return _aggregate(ops, state.bank + [state.prefix], weight, cfg.rms_norm_eps)
 
 
-def final_aggregate(state: AttnResState, weight: torch.Tensor, cfg: K3Config, ops: Mapping[str, Callable]) -> torch.Tensor:
+def final_aggregate(state: AttnResState, weight: torch.Tensor, cfg: K3Config,
+                    ops: Mapping[str, Callable]) -> torch.Tensor:
     """``output_attn_res_*`` aggregation over all bank rows + prefix, before the final ``norm``."""
     return _aggregate(ops, state.bank + [state.prefix], weight, cfg.rms_norm_eps)

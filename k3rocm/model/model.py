@@ -218,7 +218,8 @@ class K3Model:
         over = [n for n, L in enumerate(lens) if int(cache.lengths[n]) + L > cache.max_len]
         if over:
             raise ConfigError(f"prefill: sequence {over[0]} would hold {int(cache.lengths[over[0]]) + lens[over[0]]} "
-                              f"tokens, over the cache capacity {cache.max_len}; create the cache with a larger max_len")
+                              f"tokens, over the cache capacity {cache.max_len}; "
+                              "create the cache with a larger max_len")
         batch = Batch(_cu(lens), cache=cache, slots=torch.arange(cache.batch), start_pos=cache.lengths.clone())
         flat = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int64)
         logits, _ = self._run(flat, batch)
