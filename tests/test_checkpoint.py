@@ -150,6 +150,11 @@ def test_reader_accepts_writer_layout_at_full_width(tmp_path, name):
     if name == "k3":
         assert len(ix.entries) == 497_220 - layout.OFFICIAL_VISION_TENSORS == 497_052
         assert len(ix.shards) == 96 and ix.shards[0] == "model-00001-of-000096.safetensors"
+        # our 96 headers hold the text tensors; the release's on-disk bytes minus its data leave exactly
+        # that plus ~100 bytes for each of the 168 vision entries (K3_FACTS §2)
+        ours = sum(len(writer.shard_header(sh)) for sh in plan)
+        release = 1_560_936_091_448 - c["bytes"] - layout.OFFICIAL_VISION_BYTES
+        assert 0 < release - ours < layout.OFFICIAL_VISION_TENSORS * 200
 
 
 # ----------------------------------------------------------------------------------- reader

@@ -1,0 +1,154 @@
+"""K3Config against the official config.json and K3_FACTS §1-3 (every number re-derived from the layout)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from k3rocm.checkpoint import layout
+from k3rocm.config import K3Config, preset
+from k3rocm.errors import ConfigError
+
+OFFICIAL = Path("/work/shared/data/kimi-k3/config.json")
+
+
+def _official_doc() -> dict:
+    return json.loads(resources.files("k3rocm").joinpath("presets/kimi-k3.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def k3() -> K3Config:
+    return preset("k3")
+
+
+def test_official_config_parses_unchanged(k3):
+    packaged = _official_doc()
+    assert k3.to_dict() == packaged
+    if OFFICIAL.is_file():
+        shared = json.loads(OFFICIAL.read_text())
+        assert packaged == shared  # the packaged copy is the released file
+        cfg = K3Config.from_file(OFFICIAL)
+        assert cfg.to_dict() == shared and cfg.config_hash() == k3.config_hash()
+    assert k3.family == "k3" and k3.hidden_size == 7168 and k3.vocab_size == 163840
+    assert (k3.bos_token_id, k3.eos_token_id, k3.pad_token_id) == (163584, 163586, 163839)
+    assert k3.num_hidden_layers == 93 and k3.rms_norm_eps == 1e-5
+    assert k3.kda_num_heads == 96 and k3.kda_head_dim == 128 and k3.kda_proj_size == 12288
+    assert k3.qk_head_dim == 192 and k3.mla_cache_width == 576 and k3.v_head_dim == 128
+    assert k3.num_experts == 896 and k3.num_experts_per_token == 16 and k3.expert_in_size == 3584
+    assert k3.moe_intermediate_size == 3072 and k3.shared_intermediate_size == 6144
+    assert k3.intermediate_size == 33792 and k3.gate_lower_bound == -5.0
+    assert (k3.activation_situ_beta, k3.activation_situ_linear_beta) == (4.0, 25.0)
+    assert k3.quant is not None and k3.quant.format == "mxfp4-pack-quantized" and k3.quant.group_size == 32
+    assert "quantization_config" not in k3.to_dict() and "quantization_config" in k3.to_dict()["text_config"]
+
+
+def test_exact_counts(k3):
+    c = layout.counts(k3)
+    assert c["params"] == 2_779_484_478_208
+    assert c["params_activated"] == 104_189_614_848
+    assert c["bytes_expert"] == 1_446_456_066_048
+    assert c["bytes_trunk"] == 113_509_540_864
+    assert c["tensors"] == 497_220 - layout.OFFICIAL_VISION_TENSORS == 497_052
+    assert c["tensors_expert"] == 494_592 == 92 * 896 * 6
+    # the release's 1,560,936,091,448 bytes on disk = text data + vision data + 96 safetensors headers
+    # (~152 header bytes per tensor: names, dtypes, shapes, offsets)
+    headers = 1_560_936_091_448 - c["bytes"] - layout.OFFICIAL_VISION_BYTES
+    assert headers == 75_766_584 and 100 < headers / 497_220 < 200
+    assert c["params_expert"] / c["params"] == pytest.approx(0.9796, abs=5e-5)
+    # per expert: 3 x 3584 x 3072 params, 17,547,264 bytes in MXFP4 (0.53125 B/param)
+    one = layout.expert_specs(k3, 1, 0)
+    assert sum(s.params for s in one) == 33_030_144 == 3 * 3584 * 3072
+    assert sum(s.nbytes for s in one) == 17_547_264 == 33_030_144 * 0.53125
+    # the fast summary agrees with a full walk of the tensor list
+    n = b = p = 0
+    for s in layout.iter_specs(k3):
+        n += 1
+        b += s.nbytes
+        p += s.params
+    assert (n, b, p) == (c["tensors"], c["bytes"], c["params"])
+
+
+def test_layer_types_and_write_layers(k3):
+    mla = [i for i in range(93) if k3.layer_type(i) == "mla"]
+    assert mla == list(range(3, 92, 4)) + [92]
+    assert mla[:3] == [3, 7, 11] and mla[-2:] == [91, 92]
+    assert k3.num_mla_layers == 24 and k3.num_kda_layers == 69
+    assert k3.layer_types[0] == "kda" and k3.layer_types[92] == "mla"
+    assert [i for i in range(93) if k3.is_write_layer(i)] == list(range(0, 85, 12))
+    assert k3.num_attn_res_bank_rows == 8
+    assert not k3.is_moe_layer(0) and all(k3.is_moe_layer(i) for i in range(1, 93)) and k3.num_moe_layers == 92
+    with pytest.raises(ConfigError):
+        k3.layer_type(93)
+
+
+def test_k3_tiny_equals_golden_config(golden_ckpt):
+    tiny = preset("k3-tiny")
+    text = (golden_ckpt / "config.json").read_text()
+    assert tiny.to_dict() == json.loads(text)
+    assert json.dumps(tiny.to_dict(), indent=2) == text  # byte for byte, as the writer writes it
+    assert [i for i in range(13) if tiny.layer_type(i) == "mla"] == [3, 7, 11, 12]
+    assert K3Config.from_file(golden_ckpt / "config.json").layer_types == tiny.layer_types
+
+
+def test_prefix_presets(k3):
+    p13 = preset("k3-prefix-13")
+    assert p13.num_hidden_layers == 13 and p13.layer_types == k3.layer_types[:13]
+    assert p13.num_mla_layers == 3 and p13.num_moe_layers == 12
+    c13, ck = layout.counts(p13), layout.counts(k3)
+    # the first 13 layers' experts are 12/92 of all experts; trunk keeps embedding + head
+    assert c13["bytes_expert"] * 92 == ck["bytes_expert"] * 12
+    assert preset("k3-prefix-93").layer_types == k3.layer_types
+    assert layout.counts(preset("k3-prefix-93")) == ck
+    assert preset("k3-prefix-1").num_moe_layers == 0
+    for bad in ("k3-prefix-0", "k3-prefix-94", "k3-huge"):
+        with pytest.raises(ConfigError):
+            preset(bad)
+
+
+def test_kimi_linear_preset():
+    kl = preset("kimi-linear-48b-a3b")
+    assert kl.family == "kimi_linear" and kl.attn_res_block_size is None and not kl.experts_quantized
+    assert kl.num_hidden_layers == 27 and kl.hidden_size == 2304 and kl.num_experts == 256
+    assert [i for i in range(27) if kl.layer_type(i) == "mla"] == [3, 7, 11, 15, 19, 23, 26]
+    assert kl.q_lora_rank is None and kl.gate_lower_bound == 0.0 and kl.routed_scaling_factor == 2.446
+
+
+def test_refuses_config_without_full_attn_layers():
+    doc = _official_doc()
+    del doc["text_config"]["linear_attn_config"]["full_attn_layers"]
+    with pytest.raises(ConfigError, match="full_attn_layers"):
+        K3Config.from_dict(doc)
+    doc = _official_doc()
+    del doc["text_config"]["linear_attn_config"]
+    with pytest.raises(ConfigError, match="linear_attn_config"):
+        K3Config.from_dict(doc)
+
+
+def test_refuses_quantization_config_at_top_level():
+    doc = _official_doc()
+    doc["quantization_config"] = doc["text_config"].pop("quantization_config")
+    with pytest.raises(ConfigError, match="top level"):
+        K3Config.from_dict(doc)
+
+
+def test_refuses_inconsistent_configs():
+    doc = _official_doc()
+    doc["text_config"]["linear_attn_config"]["kda_layers"] = [1, 2, 3]
+    with pytest.raises(ConfigError, match="partition"):
+        K3Config.from_dict(doc)
+    doc = _official_doc()
+    doc["text_config"]["linear_attn_config"]["full_attn_layers"] = [4, 4, 94]
+    with pytest.raises(ConfigError, match="full_attn_layers"):
+        K3Config.from_dict(doc)
+    doc = copy.deepcopy(_official_doc())
+    doc["text_config"]["quantization_config"]["format"] = "nvfp4-pack-quantized"
+    with pytest.raises(ConfigError, match="mxfp4"):
+        K3Config.from_dict(doc)
+    doc = _official_doc()
+    del doc["text_config"]["hidden_size"]
+    with pytest.raises(ConfigError, match="hidden_size"):
+        K3Config.from_dict(doc)
