@@ -174,3 +174,10 @@ def test_roofline(k3, mi355):
     # node-wide batch-1 weight bytes ~ activated trunk bf16 + 16 packed experts per layer
     assert 0.1 * act < rf.active_weight_bytes_node < 2 * act
     assert rf.to_dict()["step_b1_ctx1k"]["bytes"] == s1["bytes"]
+
+
+def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
+    p = plan(tiny_cfg, load_profile("mi355x-8"))  # 4 heads cannot split 8 ways
+    assert (p.tp, p.ep) == (4, 4) and any("tp reduced" in n for n in p.notes)
+    with pytest.raises(PlanError, match="not divisible by tp=8"):
+        plan(tiny_cfg, load_profile("mi355x-8"), tp=8)

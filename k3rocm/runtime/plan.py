@@ -597,7 +597,9 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
 
     Args:
         cfg: model config. profile: hardware profile (:func:`k3rocm.hw.load_profile`).
-        tp: ranks (one process per GPU; default ``profile.tp``, capped by the config's divisibility).
+        tp: ranks (one process per GPU). Default ``profile.tp``, or — when the config's heads / experts / widths
+            do not split that way (e.g. k3-tiny's 4 heads on an 8-GPU profile) — the largest divisor of it that
+            works, with a note in ``Placement.notes``. An explicit ``tp`` is never changed.
         ep: expert-parallel degree, a divisor of ``tp`` (default ``profile.ep`` when it divides tp, else tp).
         kv_dtype: MLA latent cache dtype (``bf16``, ``fp8``, ``fp16``, ``fp32``).
         max_tokens: tokens per forward step (prefill chunk budget) for the activation reserve (default 8192).
@@ -610,7 +612,24 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
             expert-intermediate split, more ranks than GPUs, or (strict) memory short — one line with needed
             vs available bytes per GPU and what to try.
     """
-    tp = tp or (profile.tp if profile.backend != "cpu" else 1)
+    notes: list[str] = []
+    if tp is None:
+        # the profile's layout, or the largest divisor of it that the config can be split by
+        want = profile.tp if profile.backend != "cpu" else 1
+        first_err = None
+        for cand in [d for d in range(want, 0, -1) if want % d == 0]:
+            cand_ep = ep if ep is not None else (profile.ep if profile.ep and cand % profile.ep == 0 else cand)
+            try:
+                _check_layout(cfg, profile, cand, cand_ep)
+            except PlanError as e:
+                first_err = first_err or e
+                continue
+            if cand != want:
+                notes.append(f"tp reduced from the profile's {want} to {cand}: {first_err}")
+            tp, ep = cand, cand_ep
+            break
+        if tp is None:
+            raise first_err  # type: ignore[misc]
     if ep is None:
         ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
     _check_layout(cfg, profile, tp, ep)
@@ -642,7 +661,8 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                    activation_reserve_bytes=act, cache=cache, fits=fits, problem=None,
                    roofline=_roofline(cfg, profile, lay, ranks[0].bytes_by_part, mla_tok, kda_seq),
                    experts_per_rank=per,
-                   heads_per_rank={"kda": cfg.kda_num_heads // tp, "mla": cfg.num_attention_heads // tp})
+                   heads_per_rank={"kda": cfg.kda_num_heads // tp, "mla": cfg.num_attention_heads // tp},
+                   notes=notes)
     if cfg.experts_quantized and cfg.num_moe_layers and not profile.has_fp4 and profile.backend != "cpu":
         pl.notes.append(f"{profile.arch} has no MXFP4 hardware: experts stay packed in memory and are "
                         f"dequantized inside the kernels (emulated dot_scaled), so the byte plan holds but "
