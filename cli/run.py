@@ -87,8 +87,9 @@ Examples:
 
 \b
 Defaults follow InferenceX's random dataset: lengths uniform in [0.8 L, L], num-prompts = 10 x
-concurrency, warm-ups = 2 x concurrency. Without --input-len/--output-len: 1024/1024 on a GPU
-profile, 64/16 on the CPU profile; without --concurrency: 64 on a GPU profile, 4 on the CPU.""")
+concurrency, warm-ups = 2 x concurrency. Without --input-len/--output-len/--concurrency: 1024/1024
+at concurrency 64 for a real checkpoint on a GPU profile; 64/16 at concurrency 4 for a small
+checkpoint (k3-tiny) or on the CPU.""")
 @click.option("--concurrency", default=None, metavar="N[,N...]", help="Concurrency, or a list: 1,8,64.")
 @click.option("--input-len", type=int, default=None, help="Prompt length L (drawn in [ratio*L, L]).")
 @click.option("--output-len", type=int, default=None, help="Output length L (drawn in [ratio*L, L]; EOS ignored).")
@@ -108,10 +109,11 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     from k3rocm.validation.tiers import bench_rows, run_bench_point, run_stage
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
     s.preflight()
-    gpu = s.profile.backend != "cpu"
-    cs = parse_concurrency(concurrency) if concurrency else [64 if gpu else 4]
-    il = input_len or (1024 if gpu else 64)
-    ol = output_len or (1024 if gpu else 16)
+    from k3rocm.checkpoint import layout
+    big = s.profile.backend != "cpu" and layout.counts(s.config)["bytes"] >= 1e9
+    cs = parse_concurrency(concurrency) if concurrency else [64 if big else 4]
+    il = input_len or (1024 if big else 64)
+    ol = output_len or (1024 if big else 16)
     if num_prompts is not None and num_prompts < 1:
         raise ConfigError(f"--num-prompts {num_prompts} must be >= 1")
     if warmups is not None and warmups < 0:

@@ -163,3 +163,13 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
         atomic_write(p, "new")
     assert p.read_text() == "old"
     assert [q.name for q in tmp_path.iterdir()] == ["report.json"]  # no temp file left behind
+
+
+def test_html_without_matplotlib_still_renders(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rep = Report()
+    rep.put(_stage("forward"))
+    html = render_html(rep)
+    assert "<svg" not in html and "plot curve omitted: matplotlib is not installed" in html
+    assert "forward.metric" in html

@@ -87,8 +87,15 @@ def _svg(fig) -> str:
 
 
 def _series_svg(name: str, spec: dict) -> str | None:
-    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``."""
-    import matplotlib
+    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``.
+
+    Returns None for an empty series. Without matplotlib (a declared dependency, but a GPU node may run
+    a bare environment) the plot becomes a one-line note instead of failing the report."""
+    try:
+        import matplotlib
+    except ImportError:
+        return (f"<p class=\"fail\">plot {html.escape(name)} omitted: matplotlib is not installed "
+                "(pip install matplotlib)</p>") if spec.get("y") else None
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     plt.rcParams["svg.fonttype"] = "none"

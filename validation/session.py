@@ -171,8 +171,8 @@ class Session:
     def device_block(self) -> dict:
         """``{sku, arch, count, memory_bytes, backend, torch_build}`` of the detected hardware."""
         d = self.detected
-        return {"backend": d.backend, "sku": d.devices[0].name if d.devices else "cpu",
-                "arch": d.arch or "cpu", "count": d.count, "memory_bytes": d.memory_bytes,
+        return {"backend": d.backend, "sku": d.devices[0].name if d.devices else f"CPU ({d.cpu_count} cores)",
+                "arch": d.arch or "cpu", "count": d.count or 1, "memory_bytes": d.memory_bytes,
                 "torch_build": d.torch_build, "driver": d.driver}
 
     # ------------------------------------------------------------------ plan, load, models
