@@ -121,3 +121,20 @@ def test_a8w4_mode_runs_and_stays_close(model, golden, run):
     assert 1e-3 < d < 1e-1, f"A8W4 vs A16W4 layer01.mlp_out relative RMS difference {d:.3e}"
     with pytest.raises(ConfigError):
         K3Model(model.cfg, model.w, moe_mode="fp8")
+
+
+@pytest.mark.gpu
+def test_golden_on_gpu(golden_ckpt, golden):
+    """The same golden checks with the weights on a GPU (true fp32 there: TF32 is switched off by the model)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm GPU")
+    from k3rocm.model.weights import load_weights
+
+    m = K3Model(K3Config.from_file(golden_ckpt / "config.json"), load_weights(golden_ckpt, device="cuda"))
+    logits, outs = m.forward(golden["input_ids"].cuda(), return_layers=True)
+    assert logits.is_cuda
+    err = float((logits.cpu() - golden["logits"]).abs().max())
+    assert err <= LOGITS_ABS, f"GPU logits max abs error {err:.3e}"
+    worst = max(_rel_rms(v.cpu(), golden[k]) for k, v in outs.items())
+    assert worst <= LAYER_REL_RMS
+    assert m.generate_greedy(golden["greedy_prompt"], 8).tolist() == golden["greedy_tokens"].tolist()

@@ -265,7 +265,8 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     convw = [f32(w(p + f"{n}_conv1d.weight")) for n in "qkv"]
     o_norm = f32(w(p + "o_norm.weight"))
     cache = batch.cache
-    slots = torch.tensor(batch.slot_list(), dtype=torch.int64)
+    dev = x.device
+    slots = torch.tensor(batch.slot_list(), dtype=torch.int64, device=dev)
     eps = cfg.rms_norm_eps
 
     if batch.decode and cache is not None and form == "k3":
@@ -274,7 +275,7 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
                               None, cfg.gate_lower_bound)
         return linear(o, w(p + "o_proj.weight"))
 
-    cu = batch.cu_seqlens
+    cu = batch.cu_seqlens.to(dev)
     conv_states = [None, None, None]
     init = None
     if cache is not None:
@@ -351,21 +352,22 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
             tpos = torch.arange(starts[n], starts[n] + L)
             blocks = cache.block_table[slots[n]].to(torch.int64)[tpos // bs]
             pos.append(blocks * bs + tpos % bs)
-        slot_mapping = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+        slot_mapping = (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)).to(x.device)
         ops["mla_cache_write"](cache.kv[layer], slot_mapping, latent, k_rope)
 
     if cache is None or (fresh and not batch.decode):
         kvb = linear(latent, w(p + "kv_b_proj.weight")).view(T, H, Dn + Dv)
         k_nope, v = kvb[..., :Dn].contiguous(), kvb[..., Dn:].contiguous()
-        o = ops["mla_prefill"](q, k_nope, k_rope, v, batch.cu_seqlens, batch.cu_seqlens, scale)
+        cu = batch.cu_seqlens.to(x.device)
+        o = ops["mla_prefill"](q, k_nope, k_rope, v, cu, cu, scale)
     else:
         w_kc, w_vc = _kv_b_split(w, p, cfg)
         q_nope, q_rope = q[..., :Dn], q[..., Dn:]
         slots_t = torch.tensor(batch.slot_list(), dtype=torch.int64)
         if batch.decode:
-            ctx = torch.tensor([s + 1 for s in starts], dtype=torch.int32)
+            ctx = torch.tensor([s + 1 for s in starts], dtype=torch.int32, device=x.device)
             o = ops["mla_decode"](q_nope.unsqueeze(1).contiguous(), q_rope.unsqueeze(1).contiguous(), cache.kv[layer],
-                                  cache.block_table[slots_t], ctx, w_kc, w_vc, scale)
+                                  cache.block_table[slots_t].to(x.device), ctx, w_kc, w_vc, scale)
             o = o.reshape(T, H, Dv)
         else:
             outs = []
@@ -374,9 +376,10 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
                 a, b = cu[n], cu[n + 1]
                 if b == a:
                     continue
-                ctx = torch.tensor([starts[n] + b - a], dtype=torch.int32)
+                ctx = torch.tensor([starts[n] + b - a], dtype=torch.int32, device=x.device)
                 o_n = ops["mla_decode"](q_nope[a:b].unsqueeze(0).contiguous(), q_rope[a:b].unsqueeze(0).contiguous(),
-                                        cache.kv[layer], cache.block_table[slots_t[n:n + 1]], ctx, w_kc, w_vc, scale)
+                                        cache.kv[layer], cache.block_table[slots_t[n:n + 1]].to(x.device), ctx,
+                                        w_kc, w_vc, scale)
                 outs.append(o_n[0])
             o = torch.cat(outs, 0)
     o = f32(o).reshape(T, H * Dv)

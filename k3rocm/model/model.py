@@ -12,6 +12,7 @@ Sources: K3_FACTS §5 (forward pass, Block Attention Residuals), transformers ``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -23,7 +24,7 @@ from k3rocm.model.common import f32, linear, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, K3Cache, WeightView, attn_side, dense_mlp, final_aggregate,
                                 fold_res_weight, kda_mixer, mla_mixer, mlp_side, moe_block, resolve_ops)
 
-__all__ = ["K3Model", "LayerState"]
+__all__ = ["K3Model", "LayerState", "strict_fp32"]
 
 
 @dataclass
@@ -46,6 +47,18 @@ class LayerState:
     record: bool = False
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     next_layer: int = 0
+
+
+@contextlib.contextmanager
+def strict_fp32():
+    """Run with true fp32 GEMMs and convolutions on GPUs (no TF32), restoring the previous settings."""
+    mm, cd = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = mm, cd
 
 
 def _cu(lengths: Sequence[int]) -> torch.Tensor:
@@ -109,7 +122,8 @@ class K3Model:
             batch = Batch(_cu([ids.numel()]))
         if int(batch.cu_seqlens[-1]) != ids.numel():
             raise ConfigError(f"cu_seqlens ends at {int(batch.cu_seqlens[-1])} but {ids.numel()} token ids were given")
-        x = f32(self.w("embed_tokens.weight")[ids])
+        table = self.w("embed_tokens.weight")
+        x = f32(table[ids.to(table.device)])
         if self.attn_res:
             return LayerState(batch, res=AttnResState([], x), record=record)
         return LayerState(batch, hidden=x, record=record)
@@ -168,10 +182,11 @@ class K3Model:
         return linear(self.final_hidden(state), head)
 
     def _run(self, ids: torch.Tensor, batch: Batch, record: bool = False) -> tuple[torch.Tensor, dict]:
-        st = self.embed(ids, batch, record)
-        for i in range(self.cfg.num_hidden_layers):
-            self.run_layer(i, st)
-        return self.final(st), st.outputs
+        with strict_fp32():
+            st = self.embed(ids, batch, record)
+            for i in range(self.cfg.num_hidden_layers):
+                self.run_layer(i, st)
+            return self.final(st), st.outputs
 
     # ------------------------------------------------------------------ whole-model API
     @torch.no_grad()
@@ -196,8 +211,12 @@ class K3Model:
     __call__ = forward
 
     def new_cache(self, batch: int, max_len: int = 1024, block_size: int = 16) -> K3Cache:
-        """Empty decode cache for ``batch`` sequences (KDA conv + recurrent state, MLA latent cache)."""
-        return K3Cache.empty(self.cfg, batch, max_len, block_size)
+        """Empty decode cache for ``batch`` sequences (KDA conv + recurrent state, MLA latent cache).
+
+        State tensors live on the device of the weights; lengths and block table stay on the CPU.
+        """
+        dev = self.w("embed_tokens.weight").device
+        return K3Cache.empty(self.cfg, batch, max_len, block_size, device=dev)
 
     @torch.no_grad()
     def prefill(self, ids, cache: K3Cache):
@@ -264,7 +283,7 @@ class K3Model:
         last = self.prefill(p, cache)[:, -1]
         out = []
         for step in range(n):
-            tok = last.argmax(-1)
+            tok = last.argmax(-1).cpu()
             out.append(tok)
             if step + 1 < n:
                 last = self.decode(tok, cache)
