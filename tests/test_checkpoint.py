@@ -55,7 +55,10 @@ def test_writer_stream_equals_safetensors_serialisation(tiny_ckpt, tmp_path):
 
 
 def test_writer_deterministic_and_seeded(tiny_ckpt, tiny_cfg, tmp_path):
-    again = writer.write_checkpoint(tiny_cfg, tmp_path / "a", seed=0)
+    seen = []
+    again = writer.write_checkpoint(tiny_cfg, tmp_path / "a", seed=0, progress=lambda d, t, n: seen.append((d, t, n)))
+    assert len(seen) == 1492 and seen[-1][0] == seen[-1][1] == layout.counts(tiny_cfg)["bytes"]
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
     assert _files(again) == _files(tiny_ckpt)
     other = writer.write_checkpoint(tiny_cfg, tmp_path / "b", seed=1)
     for s in ("model-00001-of-000002.safetensors", "model-00002-of-000002.safetensors"):
@@ -348,3 +351,18 @@ def test_default_checkpoint_cached_atomic_and_reused(tiny_ckpt, tmp_path, monkey
     assert (p / "model-00001-of-000002.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
     (p / "model-00002-of-000002.safetensors").unlink()  # a broken copy is replaced
     assert embedded.default_checkpoint() == p and _files(p) == _files(tiny_ckpt)
+
+
+@pytest.mark.gpu
+def test_weights_on_gpu(tiny_ckpt):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm GPU")
+    ix = open_checkpoint(tiny_ckpt)
+    cpu = Weights.from_checkpoint(ix)
+    gpu = Weights.from_checkpoint(ix, device="cuda", expert_range=(0, 16))
+    n = "language_model.model.layers.3.self_attn.kv_b_proj.weight"
+    assert gpu[n].is_cuda and torch.equal(gpu[n].cpu(), cpu[n])
+    assert ix.read(n, "cuda").is_cuda
+    for k, v in gpu.experts(5).tensors().items():
+        assert v.is_cuda and torch.equal(v.cpu(), cpu.experts(5).tensors()[k]), k
+    assert gpu.nbytes() == cpu.nbytes()

@@ -285,3 +285,24 @@ def test_nibble_swap_is_caught(golden_ckpt):
     a, b = mx.dequantize_mxfp4(p, s), mx.dequantize_mxfp4(swapped, s)
     assert not torch.equal(a, b)
     assert np.isclose(a.abs().mean().item(), b.abs().mean().item())  # same statistics, different values
+
+
+# --------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_mx_on_gpu_matches_cpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm GPU")
+    x = _random_blocks(256, 1024, seed=99)
+    for rule in mx.SCALE_RULES:
+        p, s = mx.quantize_mxfp4(x, rule)
+        pg, sg = mx.quantize_mxfp4(x.cuda(), rule)
+        assert pg.is_cuda and torch.equal(pg.cpu(), p) and torch.equal(sg.cpu(), s)
+        assert torch.equal(mx.dequantize_mxfp4(pg, sg).cpu(), mx.dequantize_mxfp4(p, s))
+        for fmt in ("e4m3", "e5m2"):
+            v, s8 = mx.quantize_mxfp8(x, fmt, rule)
+            vg, s8g = mx.quantize_mxfp8(x.cuda(), fmt, rule)
+            assert torch.equal(vg.cpu().view(torch.uint8), v.view(torch.uint8)) and torch.equal(s8g.cpu(), s8)
+            assert torch.equal(mx.dequantize_mxfp8(vg, s8g).cpu(), mx.dequantize_mxfp8(v, s8))
+    bad = torch.full((2, 1), 0xFF, dtype=torch.uint8, device="cuda")
+    with pytest.raises(mx.MXFormatError):
+        mx.e8m0_to_float(bad)
