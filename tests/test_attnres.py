@@ -35,6 +35,7 @@ def K():
         else:
             os.environ["TRITON_INTERPRET"] = old
         importlib.reload(mod)
+        importlib.reload(importlib.import_module("k3rocm.kernels.attnres"))  # re-bind compiled kernel + registry
 
 
 def _configs(K):

@@ -169,7 +169,7 @@ def _mla_decode_merge_kernel(
     for s in range(0, num_splits):
         lse = tl.load(LSE + s * NSEQ * ROWS + row, mask=ok, other=float("-inf"))
         den += tl.exp2(lse - mx_safe)
-    inv = tl.where(den > 0.0, 1.0 / den, 0.0)
+    inv = tl.where(den > 0.0, 1.0 / tl.where(den > 0.0, den, 1.0), 0.0)
     dv = tl.arange(0, BDV)
     rr = tl.arange(0, BLOCK_R)
     out = tl.zeros([BLOCK_M, BDV], tl.float32)
