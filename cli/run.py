@@ -116,6 +116,8 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     ol = output_len or (1024 if big else 16)
     if num_prompts is not None and num_prompts < 1:
         raise ConfigError(f"--num-prompts {num_prompts} must be >= 1")
+    if not 0.0 < range_ratio <= 1.0:
+        raise ConfigError(f"--range-ratio {range_ratio} must be in (0, 1]")
     if warmups is not None and warmups < 0:
         raise ConfigError(f"--warmups {warmups} must be >= 0")
 
