@@ -192,7 +192,8 @@ def tier_env(session: Session, stage: Stage) -> None:
               info("env", "triton", det.triton_version or "absent", detail=f"target {det.triton_target}"),
               info("env", "aiter", det.aiter_version or "absent"),
               info("env", "devices", det.count, detail=", ".join(f"{d.name} {d.arch}" for d in det.devices) or "CPU"),
-              info("env", "device.memory", round(det.memory_bytes / 1e9, 2), "GB", detail="smallest visible device"),
+              info("env", "device.memory_visible", round(det.memory_bytes / 1e9, 2), "GB",
+                   detail="smallest visible device"),
               info("env", "profile", prof.name, level="projected",
                    detail=f"expects {prof.device_count} x {prof.device_name} ({prof.arch}, "
                           f"{prof.memory_bytes / 1e9:.0f} GB) [datasheet]"))
@@ -226,8 +227,9 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
     stage.add(info("load", "index.open", round(t.seconds * 1e3, 2), "ms", detail="index + every shard header validated"))
     if n_exp is not None and n_found is not None:
         stage.add(check("load", "index.tensors", n_found, eq=n_exp, detail="tensors in the index vs the layout of config"))
-    stage.add(info("load", "checkpoint.official", session.is_official, level="external",
-                   detail="config and index match the official release (K3_FACTS §2)"))
+    stage.add(info("load", "checkpoint.official", session.is_official,
+                   detail="config and tensor set equal the official release's (K3_FACTS §2); when true the "
+                          "correctness tier checks the release's known answers"))
     manifest = session.checkpoint_dir / _manifest_name()
     if manifest.is_file():
         verify = need("k3rocm.checkpoint", "verify_manifest")
