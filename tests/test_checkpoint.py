@@ -366,3 +366,29 @@ def test_weights_on_gpu(tiny_ckpt):
     for k, v in gpu.experts(5).tensors().items():
         assert v.is_cuda and torch.equal(v.cpu(), cpu.experts(5).tensors()[k]), k
     assert gpu.nbytes() == cpu.nbytes()
+
+
+def test_read_falls_back_to_copies_when_private_maps_are_refused(tiny_ckpt, monkeypatch):
+    import mmap
+
+    from k3rocm.checkpoint import reader
+
+    real = mmap.mmap
+
+    class StrictOvercommit:
+        ACCESS_COPY, ACCESS_READ = mmap.ACCESS_COPY, mmap.ACCESS_READ
+
+        @staticmethod
+        def mmap(fd, length, access):
+            if access == mmap.ACCESS_COPY:
+                raise OSError(12, "Cannot allocate memory")
+            return real(fd, length, access=access)
+
+    monkeypatch.setattr(reader, "mmap", StrictOvercommit)
+    ix = open_checkpoint(tiny_ckpt)
+    n = "language_model.model.layers.1.self_attn.A_log"
+    t = ix.read(n)
+    ref = load_file(str(tiny_ckpt / ix.entries[n].shard))[n]
+    assert torch.equal(t, ref)
+    t.fill_(0.0)  # a private copy: safe to modify
+    assert torch.equal(ix.read(n), ref)

@@ -193,7 +193,8 @@ class CheckpointIndex:
         self.total_size = total_size
         self.shard_sizes = shard_sizes
         self._parts = parts
-        self._maps: dict[str, mmap.mmap | bytearray] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._readonly: set[str] = set()
 
     def __repr__(self) -> str:
         return f"CheckpointIndex({str(self.path)!r}, {len(self.entries)} tensors in {len(self.shards)} shards)"
@@ -208,15 +209,16 @@ class CheckpointIndex:
         """``"expert"`` (routed-expert tensor) or ``"trunk"`` for a text tensor (``layout.TensorSpec.part``)."""
         return self._parts[name]
 
-    def _map(self, shard: str) -> mmap.mmap | bytearray:
+    def _map(self, shard: str) -> mmap.mmap:
         m = self._maps.get(shard)
         if m is None:
             with open(self.path / shard, "rb") as f:
                 # private copy-on-write mapping: torch gets a writable buffer without copying the file
                 try:
                     m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                except (OSError, ValueError):  # no commit charge for a private map (strict overcommit)
-                    m = bytearray(f.read())
+                except (OSError, ValueError):  # strict overcommit refuses a private map: map read-only
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    self._readonly.add(shard)
             self._maps[shard] = m
         return m
 
@@ -237,7 +239,9 @@ class CheckpointIndex:
         """Tensor ``name`` in its stored dtype and shape.
 
         On CPU the result shares memory with a private copy-on-write mapping of the shard (no read until
-        touched, writes never reach the file); other devices get a copy. Unaligned data is copied.
+        touched, writes never reach the file); other devices get a copy. Unaligned data, and data of a
+        shard the kernel would only map read-only (strict overcommit), is copied. Tensors read from one
+        index share that mapping: an in-place change shows in later reads of the same tensor (clone first).
         Raises:
             CheckpointError: unknown name.
         """
@@ -245,11 +249,11 @@ class CheckpointIndex:
         tdt, isz = DTYPES[e.dtype]
         if e.nbytes == 0:
             t = torch.empty(e.shape, dtype=tdt)
-        elif e.start % isz == 0:
+        elif e.start % isz == 0 and e.shard not in self._readonly:
             t = torch.frombuffer(self._map(e.shard), dtype=tdt, count=e.nbytes // isz, offset=e.start)
-        else:
-            b = torch.frombuffer(self._map(e.shard), dtype=torch.uint8, count=e.nbytes, offset=e.start)
-            t = b.clone().view(tdt)
+        else:  # unaligned data, or a read-only mapping: copy the bytes out
+            b = np.frombuffer(self._map(e.shard), dtype=np.uint8, count=e.nbytes, offset=e.start)
+            t = torch.from_numpy(b.copy()).view(tdt)
         t = t.reshape(e.shape)
         if torch.device(device).type != "cpu":
             t = t.to(device)
