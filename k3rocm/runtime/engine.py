@@ -198,6 +198,7 @@ class Engine:
         if self.graph_sizes[-1] < min(max_batch, num_slots):
             self.graph_sizes.append(min(max_batch, num_slots))
         self._graphs: dict[int, Any] = {}
+        self.graph_error = ""
         self.graph_note = "off (CPU)" if not on_gpu else ("on" if self.cuda_graphs else "off (disabled)")
 
     # ------------------------------------------------------------------ description
@@ -535,6 +536,8 @@ class Engine:
             with torch.cuda.graph(graph):
                 st["logits"] = self._forward(st["ids"], size, st, None, None, rows)
         except Exception as e:  # an op synchronises with the host: stay eager and say so
+            import traceback
+            self.graph_error = traceback.format_exc(limit=-6)
             self.cuda_graphs = False
             self.graph_note = f"off (capture failed at batch {size}: {type(e).__name__}: {str(e).splitlines()[0][:160]})"
             return None
