@@ -37,8 +37,8 @@ _CUDA = {
 _HIP = {
     "conv": [dict(BLOCK_T=32, BLOCK_C=128, num_warps=8, waves_per_eu=0),
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
-    "intra": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+    "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "state": [dict(BV=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=64, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],

@@ -56,9 +56,19 @@ def _beta(braw, t0, L, hh, H, j: tl.constexpr, BC: tl.constexpr):
 
 
 @C.kjit
-def _pair(k, gbuf, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka, qa,
-          K: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Blocks (i, j) of A (strictly lower overall) and Aqk (lower incl. diagonal), j <= i."""
+def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """Store a [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer."""
+    r = i * BC + tl.arange(0, BC)
+    c = j * BC + tl.arange(0, BC)
+    tok = (t0 + r).to(tl.int64)
+    tl.store(ptr + (tok[:, None] * H + hh) * D + c[None, :], x, mask=(r < L)[:, None])
+
+
+@C.kjit
+def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka, qa,
+          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Block (i, j) of A (strictly lower overall), returned; block (i, j) of Aqk (lower incl. diagonal),
+    stored at once (keeping it live would cost registers), j <= i."""
     r = j * BC + tl.arange(0, BC)
     kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
     Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
@@ -70,7 +80,8 @@ def _pair(k, gbuf, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka, qa,
         ci = tl.arange(0, BC)[None, :]
         a = tl.where(ri > ci, a, 0.0)
         s = tl.where(ri >= ci, s, 0.0)
-    return a, s
+    _store_blk(aqk, s, t0, L, hh, H, i, j, BT, BC)
+    return a
 
 
 @C.kjit
@@ -100,15 +111,6 @@ def _inv_diag(a, BC: tl.constexpr):
         row = row + tl.sum(row[:, None] * nm, 0)
         nm = tl.where(r[:, None] == i, row[None, :], nm)
     return nm + (r[:, None] == r[None, :]).to(tl.float32)
-
-
-@C.kjit
-def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
-    """Store a [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer."""
-    r = i * BC + tl.arange(0, BC)
-    c = j * BC + tl.arange(0, BC)
-    tok = (t0 + r).to(tl.int64)
-    tl.store(ptr + (tok[:, None] * H + hh) * D + c[None, :], x, mask=(r < L)[:, None])
 
 
 @C.kjit
@@ -186,29 +188,19 @@ def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
     tl.debug_barrier()
     # ---- phase 2: A and Aqk in 16x16 blocks (10 of each)
     ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 0, K, BC)
-    a00, s00 = _pair(k, gbuf, t0, L, hh, H, 0, 0, Gr, ka, qa, K, BC, PREC)
+    a00 = _pair(k, gbuf, aqk, t0, L, hh, H, 0, 0, Gr, ka, qa, K, BT, BC, PREC)
     ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 1, K, BC)
-    a10, s10 = _pair(k, gbuf, t0, L, hh, H, 1, 0, Gr, ka, qa, K, BC, PREC)
-    a11, s11 = _pair(k, gbuf, t0, L, hh, H, 1, 1, Gr, ka, qa, K, BC, PREC)
+    a10 = _pair(k, gbuf, aqk, t0, L, hh, H, 1, 0, Gr, ka, qa, K, BT, BC, PREC)
+    a11 = _pair(k, gbuf, aqk, t0, L, hh, H, 1, 1, Gr, ka, qa, K, BT, BC, PREC)
     ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 2, K, BC)
-    a20, s20 = _pair(k, gbuf, t0, L, hh, H, 2, 0, Gr, ka, qa, K, BC, PREC)
-    a21, s21 = _pair(k, gbuf, t0, L, hh, H, 2, 1, Gr, ka, qa, K, BC, PREC)
-    a22, s22 = _pair(k, gbuf, t0, L, hh, H, 2, 2, Gr, ka, qa, K, BC, PREC)
+    a20 = _pair(k, gbuf, aqk, t0, L, hh, H, 2, 0, Gr, ka, qa, K, BT, BC, PREC)
+    a21 = _pair(k, gbuf, aqk, t0, L, hh, H, 2, 1, Gr, ka, qa, K, BT, BC, PREC)
+    a22 = _pair(k, gbuf, aqk, t0, L, hh, H, 2, 2, Gr, ka, qa, K, BT, BC, PREC)
     ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 3, K, BC)
-    a30, s30 = _pair(k, gbuf, t0, L, hh, H, 3, 0, Gr, ka, qa, K, BC, PREC)
-    a31, s31 = _pair(k, gbuf, t0, L, hh, H, 3, 1, Gr, ka, qa, K, BC, PREC)
-    a32, s32 = _pair(k, gbuf, t0, L, hh, H, 3, 2, Gr, ka, qa, K, BC, PREC)
-    a33, s33 = _pair(k, gbuf, t0, L, hh, H, 3, 3, Gr, ka, qa, K, BC, PREC)
-    _store_blk(aqk, s00, t0, L, hh, H, 0, 0, BT, BC)
-    _store_blk(aqk, s10, t0, L, hh, H, 1, 0, BT, BC)
-    _store_blk(aqk, s11, t0, L, hh, H, 1, 1, BT, BC)
-    _store_blk(aqk, s20, t0, L, hh, H, 2, 0, BT, BC)
-    _store_blk(aqk, s21, t0, L, hh, H, 2, 1, BT, BC)
-    _store_blk(aqk, s22, t0, L, hh, H, 2, 2, BT, BC)
-    _store_blk(aqk, s30, t0, L, hh, H, 3, 0, BT, BC)
-    _store_blk(aqk, s31, t0, L, hh, H, 3, 1, BT, BC)
-    _store_blk(aqk, s32, t0, L, hh, H, 3, 2, BT, BC)
-    _store_blk(aqk, s33, t0, L, hh, H, 3, 3, BT, BC)
+    a30 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 0, Gr, ka, qa, K, BT, BC, PREC)
+    a31 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 1, Gr, ka, qa, K, BT, BC, PREC)
+    a32 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 2, Gr, ka, qa, K, BT, BC, PREC)
+    a33 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 3, Gr, ka, qa, K, BT, BC, PREC)
     # ---- phase 3: M = (I + A)^-1, block lower triangular
     m00 = _inv_diag(a00, BC)
     m11 = _inv_diag(a11, BC)

@@ -1,0 +1,47 @@
+"""Every KDA kernel compiles ahead of time for gfx950, gfx942 and sm_90 (no GPU needed).
+
+Asserts matrix instructions where the kernel does matrix work (the prefill kernels: v_mfma_* on AMD, wgmma /
+mma on sm_90), zero VGPR and SGPR spills on gfx950 and gfx942, and records VGPR counts and LDS bytes
+(printed, and written as JSON lines to ``$KDA_ISA_LOG`` when set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from k3rocm.kernels.isa import TARGETS, compile_kernel
+from k3rocm.kernels import kda
+
+CASES = {c[0]: c for c in kda.isa_cases()}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kda_kernel_isa(name, target):
+    _, fn, sig, consts, expects, opts = CASES[name]
+    be = "hip" if target.startswith("gfx") else "cuda"
+    rep = compile_kernel(fn, sig, consts, target, name=f"kda.{name}", options=opts.get(be, {}),
+                         expects_matrix=expects)
+    rec = dict(kernel=rep.name, target=target, matrix_ops=rep.matrix_ops, vgpr=rep.vgpr, agpr=rep.agpr,
+               vgpr_spill=rep.vgpr_spill, sgpr_spill=rep.sgpr_spill, lds_bytes=rep.lds_bytes,
+               num_warps=rep.num_warps)
+    print(json.dumps(rec))
+    if os.environ.get("KDA_ISA_LOG"):
+        with open(os.environ["KDA_ISA_LOG"], "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    assert rep.error is None, rep.error
+    if expects:
+        assert rep.matrix_ops, f"{name} on {target}: no matrix instructions"
+        if be == "hip":
+            assert any(op.startswith("v_mfma") for op in rep.matrix_ops)
+        else:
+            assert any(op.startswith(("wgmma", "mma")) for op in rep.matrix_ops)
+    if be == "hip":
+        assert rep.vgpr_spill == 0, f"{name} on {target}: {rep.vgpr_spill} VGPR spills"
+        assert rep.sgpr_spill == 0, f"{name} on {target}: {rep.sgpr_spill} SGPR spills"
+        assert rep.vgpr is not None and rep.vgpr > 0
+    assert rep.lds_bytes is not None and rep.lds_bytes <= (160 * 1024 if target == "gfx950" else 64 * 1024
+                                                            if target == "gfx942" else 228 * 1024)
