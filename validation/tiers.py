@@ -155,18 +155,19 @@ def _absmax(layer: dict) -> float:
 # ============================================================================ metrics
 def rel_rms(a, ref) -> float:
     """||a - ref||_2 / max(||ref||_2, tiny) in fp64 (relative RMS error)."""
-    a, ref = a.double(), ref.double()
+    a, ref = a.detach().double().cpu(), ref.detach().double().cpu()
     return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def logits_compare(test, ref) -> dict:
     """KL(ref || test) mean per position (nats), top-1 agreement, max |diff|, on ``[..., V]`` logits."""
     torch = _t()
-    lt, lr = torch.log_softmax(test.double(), -1), torch.log_softmax(ref.double(), -1)
+    test, ref = test.detach().double().cpu(), ref.detach().double().cpu()
+    lt, lr = torch.log_softmax(test, -1), torch.log_softmax(ref, -1)
     kl = (lr.exp() * (lr - lt)).sum(-1)
     return {"kl": float(kl.mean()), "kl_max": float(kl.max()),
             "top1": float((test.argmax(-1) == ref.argmax(-1)).double().mean()),
-            "max_abs": float((test.double() - ref.double()).abs().max()),
+            "max_abs": float((test - ref).abs().max()),
             "finite": bool(torch.isfinite(test).all())}
 
 
@@ -483,6 +484,7 @@ def golden_checks(session: Session, stage: Stage) -> None:
         raise CheckpointError(f"--golden {p}: vocabulary {g['logits'].shape[-1]} does not match the checkpoint's "
                               f"{session.config.vocab_size}; use golden data made from this checkpoint")
     ol, olay = oracle_forward(session.oracle, ids)
+    ol = ol.cpu()
     ref = g["logits"].float()
     c = logits_compare(ol, ref)
     margin = g.get("logits_top1_margin")
