@@ -94,18 +94,17 @@ class K3Model:
         self.ops = resolve_ops(ops)
         self.moe_mode = moe_mode
         self.attn_res = cfg.attn_res_block_size is not None
-        # AttnRes score vectors, folded once (K3_FACTS §5).
-        self._res_attn: dict[int, torch.Tensor] = {}
-        self._res_mlp: dict[int, torch.Tensor] = {}
-        self._res_out: torch.Tensor | None = None
-        if self.attn_res:
-            for i in range(cfg.num_hidden_layers):
-                p = f"layers.{i}."
-                self._res_attn[i] = fold_res_weight(self.w(p + "self_attention_res_norm.weight"),
-                                                    self.w(p + "self_attention_res_proj.weight"))
-                self._res_mlp[i] = fold_res_weight(self.w(p + "mlp_res_norm.weight"), self.w(p + "mlp_res_proj.weight"))
-            self._res_out = fold_res_weight(self.w("output_attn_res_norm.weight"),
-                                            self.w("output_attn_res_proj.weight"))
+        # AttnRes score vectors norm.weight ⊙ proj.weight, folded once per layer on first use (K3_FACTS §5),
+        # so that weights holding only some layers can still run those layers.
+        self._folded: dict[str, torch.Tensor] = {}
+
+    def _res_weight(self, prefix: str) -> torch.Tensor:
+        """Folded AttnRes score vector ``[D]`` fp32 for ``prefix`` (e.g. ``layers.3.mlp_res``, ``output_attn_res``)."""
+        w = self._folded.get(prefix)
+        if w is None:
+            w = fold_res_weight(self.w(prefix + "_norm.weight"), self.w(prefix + "_proj.weight"))
+            self._folded[prefix] = w
+        return w
 
     # ------------------------------------------------------------------ layer-by-layer API
     def embed(self, token_ids: torch.Tensor, batch: Batch | None = None, record: bool = False) -> LayerState:
@@ -152,10 +151,10 @@ class K3Model:
         p = f"layers.{i}."
         if self.attn_res:
             r = state.res
-            h = attn_side(r, i, self._res_attn[i], cfg, self.ops)
+            h = attn_side(r, i, self._res_weight(f"layers.{i}.self_attention_res"), cfg, self.ops)
             a = self._mixer(i, rms_norm(h, self.w(p + "input_layernorm.weight"), eps), state.batch)
             r.prefix = r.prefix + a
-            h = mlp_side(r, self._res_mlp[i], cfg, self.ops)
+            h = mlp_side(r, self._res_weight(f"layers.{i}.mlp_res"), cfg, self.ops)
             m = self._channel(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
             r.prefix = r.prefix + m
         else:
@@ -173,7 +172,8 @@ class K3Model:
         """``[T, hidden]`` fp32 after the output AttnRes (K3) and the final ``norm``."""
         if state.next_layer != self.cfg.num_hidden_layers:
             raise ConfigError(f"final() after {state.next_layer} of {self.cfg.num_hidden_layers} layers; run them all")
-        h = final_aggregate(state.res, self._res_out, self.cfg, self.ops) if self.attn_res else state.hidden
+        h = (final_aggregate(state.res, self._res_weight("output_attn_res"), self.cfg, self.ops) if self.attn_res
+             else state.hidden)
         return rms_norm(h, self.w("norm.weight"), self.cfg.rms_norm_eps)
 
     def final(self, state: LayerState) -> torch.Tensor:
