@@ -369,18 +369,18 @@ def test_weights_on_gpu(tiny_ckpt):
 
 
 def test_read_falls_back_to_copies_when_private_maps_are_refused(tiny_ckpt, monkeypatch):
-    import mmap
+    import mmap as mmap_module
 
     from k3rocm.checkpoint import reader
 
-    real = mmap.mmap
+    real = mmap_module.mmap
 
     class StrictOvercommit:
-        ACCESS_COPY, ACCESS_READ = mmap.ACCESS_COPY, mmap.ACCESS_READ
+        ACCESS_COPY, ACCESS_READ = mmap_module.ACCESS_COPY, mmap_module.ACCESS_READ
 
         @staticmethod
         def mmap(fd, length, access):
-            if access == mmap.ACCESS_COPY:
+            if access == mmap_module.ACCESS_COPY:
                 raise OSError(12, "Cannot allocate memory")
             return real(fd, length, access=access)
 
