@@ -7,7 +7,7 @@ Public entry points (imported lazily, so that importing one op module does not p
 * :class:`~k3rocm.model.kimi_linear.KimiLinearModel` — the same for Kimi-Linear checkpoints;
 * :class:`~k3rocm.model.layer.K3Cache`, :class:`~k3rocm.model.layer.Batch`,
   :func:`~k3rocm.model.layer.resolve_ops`;
-* op oracles in ``kda``, ``mla``, ``attnres``, ``moe`` and shared helpers in ``common``.
+* op oracles in ``kda``, ``mla``, ``attnres``, ``moe`` and shared fp32 functions in ``common``.
 """
 
 from __future__ import annotations
