@@ -348,7 +348,7 @@ _KIMI_LINEAR_48B = {
     "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "moe_intermediate_size": 1024,
     "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446,
     "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "tie_word_embeddings": False,
-    "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
     "linear_attn_config": {
         "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
         "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
