@@ -144,11 +144,10 @@ def write_stages(session, stages) -> Path:
 
     out = require_dir_for_output(session.opts.out)
     cfg_hash = ckpt = dev = prof = None
-    for attr in ("config",):
-        try:
-            cfg_hash = getattr(session, attr).config_hash()
-        except K3Error:
-            pass
+    try:
+        cfg_hash = session.config.config_hash()
+    except K3Error:
+        pass
     try:
         ckpt = str(session.checkpoint_dir)
     except K3Error:
