@@ -160,7 +160,10 @@ def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
         s = 1.0 if kv_scale is None else float(kv_scale)
         m = FP8_MAX[kv_cache.dtype]
         row = (row / s).clamp(-m, m)
-    kv_cache.view(nb * bs, W)[sm[valid]] = row.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # FP8: index_put is not implemented for float8 on every backend
+        kv_cache.view(torch.uint8).view(nb * bs, W)[sm[valid]] = row.to(kv_cache.dtype).view(torch.uint8)
+    else:
+        kv_cache.view(nb * bs, W)[sm[valid]] = row.to(kv_cache.dtype)
 
 
 def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, seq: int,
@@ -170,7 +173,10 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, context_len:
     bs = kv_cache.shape[1]
     pos = torch.arange(context_len, device=kv_cache.device)
     blocks = block_table[seq].to(torch.int64)[pos // bs]
-    rows = _f32(kv_cache[blocks, pos % bs])
+    if kv_cache.element_size() == 1:  # FP8: gather the bytes, then reinterpret
+        rows = _f32(kv_cache.view(torch.uint8)[blocks, pos % bs].view(kv_cache.dtype))
+    else:
+        rows = _f32(kv_cache[blocks, pos % bs])
     if kv_cache.dtype in FP8_MAX and kv_scale is not None:
         rows = rows * float(kv_scale)
     return rows
