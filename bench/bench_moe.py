@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 8192])
     ap.add_argument("--modes", nargs="+", default=["a16w4"])
     ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--check", action="store_true", help="compare each mode with the fp32 oracle (rel. max error)")
     ap.add_argument("--candidates", action="store_true", help="also time CANDIDATES (A16W4 only, total time)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
@@ -93,6 +94,17 @@ def main() -> None:
                     r[f"{key}_frac_of_floor"] = max(floor_fp4, floor_flop) * 1e3 / t_all
                 except Exception as e:  # noqa: BLE001 - a failing config is a result to report
                     r[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if args.check:
+                from k3rocm.model.moe import moe_experts as oracle
+
+                torch.backends.cuda.matmul.allow_tf32 = False
+                ref = oracle(xl, ids, wts, ew, mode=mode)
+                out = moe_experts(xl, ids, wts, ew, mode=mode)
+                r[f"{mode}_rel_err_vs_oracle"] = ((out - ref).abs().max() / ref.abs().max()).item()
+                if mode == "a8w4" and "a16w4" in args.modes:
+                    o16 = moe_experts(xl, ids, wts, ew, mode="a16w4")
+                    r["a8w4_vs_a16w4_rel"] = ((out - o16).abs().max() / o16.abs().max()).item()
+                del ref, out
             best = min((r[f"{mode}_{c.name()}_experts_ms"], c.name()) for c in GEMM_CONFIGS[backend_name()]
                        if f"{mode}_{c.name()}_experts_ms" in r)
             r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
