@@ -199,6 +199,17 @@ class Engine:
             self.graph_sizes.append(min(max_batch, num_slots))
         self._graphs: dict[int, Any] = {}
         self.graph_error = ""
+        self._graph_mode = False
+        # a captured mla_decode must not size its work from the live context lengths (a host sync): kernels
+        # that accept a static bound get max_model_len and one fixed split count
+        import inspect
+        try:
+            params = inspect.signature(self.ops["mla_decode"]).parameters
+        except (TypeError, ValueError):
+            params = {}
+        self._graph_kw = {k: v for k, v in (("max_context_len", max_model_len),
+                                             ("num_splits", max(1, min(8, max_model_len // 512))))
+                          if k in params}
         self.graph_note = "off (CPU)" if not on_gpu else ("on" if self.cuda_graphs else "off (disabled)")
 
     # ------------------------------------------------------------------ description
@@ -307,7 +318,8 @@ class Engine:
         ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
         w_kc, w_vc = self._kv_split(layer)
         o = self.ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(),
-                                   self.mla.kv_cache[layer], block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5)
+                                   self.mla.kv_cache[layer], block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5,
+                                   **(self._graph_kw if self._graph_mode else {}))
         return self._mla_out(o, x, layer)
 
     def _mla_qkv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -516,7 +528,7 @@ class Engine:
         g["pos"][:n] = dec["pos"]
         g["block_rows"].zero_()
         g["block_rows"][:n] = dec["block_rows"]
-        g["graph"].replay()
+        g["graph"].replay()  # the graph-mode kwargs were baked in at capture
         return g["logits"][:n].clone()
 
     def _capture(self, size: int) -> dict | None:
@@ -529,13 +541,16 @@ class Engine:
         try:
             s = torch.cuda.Stream(device=dev)
             s.wait_stream(torch.cuda.current_stream(dev))
+            self._graph_mode = True
             with torch.cuda.stream(s):  # warm-up on padding only (writes nothing)
                 self._forward(st["ids"], size, st, None, None, rows)
             torch.cuda.current_stream(dev).wait_stream(s)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 st["logits"] = self._forward(st["ids"], size, st, None, None, rows)
+            self._graph_mode = False
         except Exception as e:  # an op synchronises with the host: stay eager and say so
+            self._graph_mode = False
             import traceback
             self.graph_error = traceback.format_exc(limit=-6)
             self.cuda_graphs = False
