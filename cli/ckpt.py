@@ -13,18 +13,6 @@ from k3rocm.errors import CheckpointError
 GB = 1e9
 
 
-def _fn(name: str, *modules: str):
-    """``name`` from the first of ``modules`` that has it (the package, then its submodule)."""
-    from k3rocm.validation.session import has_module, need
-    for m in modules:
-        if has_module(m):
-            f = getattr(need(m), name, None)
-            if f is not None:
-                return f
-    from k3rocm.validation.session import Unavailable
-    raise Unavailable(f"{name} is not available in this installation ({', '.join(modules)}); reinstall k3rocm")
-
-
 @click.group("checkpoint")
 def checkpoint_group():
     """Make, inspect and verify checkpoints in the released K3 layout."""
@@ -47,12 +35,13 @@ def make_cmd(preset, out, seed, shards, manifest, debug):
     """Write a deterministic random-weight checkpoint in the released on-disk layout."""
     from k3rocm.config import preset as make_preset
     cfg = make_preset(preset)
-    write = _fn("write_checkpoint", "k3rocm.checkpoint", "k3rocm.checkpoint.writer")
+    from k3rocm.checkpoint.verify import make_manifest
+    from k3rocm.checkpoint.writer import write_checkpoint as write
     with Progress() as bar:
         cb = bar.callback(f"writing {preset}")
         path = write(cfg, out, seed=seed, num_shards=shards, progress=lambda done, total, *_: cb(done, total))
     if manifest:
-        _fn("make_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(path)
+        make_manifest(path)
     files = sorted(Path(path).iterdir())
     click.echo(f"wrote {preset} (seed {seed}) to {path}: {len(files)} files, "
                f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB")
@@ -79,14 +68,14 @@ def inspect_cmd(checkpoint, as_json, debug):
     idx = s.index
     cfg = s.config
     cnt = layout.counts(cfg)
-    parts = idx.nbytes_by_part() if idx is not None and hasattr(idx, "nbytes_by_part") else {}
+    parts = idx.nbytes_by_part()
     doc = {"checkpoint": str(s.checkpoint_dir), "config_hash": cfg.config_hash(), "family": cfg.family,
            "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
            "mla_layers": cfg.num_mla_layers, "kda_layers": cfg.num_kda_layers, "experts": cfg.num_experts,
            "top_k": cfg.num_experts_per_token, "quantization": cfg.quant.format if cfg.quant else None,
-           "tensors": len(idx) if idx is not None else None, "tensors_expected": cnt["tensors"],
+           "tensors": len(idx), "tensors_expected": cnt["tensors"],
            "params": cnt["params"], "params_activated": cnt["params_activated"], "bytes_by_part": parts,
-           "official": bool(idx.is_official()) if idx is not None and hasattr(idx, "is_official") else None,
+           "official": bool(idx.is_official()),
            "shards": shard_fingerprints(s.checkpoint_dir)}
     if as_json:
         click.echo(json.dumps(doc, indent=2))
@@ -100,7 +89,7 @@ def inspect_cmd(checkpoint, as_json, debug):
         t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
     t.add_row("shards", f"{len(doc['shards'])} files, {sum(x.get('bytes', 0) for x in doc['shards']) / GB:.3f} GB")
     console().print(t)
-    click.echo("index and shard headers valid" if idx is not None else "index not validated (reader unavailable)")
+    click.echo("index, shard headers, tensor set and scales valid")
 
 
 @checkpoint_group.command("verify", epilog="""\b
@@ -113,25 +102,24 @@ Examples:
 @handle_errors
 def verify_cmd(checkpoint, write_manifest, debug):
     """Check every file's sha256 against k3rocm-manifest.json (exit 2 naming the first mismatch)."""
+    from k3rocm.checkpoint.verify import make_manifest, verify_manifest
     from k3rocm.validation.session import Options, Session
     s = Session(Options(checkpoint=checkpoint))
     d = s.checkpoint_dir
     if write_manifest:
-        mf = _fn("make_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
+        mf = make_manifest(d)
         click.echo(f"wrote {mf}")
         return
-    from k3rocm.validation.tiers import _manifest_name
-    if not (d / _manifest_name()).is_file():
-        raise CheckpointError(f"{d}: no {_manifest_name()}; create one with `k3rocm checkpoint verify --checkpoint {d} "
+    from k3rocm.checkpoint.verify import MANIFEST_NAME
+    if not (d / MANIFEST_NAME).is_file():
+        raise CheckpointError(f"{d}: no {MANIFEST_NAME}; create one with `k3rocm checkpoint verify --checkpoint {d} "
                               "--write-manifest` on a trusted copy")
     s.index  # headers and layout first
-    res = _fn("verify_manifest", "k3rocm.checkpoint", "k3rocm.checkpoint.verify")(d)
-    from k3rocm.validation.tiers import _manifest_problems
-    bad = _manifest_problems(res)
-    if bad:
-        raise CheckpointError(f"{d}: {len(bad)} file(s) differ from {_manifest_name()}, first: {bad[0]}; "
+    res = verify_manifest(d)
+    if res:
+        raise CheckpointError(f"{d}: {len(res)} file(s) differ from {MANIFEST_NAME}, first: {res[0]}; "
                               "re-download them")
-    click.echo(f"{d}: every file matches {_manifest_name()}")
+    click.echo(f"{d}: every file matches {MANIFEST_NAME}")
 
 
 def register(cli: click.Group) -> None:

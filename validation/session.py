@@ -105,14 +105,9 @@ class Session:
 
     @property
     def index(self):
-        """The validated checkpoint index (``k3rocm.checkpoint.open_checkpoint``), or None when the reader
-        is not installed (the load tier then validates with :func:`~k3rocm.validation.standins.read_checkpoint`)."""
-        def build():
-            fn = getattr(need("k3rocm.checkpoint"), "open_checkpoint", None)
-            if fn is None and has_module("k3rocm.checkpoint.reader"):
-                fn = getattr(need("k3rocm.checkpoint.reader"), "open_checkpoint", None)
-            return fn(self.checkpoint_dir) if fn is not None else None
-        return self._memo("index", build)
+        """The validated checkpoint index (:func:`k3rocm.checkpoint.open_checkpoint`: directory, index,
+        shard headers, tensor set vs the config's layout, E8M0 scales)."""
+        return self._memo("index", lambda: need("k3rocm.checkpoint.reader", "open_checkpoint")(self.checkpoint_dir))
 
     @property
     def config(self):
@@ -197,25 +192,14 @@ class Session:
         return self._memo("run_placement", build)
 
     def load(self, progress=None):
-        """Stream the checkpoint into Weights. Returns ``(weights, load_report)`` (cached).
-
-        Uses ``k3rocm.runtime.load`` when installed, else the validator's own reader
-        (:func:`k3rocm.validation.standins.read_checkpoint`)."""
+        """Stream the checkpoint with :func:`k3rocm.runtime.load.load_checkpoint` onto :attr:`device` with the
+        :attr:`run_placement`, proving every tensor landed. Returns the ``LoadResult`` (cached);
+        ``progress(done_bytes, total_bytes, text)`` is called as bytes land."""
         def build():
             self._small_cpu_threads()
-            if has_module("k3rocm.runtime.load"):
-                load = need("k3rocm.runtime.load")
-                fn = getattr(load, "load_checkpoint", None) or getattr(load, "load", None)
-                if fn is not None:
-                    return _call_flex(fn, self.checkpoint_dir, placement=self.run_placement, index=self.index,
-                                      device=self.device, progress=progress)
-            from k3rocm.validation.standins import load_from_index, read_checkpoint
-            if self.index is not None:
-                w, rep = load_from_index(self.index, device=self.device, progress=progress)
-            else:
-                w, rep = read_checkpoint(self.checkpoint_dir, self.config, device=self.device, progress=progress)
-            rep.bytes_per_device_planned = _planned_per_device(self.run_placement, self.device)
-            return w, rep
+            load_checkpoint = need("k3rocm.runtime.load", "load_checkpoint")
+            return load_checkpoint(self.checkpoint_dir, placement=self.run_placement, index=self.index,
+                                   device=self.device, progress=progress)
         return self._memo("load", build)
 
     def _small_cpu_threads(self) -> None:
@@ -237,13 +221,13 @@ class Session:
 
     @property
     def weights(self):
-        res = self.load()
-        return res[0] if isinstance(res, tuple) else getattr(res, "weights", res)
+        """The loaded single-device Weights (all ranks re-assembled when the plan has several)."""
+        return self.load().weights
 
     @property
     def load_report(self):
-        res = self.load()
-        return res[1] if isinstance(res, tuple) else getattr(res, "report", None)
+        """The loader's ``LoadReport``."""
+        return self.load().report
 
     @property
     def oracle(self):
@@ -256,19 +240,15 @@ class Session:
         return self.engine_for()
 
     def engine_for(self, max_batch: int = 8, max_model_len: int = 2048):
-        """``k3rocm.runtime.engine.Engine`` (continuous batching, registry ops) able to hold ``max_batch``
-        sequences of ``max_model_len`` tokens; falls back to
-        :class:`k3rocm.validation.standins.RegistryEngine` when the runtime engine is not installed.
-        Cached per size; the last one built is also ``self._cache["engine"]`` (for the report)."""
+        """:class:`k3rocm.runtime.engine.Engine` (continuous batching, registry-selected ops per ``--kernels``)
+        able to hold ``max_batch`` sequences of ``max_model_len`` tokens. Cached per size; the last one
+        built is also ``self._cache["engine"]`` (described in the report)."""
         key = f"engine:{max_batch}:{max_model_len}"
 
         def build():
-            if has_module("k3rocm.runtime.engine"):
-                Engine = need("k3rocm.runtime.engine", "Engine")
-                return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
-                              max_batch=max_batch, max_model_len=max_model_len)
-            from k3rocm.validation.standins import RegistryEngine
-            return RegistryEngine(self.config, self.weights, self.kernel_override)
+            Engine = need("k3rocm.runtime.engine", "Engine")
+            return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
+                          max_batch=max_batch, max_model_len=max_model_len)
         eng = self._memo(key, build)
         self._cache["engine"] = eng
         return eng
@@ -277,9 +257,6 @@ class Session:
         """A layer-by-layer model running exactly the engine's ops on the engine's weights (dtype and
         device as the engine holds them): the path the correctness tier compares with the fp32 oracle."""
         eng = engine or self.engine
-        model = getattr(eng, "model", None)
-        if model is not None:
-            return model
         K3Model = need("k3rocm.model.model", "K3Model")
         return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"))
 
@@ -288,38 +265,7 @@ class Session:
         eng = self._cache.get("engine")
         if eng is None:
             return {}
-        return dict(getattr(eng, "op_impls", None) or getattr(eng, "impls", None) or {})
-
-
-def has_module(name: str) -> bool:
-    """True when ``name`` can be found (without importing it)."""
-    import importlib.util
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _planned_per_device(plc, device: str) -> dict:
-    """Planned weight bytes per device from a Placement (rank r -> ``cuda:r``; a 1-rank CPU plan -> ``cpu``)."""
-    if plc is None:
-        return {}
-    ranks = getattr(plc, "ranks", [])
-    if len(ranks) == 1:
-        return {device: int(ranks[0].weights_bytes)}
-    return {f"{device}:{r.rank}": int(r.weights_bytes) for r in ranks}
-
-
-def _call_flex(fn, *args, **kwargs):
-    """Call ``fn`` with the keyword arguments its signature accepts (drops the others; None values dropped)."""
-    import inspect
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn(*args, **{k: v for k, v in kwargs.items() if v is not None})
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(*args, **{k: v for k, v in kwargs.items() if v is not None})
-    return fn(*args, **{k: v for k, v in kwargs.items() if k in params and v is not None})
+        return dict(getattr(eng, "op_impls", {}) or {})
 
 
 def require_dir_for_output(out: str | Path) -> Path:

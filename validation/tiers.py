@@ -219,73 +219,56 @@ def tier_env(session: Session, stage: Stage) -> None:
 def tier_load(session: Session, stage: Stage, progress: Callable | None = None) -> None:
     """Did every byte land where the plan said? Index complete, headers valid, scales sane, bytes, GB/s."""
     from k3rocm.checkpoint import layout
-    cfg = session.config
     with Timer() as t:
         idx = session.index
-    expected = layout.counts(cfg) if hasattr(layout, "counts") else {}
-    n_found = _len_tensors(idx)
-    n_exp = expected.get("tensors") or expected.get("num_tensors")
-    stage.add(info("load", "index.open", round(t.seconds * 1e3, 2), "ms", detail="index + every shard header validated"))
-    if n_exp is not None and n_found is not None:
-        stage.add(check("load", "index.tensors", n_found, eq=n_exp, detail="tensors in the index vs the layout of config"))
+    stage.add(info("load", "index.open", round(t.seconds * 1e3, 2), "ms",
+                   detail="directory, index, every shard header, tensor set and E8M0 scales validated"),
+              check("load", "index.tensors", len(idx), eq=layout.counts(session.config)["tensors"],
+                    detail="text tensors in the index vs the layout of the config"))
     stage.add(info("load", "checkpoint.official", session.is_official,
                    detail="config and tensor set equal the official release's (K3_FACTS §2); when true the "
                           "correctness tier checks the release's known answers"))
     manifest = session.checkpoint_dir / _manifest_name()
     if manifest.is_file():
-        verify = need("k3rocm.checkpoint", "verify_manifest")
+        from k3rocm.checkpoint.verify import verify_manifest as verify
         with Timer() as tv:
             res = verify(session.checkpoint_dir)
-        bad = _manifest_problems(res)
+        bad = list(res)
         stage.add(check("load", "manifest.sha256", len(bad), eq=0, unit="files",
                         detail=(f"every file matches {manifest.name}" if not bad else "; ".join(bad)[:200])),
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
     with Timer() as tl:
-        weights, rep = session.load(progress=progress)
+        rep = session.load(progress=progress).report
     lv = session.measured_level
-    r = _as_dict(rep)
+    r = rep.to_dict()
     stage.add(info("load", "load.seconds", round(tl.seconds, 3), "s", level=lv,
-                   detail=f"loader: {r.get('loader', 'k3rocm.runtime.load')}, device {r.get('device', session.device)}"))
-    if "tensors_planned" in r:
-        stage.add(check("load", "load.tensors_loaded", int(r.get("tensors_loaded", 0)), eq=int(r["tensors_planned"]),
-                        level=lv, detail="tensors the plan names for the loaded ranks"),
-                  check("load", "load.tensors_verified", int(r.get("tensors_verified", 0)),
-                        eq=int(r["tensors_planned"]), level=lv,
-                        detail="checksum of each loaded slice equals the same slice read independently"))
-    elif "tensors_loaded" in r:
-        stage.add(check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=_len_tensors(session.index)
-                        or int(r["tensors_loaded"]), level=lv))
-    if "problems" in r:
-        probs = list(r["problems"] or [])
-        stage.add(check("load", "load.problems", len(probs), eq=0, level=lv,
-                        detail="; ".join(map(str, probs))[:300] or "none"))
-    planned, used = _per_rank(r.get("bytes_planned") or r.get("bytes_per_device_planned")), \
-        _per_rank(r.get("bytes_loaded") or r.get("bytes_per_device"))
-    if planned and used:
-        keys = sorted(set(planned) | set(used), key=lambda k: (len(k), k))
-        for k in keys:
-            stage.add(check("load", f"bytes[rank {k}]", int(used.get(k, 0)), eq=int(planned.get(k, 0)), unit="B",
-                            level=lv, detail="bytes loaded vs planned for this rank"))
+                   detail=f"{r['world']} rank(s) onto {r['device']}, {r['threads']} reader threads"),
+              check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=int(r["tensors_planned"]), level=lv,
+                    detail="tensors the plan names for the loaded ranks"),
+              check("load", "load.tensors_verified", int(r["tensors_verified"]), eq=int(r["tensors_planned"]),
+                    level=lv, detail="checksum of each loaded slice equals the same slice read independently"),
+              check("load", "load.problems", len(r["problems"]), eq=0, level=lv,
+                    detail="; ".join(map(str, r["problems"]))[:300] or "none"))
+    planned, used = _per_rank(r["bytes_planned"]), _per_rank(r["bytes_loaded"])
+    keys = sorted(set(planned) | set(used), key=lambda k: (len(k), k))
+    for k in keys:
+        stage.add(check("load", f"bytes[rank {k}]", used.get(k, 0), eq=planned.get(k, 0), unit="B", level=lv,
+                        detail="bytes loaded vs planned for this rank"))
+    if keys:
         stage.series["bytes_per_device"] = {"title": "weight bytes per rank: planned vs loaded", "kind": "bar",
                                             "x": keys, "xlabel": "rank", "ylabel": "MB",
                                             "y": {"planned": [planned.get(k, 0) / 1e6 for k in keys],
                                                   "loaded": [used.get(k, 0) / 1e6 for k in keys]}}
-    total = sum(used.values()) if used else None
-    if total:
-        stage.add(info("load", "load.bytes", int(total), "B", level=lv))
+    stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
     for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks"),
-                         ("raw_read_gbps", "GB/s", "sequential read of the same shard files"),
+                         ("raw_read_gbps", "GB/s", "sequential read of the same shard files"
+                          + (" (page cache dropped first)" if r.get("page_cache_dropped") else "")),
                          ("load_vs_raw", "", "load throughput / raw read throughput"),
                          ("verify_seconds", "s", "time to verify every tensor")):
-        if r.get(key):
+        if r.get(key) is not None:
             stage.add(info("load", f"load.{key}", round(float(r[key]), 4), unit, level=lv, detail=d))
-    if "aggregate_gbps" not in r and total:
-        stage.add(info("load", "load.throughput", round(total / max(tl.seconds, 1e-9) / 1e9, 4), "GB/s", level=lv))
-    for key in ("scales_ff", "nonfinite"):
-        if key in r:
-            stage.add(check("load", f"load.{key}", int(r[key]), eq=0, level=lv))
 
 
 def _per_rank(d) -> dict:
@@ -295,37 +278,8 @@ def _per_rank(d) -> dict:
 
 
 def _manifest_name() -> str:
-    try:
-        from k3rocm.checkpoint.verify import MANIFEST_NAME
-        return MANIFEST_NAME
-    except ImportError:
-        return "k3rocm-manifest.json"
-
-
-def _len_tensors(idx) -> int | None:
-    for k in ("num_tensors", "tensor_count"):
-        v = getattr(idx, k, None)
-        if v is not None:
-            return int(v() if callable(v) else v)
-    for k in ("tensors", "weight_map", "entries"):
-        v = getattr(idx, k, None)
-        if v is not None:
-            return len(v)
-    try:
-        return len(idx)
-    except TypeError:
-        return None
-
-
-def _manifest_problems(res) -> list[str]:
-    if res is None or res is True:
-        return []
-    if isinstance(res, dict):
-        return [f"{k}: {v}" for k, v in res.items() if v not in (True, "ok", None)]
-    if isinstance(res, (list, tuple)):
-        return [str(x) for x in res]
-    probs = getattr(res, "problems", None) or getattr(res, "mismatches", None)
-    return [str(x) for x in (probs() if callable(probs) else probs or [])]
+    from k3rocm.checkpoint.verify import MANIFEST_NAME
+    return MANIFEST_NAME
 
 
 def _as_dict(obj) -> dict:
@@ -336,15 +290,6 @@ def _as_dict(obj) -> dict:
     if hasattr(obj, "to_dict"):
         return obj.to_dict()
     return dict(vars(obj))
-
-
-def _plan_per_device(plc) -> dict:
-    d = _as_dict(plc)
-    for k in ("bytes_per_device", "per_device_bytes", "weight_bytes_per_device"):
-        if k in d:
-            v = d[k]
-            return dict(enumerate(v)) if isinstance(v, list) else dict(v)
-    return {}
 
 
 def _placement_rows(stage: Stage, plc, tier: str) -> None:
@@ -572,43 +517,41 @@ def tier_performance(session: Session, stage: Stage, progress: Callable | None =
 def run_bench_point(session: Session, *, concurrency: int, input_len: int, output_len: int,
                     num_prompts: int | None = None, range_ratio: float = 0.8, warmups: int | None = None,
                     progress: Callable | None = None) -> dict:
-    """Run one benchmark point; returns a plain dict of results (vLLM field names) with ``concurrency``,
-    ``runner`` and ``roofline`` (the plan's decode-step floor at this batch and mean context, per rank).
+    """One benchmark point through :func:`k3rocm.bench.run_bench` on an engine sized for it.
 
-    Uses ``k3rocm.bench.run_bench`` when installed, else
-    :func:`k3rocm.validation.standins.static_bench`."""
-    from k3rocm.validation.session import _call_flex, has_module
+    The roofline model is :class:`k3rocm.bench.roofline.StepRoofline` with the ceilings of the hardware
+    the run is on (the run profile's datasheet bandwidth and bf16 peak) and the engine's weight and cache
+    dtypes; ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
+    fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,
+    ``fraction``) when the ceilings are known.
+    """
+    from k3rocm.bench import run_bench
+    from k3rocm.bench.roofline import StepRoofline
     eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1)
+    prof = _run_profile(session)
+    roof = None
+    bw, peak = float(prof.hbm_bandwidth or 0), float(prof.peak("bf16") or 0)
+    if bw > 0 and peak > 0:
+        wbytes = _t().tensor([], dtype=eng.dtype).element_size()
+        kvbytes = _t().tensor([], dtype=eng.kv_dtype).element_size()
+        roof = StepRoofline.from_config(session.config, bw, peak, kv_bytes=kvbytes,
+                                        trunk_dtype_bytes=None if wbytes == 2 else wbytes)
     ngpu = max(1, session.detected.count) if session.device != "cpu" else 1
-    run_bench = None
-    if has_module("k3rocm.bench"):
-        run_bench = getattr(need("k3rocm.bench"), "run_bench", None)
-    if run_bench is not None:
-        res = _call_flex(run_bench, eng, concurrency=concurrency, input_len=input_len, output_len=output_len,
-                         num_prompts=num_prompts, range_ratio=range_ratio, warmups=warmups, seed=session.opts.seed,
-                         progress=progress, profile=session.profile, num_gpus=ngpu)
-        d = _as_dict(res)
-        metrics = dict(d.get("metrics", d))
-        metrics.setdefault("runner", "k3rocm.bench.run_bench")
-        if d.get("roofline") is not None and "roofline" not in metrics:
-            metrics["roofline"] = _as_dict(d["roofline"])
-    else:
-        from k3rocm.validation.standins import serve_bench, static_bench
-        runner = serve_bench if hasattr(eng, "add_request") else static_bench
-        metrics = runner(eng, concurrency, input_len, output_len, num_prompts, range_ratio, warmups,
-                         session.opts.seed, ngpu, progress)
-    metrics.setdefault("concurrency", concurrency)
-    if not metrics.get("roofline"):
-        roof = getattr(session.run_placement, "roofline", None)
-        if roof is not None and hasattr(roof, "step"):
-            ctx = int(round(range_ratio * input_len + (input_len - range_ratio * input_len) / 2 + output_len / 2))
-            st = roof.step(concurrency, max(ctx, 1))
-            if math.isfinite(st["floor_s"]):
-                metrics["roofline"] = {"tpot_floor_ms": st["floor_s"] * 1e3, "bound": st["bound"],
-                                       "detail": f"plan roofline: batch {concurrency}, context {ctx}, "
-                                                 f"{st['bytes'] / 1e6:.1f} MB + {st['flops'] / 1e9:.2f} GFLOP "
-                                                 f"per rank per step ({st['bound']}-bound)"}
-    return metrics
+    res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
+                    warmups=warmups, seed=session.opts.seed,
+                    progress=(lambda phase, done, total: progress(done, total)) if progress else None,
+                    num_gpus=ngpu, roofline=roof)
+    d = res.to_dict(per_request=False)
+    d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak}
+    return d
+
+
+def _run_profile(session: Session):
+    """The profile of the hardware measurements are taken on (the profile itself on its hardware)."""
+    if session.hardware_matches:
+        return session.profile
+    from k3rocm.hw import match_profile
+    return match_profile(session.detected)
 
 
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str) -> None:
@@ -626,15 +569,19 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str) -
                         ("median_e2el_ms", "ms"), ("p99_e2el_ms", "ms")):
             if k in r:
                 stage.add(info(tier, f"{tag}.{k}", round(float(r[k]), 4), unit, level=lv))
+        stage.add(check(tier, f"{tag}.hang", r.get("hang") is None, eq=True, level=lv,
+                        detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
         roof = r.get("roofline") or {}
-        floor = roof.get("tpot_floor_ms") or roof.get("decode_floor_ms") or roof.get("floor_ms")
-        if floor:
-            stage.add(info(tier, f"{tag}.roofline.tpot_floor_ms", round(float(floor), 6), "ms", level="projected",
-                           detail=roof.get("detail", "bytes/bandwidth vs FLOPs/peak, the larger")))
-            if r.get("median_tpot_ms"):
-                frac = float(floor) / float(r["median_tpot_ms"])
-                stage.add(info(tier, f"{tag}.roofline.fraction", round(frac, 6), "", level=lv,
-                               detail="roofline TPOT floor / measured median TPOT"))
+        if roof.get("total_floor_s"):
+            ceil = r.get("roofline_ceilings", {})
+            stage.add(info(tier, f"{tag}.roofline.floor_s", round(float(roof["total_floor_s"]), 6), "s",
+                           level="projected",
+                           detail=f"sum over measured engine steps of max(bytes/bandwidth, FLOPs/peak); "
+                                  f"ceilings of {ceil.get('profile')} (datasheet)"),
+                      info(tier, f"{tag}.roofline.measured_s", round(float(roof.get("total_measured_s", 0)), 6), "s",
+                           level=lv, detail="sum of the same steps' measured times"),
+                      info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
+                           level=lv, detail="floor / measured (1.0 = at the roofline)"))
         for t in getattr(session.profile, "targets", ()):
             if lv == "measured" and t.metric in r and c == _target_conc(t.setting):
                 ok = r[t.metric] <= t.value if t.metric.endswith("_ms") else r[t.metric] >= t.value
