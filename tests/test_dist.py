@@ -135,24 +135,30 @@ def _wrong_order_worker(ctx, checkpoint, ids):
 
 
 @pytest.fixture(scope="module")
-def golden_ref(golden_ckpt, golden_dir):
-    from safetensors.torch import load_file
+def any_ckpt(request):
+    """The external golden k3-tiny checkpoint when present, else the session's freshly written k3-tiny."""
+    from pathlib import Path
+    g = Path(os.environ.get("K3ROCM_GOLDEN", "/work/shared/data/k3-tiny-golden")) / "checkpoint"
+    return g if (g / "config.json").is_file() else request.getfixturevalue("tiny_ckpt")
 
+
+@pytest.fixture(scope="module")
+def golden_ref(any_ckpt):
     from k3rocm.checkpoint.reader import open_checkpoint
     from k3rocm.model.model import K3Model
 
-    index = open_checkpoint(golden_ckpt)
-    ids = load_file(str(golden_dir / "golden.safetensors"))["input_ids"][:, :8].clone()
+    index = open_checkpoint(any_ckpt)
+    ids = torch.randint(0, index.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(11))
     ref = K3Model(index.config, {n: index.read(n) for n in index.entries}).forward(ids)
     return ids, ref
 
 
-def test_tp2_ep2_equals_single_process_oracle(golden_ckpt, golden_ref):
+def test_tp2_ep2_equals_single_process_oracle(any_ckpt, golden_ref):
     """TP2/EP2 over two gloo processes (weights streamed per rank by the loader) == the fp32 oracle."""
     from k3rocm.runtime.tp import tp_forward_worker
 
     ids, ref = golden_ref
-    out = dist.launch(tp_forward_worker, 2, args=(str(golden_ckpt), ids, 2, 2, True), backend="gloo", timeout_s=120)
+    out = dist.launch(tp_forward_worker, 2, args=(str(any_ckpt), ids, 2, 2, True), backend="gloo", timeout_s=120)
     a, b = out[0]["logits"], out[1]["logits"]
     assert torch.equal(a, b)  # every rank ends with the same full-vocab logits
     assert a.shape == ref.shape and torch.isfinite(a).all()
@@ -163,7 +169,7 @@ def test_tp2_ep2_equals_single_process_oracle(golden_ckpt, golden_ref):
     # 13 layers on these weights (the golden README: fp32 reorderings move logits by ~1e-3)
     assert err <= 2e-4 * scale
     assert torch.equal(a.argmax(-1), ref.argmax(-1))
-    assert out[0]["bytes_loaded"] < sum(index_bytes(golden_ckpt))  # each rank holds only its part
+    assert out[0]["bytes_loaded"] < sum(index_bytes(any_ckpt))  # each rank holds only its part
 
 
 def index_bytes(ckpt):
@@ -171,10 +177,10 @@ def index_bytes(ckpt):
     return [e.nbytes for e in open_checkpoint(ckpt).entries.values()]
 
 
-def test_wrong_norm_order_is_detected(golden_ckpt, golden_ref):
+def test_wrong_norm_order_is_detected(any_ckpt, golden_ref):
     """Negative control: norming each rank's partial latent sum before the all_reduce breaks equality."""
     ids, ref = golden_ref
-    out = dist.launch(_wrong_order_worker, 2, args=(str(golden_ckpt), ids), backend="gloo", timeout_s=120)
+    out = dist.launch(_wrong_order_worker, 2, args=(str(any_ckpt), ids), backend="gloo", timeout_s=120)
     err = (out[0] - ref).abs().max().item()
     assert err > 100 * 2e-4 * ref.abs().max().item()
 
@@ -215,11 +221,11 @@ def _teacher_forced_worker(ctx, checkpoint, ids):
     return errs
 
 
-def test_tp2_ep2_per_layer_teacher_forced(golden_ckpt, golden_ref):
+def test_tp2_ep2_per_layer_teacher_forced(any_ckpt, golden_ref):
     """Each TP2/EP2 layer on the oracle's input equals the oracle layer to fp32 rounding (rel <= 5e-6),
     and the vocab-parallel embedding / head are exact to <= 1e-5."""
     ids, _ = golden_ref
-    out = dist.launch(_teacher_forced_worker, 2, args=(str(golden_ckpt), ids), backend="gloo", timeout_s=120)
+    out = dist.launch(_teacher_forced_worker, 2, args=(str(any_ckpt), ids), backend="gloo", timeout_s=120)
     errs = out[0]
     print({k: f"{v:.1e}" for k, v in errs.items()})
     assert errs["embed"] == 0.0  # a lookup: exact
