@@ -15,7 +15,7 @@ import json
 import math
 from pathlib import Path
 
-from k3rocm.validation.evidence import LEVELS, Report, Stage, atomic_write
+from k3rocm.validation.evidence import LEVELS, Report, atomic_write
 
 LEVEL_COLORS = {"measured": "#1a7f37", "measured-fallback": "#9a6700", "projected": "#0969da",
                 "external": "#8250df"}

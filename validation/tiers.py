@@ -20,7 +20,7 @@ from typing import Callable
 
 from k3rocm.errors import K3Error
 from k3rocm.validation.evidence import TIERS, Stage, Timer, check, info, now_iso
-from k3rocm.validation.session import Session, Unavailable, need
+from k3rocm.validation.session import Session
 
 # name -> threshold value; the checks below cite these names.
 THRESHOLDS: dict[str, float] = {
@@ -433,7 +433,7 @@ def golden_checks(session: Session, stage: Stage) -> None:
     ref = g["logits"].float()
     c = logits_compare(ol, ref)
     margin = g.get("logits_top1_margin")
-    sure = margin > THRESHOLDS["golden.top1_margin"] if margin is not None else torch_ones_like(ref[..., 0])
+    sure = (margin > THRESHOLDS["golden.top1_margin"]) if margin is not None else _t().ones_like(ref[..., 0], dtype=_t().bool)
     agree = float((ol.argmax(-1) == ref.argmax(-1))[sure].double().mean()) if bool(sure.any()) else 1.0
     stage.add(check("correctness", "golden.logits_max_abs", c["max_abs"], le=THRESHOLDS["golden.logits_max_abs"],
                     level="external", detail=f"fp32 oracle vs {p.name} logits {list(ref.shape)}"),
@@ -467,10 +467,6 @@ def golden_checks(session: Session, stage: Stage) -> None:
         stage.add(check("correctness", "golden.greedy_tokens", got, eq=want.tolist(), level="external",
                         detail=f"oracle greedy continuation of greedy_prompt "
                                f"(min margin {float(margins.min()) if margins is not None else float('nan'):.3g})"))
-
-
-def torch_ones_like(x):
-    return _t().ones_like(x, dtype=_t().bool)
 
 
 def _greedy(model, prompt, n: int) -> list[int]:
