@@ -240,3 +240,16 @@ def test_deterministic_and_input_errors(cfg):
         s.add(Sequence(2, [1], max_tokens=1))
     assert s.abort(2).finish_reason == "abort" and not s.has_unfinished
     assert Status.FINISHED.value == "finished"
+
+
+def test_size_from_plan_capacity(cfg):
+    from types import SimpleNamespace
+
+    from k3rocm.runtime.cache import size_from_capacity
+
+    sb, bb = kda_bytes_per_slot(cfg), mla_bytes_per_block(cfg, 16, torch.float8_e4m3fn)
+    cap = SimpleNamespace(budget_bytes=4 * sb + 100 * bb, kv_dtype="fp8", max_sequences=4)
+    s = size_from_capacity(cfg, cap)
+    assert (s.num_slots, s.num_blocks) == (4, 100) and s.block_bytes == bb
+    with pytest.raises(PlanError):
+        size_from_capacity(cfg, SimpleNamespace(budget_bytes=10**9, kv_dtype="int3", max_sequences=1))

@@ -297,3 +297,22 @@ class KDAStatePool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for t in self.state.values()) + sum(t.numel() * 4 for t in self.conv.values())
+
+
+KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def size_from_capacity(cfg: K3Config, capacity, block_size: int = 16, max_seqs: int | None = None,
+                       num_heads: int | None = None) -> CacheSizing:
+    """:func:`size_caches` from the plan's cache capacity (``Placement.cache``: ``budget_bytes``, ``kv_dtype``,
+    ``max_sequences``). ``max_seqs`` defaults to the plan's ``max_sequences`` (at least 1).
+
+    Raises:
+        PlanError: unknown ``kv_dtype`` or a budget that holds no sequence.
+    """
+    kv = KV_DTYPES.get(str(capacity.kv_dtype).lower())
+    if kv is None:
+        raise PlanError(f"cache kv_dtype {capacity.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    n = max_seqs if max_seqs is not None else max(1, int(capacity.max_sequences))
+    return size_caches(cfg, int(capacity.budget_bytes), n, block_size, kv, num_heads)
