@@ -13,8 +13,9 @@ Weights stay in the checkpoint's own layout (``[E, N, K/2]`` u8, element 2i in t
 ``[E, N, K/32]`` u8 E8M0 — K3_FACTS §4); no conversion at load time. Both modes use ``tl.dot_scaled`` with
 the weights as ``e2m1``: A16W4 passes bf16 activations with no scale (the compiler decodes FP4 to bf16 in
 registers: Hopper, gfx942), A8W4 passes E4M3 activations with their E8M0 scales (native
-``v_mfma_scale_f32_*_f8f6f4`` on gfx950; emulated elsewhere). Under the Triton interpreter the activation
-format is fp16 or fp32-as-bf16 is avoided (see ``act_format``).
+``v_mfma_scale_f32_*_f8f6f4`` on gfx950; emulated elsewhere: Triton upcasts both operands to bf16 and
+uses wgmma / mma on sm_90 and bf16 MFMA on gfx942). ``tl.dot_scaled`` also runs under the Triton
+interpreter with bf16 and E4M3 operands, so the CPU tests cover both modes.
 
 The reduction sums the k weighted rows of each token in slot order (deterministic: no atomics).
 """

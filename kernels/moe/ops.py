@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,18 +285,22 @@ def latent_moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     experts 6144 wide) are bf16 GEMMs with fp32 accumulation through torch, SiTU of the shared experts in fp32.
     Returns ``[T, H]`` fp32.
     """
-    if not x.is_cuda:
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise HardwareError("latent_moe (triton) needs a GPU tensor; use k3rocm.model.moe.latent_moe on CPU")
-    ids, w = moe_router(x, gate_weight, bias, top_k, renormalize, scaling)
-    xl = (x @ down_proj.t()).to(torch.bfloat16)
+    def mm(a, b):  # bf16 GEMM with fp32 accumulation (cuBLAS); fp32 on the CPU (interpreter tests)
+        return (a @ b.t()).float() if a.is_cuda else a.float() @ b.float().t()
+
+    # the interpreter's bf16 tl.dot is not trustworthy: its router runs on the (exact) fp32 widening
+    ids, w = moe_router(x if x.is_cuda else x.float(), gate_weight, bias, top_k, renormalize, scaling)
+    xl = mm(x, down_proj).to(torch.bfloat16)
     _, normed = _experts_impl(xl, ids, w, experts, act, mode, beta, beta_lin, None, norm_weight, eps)
-    out = (normed @ up_proj.t()).float()
+    out = mm(normed, up_proj)
     if shared_gate is not None:
-        g = (x @ shared_gate.t()).float()
-        u = (x @ shared_up.t()).float()
+        g = mm(x, shared_gate)
+        u = mm(x, shared_up)
         if act == "situ":
             hsh = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
         else:
             hsh = torch.nn.functional.silu(g) * u
-        out += (hsh.to(torch.bfloat16) @ shared_down.t()).float()
+        out += mm(hsh.to(torch.bfloat16), shared_down)
     return out
