@@ -365,10 +365,11 @@ def tier_correctness(session: Session, stage: Stage) -> None:
     if any(series.values()):
         stage.add(check("correctness", "layers.rel_rms.max", worst, le=THRESHOLDS["engine.layer_rel_rms"], level=lv,
                         detail=f"engine ({_impl_note(session)}) vs fp32 oracle, worst layer output"))
-        stage.series["layer_error"] = {"title": "per-layer relative RMS error vs fp32 oracle",
-                                       "x": list(range(len(series['attn_out']))), "xlabel": "layer",
-                                       "ylabel": "relative RMS error", "log": True,
-                                       "y": {k: v for k, v in series.items() if v}}
+        stage.series["layer_error"] = {
+            "title": "per-layer relative RMS error", "x": list(range(len(series["attn_out"]))), "xlabel": "layer",
+            "ylabel": "relative RMS error", "log": True,
+            "y": {f"selected kernels vs oracle: {k}" + (" (all exactly 0)" if not any(v) else ""): v
+                  for k, v in series.items() if v}}
     c = logits_compare(el, ol)
     stage.add(check("correctness", "logits.kl", c["kl"], le=THRESHOLDS["engine.logits_kl"], unit="nats", level=lv,
                     detail="mean KL(oracle || engine) per position"),
