@@ -76,13 +76,13 @@ def decode_inputs(N, H, S=None, seed=1):
         r(S, H, D, D) * 0.1, torch.randperm(S, device="cuda")[:N].to(torch.int32)
 
 
-def bench_rows(out_dir, with_fla=True):
+def bench_rows(out_dir, with_fla=True, only=("decode", "prefill")):
     import triton.testing as tt
 
     from k3rocm.kernels.kda import decode as DE
     from k3rocm.kernels.kda import prefill as P
     rows = []
-    for B, T, H in PREFILL_ROWS:
+    for B, T, H in (PREFILL_ROWS if "prefill" in only else []):
         name = f"prefill B{B} T{T} H{H}"
         a = prefill_inputs(B, T, H)
         ours = lambda: P.kda_prefill(**a, out_dtype=torch.bfloat16)  # noqa: E731
@@ -108,7 +108,7 @@ def bench_rows(out_dir, with_fla=True):
         print(json.dumps(row), flush=True)
         del a
         torch.cuda.empty_cache()
-    for N, H in DECODE_ROWS:
+    for N, H in (DECODE_ROWS if "decode" in only else []):
         name = f"decode B{N} H{H}"
         xs, ws, A_log, dt, onw, cp, sp, sid = decode_inputs(N, H)
         out = torch.empty(N, H * D, device="cuda", dtype=torch.bfloat16)
@@ -208,14 +208,20 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--warm", default=None)
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--only", default="decode,prefill,accuracy",
+                    help="comma list of parts, run in this order (decode first: fla's prefill autotuning is slow)")
     args = ap.parse_args()
     if args.warm:
         warm(args.warm)
         return
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    acc = accuracy(not args.no_fla)
-    rows = bench_rows(args.out, not args.no_fla)
+    parts = args.only.split(",")
+    rows = []
+    for part in parts:
+        if part in ("decode", "prefill"):
+            rows += bench_rows(args.out, not args.no_fla, only=(part,))
+    acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)
