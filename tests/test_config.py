@@ -8,12 +8,13 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from conftest import OFFICIAL_CONFIG
 
 from k3rocm.checkpoint import layout
 from k3rocm.config import K3Config, preset
 from k3rocm.errors import ConfigError
 
-OFFICIAL = Path("/work/shared/data/kimi-k3/config.json")
+OFFICIAL = OFFICIAL_CONFIG
 
 
 def _official_doc() -> dict:

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from conftest import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.runtime import dist
@@ -138,7 +139,7 @@ def _wrong_order_worker(ctx, checkpoint, ids):
 def any_ckpt(request):
     """The external golden k3-tiny checkpoint when present, else the session's freshly written k3-tiny."""
     from pathlib import Path
-    g = Path(os.environ.get("K3ROCM_GOLDEN", "/work/shared/data/k3-tiny-golden")) / "checkpoint"
+    g = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN)) / "checkpoint"
     return g if (g / "config.json").is_file() else request.getfixturevalue("tiny_ckpt")
 
 

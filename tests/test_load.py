@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.checkpoint.reader import open_checkpoint
@@ -23,7 +24,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def any_ckpt(request):
     """The external golden k3-tiny checkpoint when present, else the session's freshly written k3-tiny."""
     from pathlib import Path
-    g = Path(os.environ.get("K3ROCM_GOLDEN", "/work/shared/data/k3-tiny-golden")) / "checkpoint"
+    g = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN)) / "checkpoint"
     return g if (g / "config.json").is_file() else request.getfixturevalue("tiny_ckpt")
 
 
