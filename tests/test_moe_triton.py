@@ -1,58 +1,56 @@
 """MoE Triton kernels against the fp32 oracle: router ids (exact), experts in both modes, every config.
 
-Without a GPU the kernels run under the Triton interpreter: the module fixture sets ``TRITON_INTERPRET=1``
-and re-imports the kernel modules (Triton decides interpreted vs compiled when a kernel is decorated), and
-restores both afterwards so other test modules keep compiled kernels. ``tl.dot_scaled`` runs under the
-interpreter with bf16 and E4M3 operands; the router runs its fp32 path there (the interpreter's bf16
-``tl.dot`` is not trustworthy). On a GPU the same tests run compiled, in bf16.
+Without a GPU the kernels run under the Triton interpreter, which must be switched on before Triton is first
+imported (Triton's own library functions are decorated at import). Other test modules in the same pytest
+process may already have imported Triton in compiled mode, so on a machine without a GPU this module runs
+itself in a child process with ``TRITON_INTERPRET=1`` (one test in the parent; the child reports every
+case) and leaves the parent's Triton untouched. ``tl.dot_scaled`` runs under the interpreter with bf16 and
+E4M3 operands; the router runs its fp32 path there (the interpreter's bf16 ``tl.dot`` is not trustworthy).
+On a GPU the same tests run compiled, in bf16.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from k3rocm.model import moe as M
 
-from test_moe_oracle import near_tie_router_inputs, random_experts
+sys.path.insert(0, str(Path(__file__).parent))
+from test_moe_oracle import near_tie_router_inputs, random_experts  # noqa: E402
 
-_MODS = ("k3rocm.kernels.mx.quant", "k3rocm.kernels.mx", "k3rocm.kernels.moe.configs", "k3rocm.kernels.moe.gemm",
-         "k3rocm.kernels.moe.router", "k3rocm.kernels.moe.ops", "k3rocm.kernels.moe")
 GPU = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+CHILD = not GPU and not INTERP  # this process cannot interpret: run the module in a child that can
 
 
-def _load():
-    for name in _MODS:
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
-        else:
-            importlib.import_module(name)
-    return sys.modules["k3rocm.kernels.moe"], sys.modules["k3rocm.kernels.mx"]
+def test_in_interpreter_child_process():
+    """On a machine without a GPU: every test below, in a fresh process with TRITON_INTERPRET=1."""
+    if not CHILD:
+        pytest.skip("kernels run in this process (GPU present or TRITON_INTERPRET=1 already)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
 def tk():
-    old = os.environ.get("TRITON_INTERPRET")
-    if not GPU:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        moe, mx = _load()
-        backend = moe.backend_name()
-        yield types.SimpleNamespace(moe=moe, mx=mx, dev="cuda" if GPU else "cpu", configs=moe.GEMM_CONFIGS[backend],
-                                    act_dtype=torch.bfloat16 if GPU else torch.float32)
-    finally:
-        if not GPU:
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-            _load()
+    if CHILD:
+        pytest.skip("run by test_in_interpreter_child_process")
+    import k3rocm.kernels.moe as moe
+    import k3rocm.kernels.mx as mx
+
+    yield types.SimpleNamespace(moe=moe, mx=mx, dev="cuda" if GPU else "cpu",
+                                configs=moe.GEMM_CONFIGS[moe.backend_name()],
+                                act_dtype=torch.bfloat16 if GPU else torch.float32)
 
 
 def _to(ew, dev):
