@@ -138,3 +138,20 @@ def test_preset_matches_transformers_and_release():
 
 def test_preset_eos_token():
     assert preset("kimi-linear-48b-a3b").eos_token_id == KimiLinearConfig().eos_token_id == 163586
+
+
+def test_layout_matches_transformers_state_dict():
+    """The checkpoint layout of the kimi_linear family names exactly the tensors transformers' model holds."""
+    from k3rocm.checkpoint.layout import counts, iter_specs
+
+    hc = _tiny_hf_config()
+    model = KimiLinearForCausalLM(hc)
+    cfg = config_from_hf(hc)
+    got = {n: tuple(t.shape) for n, t in hf_to_checkpoint_names(model.state_dict(), cfg).items()}
+    want = {s.name: s.shape for s in iter_specs(cfg)}
+    assert set(want) == set(got), set(want) ^ set(got)
+    assert {n: s for n, s in want.items() if got[n] != s} == {}
+    assert counts(cfg)["params"] == sum(p.numel() for p in model.parameters())
+    # the released sibling: ~48B total, ~3B activated per token (model card)
+    big = counts(preset("kimi-linear-48b-a3b"))
+    assert 47e9 < big["params"] < 50e9 and 2.8e9 < big["params_activated"] < 3.3e9

@@ -55,6 +55,16 @@ class TensorSpec:
         return prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
+def prefix_for(cfg: K3Config) -> str:
+    """Name prefix of decoder tensors: ``language_model.model.`` (K3) or ``model.`` (Kimi-Linear release)."""
+    return PREFIX if cfg.family == "k3" else "model."
+
+
+def lm_head_for(cfg: K3Config) -> str:
+    """Name of the output head: ``language_model.lm_head.weight`` (K3) or ``lm_head.weight`` (Kimi-Linear)."""
+    return LM_HEAD if cfg.family == "k3" else "lm_head.weight"
+
+
 def is_vision(name: str) -> bool:
     """True for the vision tower / projector tensors the toolkit skips."""
     return name.startswith(VISION_PREFIXES)
@@ -74,7 +84,7 @@ def expert_specs(cfg: K3Config, layer: int, e: int) -> list[TensorSpec]:
     D = ``cfg.expert_in_size`` (latent 3584 for K3), I = ``moe_intermediate_size`` (3072).
     """
     D, I = cfg.expert_in_size, cfg.moe_intermediate_size
-    base = f"{PREFIX}layers.{layer}.block_sparse_moe.experts.{e}."
+    base = f"{prefix_for(cfg)}layers.{layer}.block_sparse_moe.experts.{e}."
     out = []
     for w, (o, i) in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
         if cfg.experts_quantized:
@@ -86,7 +96,15 @@ def expert_specs(cfg: K3Config, layer: int, e: int) -> list[TensorSpec]:
 
 
 def layer_specs(cfg: K3Config, i: int, with_experts: bool = True) -> list[TensorSpec]:
-    """Every tensor of 0-based decoder layer ``i`` (K3 family), in a stable order."""
+    """Every tensor of 0-based decoder layer ``i``, in a stable order.
+
+    K3 family as in K3_FACTS §3. Kimi-Linear family (the released 48B-A3B layout, as transformers'
+    ``KimiLinearForCausalLM`` maps it): no AttnRes tensors, KDA with a low-rank output gate
+    (``g_a_proj`` [K, H], ``g_b_proj`` [H*K, K]) and ``A_log`` [1, 1, heads, 1], MLA with a full-rank
+    ``q_proj`` and no output gate, plain MoE with BF16 ``experts.{e}.w{1,2,3}.weight``.
+    """
+    if cfg.family == "kimi_linear":
+        return _kimi_linear_layer_specs(cfg, i, with_experts)
     H = cfg.hidden_size
     p = f"{PREFIX}layers.{i}."
     out = [_bf16(f"{p}input_layernorm.weight", (H,), i), _bf16(f"{p}post_attention_layernorm.weight", (H,), i)]
@@ -136,15 +154,62 @@ def layer_specs(cfg: K3Config, i: int, with_experts: bool = True) -> list[Tensor
     return out
 
 
+def _kimi_linear_layer_specs(cfg: K3Config, i: int, with_experts: bool) -> list[TensorSpec]:
+    H = cfg.hidden_size
+    p = f"model.layers.{i}."
+    a = f"{p}self_attn."
+    out = [_bf16(f"{p}input_layernorm.weight", (H,), i), _bf16(f"{p}post_attention_layernorm.weight", (H,), i)]
+    if cfg.layer_type(i) == "kda":
+        P, Dh, Hk, W = cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
+        out += [_bf16(f"{a}q_proj.weight", (P, H), i), _bf16(f"{a}k_proj.weight", (P, H), i),
+                _bf16(f"{a}v_proj.weight", (P, H), i),
+                _f32(f"{a}q_conv1d.weight", (P, 1, W), i), _f32(f"{a}k_conv1d.weight", (P, 1, W), i),
+                _f32(f"{a}v_conv1d.weight", (P, 1, W), i),
+                _f32(f"{a}dt_bias", (P,), i), _f32(f"{a}A_log", (1, 1, Hk, 1), i),
+                _bf16(f"{a}f_a_proj.weight", (Dh, H), i), _bf16(f"{a}f_b_proj.weight", (P, Dh), i),
+                _bf16(f"{a}b_proj.weight", (Hk, H), i),
+                _bf16(f"{a}g_a_proj.weight", (Dh, H), i), _bf16(f"{a}g_b_proj.weight", (P, Dh), i),
+                _f32(f"{a}o_norm.weight", (Dh,), i), _bf16(f"{a}o_proj.weight", (H, P), i)]
+    else:
+        nh, kr, vd = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            out += [_bf16(f"{a}q_a_proj.weight", (cfg.q_lora_rank, H), i),
+                    _bf16(f"{a}q_a_layernorm.weight", (cfg.q_lora_rank,), i),
+                    _bf16(f"{a}q_b_proj.weight", (nh * cfg.qk_head_dim, cfg.q_lora_rank), i)]
+        else:
+            out.append(_bf16(f"{a}q_proj.weight", (nh * cfg.qk_head_dim, H), i))
+        out += [_bf16(f"{a}kv_a_proj_with_mqa.weight", (kr + cfg.qk_rope_head_dim, H), i),
+                _bf16(f"{a}kv_a_layernorm.weight", (kr,), i),
+                _bf16(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + vd), kr), i),
+                _bf16(f"{a}o_proj.weight", (H, nh * vd), i)]
+    if cfg.is_moe_layer(i):
+        m = f"{p}block_sparse_moe."
+        E, S = cfg.num_experts, cfg.shared_intermediate_size
+        out += [_bf16(f"{m}gate.weight", (E, H), i), _f32(f"{m}gate.e_score_correction_bias", (E,), i)]
+        if S:
+            out += [_bf16(f"{m}shared_experts.gate_proj.weight", (S, H), i),
+                    _bf16(f"{m}shared_experts.up_proj.weight", (S, H), i),
+                    _bf16(f"{m}shared_experts.down_proj.weight", (H, S), i)]
+        if with_experts:
+            for e in range(E):
+                out += expert_specs(cfg, i, e)
+    else:
+        I = cfg.intermediate_size
+        out += [_bf16(f"{p}mlp.gate_proj.weight", (I, H), i), _bf16(f"{p}mlp.up_proj.weight", (I, H), i),
+                _bf16(f"{p}mlp.down_proj.weight", (H, I), i)]
+    return out
+
+
 def model_specs(cfg: K3Config) -> list[TensorSpec]:
     """Model-level tensors: embedding, final AttnRes (K3), final norm, lm_head."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    out = [_bf16(f"{PREFIX}embed_tokens.weight", (V, H), -1), _bf16(f"{PREFIX}norm.weight", (H,), -1)]
+    pre = prefix_for(cfg)
+    out = [_bf16(f"{pre}embed_tokens.weight", (V, H), -1), _bf16(f"{pre}norm.weight", (H,), -1)]
     if cfg.attn_res_block_size is not None:
         out += [_bf16(f"{PREFIX}output_attn_res_norm.weight", (H,), -1),
                 _bf16(f"{PREFIX}output_attn_res_proj.weight", (1, H), -1)]
     if not cfg.tie_word_embeddings:
-        out.append(_bf16(LM_HEAD, (V, H), -1))
+        out.append(_bf16(lm_head_for(cfg), (V, H), -1))
     return out
 
 
