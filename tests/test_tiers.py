@@ -180,3 +180,19 @@ def test_official_known_answers_are_checked(monkeypatch, golden_ckpt):
     st2 = Stage("correctness")
     tiers.official_checks(s, st2)
     assert st2.status == "failed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_every_tier_passes_on_the_gpu(golden_dir):
+    """On a GPU the engine runs its GPU kernels (registry: triton / aiter) on bf16 weights; every tier
+    must still pass against the fp32 oracle and the golden outputs."""
+    s = _session(golden_dir / "checkpoint", golden=str(golden_dir / "golden.safetensors"))
+    assert s.device == "cuda"
+    stages = tiers.run_tiers(s, "performance")
+    for st in stages:
+        assert st.status == "passed", (st.tier, st.error, [(e.name, e.value, e.threshold) for e in st.failures])
+    cor = _rows(stages, "correctness")
+    assert cor["golden.greedy_tokens"].passed
+    sel = s.kernel_selection()
+    assert sel and all(v in ("triton", "aiter", "torch") for v in sel.values())
