@@ -7,7 +7,8 @@ figures measured on the device machine (4.2 TB/s, 682 TFLOP/s); override with --
   scaled_dot_product_attention`` on the same problem (k = [k_nope, k_rope] per head, v padded to 192).
   FLOPs counted: 2 * H * (T^2/2) * (192 + 128).
 * MLA decode, bf16 cache, batch {64, 256} x context {8k, 32k} x H {12, 96}, one query token: the whole op
-  (q absorption, split kernel, merge + W_vc + gate). Floor: cache bytes N * L * 576 * 2 / bandwidth.
+  (q absorption, split kernel, merge + W_vc + gate). Floor: max(cache bytes N*L*576*2 / bandwidth,
+  FLOPs N*L*H*2*(576+512) / bf16 rate); at H 96 the FLOPs dominate.
 * AttnRes: 8 bank rows + prefix (the worst case), D 7168, T 8192 and decode batch 256, write-layer
   variant too. Floor: sources read once + h (fp32) + h_normed written (+ the appended row).
 
@@ -91,12 +92,14 @@ def bench_decode(args, rows):
                 gate = torch.randn(N, 1, H * Dv, device="cuda", generator=g, dtype=bf)
                 out = torch.empty(N, 1, H, Dv, device="cuda", dtype=bf)
                 fn = lambda: mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, 0.0722, gate=gate, out=out,
-                                        max_context_len=L)
+                                        max_context_len=L, total_context_tokens=N * L)
                 ms = _t(fn, rep=50)
                 byts = N * L * (R + Dr) * 2
-                floor = byts / (args.bw * 1e12) * 1e3
+                flops = N * L * H * 2 * ((R + Dr) + R)  # scores over 576 + values over 512, per head
+                floor = max(byts / (args.bw * 1e12), flops / (args.tflops * 1e12)) * 1e3
                 rows.append(dict(bench="mla_decode", case=f"N{N} L{L} H{H} bf16", ms=ms, floor_ms=floor,
-                                 frac_floor=floor / ms, gbps=byts / ms / 1e6))
+                                 frac_floor=floor / ms, gbps=byts / ms / 1e6, tflops=flops / ms / 1e9,
+                                 bytes_floor_ms=byts / (args.bw * 1e12) * 1e3))
                 print(json.dumps(rows[-1]), flush=True)
     del cache
 
@@ -158,6 +161,8 @@ def main():
         if r["bench"] == "mla_prefill":
             note = (f"SDPA {r['sdpa_ms']:.3f} ms, ours/SDPA {r['ratio_vs_sdpa']:.2f}; with gate {r['ms_gate']:.3f} ms; "
                     f"{r['tflops']:.0f} TFLOP/s")
+        elif r["bench"] == "mla_decode":
+            note = f"{r['gbps']:.0f} GB/s, {r['tflops']:.0f} TFLOP/s; bytes-only floor {r['bytes_floor_ms']:.4f} ms"
         else:
             note = f"{r['gbps']:.0f} GB/s"
         print(f"| {r['bench']} | {r['case']} | {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['frac_floor']:.2f} | {note} |")

@@ -23,18 +23,22 @@ from k3rocm.kernels.mla import _tune
 
 #: per-backend configs
 ATTNRES_CONFIGS: dict[str, list[dict]] = {
+    # PROGS_PER_SM: programs per multiprocessor walking the tokens (0 = one program per token)
     "cuda": [
-        dict(BLOCK_D=1024, num_warps=4, num_stages=1),
-        dict(BLOCK_D=2048, num_warps=8, num_stages=1),
-        dict(BLOCK_D=8192, num_warps=16, num_stages=1),
-        dict(BLOCK_D=512, num_warps=2, num_stages=1),
+        dict(BLOCK_D=1024, PROGS_PER_SM=0, num_warps=4, num_stages=1),
+        dict(BLOCK_D=2048, PROGS_PER_SM=0, num_warps=8, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=1, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=2, num_warps=16, num_stages=1),
+        dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1),
+        dict(BLOCK_D=1024, PROGS_PER_SM=8, num_warps=4, num_stages=1),
     ],
     "hip": [
-        dict(BLOCK_D=1024, num_warps=4, num_stages=1, waves_per_eu=0),
-        dict(BLOCK_D=2048, num_warps=8, num_stages=1, waves_per_eu=0),
-        dict(BLOCK_D=8192, num_warps=16, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=1024, PROGS_PER_SM=0, num_warps=4, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=8192, PROGS_PER_SM=1, num_warps=16, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1, waves_per_eu=0),
     ],
-    "interp": [dict(BLOCK_D=16), dict(BLOCK_D=64)],
+    "interp": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0)],
 }
 
 MAX_SOURCES = 16
@@ -43,77 +47,79 @@ MAX_SOURCES = 16
 @triton.jit
 def _attn_res_kernel(
     BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT,
-    num_rows, D, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
+    num_rows, T, D, nprog, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
     APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    # a fixed number of programs walks the tokens (t = pid, pid + nprog, ...): few resident tokens keep
+    # each token's sources in L2 between pass 1 and pass 2
     sidx = tl.arange(0, S_PAD)
     offs = tl.arange(0, BLOCK_D)
-    scores = tl.full([S_PAD], float("-inf"), tl.float32)
-    # pass 1: scores of the bank rows
-    src = BANK + t * stride_bt
-    for j in range(0, num_rows):
+    for t in range(tl.program_id(0), T, nprog):
+        scores = tl.full([S_PAD], float("-inf"), tl.float32)
+        # pass 1: scores of the bank rows
+        src = BANK + t * stride_bt
+        for j in range(0, num_rows):
+            ss = tl.zeros([BLOCK_D], tl.float32)
+            dt = tl.zeros([BLOCK_D], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + offs
+                m = d < D
+                v = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
+                ss += v * v
+                dt += v * w
+            sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
+            scores = tl.where(sidx == j, sc, scores)
+            src += stride_br
+        # ... and of the prefix (appended to the bank on a write layer)
+        pre = PREFIX + t * stride_pt
         ss = tl.zeros([BLOCK_D], tl.float32)
         dt = tl.zeros([BLOCK_D], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + offs
             m = d < D
-            v = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
+            vr = tl.load(pre + d, mask=m, other=0.0)
+            v = vr.to(tl.float32)
             w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
             ss += v * v
             dt += v * w
+            if APPEND:
+                tl.store(BANK_NEW + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
         sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
-        scores = tl.where(sidx == j, sc, scores)
-        src += stride_br
-    # ... and of the prefix (appended to the bank on a write layer)
-    pre = PREFIX + t * stride_pt
-    ss = tl.zeros([BLOCK_D], tl.float32)
-    dt = tl.zeros([BLOCK_D], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs
-        m = d < D
-        vr = tl.load(pre + d, mask=m, other=0.0)
-        v = vr.to(tl.float32)
-        w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
-        ss += v * v
-        dt += v * w
-        if APPEND:
-            tl.store(BANK_NEW + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
-    sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
-    scores = tl.where(sidx == num_rows, sc, scores)
-    mx = tl.max(scores, 0)
-    p = tl.exp(scores - mx)
-    p = p / tl.sum(p, 0)
-    # pass 2: mix raw values
-    hss = tl.zeros([BLOCK_D], tl.float32)
-    h = tl.zeros([BLOCK_D], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs
-        m = d < D
+        scores = tl.where(sidx == num_rows, sc, scores)
+        mx = tl.max(scores, 0)
+        p = tl.exp(scores - mx)
+        p = p / tl.sum(p, 0)
+        # pass 2: mix raw values
+        hss = tl.zeros([BLOCK_D], tl.float32)
         h = tl.zeros([BLOCK_D], tl.float32)
-        vp = BANK + t * stride_bt + d
-        for j in range(0, num_rows):
-            pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
-            h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
-            vp += stride_br
-        pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
-        h += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
-        tl.store(H_OUT + t * stride_ht + d, h.to(H_OUT.dtype.element_ty), mask=m)
-        hss += h * h
-    if HAS_NORM:
-        rs = tl.rsqrt(tl.sum(hss, 0) / D + norm_eps)
-        if ONE_BLOCK:
-            m = offs < D
-            nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
-        else:
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + offs
-                m = d < D
-                hv = tl.load(H_OUT + t * stride_ht + d, mask=m, other=0.0).to(tl.float32)
-                nw = tl.load(NW + d, mask=m, other=0.0).to(tl.float32)
-                tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs
+            m = d < D
+            h = tl.zeros([BLOCK_D], tl.float32)
+            vp = BANK + t * stride_bt + d
+            for j in range(0, num_rows):
+                pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
+                h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
+                vp += stride_br
+            pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
+            h += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
+            tl.store(H_OUT + t * stride_ht + d, h.to(H_OUT.dtype.element_ty), mask=m)
+            hss += h * h
+        if HAS_NORM:
+            rs = tl.rsqrt(tl.sum(hss, 0) / D + norm_eps)
+            if ONE_BLOCK:
+                m = offs < D
+                nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
+                tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
+            else:
+                for d0 in range(0, D, BLOCK_D):
+                    d = d0 + offs
+                    m = d < D
+                    hv = tl.load(H_OUT + t * stride_ht + d, mask=m, other=0.0).to(tl.float32)
+                    nw = tl.load(NW + d, mask=m, other=0.0).to(tl.float32)
+                    tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
 
 
 def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, config):
@@ -121,11 +127,16 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     if T == 0:
         return
 
+    back = _tune.backend()[0]
+    n_sm = 0 if back == "interp" else torch.cuda.get_device_properties(prefix.device).multi_processor_count
+
     def launch(cfg):
         meta, opts = _tune.split(cfg)
-        _attn_res_kernel[(T,)](
+        per_sm = meta.pop("PROGS_PER_SM", 0)
+        nprog = T if (per_sm == 0 or n_sm == 0) else min(T, per_sm * n_sm)
+        _attn_res_kernel[(nprog,)](
             bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
-            num_rows, D, bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
+            num_rows, T, D, nprog, bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
             (hn if hn is not None else h).stride(0), float(eps), float(norm_eps),
             APPEND=append, HAS_NORM=norm_weight is not None, S_PAD=MAX_SOURCES, ONE_BLOCK=meta["BLOCK_D"] >= D,
             **meta, **opts)
@@ -204,7 +215,7 @@ def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024)
     """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa``."""
     p = "*" + dtype
     sig = {"BANK": p, "BANK_NEW": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
-           "num_rows": "i32", "D": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
+           "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
            "stride_ht": "i32", "stride_hnt": "i32", "eps": "fp32", "norm_eps": "fp32"}
     consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MAX_SOURCES, BLOCK_D=block_d, ONE_BLOCK=False)
     for k in consts:

@@ -33,7 +33,7 @@ def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int):
         sig[s] = "i32"
     sig["qk_scale"] = "fp32"
     sig["out_scale"] = "fp32"
-    consts = dict(R=512, DR=64, PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n)
+    consts = dict(R=512, DR=64, PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"))
     sig.update({k: "constexpr" for k in consts})
     return sig, consts
 

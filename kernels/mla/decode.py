@@ -27,12 +27,15 @@ LOG2E = 1.4426950408889634
 
 #: split (attention) kernel configs per backend
 DECODE_CONFIGS: dict[str, list[dict]] = {
+    # chosen so that ptxas reports no spills at K3 dims (sm_90), except the two BLOCK_H=64 wgmma tiles
     "cuda": [
         dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),
-        dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2),
-        dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=2),
-        dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=3),
+        dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2),
+        dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
+        dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=2),
         dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=3),
+        dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
     ],
     "hip": [
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
@@ -88,11 +91,12 @@ def _mla_decode_split_kernel(
     stride_cb, stride_cs, stride_bt,
     H, TQ, ROWS, NSEQ, chunk, qk_scale, out_scale,
     R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
 ):
-    n = tl.program_id(0)
+    # head groups vary fastest: the groups reading one context slice run together and share it in L2
+    g = tl.program_id(0)
     s = tl.program_id(1)
-    g = tl.program_id(2)
+    n = tl.program_id(2)
     L = tl.load(CL + n)
     start = s * chunk
     end = tl.minimum(L, start + chunk)
@@ -124,9 +128,12 @@ def _mla_decode_split_kernel(
         pc = tl.minimum(pos, end - 1)
         blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
         rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
-        lat = tl.load(rowp[:, None] + r[None, :]).to(ql.dtype)
-        kr = tl.load(rowp[None, :] + R + dr[:, None]).to(qr.dtype)
-        sc = tl.dot(ql, tl.trans(lat)) + tl.dot(qr, kr)
+        lat = tl.load(rowp[:, None] + r[None, :])
+        kr = tl.load(rowp[None, :] + R + dr[:, None])
+        if IS_FP8:
+            lat = lat.to(ql.dtype)
+            kr = kr.to(qr.dtype)
+        sc = tl.dot(qr, kr, tl.dot(ql, tl.trans(lat)))  # one accumulator
         sc = sc * qk_scale
         vis = ok[None, :] & (pos[None, :] <= last[:, None])
         sc = tl.where(vis, sc, float("-inf"))
@@ -248,14 +255,15 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
                context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float,
                gate: torch.Tensor | None = None, kv_scale: float | None = None, out: torch.Tensor | None = None,
                config: dict | None = None, num_splits: int | None = None,
-               max_context_len: int | None = None) -> torch.Tensor:
+               max_context_len: int | None = None, total_context_tokens: int | None = None) -> torch.Tensor:
     """Triton absorbed MLA decode; same contract as :func:`k3rocm.model.mla.mla_decode`.
 
     Args (beyond the oracle's):
         out: optional preallocated ``[N, Tq, H, Dv]``; default dtype ``q_nope.dtype``.
         config: one entry of ``DECODE_CONFIGS[backend]`` (default: tuned pick).
         num_splits: force the number of context splits (default: :func:`num_splits_for`).
-        max_context_len: the batch's longest context (avoids a device->host read).
+        max_context_len: the batch's longest context; total_context_tokens: the sum of the contexts. Passing
+            both avoids device->host reads (without the total, ``N * max_context_len`` plans the splits).
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
@@ -293,7 +301,9 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     bt = block_table.to(torch.int32)
     if max_context_len is None:
         max_context_len = int(cl.max())
-    total = int(cl.sum()) if num_splits is None else 0
+        if total_context_tokens is None:
+            total_context_tokens = int(cl.sum())
+    total = total_context_tokens if total_context_tokens is not None else N * max_context_len
     if gate is not None:
         gate = gate.reshape(N, Tq, H * Dv)
         if gate.stride(-1) != 1:
@@ -312,13 +322,13 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
 
     def launch(cfg: dict) -> None:
         meta, opts = _tune.split(cfg)
-        grid = (N, splits, triton.cdiv(rows, meta["BLOCK_H"]))
+        grid = (triton.cdiv(rows, meta["BLOCK_H"]), splits, N)
         _mla_decode_split_kernel[grid](
             q_lat, q_r, kv_cache, bt, cl, part, lse,
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
             H, Tq, rows, N, chunk, qk_scale, fold,
-            R=R, DR=Dr, PAGE=page, **meta, **opts)
+            R=R, DR=Dr, PAGE=page, IS_FP8=fp8, **meta, **opts)
 
     if config is None:
         key = (rows, R, Dr, page, kv_cache.dtype, splits, _tune.pow2(chunk), _tune.pow2(N))

@@ -29,6 +29,9 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4),
     ],
     "hip": [
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
@@ -48,7 +51,7 @@ def _mla_prefill_kernel(
     stride_ot, stride_oh, stride_gt, stride_gh,
     qk_scale, num_m_blocks,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, I64: tl.constexpr,
 ):
     # heavy (late) query blocks first: causal work grows with the block index
     pid_m = num_m_blocks - 1 - tl.program_id(0)
@@ -84,10 +87,12 @@ def _mla_prefill_kernel(
     v_base = V + h * stride_vh
     # keys every row of the block sees: no causal mask
     for start in range(0, lo, BLOCK_N):
-        kt = (k0 + start + offs_n).to(tl.int64)
+        kt = k0 + start + offs_n
+        if I64:
+            kt = kt.to(tl.int64)
         kn = tl.load(kn_base + kt[None, :] * stride_knt + dn[:, None])
         kr = tl.load(KR + kt[None, :] * stride_krt + dr[:, None])
-        s = tl.dot(qn, kn) + tl.dot(qr, kr)
+        s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
         s = s * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -101,10 +106,12 @@ def _mla_prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         kidx = start + offs_n
         k_ok = kidx < hi
-        kt = (k0 + tl.minimum(kidx, hi - 1)).to(tl.int64)
+        kt = k0 + tl.minimum(kidx, hi - 1)
+        if I64:
+            kt = kt.to(tl.int64)
         kn = tl.load(kn_base + kt[None, :] * stride_knt + dn[:, None])
         kr = tl.load(KR + kt[None, :] * stride_krt + dr[:, None])
-        s = tl.dot(qn, kn) + tl.dot(qr, kr)
+        s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
         s = s * qk_scale
         vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
         s = tl.where(vis, s, float("-inf"))
@@ -174,6 +181,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     cuq = cu_seqlens_q.to(torch.int32)
     cuk = cu_seqlens_k.to(torch.int32)
     qk_scale = float(scale) * LOG2E
+    # int32 key offsets unless a key/value tensor spans more than 2^31 elements
+    big = max(k_nope.stride(0) * Tk, v.stride(0) * Tk, k_rope.stride(0) * Tk) >= 2 ** 31
 
     def launch(cfg: dict) -> None:
         meta, opts = _tune.split(cfg)
@@ -184,7 +193,7 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
             out.stride(0), out.stride(1), g.stride(0), g.stride(1),
             qk_scale, nmb,
             DN=Dn, DR=Dr, DV=Dv,
-            HAS_GATE=gate is not None, **meta, **opts)
+            HAS_GATE=gate is not None, I64=big, **meta, **opts)
 
     if config is None:
         configs = _tune.config_list(PREFILL_CONFIGS)
@@ -205,7 +214,7 @@ def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None 
     sig["qk_scale"] = "fp32"
     sig["num_m_blocks"] = "i32"
     consts = dict(DN=128, DR=64, DV=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  HAS_GATE=has_gate)
+                  HAS_GATE=has_gate, I64=False)
     for k in consts:
         sig[k] = "constexpr"
     hip = dict(PREFILL_CONFIGS["hip"][0])
