@@ -19,7 +19,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # pragma: no cover - AOT compile 
     pytest.skip("TRITON_INTERPRET=1: ahead-of-time compilation needs compiled kernels", allow_module_level=True)
 
 from k3rocm.kernels.isa import compile_kernel  # noqa: E402
-from k3rocm.kernels.moe import GEMM_CONFIGS, isa_cases  # noqa: E402
+from k3rocm.kernels.moe import GEMM_CONFIGS, ROUTER_CONFIGS, isa_cases  # noqa: E402
+from k3rocm.kernels.moe.router import router_logits_kernel  # noqa: E402
 from k3rocm.kernels.moe import _gemm_case  # noqa: E402
 
 SCALED_MFMA = re.compile(r"v_mfma_scale_f32_\w+_f8f6f4")
@@ -55,18 +56,23 @@ def test_sm90_configs_compile(a8):
             assert rep.matrix_ops, f"{rep.name}: no tensor-core instructions on sm_90"
 
 
+def test_sm90_router_configs_compile():
+    sig = next(c for c in isa_cases() if c[0].startswith("router_logits["))[2]
+    for rc in ROUTER_CONFIGS["cuda"]:
+        consts = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k, "IEEE": False}
+        rep = compile_kernel(router_logits_kernel, sig, consts, "sm_90", name="router_logits",
+                             options={"num_warps": rc.num_warps, "num_stages": rc.num_stages}, expects_matrix=True)
+        assert rep.ok, rep.problems()
+
+
 def test_other_kernels_all_targets():
     from k3rocm.kernels.mx import isa_cases as mx_cases
 
     cases = [c for c in isa_cases() if not c[0].startswith("gemm_")] + list(mx_cases())
     assert any(c[0].startswith("router_logits") for c in cases)
+    assert any(c[0] == "router_logits_fp32_ieee" for c in cases)
     for name, fn, sig, consts, expects, opts in cases:
-        targets = ("gfx950", "gfx942", "sm_90")
-        if name.endswith("@hip"):
-            targets = ("gfx950", "gfx942")
-        elif name.endswith("@cuda"):
-            targets = ("sm_90",)
-        for target in targets:
+        for target in ("gfx950", "gfx942", "sm_90"):
             backend = "hip" if target.startswith("gfx") else "cuda"
             rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
             assert rep.ok, f"{name} on {target}: {rep.problems()}"

@@ -48,31 +48,32 @@ def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
 
 
 def isa_cases() -> list[tuple]:
-    """Kernels for ``kernels isa``: both grouped GEMMs x both modes x the first config of each size class,
-    the router logits GEMM (matrix instructions expected) and the top-k / reduce kernels (none expected).
-
-    Options are per backend: each case carries the HIP config for gfx targets and the CUDA config for sm_90.
+    """Kernels for ``kernels isa`` (compiled for every target): both grouped GEMMs x both modes with the first
+    and last HIP configs (spill-free on gfx950/gfx942; the same tiles compile for sm_90), the router logits
+    GEMM (bf16 serving path; fp32 IEEE validation path), the top-k and reduce kernels (no matrix work).
+    The CUDA config lists are compiled for sm_90 by tests/test_moe_isa.py.
     """
     cases = []
     for gated in (True, False):
         for a8 in (False, True):
-            for i in (0, 2):
-                hip = _gemm_case(gated, a8, GEMM_CONFIGS["hip"][i], "hip")
-                cuda = _gemm_case(gated, a8, GEMM_CONFIGS["cuda"][i], "cuda")
-                if hip[3] == cuda[3]:
-                    cases.append((*hip[:5], {"hip": hip[5], "cuda": cuda[5]}))
-                else:
-                    cases.append((hip[0] + "@hip", *hip[1:5], {"hip": hip[5], "cuda": hip[5]}))
-                    cases.append((cuda[0] + "@cuda", *cuda[1:5], {"hip": cuda[5], "cuda": cuda[5]}))
+            for i in (0, len(GEMM_CONFIGS["hip"]) - 1):
+                cfg = GEMM_CONFIGS["hip"][i]
+                name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, a8, cfg, "hip")
+                cuda_opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+                cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
     rsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "D": "i32",
             "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
-            "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
-    for backend in ("hip", "cuda"):
-        for rc in ROUTER_CONFIGS[backend]:
-            rconst = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k}
-            ropts = {"num_warps": rc.num_warps, "num_stages": rc.num_stages}
-            cases.append((f"router_logits[t{rc.block_t}e{rc.block_e}k{rc.block_k}]@{backend}", router_logits_kernel,
-                          rsig, rconst, True, {"hip": ropts, "cuda": ropts}))
+            "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr"}
+    for rc in ROUTER_CONFIGS["hip"]:
+        rconst = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k, "IEEE": False}
+        ropts = {"num_warps": rc.num_warps, "num_stages": rc.num_stages}
+        cases.append((f"router_logits[t{rc.block_t}e{rc.block_e}k{rc.block_k}]", router_logits_kernel,
+                      rsig, rconst, True, {"hip": ropts, "cuda": ropts}))
+    # the fp32 validation path (IEEE fp32 products): compiles everywhere; FMA on sm_90, so no matrix expectation
+    rc = ROUTER_CONFIGS["hip"][0]
+    cases.append(("router_logits_fp32_ieee", router_logits_kernel, {**rsig, "x_ptr": "*fp32", "w_ptr": "*fp32"},
+                  {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k, "IEEE": True}, False,
+                  {"hip": {"num_warps": 4, "num_stages": 2}, "cuda": {"num_warps": 4, "num_stages": 2}}))
     tsig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
             "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "SPLITS": "constexpr", "TOPK": "constexpr",
             "HAS_BIAS": "constexpr", "RENORM": "constexpr", "BLOCK_E": "constexpr", "BLOCK_KOUT": "constexpr"}

@@ -46,8 +46,9 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
                renormalize: bool = True, scaling: float = 1.0, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton router; same contract as ``k3rocm.model.moe.moe_router`` (FP32 logits, lowest-id ties).
 
-    x ``[T, D]`` and gate_weight ``[E, D]`` are used in their own dtype (bf16 in the model; fp32 under the
-    interpreter, whose bf16 ``tl.dot`` is not trustworthy). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
+    x ``[T, D]`` and gate_weight ``[E, D]`` are used in x's dtype: bf16 (the serving path: exact products,
+    fp32 accumulation) or fp32 (the validation path and the interpreter, whose bf16 ``tl.dot`` is not
+    trustworthy; fp32 products in IEEE precision, never TF32). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
     Raises ConfigError on bad shapes / top_k.
     """
     if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
@@ -72,7 +73,8 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(E, cfg.block_e), splits)](
         x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
-        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, **_launch_opts(cfg))
+        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
+        **_launch_opts(cfg))
     b = bias.float().contiguous() if bias is not None else part
     router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                              SPLITS=splits, TOPK=top_k, HAS_BIAS=bias is not None, RENORM=bool(renormalize),

@@ -15,7 +15,8 @@ import triton.language as tl
 
 @triton.jit
 def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_PER_SPLIT, stride_x, stride_w, stride_ps, stride_pt,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IEEE: tl.constexpr = False):
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -32,7 +33,10 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_PER_SPLIT, stride_x,
         kmask = (k_lo + k0 + rk) < D
         x = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=kmask[:, None] & emask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
+        if IEEE:  # fp32 inputs: full fp32 products (never TF32, which flips marginal picks)
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     p_ptrs = part_ptr + pid_s * stride_ps + rt[:, None].to(tl.int64) * stride_pt + re[None, :]
