@@ -177,3 +177,28 @@ def test_split_plan_bounds(K):
     assert s * 256 * 96 * 512 * 4 <= D.PARTIAL_BUDGET
     s1, c1 = D.num_splits_for(1, 1, 1, 12, 512, 132)
     assert s1 == 1 and c1 >= 1
+
+
+def test_chunked_prefill_from_latent_cache(K):
+    """Chunks after context in the paged cache (expanded through kv_b) == prefill of the whole sequences."""
+    P, D = K
+    g = torch.Generator().manual_seed(12)
+    H, page = 2, 16
+    cached, chunk = [17, 0, 32], [16, 9, 1]
+    total = [a + b for a, b in zip(cached, chunk)]
+    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
+    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    lat, kr = torch.randn(sum(total), R, generator=g), torch.randn(sum(total), DR, generator=g)
+    q = torch.randn(sum(total), H, DN + DR, generator=g)
+    kn = torch.einsum("hdr,tr->thd", w_kc, lat)
+    v = torch.einsum("hrv,tr->thv", w_vc, lat)
+    scale = (DN + DR) ** -0.5
+    full = M.mla_prefill(q, kn, kr, v, _cu(total), _cu(total), scale)
+    nblk, bt, slots = _paged(total, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    M.mla_cache_write(cache, slots, lat, kr)  # the whole sequences; only the first `cached` rows are read
+    starts = _cu(total).tolist()
+    sel = torch.cat([torch.arange(s + c, s + c + k) for s, c, k in zip(starts, cached, chunk)])
+    o = P.mla_prefill_chunked(q[sel].to(DEV), kn[sel].to(DEV), kr[sel].to(DEV), v[sel].to(DEV), _cu(chunk).to(DEV),
+                              cache.to(DEV), bt.to(DEV), cached, w_kc.to(DEV), w_vc.to(DEV), scale)
+    torch.testing.assert_close(o.cpu(), full[sel], **TOL)

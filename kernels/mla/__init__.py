@@ -10,9 +10,9 @@ from k3rocm.kernels.registry import register
 
 from .decode import (CACHE_WRITE_CONFIGS, DECODE_CONFIGS, REDUCE_CONFIGS, _mla_cache_write_kernel,
                      _mla_decode_merge_kernel, _mla_decode_split_kernel, mla_cache_write, mla_decode)
-from .prefill import PREFILL_CONFIGS, _mla_prefill_kernel, mla_prefill
+from .prefill import PREFILL_CONFIGS, _mla_prefill_kernel, expand_cached_context, mla_prefill, mla_prefill_chunked
 
-__all__ = ["mla_prefill", "mla_decode", "mla_cache_write", "PREFILL_CONFIGS", "DECODE_CONFIGS", "REDUCE_CONFIGS",
+__all__ = ["mla_prefill", "mla_prefill_chunked", "expand_cached_context", "mla_decode", "mla_cache_write", "PREFILL_CONFIGS", "DECODE_CONFIGS", "REDUCE_CONFIGS",
            "CACHE_WRITE_CONFIGS", "isa_cases"]
 
 

@@ -226,3 +226,57 @@ def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None 
 def default_scale(qk_nope_head_dim: int, qk_rope_head_dim: int) -> float:
     """``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (K3_FACTS §5: 192^-0.5)."""
     return 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
+
+
+def expand_cached_context(kv_cache: torch.Tensor, block_table: torch.Tensor, cached_lens: list[int],
+                          w_kc: torch.Tensor, w_vc: torch.Tensor, kv_scale: float | None = None, dtype=None):
+    """Keys and values of the context already in the paged latent cache, expanded through ``kv_b``.
+
+    Returns ``(k_nope [sum(cached), H, Dn], k_rope [sum(cached), Dr], v [sum(cached), H, Dv])`` in ``dtype``
+    (default: ``w_kc.dtype``), sequence after sequence: k_nope = W_kc latent, v = W_vc^T latent (K3_FACTS §5).
+    """
+    from k3rocm.model.mla import gather_cache
+
+    H, Dn, R = w_kc.shape
+    dtype = dtype or w_kc.dtype
+    rows = [gather_cache(kv_cache, block_table, int(L), n, kv_scale) for n, L in enumerate(cached_lens) if L > 0]
+    if not rows:
+        e = kv_cache.new_zeros
+        return (e(0, H, Dn, dtype=dtype), e(0, kv_cache.shape[2] - R, dtype=dtype),
+                e(0, H, w_vc.shape[2], dtype=dtype))
+    lat_all = torch.cat(rows).to(dtype)
+    lat, kr = lat_all[:, :R], lat_all[:, R:]
+    k_nope = torch.bmm(w_kc.to(dtype), lat.t()[None].expand(H, R, lat.shape[0])).permute(2, 0, 1)
+    v = torch.bmm(lat[None].expand(H, lat.shape[0], R), w_vc.to(dtype)).permute(1, 0, 2)
+    return k_nope.contiguous(), kr.contiguous(), v.contiguous()
+
+
+def mla_prefill_chunked(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        cached_lens: list[int], w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float,
+                        gate: torch.Tensor | None = None, kv_scale: float | None = None) -> torch.Tensor:
+    """Chunked prefill: each sequence's chunk queries attend to its context already in the latent cache plus
+    the chunk itself (causal, bottom-right aligned).
+
+    Args:
+        q: ``[Tq, H, Dn+Dr]``; k_nope/k_rope/v: the chunk's own keys/values (``[Tq, H, Dn]``, ``[Tq, Dr]``,
+            ``[Tq, H, Dv]``); cu_seqlens_q: int32 ``[N+1]`` over the chunks.
+        kv_cache, block_table: the paged latent cache; cached_lens: tokens of each sequence already cached
+            (before this chunk). w_kc/w_vc: absorbed ``kv_b`` factors (:func:`k3rocm.model.mla.split_kv_b`).
+    Returns:
+        o ``[Tq, H, Dv]`` (as :func:`mla_prefill`).
+    """
+    ck, cr, cv = expand_cached_context(kv_cache, block_table, cached_lens, w_kc, w_vc, kv_scale, q.dtype)
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    kn_parts, kr_parts, v_parts, lk = [], [], [], []
+    off = 0
+    for n, L in enumerate(cached_lens):
+        a, b = cq[n], cq[n + 1]
+        kn_parts += [ck[off:off + L], k_nope[a:b]]
+        kr_parts += [cr[off:off + L], k_rope[a:b]]
+        v_parts += [cv[off:off + L], v[a:b]]
+        lk.append(L + b - a)
+        off += L
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0).tolist()), dtype=torch.int32, device=q.device)
+    return mla_prefill(q, torch.cat(kn_parts), torch.cat(kr_parts), torch.cat(v_parts), cu_seqlens_q, cu_k, scale,
+                       gate=gate)
