@@ -40,10 +40,6 @@ def test_kda_kernel_isa(name, target):
         else:
             assert any(op.startswith(("wgmma", "mma")) for op in rep.matrix_ops)
     if be == "hip":
-        if name == "prefill_intra" and rep.sgpr_spill:
-            # Known gap: the fused intra-chunk kernel (10 A blocks, block inverse, w/u in one program) keeps
-            # ~70 uniform values live beyond the SGPR file on CDNA3/4 (0 VGPR spills at 8 warps).
-            pytest.xfail(f"prefill_intra on {target}: {rep.sgpr_spill} SGPR spills (known; split the kernel)")
         assert rep.vgpr_spill == 0, f"{name} on {target}: {rep.vgpr_spill} VGPR spills"
         assert rep.sgpr_spill == 0, f"{name} on {target}: {rep.sgpr_spill} SGPR spills"
         assert rep.vgpr is not None and rep.vgpr > 0

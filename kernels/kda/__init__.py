@@ -15,7 +15,7 @@ from k3rocm.kernels.registry import register
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, kda_decode
-from .prefill import BC, BT, _intra_kernel, _state_kernel, kda_prefill
+from .prefill import BC, BT, _akk_kernel, _gate_kernel, _state_kernel, _wu_kernel, kda_prefill
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases"]
 
@@ -47,10 +47,13 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
     cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
                   W="constexpr", BLOCK_C="constexpr")
-    intra_sig = dict(q=p, k=p, v=p, draw=p, braw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32",
-                     chunk_len="*i32", gbuf="*fp32", qg="*fp32", kg="*fp32", w="*fp32", u="*fp32", aqk="*fp32",
-                     glast="*fp32", scale="fp32", lower_bound="fp32", H="i32", K="constexpr", V="constexpr",
-                     BT="constexpr", BC="constexpr", PREC="constexpr")
+    gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
+                    gbuf="*fp32", qg="*fp32", kg="*fp32", glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
+                    K="constexpr", BT="constexpr")
+    akk_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk="*fp32", mbuf="*fp32",
+                   scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", PREC="constexpr")
+    wu_sig = dict(k=p, v=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", mbuf="*fp32", w="*fp32",
+                  u="*fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr", BC="constexpr", PREC="constexpr")
     state_sig = dict(qg="*fp32", kg="*fp32", w="*fp32", u="*fp32", aqk="*fp32", glast="*fp32", h0="*fp32", o=p,
                      ht="*fp32", seq_chunk="*i32", chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr",
                      K="constexpr", V="constexpr", BT="constexpr", BV="constexpr", PREC="constexpr")
@@ -64,7 +67,9 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts("conv")),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None), True, _opts("intra")),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts("intra")),
+        ("prefill_akk", _akk_kernel, akk_sig, dict(K=K, BT=BT, BC=BC, PREC=None), True, _opts("intra")),
+        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None), True, _opts("intra")),
         ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], PREC=None), True,
          _opts("state")),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=configs.configs("decode", "hip")[0]["BV"]), False,

@@ -1,14 +1,16 @@
 """Triton chunked KDA prefill (WY / UT-transform form), varlen, fp32 state. Oracle: ``k3rocm.model.kda.kda_prefill``.
 
-Two kernels:
+Four kernels:
 
-1. ``_intra_kernel`` — one program per (chunk of BT = 64 tokens, head), all chunks in parallel. It computes in
-   fp32 the gate ``g = lb * sigmoid(exp(A_log[h]) * (raw + dt_bias))``, its in-chunk cumulative sum ``G``,
-   ``beta = sigmoid(beta_raw)``, L2-normalised q (times ``scale``) and k; then, in 16 x 16 sub-blocks,
-   ``A[i,j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` (j < i) and the causal ``Aqk[i,j] = sum_c q_ic k_jc
-   exp(G_ic - G_jc)`` (j <= i), the inverse ``M = (I + A)^-1`` (forward substitution on the four diagonal
-   blocks, then block products), and ``w = M (beta k e^G)``, ``u = M (beta v)``. It stores ``w, u, Aqk``,
-   ``qg = q e^G``, ``kg = k e^(G_L - G)`` and ``e^(G_L)``.
+1. Intra-chunk work, one program per (chunk of BT = 64 tokens, head), all chunks in parallel, in three
+   launches (one fused program overflows the scalar register file on CDNA):
+   ``_gate_kernel`` computes in fp32 the gate ``g = lb * sigmoid(exp(A_log[h]) * (raw + dt_bias))``, its
+   in-chunk cumulative sum ``G``, L2-normalised q (times ``scale``) and k, and stores ``G``, ``qg = q e^G``,
+   ``kg = k e^(G_L - G)`` and ``e^(G_L)``; ``_akk_kernel`` forms, in 16 x 16 sub-blocks with
+   ``beta = sigmoid(beta_raw)``, ``A[i,j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` (j < i) and the causal
+   ``Aqk[i,j] = sum_c q_ic k_jc exp(G_ic - G_jc)`` (j <= i), and the inverse ``M = (I + A)^-1`` (forward
+   substitution on the four diagonal blocks, then block products); ``_wu_kernel`` forms
+   ``w = M (beta k e^G)`` and ``u = M (beta v)``.
    Pairwise decays use one reference row per 16-row block (its middle): ``q_i e^(G_i - G_r)`` and
    ``k_j e^(G_r - G_j)`` stay within e^(+-8|lb|) (so ``lower_bound >= -10``), and never ``exp(-G)``.
 2. ``_state_kernel`` — one program per (sequence, head, BV columns of the state); walks the sequence's chunks in
@@ -157,9 +159,9 @@ def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, i: tl.constexpr, m0, m1, m2, m3,
 
 
 @C.kjit
-def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
-                  gbuf, qg, kg, w, u, aqk, glast, scale, lower_bound, H,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
+                 K: tl.constexpr, BT: tl.constexpr):
+    """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G, ``qg = q e^G``, ``kg = k e^(G_L - G)``, ``e^G_L``."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
@@ -168,7 +170,6 @@ def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
     mr = (rows < L)[:, None]
     offs_k = tl.arange(0, K)
     tok = (t0 + rows).to(tl.int64)
-    # ---- phase 1: gate, cumulative decay, normalised q/k over the whole chunk
     raw = tl.load(draw + tok[:, None] * (H * K) + hh * K + offs_k[None, :], mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
     dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
@@ -185,8 +186,16 @@ def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
     kn = tl.load(k + ptr_hk, mask=mr, other=0.0).to(tl.float32)
     kn = _l2n(kn)
     tl.store(kg + ptr_hk, tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0), mask=mr)
-    tl.debug_barrier()
-    # ---- phase 2: A and Aqk in 16x16 blocks (10 of each)
+
+
+@C.kjit
+def _akk_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H,
+                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Phases 2-3 of a chunk: A and Aqk in 16 x 16 blocks (Aqk stored), ``M = (I + A)^-1`` (stored)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    t0 = tl.load(chunk_tok + c)
+    L = tl.load(chunk_len + c)
     ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 0, K, BC)
     a00 = _pair(k, gbuf, aqk, t0, L, hh, H, 0, 0, Gr, ka, qa, K, BT, BC, PREC)
     ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 1, K, BC)
@@ -201,7 +210,6 @@ def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
     a31 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 1, Gr, ka, qa, K, BT, BC, PREC)
     a32 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 2, Gr, ka, qa, K, BT, BC, PREC)
     a33 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 3, Gr, ka, qa, K, BT, BC, PREC)
-    # ---- phase 3: M = (I + A)^-1, block lower triangular
     m00 = _inv_diag(a00, BC)
     m11 = _inv_diag(a11, BC)
     m22 = _inv_diag(a22, BC)
@@ -215,11 +223,49 @@ def _intra_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len,
                   input_precision=PREC)
     m30 = -tl.dot(m33, tl.dot(a30, m00, input_precision=PREC) + tl.dot(a31, m10, input_precision=PREC)
                   + tl.dot(a32, m20, input_precision=PREC), input_precision=PREC)
-    # ---- phase 4: w, u
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 0, m00, m00, m00, m00, K, V, BC, PREC)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 1, m10, m11, m11, m11, K, V, BC, PREC)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 2, m20, m21, m22, m22, K, V, BC, PREC)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 3, m30, m31, m32, m33, K, V, BC, PREC)
+    _store_blk(mbuf, m00, t0, L, hh, H, 0, 0, BT, BC)
+    _store_blk(mbuf, m10, t0, L, hh, H, 1, 0, BT, BC)
+    _store_blk(mbuf, m11, t0, L, hh, H, 1, 1, BT, BC)
+    _store_blk(mbuf, m20, t0, L, hh, H, 2, 0, BT, BC)
+    _store_blk(mbuf, m21, t0, L, hh, H, 2, 1, BT, BC)
+    _store_blk(mbuf, m22, t0, L, hh, H, 2, 2, BT, BC)
+    _store_blk(mbuf, m30, t0, L, hh, H, 3, 0, BT, BC)
+    _store_blk(mbuf, m31, t0, L, hh, H, 3, 1, BT, BC)
+    _store_blk(mbuf, m32, t0, L, hh, H, 3, 2, BT, BC)
+    _store_blk(mbuf, m33, t0, L, hh, H, 3, 3, BT, BC)
+
+
+@C.kjit
+def _load_blk(ptr, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """Load the [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer (zeros past L)."""
+    r = i * BC + tl.arange(0, BC)
+    cc = j * BC + tl.arange(0, BC)
+    tok = (t0 + r).to(tl.int64)
+    return tl.load(ptr + (tok[:, None] * H + hh) * D + cc[None, :], mask=(r < L)[:, None], other=0.0)
+
+
+@C.kjit
+def _wu_kernel(k, v, braw, chunk_tok, chunk_len, gbuf, mbuf, w, u, H,
+               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Phase 4 of a chunk: ``w_i = sum_j M_ij (beta k e^G)_j``, ``u_i = sum_j M_ij (beta v)_j`` per row block i."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    t0 = tl.load(chunk_tok + c)
+    L = tl.load(chunk_len + c)
+    m0 = _load_blk(mbuf, t0, L, hh, H, 0, 0, BT, BC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 0, m0, m0, m0, m0, K, V, BC, PREC)
+    m0 = _load_blk(mbuf, t0, L, hh, H, 1, 0, BT, BC)
+    m1 = _load_blk(mbuf, t0, L, hh, H, 1, 1, BT, BC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 1, m0, m1, m1, m1, K, V, BC, PREC)
+    m0 = _load_blk(mbuf, t0, L, hh, H, 2, 0, BT, BC)
+    m1 = _load_blk(mbuf, t0, L, hh, H, 2, 1, BT, BC)
+    m2 = _load_blk(mbuf, t0, L, hh, H, 2, 2, BT, BC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 2, m0, m1, m2, m2, K, V, BC, PREC)
+    m0 = _load_blk(mbuf, t0, L, hh, H, 3, 0, BT, BC)
+    m1 = _load_blk(mbuf, t0, L, hh, H, 3, 1, BT, BC)
+    m2 = _load_blk(mbuf, t0, L, hh, H, 3, 2, BT, BC)
+    m3 = _load_blk(mbuf, t0, L, hh, H, 3, 3, BT, BC)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 3, m0, m1, m2, m3, K, V, BC, PREC)
 
 
 @C.kjit
@@ -338,6 +384,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     w = C.empty(TT, H, K, dtype=f32, device=dev)
     u = C.empty(TT, H, V, dtype=f32, device=dev)
     aqk = C.empty(TT, H, BT, dtype=f32, device=dev)
+    mbuf = C.empty(TT, H, BT, dtype=f32, device=dev)
     glast = C.empty(max(NC, 1), H, K, dtype=f32, device=dev)
     o = C.empty(B, T, H, V, dtype=out_dtype, device=dev)
     ht = C.empty(N, H, K, V, dtype=f32, device=dev)
@@ -353,8 +400,12 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     def launch_intra(c):
         meta, opts = C.split(fix(c))
         if NC:
-            C.launch(_intra_kernel, (NC, H), qc, kc, vc, dr, br, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, w, u, aqk, glast,
-                                   scale, float(lower_bound), H, K=K, V=V, BT=BT, BC=BC, **meta, **opts)
+            C.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale,
+                     float(lower_bound), H, K=K, BT=BT, **opts)
+            C.launch(_akk_kernel, (NC, H), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H, K=K, BT=BT,
+                     BC=BC, **meta, **opts)
+            C.launch(_wu_kernel, (NC, H), kc, vc, br, chunk_tok, chunk_len, gbuf, mbuf, w, u, H, K=K, V=V, BT=BT,
+                     BC=BC, **meta, **opts)
 
     def launch_state(c):
         meta, opts = C.split(fix(c))
