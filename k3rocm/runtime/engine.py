@@ -221,6 +221,8 @@ class Engine:
             "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
             "moe_mode": self.moe_mode,
             "ops": dict(self.op_impls),
+            "fallbacks": [f"{op}: torch oracle (no GPU kernel registered or supported)" for op, impl in
+                          self.op_impls.items() if impl == "torch" and self.device.type == "cuda"],
             "kda_slots": self.kda.num_slots,
             "mla_blocks": self.mla.num_blocks,
             "block_size": self.mla.block_size,
