@@ -105,11 +105,12 @@ def main() -> None:
                     o16 = moe_experts(xl, ids, wts, ew, mode="a16w4")
                     r["a8w4_vs_a16w4_rel"] = ((out - o16).abs().max() / o16.abs().max()).item()
                 del ref, out
-            best = min((r[f"{mode}_{c.name()}_experts_ms"], c.name()) for c in GEMM_CONFIGS[backend_name()]
-                       if f"{mode}_{c.name()}_experts_ms" in r)
+            best = min(((r[f"{mode}_{c.name()}_experts_ms"], c.name()) for c in GEMM_CONFIGS[backend_name()]
+                        if f"{mode}_{c.name()}_experts_ms" in r), default=(None, None))
             r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
             r[f"{mode}_picked_ms"] = r.get(f"{mode}_{cfg0.name()}_experts_ms")
-            r[f"{mode}_layer_ms"] = r[f"{mode}_picked_ms"] + r["router_ms"] if r[f"{mode}_picked_ms"] else None
+            pk = r[f"{mode}_picked_ms"]
+            r[f"{mode}_router_plus_experts_ms"] = pk + r["router_ms"] if pk else None
         if args.candidates:
             for cfg in CANDIDATES:
                 try:
@@ -172,7 +173,7 @@ def _markdown(meta, rows, modes) -> str:
             out.append(
                 f"| {r['tokens']} | {r['experts_used']} | {r['router_ms']:.3f} | {r['dispatch_ms']:.3f} | {m} | "
                 f"{t if t is None else round(t, 3)} ({pc}) | {r.get(f'{m}_best_config')} "
-                f"{round(r.get(f'{m}_best_ms', 0), 3)} | {round(r.get(f'{m}_{pc}_w13_ms', 0), 3)} | "
+                f"{round(r.get(f'{m}_best_ms') or 0, 3)} | {round(r.get(f'{m}_{pc}_w13_ms', 0), 3)} | "
                 f"{round(r.get(f'{m}_{pc}_w2_ms', 0), 3)} | {round(r.get(f'{m}_{pc}_reduce_ms', 0), 3)} | "
                 f"{max(r['floor_fp4_ms'], r['floor_flops_ms']):.3f} | "
                 f"{(max(r['floor_fp4_ms'], r['floor_flops_ms']) / t) if t else 0:.2f} | "
