@@ -177,3 +177,17 @@ def test_engine_gpu_matches_oracle(tiny, prompts_and_ref):
     out = auto.generate(prompts, n)
     assert all(len(o) == n and all(0 <= t < tiny[0].vocab_size for t in o) for o in out)
     assert auto.mla.num_free_blocks == auto.mla.num_blocks
+
+
+def test_engine_takes_a_weights_object(golden_ckpt, tiny, prompts_and_ref):
+    """The checkpoint loader's ``Weights`` (stacked experts of its own) drives the engine to the same tokens."""
+    try:
+        from k3rocm.model.weights import load_weights
+    except ImportError:
+        pytest.skip("k3rocm.model.weights not available")
+    prompts, ref, n = prompts_and_ref
+    from k3rocm.runtime.engine import Engine
+
+    eng = Engine(tiny[0], load_weights(golden_ckpt), max_batch=4, max_num_batched_tokens=64, block_size=4,
+                 max_model_len=32, device="cpu")
+    assert eng.generate(prompts[:2], n) == ref[:2]

@@ -71,7 +71,7 @@ class _DeviceWeights:
     (conv, ``A_log``, ``dt_bias``, ``o_norm``, router bias); uint8 (MXFP4) kept. Routed experts of a layer are
     stacked once into the op contract's ``ExpertWeights`` layout and cached."""
 
-    def __init__(self, source: Mapping[str, torch.Tensor], cfg: K3Config, device: torch.device, dtype: torch.dtype):
+    def __init__(self, source: Any, cfg: K3Config, device: torch.device, dtype: torch.dtype):
         self.cfg = cfg
         self.t: dict[str, torch.Tensor] = {}
         for name, v in source.items():
@@ -83,13 +83,20 @@ class _DeviceWeights:
                 v = v.to(dtype)
             self.t[name] = v.to(device)
         self._experts: dict[int, Any] = {}
+        fn = getattr(source, "experts", None)
+        self._src_experts = fn if callable(fn) and not isinstance(source, dict) else None
+        self.device = device
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.t.get(name)
 
     def experts(self, layer: int) -> Any:
         if layer not in self._experts:
-            self._experts[layer] = WeightView(self.t).experts(layer, self.cfg)
+            if self._src_experts is not None:  # a Weights object stacks its own experts
+                ew = self._src_experts(layer)
+                self._experts[layer] = ew.to(self.device) if hasattr(ew, "to") else ew
+            else:
+                self._experts[layer] = WeightView(self.t).experts(layer, self.cfg)
         return self._experts[layer]
 
 
@@ -162,7 +169,7 @@ class Engine:
             self.ops[op] = impl.fn
             self.op_impls[op] = name
         # ---- weights
-        if isinstance(weights, Mapping):
+        if isinstance(weights, Mapping) or hasattr(weights, "items"):
             self.weights = _DeviceWeights(weights, cfg, self.device, self.dtype)
         else:
             self.weights = weights
