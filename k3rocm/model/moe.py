@@ -13,8 +13,9 @@ Activation modes of :func:`moe_experts` (the kernels implement the same two, cho
 * ``"a16w4"`` — activations are used as given (bf16 in the kernels), weights are MXFP4 dequantized exactly.
 * ``"a8w4"`` — before each of the two GEMMs the activation row is quantized to MXFP8 E4M3 with one E8M0
   scale per 32 consecutive columns, by the rule in :func:`quantize_mxfp8_e4m3` (the smallest shared
-  exponent that keeps every scaled saturated to ±448, round-to-nearest-even), then
-  dequantized; the kernels compute the same values natively (``tl.dot_scaled``).
+  exponent that keeps every scaled value <= 448 — ``k3rocm.mx`` scale rule "round-up" — elements rounded
+  to nearest even), then dequantized; the kernels compute the same values with ``tl.dot_scaled``. The
+  intermediate ``h`` is quantized from its fp32 value, as the kernel's epilogue does.
 """
 
 from __future__ import annotations
