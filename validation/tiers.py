@@ -119,7 +119,9 @@ def serve_with_logits(engine, prompt: list[int], n: int):
 
             def spy(*a, _orig=orig, **k):
                 out = _orig(*a, **k)
-                if out is not None:
+                # never touch the host while a CUDA/HIP graph is being captured (the engine's warm-up and
+                # capture call _forward in graph mode); the replay's logits are seen at _graph_decode
+                if out is not None and not getattr(engine, "_graph_mode", False):
                     seen.append(out.detach().float().cpu())
                 return out
             spies[name] = spy
