@@ -213,8 +213,11 @@ class _FakeGraphEngine:
     def has_unfinished(self):
         return len(self.seqs[0].output) < self.seqs[0].n
 
-    def _forward(self, step):
+    def _logits(self, step):
         return torch.full((1, self.V), float(step)).index_fill_(1, torch.tensor([step % self.V]), 100.0)
+
+    def _forward(self, step):
+        return self._logits(step)
 
     def _graph_decode(self, step):
         if not self.captured:
@@ -222,7 +225,7 @@ class _FakeGraphEngine:
             self._forward(-1)  # warm-up + capture: must not be observed
             self._forward(-1)
             self._graph_mode, self.captured = False, True
-        return self._forward(step).clone()
+        return self._logits(step).clone()  # replay: no _forward call
 
     def step(self):
         q = self.seqs[0]
