@@ -27,13 +27,16 @@ register("mla_cache_write", "triton", mla_cache_write, note="Triton paged slot w
 
 
 def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int):
+    # strides as the JIT sees them at K3 TP8 (12 heads, one query, page 64; see prefill.isa_signature)
+    N, H = 64, 12
     sig = {"QL": q, "QR": q, "CACHE": cache, "BT": "*i32", "CL": "*i32", "PART": "*fp32", "LSE": "*fp32"}
-    for s in ("stride_qln", "stride_qlt", "stride_qlh", "stride_qrn", "stride_qrt", "stride_qrh",
-              "stride_cb", "stride_cs", "stride_bt", "H", "TQ", "ROWS", "NSEQ", "chunk"):
+    strides = dict(stride_qln=512, stride_qlt=512, stride_qlh=N * 512, stride_qrn=H * 64, stride_qrt=H * 64,
+                   stride_qrh=64, stride_cb=64 * 576, stride_cs=576, stride_bt=512)
+    for s in ("H", "TQ", "ROWS", "NSEQ", "chunk"):
         sig[s] = "i32"
     sig["qk_scale"] = "fp32"
     sig["out_scale"] = "fp32"
-    consts = dict(R=512, DR=64, PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"))
+    consts = dict(strides, R=512, DR=64, PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"))
     sig.update({k: "constexpr" for k in consts})
     return sig, consts
 
@@ -52,17 +55,18 @@ def isa_cases() -> list[tuple]:
         cases.append((f"mla_decode_split_bf16_h{cfg['BLOCK_H']}_n{cfg['BLOCK_N']}", _mla_decode_split_kernel, sig,
                       consts, True, opts))
     sig = {"PART": "*fp32", "LSE": "*fp32", "WVC": "*bf16", "G": "*bf16", "O": "*bf16"}
-    for s in ("H", "TQ", "ROWS", "NSEQ", "num_splits", "stride_wh", "stride_wr", "stride_gn", "stride_gt",
-              "stride_on", "stride_ot", "stride_oh"):
+    for s in ("H", "TQ", "ROWS", "NSEQ", "num_splits"):
         sig[s] = "i32"
     rc = REDUCE_CONFIGS["cuda"][0]
-    consts = dict(R=512, DV=128, BDV=128, BLOCK_M=rc["BLOCK_M"], BLOCK_R=rc["BLOCK_R"], HAS_GATE=True)
+    consts = dict(stride_wh=512 * 128, stride_wr=128, stride_gn=12 * 128, stride_gt=12 * 128, stride_on=12 * 128,
+                  stride_ot=12 * 128, stride_oh=128,
+                  R=512, DV=128, BDV=128, BLOCK_M=rc["BLOCK_M"], BLOCK_R=rc["BLOCK_R"], HAS_GATE=True)
     sig.update({k: "constexpr" for k in consts})
     cases.append(("mla_decode_merge_bf16", _mla_decode_merge_kernel, sig, consts, True,
                   {"cuda": {"num_warps": 4, "num_stages": 2}, "hip": {"num_warps": 4, "num_stages": 1}}))
-    sig = {"CACHE": "*bf16", "SLOT": "*i64", "LAT": "*bf16", "KR": "*bf16", "stride_cb": "i32", "stride_cs": "i32",
-           "stride_lt": "i32", "stride_kt": "i32", "block_size": "i32", "inv_scale": "fp32"}
-    consts = dict(R=512, DR=64, BR=512, BDR=64, IS_FP8=False, FP8_LIM=0.0)
+    sig = {"CACHE": "*bf16", "SLOT": "*i64", "LAT": "*bf16", "KR": "*bf16", "inv_scale": "fp32"}
+    consts = dict(stride_cb=64 * 576, stride_cs=576, stride_lt=512, stride_kt=64, block_size=64,
+                  R=512, DR=64, BR=512, BDR=64, IS_FP8=False, FP8_LIM=0.0)
     sig.update({k: "constexpr" for k in consts})
     cases.append(("mla_cache_write_bf16", _mla_cache_write_kernel, sig, consts, False,
                   {"cuda": {"num_warps": 4}, "hip": {"num_warps": 4}}))
