@@ -100,9 +100,13 @@ def test_decode_grid(big_cache, H, N, Tq):
     gate = torch.randn(N, Tq, H * DV, device="cuda", generator=g).to(BF)
     out = torch.full((N, Tq, H, DV), float("nan"), device="cuda", dtype=BF)
     o = mla_decode(qn, qr, cache, btn, cl, w_kc.to(BF), w_vc.to(BF), SCALE, gate=gate, out=out)
-    ref = ref_fn(qn, qr, cache, btn, cl, w_kc.to(BF), w_vc.to(BF), SCALE, gate=gate)
-    assert torch.isfinite(o).all()
-    assert _rel(o, ref) < 2e-2, _rel(o, ref)
+    assert torch.isfinite(o).all()  # every row written (poisoned output)
+    # the fp32 oracle loops over sequences: check up to 24 of them, always including the longest context
+    chk = torch.arange(N, device="cuda")
+    if N > 24:
+        chk = torch.unique(torch.cat([chk[torch.randperm(N, device="cuda", generator=g)[:23]], cl.argmax()[None]]))
+    ref = ref_fn(qn[chk], qr[chk], cache, btn[chk], cl[chk], w_kc.to(BF), w_vc.to(BF), SCALE, gate=gate[chk])
+    assert _rel(o[chk], ref) < 2e-2, _rel(o[chk], ref)
 
 
 def test_decode_every_config_20x_and_fp8():
