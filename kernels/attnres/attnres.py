@@ -38,7 +38,8 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=8192, PROGS_PER_SM=1, num_warps=16, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1, waves_per_eu=0),
     ],
-    "interp": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0)],
+    # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
+    "interp": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0), dict(BLOCK_D=32, PROGS_PER_SM=2)],
 }
 
 MAX_SOURCES = 16
@@ -128,12 +129,12 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
         return
 
     back = _tune.backend()[0]
-    n_sm = 0 if back == "interp" else torch.cuda.get_device_properties(prefix.device).multi_processor_count
+    n_sm = 1 if back == "interp" else torch.cuda.get_device_properties(prefix.device).multi_processor_count
 
     def launch(cfg):
         meta, opts = _tune.split(cfg)
         per_sm = meta.pop("PROGS_PER_SM", 0)
-        nprog = T if (per_sm == 0 or n_sm == 0) else min(T, per_sm * n_sm)
+        nprog = T if per_sm == 0 else min(T, per_sm * n_sm)
         _attn_res_kernel[(nprog,)](
             bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
             num_rows, T, D, nprog, bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
