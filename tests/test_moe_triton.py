@@ -226,3 +226,13 @@ def test_latent_moe_layer(tk, mode):
     assert _rel(out, ref_bf) < 1e-2, f"{mode}: {_rel(out, ref_bf):.3g}"
     # against the all-fp32 oracle: bf16 latent / h / normed latent, and for A8W4 MXFP8 of a different latent
     assert _rel(out, ref) < (3e-2 if mode == "a16w4" else 8e-2), f"{mode}: {_rel(out, ref):.3g}"
+
+
+def test_fp16_and_fp32_activations(tk):
+    # fp16 activations take dot_scaled's "fp16" operand; fp32 activations are rounded to bf16 (A16W4)
+    x, ids, wts, ew = _case(7, 16, 64, 64, 4, seed=51)
+    ewd = _to(ew, tk.dev)
+    for xa in (x.half(), x.float()):
+        ref = M.moe_experts(xa, ids, wts, ew)
+        out = tk.moe.moe_experts(xa.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, poison=True)
+        assert _rel(out, ref) < 1e-2, f"{xa.dtype}: {_rel(out, ref):.3g}"
