@@ -109,7 +109,7 @@ def gpu_target(target: str):
 
 def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str, Any], target: str,
                    name: str | None = None, options: dict[str, Any] | None = None,
-                   expects_matrix: bool = False) -> IsaReport:
+                   expects_matrix: bool = False, aligned: bool | tuple[str, ...] = True) -> IsaReport:
     """Compile one ``@triton.jit`` kernel ahead of time for ``target`` and parse the result.
 
     Args:
@@ -119,6 +119,10 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str
         constexprs: values of the constexpr arguments.
         target: ``gfx950``, ``gfx942`` or ``sm_90``.
         options: compile options (``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``).
+        aligned: mark arguments 16-byte divisible (``tt.divisibility = 16``) as the launcher does at run
+            time for torch allocations: ``True`` = every pointer argument, a tuple = those argument names
+            (pointers and integers such as strides), ``False`` = none. Without it the compiler must assume
+            byte alignment and emits scalar loads that never run on the hardware.
 
     Returns:
         IsaReport (``error`` set instead of raising when the compiler rejects the kernel).
@@ -130,11 +134,17 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str
     while hasattr(jit, "fn") and not hasattr(jit, "arg_names"):  # Autotuner / Heuristics wrappers
         jit = jit.fn
     tgt = gpu_target(target)
+    names = list(jit.arg_names)
+    if aligned is True:
+        div = [n for n, t in signature.items() if t.startswith("*")]
+    else:
+        div = list(aligned or ())
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div if n in names}
     rep = IsaReport(name=name or getattr(jit, "__name__", str(jit)), target=target, expects_matrix=expects_matrix)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            k = triton.compile(ASTSource(fn=jit, signature=signature, constexprs=constexprs), target=tgt,
+            k = triton.compile(ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs), target=tgt,
                                options=dict(options or {}))
     except Exception as e:  # compiler errors are data here: the report says which kernel failed where
         rep.error = f"{type(e).__name__}: {e}"

@@ -59,3 +59,17 @@ def test_unknown_target_and_bad_signature():
         gpu_target("gfx95z0")
     r = compile_kernel(_axpy, {"x": "*fp32"}, {}, "gfx950")
     assert r.error and not r.ok
+
+
+@pytest.mark.parametrize("target,vector_load,scalar_load", [("gfx950", "global_load_dwordx4", "global_load_dword"),
+                                                            ("sm_90", "ld.global.v4.b32", "ld.global.b32")])
+def test_alignment_hints_reach_the_compiler(target, vector_load, scalar_load):
+    """With 16-byte divisibility (what the launcher specialises at run time) loads vectorise; without, they can't."""
+    import re
+
+    sig = {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    loads = r"(?:global_load_\w+|buffer_load_\w+|ld\.global[\w.]*)"
+    hinted = compile_kernel(_axpy, sig, {"BLOCK": 1024}, target, aligned=("x", "y", "n"))
+    plain = compile_kernel(_axpy, sig, {"BLOCK": 1024}, target, aligned=False)
+    assert vector_load in set(re.findall(loads, hinted.asm))
+    assert set(re.findall(loads, plain.asm)) == {scalar_load}
