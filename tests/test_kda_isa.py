@@ -20,7 +20,9 @@ CASES = {c[0]: c for c in kda.isa_cases()}
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kda_kernel_isa(name, target):
+def test_kda_kernel_isa(name, target, monkeypatch):
+    # an interpreter test module in the same process may have set TRITON_INTERPRET; compiling needs it off
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, fn, sig, consts, expects, opts = CASES[name]
     be = "hip" if target.startswith("gfx") else "cuda"
     rep = compile_kernel(fn, sig, consts, target, name=f"kda.{name}", options=opts.get(be, {}),

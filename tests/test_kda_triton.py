@@ -13,22 +13,23 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # The kernels read this at launch time (configs.launch), so other modules in this process are unaffected.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from k3rocm.kernels.kda import configs as KC  # noqa: E402
-from k3rocm.kernels.kda import conv as KCONV  # noqa: E402
-from k3rocm.kernels.kda import decode as KDEC  # noqa: E402
-from k3rocm.kernels.kda import prefill as KPRE  # noqa: E402
-from k3rocm.model import kda as O  # noqa: E402
+from k3rocm.kernels.kda import configs as KC
+from k3rocm.kernels.kda import conv as KCONV
+from k3rocm.kernels.kda import decode as KDEC
+from k3rocm.kernels.kda import prefill as KPRE
+from k3rocm.model import kda as O
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 D = 16  # head dim K = V under the interpreter
 
 
 @pytest.fixture(autouse=True)
-def _poison():
+def _interpreter_and_poison(monkeypatch):
+    """Without a GPU, run the kernels in the Triton interpreter for the duration of each test only: the KDA
+    kernels are always built in compiled mode (``configs.kjit``) and ``configs.launch`` reads
+    ``TRITON_INTERPRET`` at launch time, so ahead-of-time compiles elsewhere in this process are unaffected."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     KC.POISON = True
     yield
     KC.POISON = False

@@ -144,11 +144,18 @@ def launch(kernel, grid, *args, **kwargs):
     from triton.runtime.jit import JITFunction
 
     import triton.language as tl
+    import triton.language.core as tlc
+    import triton.language.math as tlm
     import triton.language.standard as tls
 
-    # the kernel module's helpers and Triton's own jitted standard library (tl.sum, tl.sigmoid, tl.cumsum, ...)
+    # The kernel module's helpers and Triton's own jitted standard library (tl.sum, tl.sigmoid, tl.cumsum, ...)
+    # become interpreted functions for the call. The interpreter also patches triton.language modules and the
+    # tensor class when it enters a nested (device) function and does not undo that; everything is restored
+    # after the call so later compiles in this process see the real language again.
     spaces = [kernel.fn.__globals__, vars(tl), vars(tls)]
     saved = [{k: v for k, v in d.items() if isinstance(v, JITFunction)} for d in spaces]
+    objs = [tl, tlc, tlm, tls, tlc.tensor]
+    snap = [dict(vars(o)) for o in objs]
     try:
         for d, sv in zip(spaces, saved):
             for k, v in sv.items():
@@ -157,6 +164,16 @@ def launch(kernel, grid, *args, **kwargs):
     finally:
         for d, sv in zip(spaces, saved):
             d.update(sv)
+        for o, sn in zip(objs, snap):  # names the interpreter added (its own helpers) stay: rewritten code uses them
+            for k, v in sn.items():
+                if vars(o).get(k, _MISSING) is not v:
+                    try:
+                        setattr(o, k, v)
+                    except (AttributeError, TypeError):
+                        pass
+
+
+_MISSING = object()
 
 
 POISON = False  # tests set True: every output buffer starts as NaN, so an unwritten element cannot pass
