@@ -61,31 +61,44 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     g = lower_bound * tl.sigmoid(a_h * (raw + tl.load(dt_bias + ck).to(tl.float32)))
     beta = tl.sigmoid(tl.load(b_raw + n.to(tl.int64) * H + hh).to(tl.float32))
     eg = tl.exp(g)
-    # the state is walked in [K, BV] column blocks (columns of S are independent in the delta rule);
-    # each block convolves its own v channels (and updates their conv state).
-    ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
     obase = out + n.to(tl.int64) * (H * V) + hh * V
-    for vb in range(0, V // BV):
-        offs_b = vb * BV + tl.arange(0, BV)
-        vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W)
-        sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_b[None, :]
-        smask = (valid + 0 * offs_k[:, None] + 0 * offs_b[None, :]) > 0
+    gr = tl.load(g_raw + n.to(tl.int64) * (H * V) + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
+    if BV == V:
+        # whole state tile at once: the output stays in fp32 registers through the norm
+        v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W)
+        sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :]
+        smask = (valid + 0 * offs_k[:, None] + 0 * offs_v[None, :]) > 0
         S = tl.load(sp, mask=smask, other=0.0)
         S = S * eg[:, None]
         pred = tl.sum(S * k[:, None], 0)
-        S += k[:, None] * (beta * (vblk - pred))[None, :]
+        S += k[:, None] * (beta * (v - pred))[None, :]
         o = tl.sum(S * q[:, None], 0)
         tl.store(sp, S, mask=smask)
-        ss += tl.sum(o * o, 0)
-        tl.store(obase + offs_b, o.to(out.dtype.element_ty))
-    tl.debug_barrier()
-    rstd = tl.rsqrt(ss / V + eps)
-    o = tl.load(obase + offs_v).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
+    else:
+        # the state is walked in [K, BV] column blocks (columns of S are independent in the delta rule); each
+        # block convolves its own v channels (and updates their conv state); the raw output goes through the
+        # output row and is normalised after the loop
+        ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
+        for vb in range(0, V // BV):
+            offs_b = vb * BV + tl.arange(0, BV)
+            vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W)
+            sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_b[None, :]
+            smask = (valid + 0 * offs_k[:, None] + 0 * offs_b[None, :]) > 0
+            S = tl.load(sp, mask=smask, other=0.0)
+            S = S * eg[:, None]
+            pred = tl.sum(S * k[:, None], 0)
+            S += k[:, None] * (beta * (vblk - pred))[None, :]
+            ob = tl.sum(S * q[:, None], 0)
+            tl.store(sp, S, mask=smask)
+            ss += tl.sum(ob * ob, 0)
+            tl.store(obase + offs_b, ob.to(out.dtype.element_ty))
+        tl.debug_barrier()
+        rstd = tl.rsqrt(ss / V + eps)
+        o = tl.load(obase + offs_v).to(tl.float32)
     y = o * rstd * tl.load(onw + offs_v).to(tl.float32)
-    gr = tl.load(g_raw + n.to(tl.int64) * (H * V) + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
     y = tl.where((valid + 0 * cv) > 0, y * tl.sigmoid(gr), 0.0)
     tl.store(obase + offs_v, y.to(out.dtype.element_ty))
-
 
 def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights, A_log, dt_bias, o_norm_weight,
                conv_pool, state_pool, slot_ids, eps, scale=None, lower_bound=-5.0, out: torch.Tensor | None = None,
