@@ -19,7 +19,8 @@ COMMANDS = [["load"], ["validate"], ["bench"], ["profiles"], ["env"], ["plan"], 
 
 
 def run(args, code=0, env=None):
-    r = CliRunner().invoke(cli, [str(a) for a in args], env=env)
+    # a fixed width: tables must not depend on the terminal (or worker) the suite happens to run in
+    r = CliRunner().invoke(cli, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
     assert r.exit_code == code, (args, r.exit_code, r.output, r.exception)
     return r
 
