@@ -2,7 +2,7 @@
 
 * :func:`moe_router` — Triton router (``router.py``).
 * :func:`dispatch_gpu` — (token, expert) pairs sorted by local expert on the device with torch ops (stable
-  radix sort, bincount, cumsum, searchsorted; no host synchronisation), plus the M-block table of the grouped
+  radix sort, scatter-add counts, cumsum, searchsorted; no host synchronisation), plus the M-block table of the grouped
   GEMM for a given ``block_m``.
 * :func:`moe_experts` — w1|w3 grouped GEMM + SiTU-GLU, w2 grouped GEMM x router weight, per-token reduction;
   ``mode`` is explicit (``"a16w4"`` / ``"a8w4"``); nothing in the environment changes it.
@@ -118,7 +118,10 @@ def dispatch_gpu(topk_ids: torch.Tensor, first_expert: int, num_local: int, bloc
     valid = (local >= 0) & (local < num_local)
     key = torch.where(valid, local, torch.full_like(local, num_local))
     _, order = torch.sort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_local + 1)[:num_local]
+    # scatter_add instead of bincount: bincount sizes its output from the data (a host sync), which breaks
+    # CUDA/HIP graph capture of decode
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, key.long(), torch.ones_like(key, dtype=torch.int64))[:num_local]
     offsets = torch.zeros(num_local + 1, dtype=torch.int64, device=dev)
     offsets[1:] = torch.cumsum(counts, 0)
     pos = torch.empty(P, dtype=torch.int64, device=dev)
