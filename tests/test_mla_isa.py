@@ -10,6 +10,7 @@ Two views:
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -18,22 +19,17 @@ import pytest
 isa = pytest.importorskip("k3rocm.kernels.isa")
 
 
-def _fresh_modules():
-    import importlib
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 in this process: kernels are interpreted, nothing to compile")
-    for m in ("k3rocm.kernels.mla.prefill", "k3rocm.kernels.mla.decode", "k3rocm.kernels.mla",
-              "k3rocm.kernels.attnres.attnres", "k3rocm.kernels.attnres"):
-        mod = importlib.import_module(m)
-        if any(type(getattr(mod, n, None)).__name__ == "InterpretedFunction" for n in dir(mod)):
-            importlib.reload(mod)  # imported under the interpreter by an earlier test module
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_mode():
+    """Ahead-of-time compiles need ``TRITON_INTERPRET`` off (an interpreter test module may have set it)."""
+    old = os.environ.pop("TRITON_INTERPRET", None)
+    yield
+    if old is not None:
+        os.environ["TRITON_INTERPRET"] = old
 
 
 @pytest.fixture(scope="module")
 def reports():
-    _fresh_modules()
     return isa.run_isa(families=("mla", "attnres"))
 
 
@@ -87,7 +83,6 @@ def _compile_like_launch(fn, sig, consts, target, opts):
 
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])
 def test_amd_zero_spills_at_launch(target):
-    _fresh_modules()
     cases = isa.family_cases(("mla", "attnres"))
     assert len(cases) >= 6
     for name, fn, sig, consts, _expects, opts in cases:

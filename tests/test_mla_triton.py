@@ -1,8 +1,7 @@
 """Triton MLA kernels against the fp32 oracle (k3rocm.model.mla) at small sizes.
 
 Without a GPU the kernels run in the Triton interpreter with fp32 inputs (``tl.dot`` on bf16 is wrong
-there): the module fixture switches ``TRITON_INTERPRET=1`` on, re-imports the kernel modules and restores
-both afterwards. Outputs are poisoned (NaN) before each call so unwritten elements fail. Large sizes,
+there): the module fixture sets ``TRITON_INTERPRET=1`` for this module only (the kernels switch at launch). Outputs are poisoned (NaN) before each call so unwritten elements fail. Large sizes,
 bf16/FP8 and 20 repeats per config are in ``tests/gpu/test_mla_gpu.py``.
 """
 
@@ -25,21 +24,16 @@ DN, DR, DV, R = 32, 16, 32, 32  # k3-tiny MLA dims (K3_FACTS: 128/64/128/512)
 
 @pytest.fixture(scope="module")
 def K():
-    """(prefill module, decode module), interpreted when there is no GPU."""
+    """(prefill module, decode module). Without a GPU, ``TRITON_INTERPRET=1`` is set for this module's tests
+    only: the kernels are compiled-mode objects and switch to the interpreter at launch time."""
     old = os.environ.get("TRITON_INTERPRET")
     if DEV == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    mods = [importlib.reload(importlib.import_module(m)) for m in
-            ("k3rocm.kernels.mla.prefill", "k3rocm.kernels.mla.decode")]
-    yield mods
-    if DEV == "cpu":
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-        for m in mods:
-            importlib.reload(m)
-        importlib.reload(importlib.import_module("k3rocm.kernels.mla"))  # re-bind compiled kernels + registry
+    yield [importlib.import_module(m) for m in ("k3rocm.kernels.mla.prefill", "k3rocm.kernels.mla.decode")]
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
 
 
 def _cfgs(table):

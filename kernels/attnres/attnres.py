@@ -45,10 +45,10 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
 MAX_SOURCES = 16
 
 
-@triton.jit
+@_tune.kjit
 def _attn_res_kernel(
     BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT,
-    num_rows, T, D, nprog, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
+    num_rows, T, D, nprog, n_iter, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
     APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
 ):
@@ -56,7 +56,10 @@ def _attn_res_kernel(
     # each token's sources in L2 between pass 1 and pass 2
     sidx = tl.arange(0, S_PAD)
     offs = tl.arange(0, BLOCK_D)
-    for t in range(tl.program_id(0), T, nprog):
+    pid = tl.program_id(0)
+    for it in range(0, n_iter):  # n_iter = ceil(T / nprog), from the host
+        # past the end: redo the last token (identical values written twice, no branch)
+        t = tl.minimum(pid + it * nprog, T - 1)
         scores = tl.full([S_PAD], float("-inf"), tl.float32)
         # pass 1: scores of the bank rows
         src = BANK + t * stride_bt
@@ -135,9 +138,9 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
         meta, opts = _tune.split(cfg)
         per_sm = meta.pop("PROGS_PER_SM", 0)
         nprog = T if per_sm == 0 else min(T, per_sm * n_sm)
-        _attn_res_kernel[(nprog,)](
+        _tune.launch(_attn_res_kernel, (nprog,),
             bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
-            num_rows, T, D, nprog, bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
+            num_rows, T, D, nprog, triton.cdiv(T, nprog), bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
             (hn if hn is not None else h).stride(0), float(eps), float(norm_eps),
             APPEND=append, HAS_NORM=norm_weight is not None, S_PAD=MAX_SOURCES, ONE_BLOCK=meta["BLOCK_D"] >= D,
             **meta, **opts)
@@ -216,7 +219,7 @@ def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024)
     """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa``."""
     p = "*" + dtype
     sig = {"BANK": p, "BANK_NEW": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
-           "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
+           "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "n_iter": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
            "stride_ht": "i32", "stride_hnt": "i32", "eps": "fp32", "norm_eps": "fp32"}
     consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MAX_SOURCES, BLOCK_D=block_d, ONE_BLOCK=False)
     for k in consts:

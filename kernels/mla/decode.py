@@ -64,7 +64,7 @@ MIN_SPLIT_TOKENS = 256
 PARTIAL_BUDGET = 256 << 20
 
 
-@triton.jit
+@_tune.kjit
 def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_lt, stride_kt, block_size, inv_scale,
                             R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
                             IS_FP8: tl.constexpr, FP8_LIM: tl.constexpr):
@@ -84,7 +84,7 @@ def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_l
     tl.store(base + R + d, kr.to(CACHE.dtype.element_ty), mask=d < DR)
 
 
-@triton.jit
+@_tune.kjit
 def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
@@ -152,7 +152,7 @@ def _mla_decode_split_kernel(
     tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
-@triton.jit
+@_tune.kjit
 def _mla_decode_merge_kernel(
     PART, LSE, WVC, G, O,
     H, TQ, ROWS, NSEQ, num_splits,
@@ -224,7 +224,7 @@ def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
     fp8 = _tl_fp8_ok(kv_cache.dtype)
     inv = 1.0 / float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
     meta, opts = _tune.split(_tune.config_list(CACHE_WRITE_CONFIGS)[0])
-    _mla_cache_write_kernel[(T,)](
+    _tune.launch(_mla_cache_write_kernel, (T,),
         kv_cache, slot_mapping.to(torch.int64), latent, k_rope, kv_cache.stride(0), kv_cache.stride(1),
         latent.stride(0), k_rope.stride(0), bs, inv,
         R=R, DR=Dr, BR=_tune.pow2(R), BDR=_tune.pow2(Dr), IS_FP8=fp8, FP8_LIM=FP8_MAX.get(kv_cache.dtype, 0.0),
@@ -323,7 +323,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     def launch(cfg: dict) -> None:
         meta, opts = _tune.split(cfg)
         grid = (triton.cdiv(rows, meta["BLOCK_H"]), splits, N)
-        _mla_decode_split_kernel[grid](
+        _tune.launch(_mla_decode_split_kernel, grid,
             q_lat, q_r, kv_cache, bt, cl, part, lse,
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
@@ -336,7 +336,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     launch(config)
     meta, opts = _tune.split(_tune.config_list(REDUCE_CONFIGS)[0])
     meta["BLOCK_R"] = min(meta["BLOCK_R"], R)
-    _mla_decode_merge_kernel[(H, triton.cdiv(N * Tq, meta["BLOCK_M"]))](
+    _tune.launch(_mla_decode_merge_kernel, (H, triton.cdiv(N * Tq, meta["BLOCK_M"])),
         part, lse, wv, gt, out, H, Tq, rows, N, splits,
         wv.stride(0), wv.stride(1), gt.stride(0), gt.stride(1), out.stride(0), out.stride(1), out.stride(2),
         R=R, DV=Dv, BDV=_tune.pow2(Dv), HAS_GATE=gate is not None, **meta, **opts)

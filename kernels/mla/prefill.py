@@ -47,7 +47,7 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
 }
 
 
-@triton.jit
+@_tune.kjit
 def _mla_prefill_kernel(
     Q, KN, KR, V, O, G, CUQ, CUK,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_krt, stride_vt, stride_vh,
@@ -190,7 +190,7 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     def launch(cfg: dict) -> None:
         meta, opts = _tune.split(cfg)
         nmb = triton.cdiv(max(max_seqlen_q, 1), meta["BLOCK_M"])
-        _mla_prefill_kernel[(nmb, N, H)](
+        _tune.launch(_mla_prefill_kernel, (nmb, N, H),
             q, k_nope, k_rope, v, out, g, cuq, cuk,
             q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), g.stride(0), g.stride(1),
