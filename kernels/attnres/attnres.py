@@ -1,6 +1,6 @@
 """Block AttnRes in one kernel: score the bank rows and the prefix, softmax, mix, then the following RMSNorm.
 
-Per token (one program each): pass 1 reads every source once and accumulates ``sum(v^2)`` and ``<v, w>``
+Per token (a program handles one token, or walks several: ``PROGS_PER_SM``): pass 1 reads every source once and accumulates ``sum(v^2)`` and ``<v, w>``
 (the key is the weight-free RMSNorm of v, so ``score = <v, w> * rsqrt(mean(v^2) + eps)`` needs no key
 tensor); the softmax over the S <= 16 sources is fp32 in registers; pass 2 re-reads the sources (a token's
 rows were just read, so they come from L2), mixes the **raw** values, writes ``h`` and accumulates
