@@ -139,7 +139,10 @@ def test_decode_every_config_20x_and_fp8():
     c8_ref = torch.empty_like(c8)
     D.mla_cache_write(c8, slots, lat, kr, kv_scale=scale)
     M.mla_cache_write(c8_ref, slots, lat, kr, kv_scale=scale)
-    same = (c8.view(torch.uint8) == c8_ref.view(torch.uint8)).float().mean().item()
+    # compare the written slots only (the last page of each sequence has unwritten, uninitialised slots)
+    got_b = c8.view(torch.uint8).view(-1, R + DR)[slots]
+    ref_b = c8_ref.view(torch.uint8).view(-1, R + DR)[slots]
+    same = (got_b == ref_b).float().mean().item()
     assert same > 0.999, same
     o8 = D.mla_decode(qn, qr, c8, bt, cl, w_kc.to(BF), w_vc.to(BF), SCALE, kv_scale=scale)
     ref8 = M.mla_decode(qn, qr, c8_ref, bt, cl, w_kc.to(BF), w_vc.to(BF), SCALE, kv_scale=scale)
