@@ -10,16 +10,18 @@ STAMP   := $(VENV)/.k3rocm-installed
 venv: $(STAMP)
 
 # Where a CUDA/ROCm build of torch is already installed (a GPU node), reuse it through a venv with
-# system site packages instead of pulling another torch; otherwise install the CPU build.
-$(STAMP): pyproject.toml
+# system site packages instead of pulling another torch; otherwise install the CPU set-up pinned in
+# constraints-cpu.txt (the versions the suite was last run against).
+$(STAMP): pyproject.toml constraints-cpu.txt
 	@if $(PY) -c "import sys, torch; sys.exit(0 if (torch.version.cuda or torch.version.hip) else 1)" >/dev/null 2>&1; then \
 	  echo "k3rocm: reusing this machine's GPU build of torch (venv with system site packages)"; \
-	  $(PY) -m venv --system-site-packages $(VENV); \
+	  $(PY) -m venv --system-site-packages $(VENV) && \
+	  $(BIN)/pip install -q --disable-pip-version-check -e ".[test]"; \
 	else \
-	  $(PY) -m venv $(VENV) && $(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0" 2>/dev/null \
-	    || $(BIN)/pip install -q --disable-pip-version-check "torch>=2.5"; \
+	  echo "k3rocm: no GPU build of torch here; installing the pinned CPU set-up (constraints-cpu.txt)"; \
+	  $(PY) -m venv $(VENV) && \
+	  $(BIN)/pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[test]"; \
 	fi
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]"
 	@$(BIN)/python -c "import torch, triton; b = ('ROCm ' + torch.version.hip) if torch.version.hip else (('CUDA ' + torch.version.cuda) if torch.version.cuda else 'CPU'); print(f'k3rocm: torch {torch.__version__} ({b} build), triton {triton.__version__}')"
 	@touch $@
 
