@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from k3rocm.kernels._interp import interpreting, kjit, launch  # noqa: F401  (re-exported)
+
 _CACHE: dict[tuple, dict] = {}
 
 LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
@@ -69,59 +71,3 @@ def pick(name: str, key: tuple, configs: list[dict], run: Callable[[dict], None]
 def pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def interpreting() -> bool:
-    """True when kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` at launch time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def kjit(fn):
-    """``@triton.jit`` that always builds a compiled-mode kernel, whatever ``TRITON_INTERPRET`` says at import
-    time, so ahead-of-time compiles (``kernels isa``) and interpreter runs can share one process;
-    :func:`launch` switches to the interpreter per call."""
-    from triton.runtime.jit import JITFunction
-
-    return JITFunction(fn)
-
-
-_INTERP: dict = {}
-_MISSING = object()
-
-
-def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)``; under ``TRITON_INTERPRET=1`` the call runs in the interpreter.
-
-    For an interpreted call the kernel module's jitted helpers and Triton's own jitted standard library
-    (``tl.sum``, ``tl.max``, ``tl.sigmoid``, ...) are swapped for interpreted ones, and every attribute the
-    interpreter patches on ``triton.language`` (it does not undo the patches it applies when it enters a
-    nested device function) is restored afterwards, so compiled-mode kernels still compile in this process.
-    """
-    if not interpreting():
-        return kernel[grid](*args, **kwargs)
-    import triton.language as tl
-    import triton.language.core as tlc
-    import triton.language.math as tlm
-    import triton.language.standard as tls
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    spaces = [kernel.fn.__globals__, vars(tl), vars(tls)]
-    saved = [{k: v for k, v in d.items() if isinstance(v, JITFunction)} for d in spaces]
-    objs = [tl, tlc, tlm, tls, tlc.tensor]
-    snap = [dict(vars(o)) for o in objs]
-    try:
-        for d, sv in zip(spaces, saved):
-            for k, v in sv.items():
-                d[k] = _INTERP.setdefault(v.fn, InterpretedFunction(v.fn))
-        return _INTERP.setdefault(kernel.fn, InterpretedFunction(kernel.fn))[grid](*args, **kwargs)
-    finally:
-        for d, sv in zip(spaces, saved):
-            d.update(sv)
-        for o, sn in zip(objs, snap):
-            for k, v in sn.items():
-                if vars(o).get(k, _MISSING) is not v:
-                    try:
-                        setattr(o, k, v)
-                    except (AttributeError, TypeError):
-                        pass
