@@ -84,6 +84,8 @@ Examples:
   k3rocm bench --concurrency 1,8,64 --input-len 1024 --output-len 1024 --profile mi355x-8 \\
                --checkpoint /models/Kimi-K3
   k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
+  k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --concurrency 64 \
+               --input-len 1024 --output-len 1024      # hold a vLLM/SGLang deployment to the same load
 
 \b
 Defaults follow InferenceX's random dataset: lengths uniform in [0.8 L, L], num-prompts = 10 x
@@ -96,10 +98,14 @@ checkpoint (k3-tiny) or on the CPU.""")
 @click.option("--num-prompts", type=int, default=None, help="Measured requests per point (default 10 x concurrency).")
 @click.option("--range-ratio", type=float, default=0.8, show_default=True, help="Lower end of the length draws.")
 @click.option("--warmups", type=int, default=None, help="Warm-up requests per point (default 2 x concurrency).")
+@click.option("--endpoint", default=None, metavar="URL",
+              help="Run the same load against an OpenAI-compatible server (/v1/completions, streaming) instead "
+                   "of the built-in engine; the prompts use the checkpoint's vocabulary (default: K3's).")
+@click.option("--model", "model_name", default=None, help="The 'model' field sent to --endpoint.")
 @common_options
 @handle_errors
-def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warmups, checkpoint, profile, out,
-              kernels, seed, debug):
+def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warmups, endpoint, model_name,
+              checkpoint, profile, out, kernels, seed, debug):
     """Benchmark serving: TTFT, TPOT, ITL, E2EL percentiles, tok/s and tok/s/GPU, fraction of roofline.
 
     Every point's results go into the report's `bench` stage with plots of latency percentiles and
@@ -110,7 +116,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
     s.preflight()
     from k3rocm.checkpoint import layout
-    big = s.profile.backend != "cpu" and layout.counts(s.config)["bytes"] >= 1e9
+    big = endpoint is not None or (s.profile.backend != "cpu" and layout.counts(s.config)["bytes"] >= 1e9)
     cs = parse_concurrency(concurrency) if concurrency else [64 if big else 4]
     il = input_len or (1024 if big else 64)
     ol = output_len or (1024 if big else 16)
@@ -121,6 +127,10 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     if warmups is not None and warmups < 0:
         raise ConfigError(f"--warmups {warmups} must be >= 0")
 
+    if endpoint is not None:
+        return _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts, range_ratio, warmups,
+                               debug)
+
     def body(stage: Stage) -> None:
         results = []
         with Progress() as bar:
@@ -130,6 +140,41 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
                                                num_prompts=num_prompts, range_ratio=range_ratio, warmups=warmups,
                                                progress=bar.callback(f"bench c={c}")))
         bench_rows(s, stage, results, tier="bench")
+
+    stage = run_stage("bench", body, s.opts.command, debug)
+    stage.started = stage.started or now_iso()
+    stages = [stage]
+    print_stages(stages)
+    _print_bench(stage)
+    finish(stages, write_stages(s, stages))
+
+
+def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts, range_ratio, warmups, debug):
+    """``bench --endpoint``: the same load generator and metrics against another engine's server.
+
+    Its figures are evidence about that server, so they carry the level ``external``. Prompt ids come from
+    the given checkpoint's vocabulary, or K3's (163,840, special ids excluded) when none is given.
+    """
+    from k3rocm.bench import run_bench
+    from k3rocm.bench.client import OpenAIClient
+    from k3rocm.config import preset
+    from k3rocm.validation.evidence import Stage, now_iso
+    from k3rocm.validation.tiers import bench_rows, run_stage
+    cfg = s.config if checkpoint else preset("k3")
+    client = OpenAIClient(endpoint, model=model_name, vocab_size=cfg.vocab_size,
+                          special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id))
+
+    def body(stage: Stage) -> None:
+        results = []
+        with Progress() as bar:
+            for c in cs:
+                cb = bar.callback(f"bench c={c}")
+                r = run_bench(client, c, il, ol, num_prompts=num_prompts, range_ratio=range_ratio, warmups=warmups,
+                              seed=s.opts.seed, progress=(lambda phase, done, total, cb=cb: cb(done, total)))
+                d = r.to_dict(per_request=False)
+                d["target"] = client.describe()
+                results.append(d)
+        bench_rows(s, stage, results, tier="bench", level="external")
 
     stage = run_stage("bench", body, s.opts.command, debug)
     stage.started = stage.started or now_iso()

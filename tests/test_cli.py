@@ -176,3 +176,37 @@ def test_wrong_kernel_fails_validate_with_exit_1(golden_ckpt, tmp_path, monkeypa
     assert line.startswith("error: correctness tier failed")
     rep = json.loads((tmp_path / "report.json").read_text())
     assert rep["status"] == "failed" and rep["stages"]["correctness"]["status"] == "failed"
+
+
+def test_bench_against_an_openai_endpoint(cache, tmp_path):
+    """`bench --endpoint` drives another server with the same load and labels its figures `external`."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from test_bench import _Fake
+
+    _Fake.seen, _Fake.stall_after = [], None
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        out = tmp_path / "r"
+        run(["bench", "--endpoint", url, "--model", "k3", "--concurrency", "2", "--num-prompts", "4",
+             "--warmups", "1", "--input-len", "16", "--output-len", "5", "--out", out])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert len(_Fake.seen) == 5 and all(p == "/v1/completions" for p, _ in _Fake.seen)
+    body = _Fake.seen[-1][1]
+    assert body["model"] == "k3" and body["stream"] and 4 <= body["max_tokens"] <= 5
+    assert all(0 <= t < 163840 for t in body["prompt"]) and 12 <= len(body["prompt"]) <= 16
+    rep = json.loads((out / "report.json").read_text())
+    rows = rep["stages"]["bench"]["evidence"]
+    assert rows and {e["level"] for e in rows if e["name"].startswith("c2.")} == {"external"}
+    done = [e for e in rows if e["name"] == "c2.completed"]
+    assert done and done[0]["value"] == 4
+
+
+def test_bench_endpoint_bad_url_is_one_line(cache, tmp_path):
+    one_line_error(run(["bench", "--endpoint", "ftp://nowhere", "--out", tmp_path / "r"], code=2))

@@ -553,9 +553,12 @@ def _run_profile(session: Session):
     return match_profile(session.detected)
 
 
-def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str) -> None:
-    """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction)."""
-    lv = session.measured_level
+def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
+    """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction).
+
+    ``level`` overrides the session's measurement level (``external`` for a benchmark of another server).
+    """
+    lv = level or session.measured_level
     for r in results:
         c = r.get("concurrency")
         tag = f"c{c}"
@@ -582,7 +585,7 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str) -
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
                            level=lv, detail="floor / measured (1.0 = at the roofline)"))
         for t in getattr(session.profile, "targets", ()):
-            if lv == "measured" and t.metric in r and c == _target_conc(t.setting):
+            if lv in ("measured", "external") and t.metric in r and c == _target_conc(t.setting):
                 ok = r[t.metric] <= t.value if t.metric.endswith("_ms") else r[t.metric] >= t.value
                 stage.add(info(tier, f"target.{t.name}", r[t.metric], t.unit, level=lv,
                                detail=f"public figure {t.value} {t.unit} ({t.setting}; {t.source}): "
