@@ -29,7 +29,6 @@ demo: $(STAMP)
 	$(BIN)/k3rocm load --out $(REPORT)
 	$(BIN)/k3rocm validate --level performance --out $(REPORT)
 	$(BIN)/k3rocm bench --out $(REPORT)
-	@echo "report: $(REPORT)/report.html"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not gpu" tests

@@ -81,7 +81,8 @@ def debug_option(f):
 
 
 def seed_option(f):
-    return click.option("--seed", default=0, show_default=True, type=int, help="Seed of generated inputs.")(f)
+    return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
+                        help="Seed of generated inputs (0 .. 2^63-1).")(f)
 
 
 def common_options(f):

@@ -7,7 +7,7 @@ import json
 import click
 
 from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, profile_option
-from k3rocm.errors import PlanError
+from k3rocm.errors import ConfigError, PlanError
 
 GB = 1e9
 
@@ -125,11 +125,16 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     from k3rocm.config import preset as make_preset
     from k3rocm.hw import detect, load_profile, match_profile
     from k3rocm.runtime.plan import plan
+    if context_len is not None and context_len < 1:
+        raise ConfigError(f"--context-len {context_len} must be >= 1 (tokens per sequence)")
     if preset:
         cfg = make_preset(preset)
     else:
+        from k3rocm.checkpoint.reader import open_checkpoint
         from k3rocm.validation.session import Options, Session
-        cfg = Session(Options(checkpoint=checkpoint)).config
+        # the whole structural check (index, shards, headers, tensor set) — a plan of a checkpoint that cannot
+        # load is no plan; the E8M0 scale scan is left to `load` (it reads ~85 GB on the real release)
+        cfg = open_checkpoint(Session(Options(checkpoint=checkpoint)).checkpoint_dir, check_scales=False).config
     prof = load_profile(profile) if profile else match_profile(detect(with_smi=False))
     pl = plan(cfg, prof, tp=tp, ep=ep, kv_dtype=kv_dtype, context_len=context_len, strict=False)
     if as_json:

@@ -117,9 +117,12 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     s.preflight()
     from k3rocm.checkpoint import layout
     big = endpoint is not None or (s.profile.backend != "cpu" and layout.counts(s.config)["bytes"] >= 1e9)
-    cs = parse_concurrency(concurrency) if concurrency else [64 if big else 4]
-    il = input_len or (1024 if big else 64)
-    ol = output_len or (1024 if big else 16)
+    cs = parse_concurrency(concurrency) if concurrency is not None else [64 if big else 4]
+    for opt, v in (("--input-len", input_len), ("--output-len", output_len)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{opt} {v} must be >= 1 (tokens)")
+    il = input_len if input_len is not None else (1024 if big else 64)
+    ol = output_len if output_len is not None else (1024 if big else 16)
     if num_prompts is not None and num_prompts < 1:
         raise ConfigError(f"--num-prompts {num_prompts} must be >= 1")
     if not 0.0 < range_ratio <= 1.0:

@@ -181,7 +181,7 @@ class K3Config:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e}); fix or re-download the file") from None
         try:
-            return cls.from_dict(doc)
+            return cls.from_dict(doc, name=identify(doc) or path.resolve().parent.name)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
@@ -355,6 +355,24 @@ _KIMI_LINEAR_48B = {
         "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4,
     },
 }
+
+
+def identify(doc: dict) -> str | None:
+    """The preset a config document is exactly (``k3``, ``k3-tiny``, ``k3-prefix-N``), else None."""
+    if not isinstance(doc, dict):
+        return None
+    if doc == _official_doc():
+        return "k3"
+    if doc == _tiny_doc():
+        return "k3-tiny"
+    n = (doc.get("text_config") or {}).get("num_hidden_layers")
+    if isinstance(n, int) and 1 <= n < 93:
+        try:
+            if doc == _prefix_doc(n):
+                return f"k3-prefix-{n}"
+        except ConfigError:
+            pass
+    return None
 
 
 def preset(name: str) -> K3Config:

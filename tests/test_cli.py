@@ -210,3 +210,28 @@ def test_bench_against_an_openai_endpoint(cache, tmp_path):
 
 def test_bench_endpoint_bad_url_is_one_line(cache, tmp_path):
     one_line_error(run(["bench", "--endpoint", "ftp://nowhere", "--out", tmp_path / "r"], code=2))
+
+
+def test_bad_sizes_and_unwritable_out_fail_before_any_work(cache, tmp_path, golden_ckpt):
+    """One line, exit 2, and an existing report left as it was."""
+    out = tmp_path / "r"
+    run(["load", "--checkpoint", golden_ckpt, "--out", out])
+    before = (out / "report.json").read_text()
+    for args in (["bench", "--output-len", "-5"], ["bench", "--input-len", "0"], ["bench", "--concurrency", ""]):
+        one_line_error(run([*args, "--checkpoint", golden_ckpt, "--out", out], code=2))
+    assert (out / "report.json").read_text() == before
+    assert oct((out / "report.json").stat().st_mode & 0o777) == oct(0o644)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    line = one_line_error(run(["load", "--checkpoint", golden_ckpt, "--out", blocker / "sub"], code=2))
+    assert "--out" in line
+    one_line_error(run(["plan", "--preset", "k3", "--profile", "mi355x-8", "--context-len", "-5"], code=2))
+    one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", blocker / "ck"], code=2))
+
+
+def test_plan_of_a_broken_checkpoint_is_refused(tmp_path, golden_ckpt):
+    d = tmp_path / "broken"
+    shutil.copytree(golden_ckpt, d)
+    (d / "model-00002-of-000002.safetensors").unlink()
+    line = one_line_error(run(["plan", "--checkpoint", d, "--profile", "cpu"], code=2))
+    assert "model-00002-of-000002.safetensors" in line

@@ -153,3 +153,16 @@ def test_refuses_inconsistent_configs():
     del doc["text_config"]["hidden_size"]
     with pytest.raises(ConfigError, match="hidden_size"):
         K3Config.from_dict(doc)
+
+
+def test_from_file_names_the_preset_it_is(tmp_path):
+    assert K3Config.from_file(OFFICIAL_CONFIG).name == "k3"
+    doc = json.loads(OFFICIAL_CONFIG.read_text())
+    doc["text_config"]["rms_norm_eps"] = 1e-6  # no longer the release: named after its directory
+    d = tmp_path / "my-k3"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(doc))
+    assert K3Config.from_file(d / "config.json").name == "my-k3"
+    from k3rocm.config import identify
+    assert identify(preset("k3-tiny").to_dict()) == "k3-tiny"
+    assert identify(preset("k3-prefix-13").to_dict()) == "k3-prefix-13"

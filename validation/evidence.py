@@ -372,6 +372,7 @@ def atomic_write(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is meant to be read by others (CI, web)
         os.replace(tmp, path)
     except BaseException:
         try:

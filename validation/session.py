@@ -13,6 +13,7 @@ Whether measurements are ``measured`` or ``measured-fallback`` is decided here
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ class Session:
         self.checkpoint_dir
         self.config
         self.profile
+        require_dir_for_output(self.opts.out)
 
     def _memo(self, key: str, fn):
         if key not in self._cache:
@@ -269,9 +271,23 @@ class Session:
 
 
 def require_dir_for_output(out: str | Path) -> Path:
-    """Create the report directory. Raises ConfigError when ``out`` exists and is not a directory."""
+    """Create the report directory and prove it is writable (a probe file is created and removed).
+
+    Raises:
+        ConfigError: ``out`` exists and is not a directory, or cannot be created / written (permissions,
+            a read-only or pseudo file system); the message names the path and the OS reason.
+    """
+    import tempfile
+
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {p}: exists and is not a directory; choose another report directory")
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".k3rocm-probe.", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--out {p}: cannot write reports there ({e.strerror or e}); "
+                          "choose a writable directory") from None
     return p

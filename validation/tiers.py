@@ -567,11 +567,11 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                   check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
         for k, unit in (("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
                         ("output_throughput_per_gpu", "tok/s/GPU"), ("median_ttft_ms", "ms"), ("p99_ttft_ms", "ms"),
-                        ("median_tpot_ms", "ms"), ("p99_tpot_ms", "ms"), ("median_itl_ms", "ms"),
+                        ("median_tpot_ms", "ms"), ("p99_tpot_ms", "ms"), ("median_itl_ms", "ms"), ("p99_itl_ms", "ms"),
                         ("median_e2el_ms", "ms"), ("p99_e2el_ms", "ms")):
             if k in r:
                 stage.add(info(tier, f"{tag}.{k}", round(float(r[k]), 4), unit, level=lv))
-        stage.add(check(tier, f"{tag}.hang", r.get("hang") is None, eq=True, level=lv,
+        stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
                         detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
         roof = r.get("roofline") or {}
         if roof.get("total_floor_s"):

@@ -213,9 +213,13 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     shards = plan_shards(cfg, num_shards)
     n = len(shards)
     total = sum(s.nbytes for sh in shards for s in sh)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        os.chmod(tmp, 0o755)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot create the checkpoint there ({e.strerror or e}); "
+                              "choose a writable directory") from None
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
         weight_map: dict[str, str] = {}

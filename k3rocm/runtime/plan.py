@@ -699,8 +699,10 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
             except PlanError:
                 continue
             where = "this node" if n <= profile.device_count else "several nodes (torchrun)"
+            # a smaller cache dtype helps only when the weights alone fit and the cache is not fp8 already
+            kv = (", fp8 kv cache" if pl.kv_dtype != "fp8" and pl.weights_bytes < pl.usable_bytes else "")
             return (f"try tp={n}/ep={n} ({n} x {profile.device_name}, {p.weights_bytes / GB:.1f} GB/GPU of "
-                    f"weights, on {where}), fp8 kv cache, or a GPU with more memory")
+                    f"weights, on {where}){kv}, or a GPU with more memory")
     return "try more GPUs, a GPU with more memory, or a smaller checkpoint (k3-tiny, k3-prefix-N)"
 
 
