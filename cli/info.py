@@ -140,33 +140,43 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     if as_json:
         click.echo(json.dumps(pl.to_dict(), indent=2, default=str))
     else:
-        c = console()
-        t = Table(title=f"plan: {cfg.name} on {prof.name} (tp={pl.tp}, ep={pl.ep}, {pl.experts_per_rank} "
-                        f"experts/rank)")
-        for col in ("item", "per GPU", "detail"):
-            t.add_column(col)
-        for r in pl.summary():
-            t.add_row(r["item"], human_bytes(r["bytes"]), r["detail"])
-        c.print(t)
-        rt = Table(title="per-rank weight bytes")
-        rt.add_column("rank")
-        rt.add_column("ep rank")
-        rt.add_column("experts")
-        rt.add_column("GB")
-        rt.add_column("tensors")
-        for r in pl.ranks:
-            rt.add_row(str(r.rank), str(r.ep_rank), f"{r.expert_first}..{r.expert_stop - 1}" if r.expert_stop > r.expert_first else "-",
-                       f"{r.weights_bytes / GB:.3f}", str(getattr(r, "num_tensors", "")))
-        c.print(rt)
-        st = pl.roofline.step(1, 1024)
-        c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
-                f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
-                f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3f} ms "
-                f"({st['bound']}-bound, projected)")
-        for n in pl.notes:
-            c.print(f"note: {n}")
+        print_plan(pl, cfg.name, prof.name)
     if not pl.fits:
         raise PlanError(pl.problem or f"{cfg.name} does not fit {prof.name}")
+
+
+def print_plan(pl, model_name: str, profile_name: str) -> None:
+    """Render a :class:`~k3rocm.runtime.plan.Placement`: parts per GPU, per-rank weight bytes, fit and cache.
+
+    Used by ``plan`` and, before anything loads, by ``load``.
+    """
+    from rich.table import Table
+
+    c = console()
+    t = Table(title=f"plan: {model_name} on {profile_name} (tp={pl.tp}, ep={pl.ep}, {pl.experts_per_rank} "
+                    f"experts/rank)")
+    for col in ("item", "per GPU", "detail"):
+        t.add_column(col)
+    for r in pl.summary():
+        t.add_row(r["item"], f"{r['count']:,}" if "count" in r else human_bytes(r["bytes"]), r["detail"])
+    c.print(t)
+    rt = Table(title="per-rank weight bytes")
+    rt.add_column("rank")
+    rt.add_column("ep rank")
+    rt.add_column("experts")
+    rt.add_column("GB")
+    rt.add_column("tensors")
+    for r in pl.ranks:
+        rt.add_row(str(r.rank), str(r.ep_rank), f"{r.expert_first}..{r.expert_stop - 1}" if r.expert_stop > r.expert_first else "-",
+                   f"{r.weights_bytes / GB:.3f}", str(getattr(r, "num_tensors", "")))
+    c.print(rt)
+    st = pl.roofline.step(1, 1024)
+    c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
+            f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
+            f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3f} ms "
+            f"({st['bound']}-bound, projected)")
+    for n in pl.notes:
+        c.print(f"note: {n}")
 
 
 def register(cli: click.Group) -> None:

@@ -25,13 +25,42 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     devices of the plan (MXFP4 experts stay packed) and records bytes per device, GB/s and scale
     sanity in the report.
     """
+    from k3rocm.cli.info import print_plan
     from k3rocm.validation.tiers import run_tiers
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
     s.preflight()
+    # the layout and per-rank bytes, before anything loads
+    pl = s.run_placement
+    where = s.profile.name if s.hardware_matches else f"{pl.profile_name} (this machine; profile {s.profile.name})"
+    print_plan(pl, s.config.name, where)
     with Progress() as bar:
         stages = run_tiers(s, "load", progress=bar.callback("loading"))
     print_stages(stages)
+    _print_load(s)
     finish(stages, write_stages(s, stages))
+
+
+def _print_load(session) -> None:
+    """One table per rank after a load: bytes planned / loaded / on the device, GB/s; the raw-read ratio."""
+    from rich.table import Table
+
+    from k3rocm.cli.common import console
+    from k3rocm.errors import K3Error
+    try:
+        rep = session.load_report
+    except K3Error:
+        return  # the load tier already reported why
+    t = Table(title=f"load: {rep.tensors_verified:,}/{rep.tensors_planned:,} tensors verified by checksum")
+    for col in ("rank", "planned GB", "loaded GB", "device GB", "s", "GB/s"):
+        t.add_column(col)
+    for r in rep.ranks:
+        t.add_row(str(r), f"{rep.bytes_planned.get(r, 0) / 1e9:.3f}", f"{rep.bytes_loaded.get(r, 0) / 1e9:.3f}",
+                  f"{rep.device_bytes_used.get(r, 0) / 1e9:.3f}", f"{rep.seconds.get(r, 0.0):.2f}",
+                  f"{rep.gbps.get(r, 0.0):.2f}")
+    c = console()
+    c.print(t)
+    c.print(f"aggregate {rep.aggregate_gbps:.2f} GB/s; raw sequential read of the same files "
+            f"{rep.raw_read_gbps:.2f} GB/s (load / raw = {rep.load_vs_raw:.2f})")
 
 
 @click.command("validate", epilog="""\b

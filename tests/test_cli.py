@@ -235,3 +235,10 @@ def test_plan_of_a_broken_checkpoint_is_refused(tmp_path, golden_ckpt):
     (d / "model-00002-of-000002.safetensors").unlink()
     line = one_line_error(run(["plan", "--checkpoint", d, "--profile", "cpu"], code=2))
     assert "model-00002-of-000002.safetensors" in line
+
+
+def test_load_prints_the_plan_before_loading_and_the_proof_after(golden_ckpt, tmp_path):
+    out = run(["load", "--checkpoint", golden_ckpt, "--out", tmp_path / "r"]).output
+    plan_at, tiers_at, proof_at = out.find("plan: k3-tiny"), out.find("tier"), out.find("tensors verified by checksum")
+    assert 0 <= plan_at < tiers_at < proof_at, out
+    assert "per-rank weight bytes" in out and "1,492/1,492" in out and "load / raw" in out

@@ -423,8 +423,11 @@ class Placement:
 
     def summary(self) -> list[dict]:
         """Rows for a table: ``{"item", "bytes", "GB", "detail"}`` — per-GPU parts, reserves, budget, cache."""
-        def row(item, b, detail=""):
-            return {"item": item, "bytes": int(b), "GB": round(b / GB, 3), "detail": detail}
+        def row(item, b, detail="", count=None):
+            r = {"item": item, "bytes": int(b), "GB": round(b / GB, 3), "detail": detail}
+            if count is not None:
+                r["count"] = int(count)  # a row whose figure is a count (tokens, sequences); bytes = what it uses
+            return r
 
         parts = self.bytes_by_part
         split = {
@@ -446,10 +449,10 @@ class Placement:
         rows.append(row("MLA cache per token", c.mla_bytes_per_token, f"{c.kv_dtype}, replicated per TP rank"))
         rows.append(row("KDA state per sequence", c.kda_state_bytes_per_seq, "fp32 recurrent + conv state, this rank"))
         rows.append(row("cache capacity (tokens)", c.max_tokens * c.mla_bytes_per_token,
-                        f"{c.max_tokens:,} tokens if all budget were MLA cache"))
+                        f"{c.max_tokens:,} tokens if all budget were MLA cache", count=c.max_tokens))
         rows.append(row("concurrent sequences", c.max_sequences * (c.context_len * c.mla_bytes_per_token
                                                                     + c.kda_state_bytes_per_seq),
-                        f"{c.max_sequences:,} sequences of {c.context_len:,} tokens"))
+                        f"{c.max_sequences:,} sequences of {c.context_len:,} tokens", count=c.max_sequences))
         return rows
 
     def to_dict(self) -> dict:
