@@ -84,10 +84,13 @@ def test_load_report_merges_only_same_checkpoint(tmp_path):
     write_report(rep, tmp_path)
     same = load_report(tmp_path, "hashA")
     assert list(same.stages) == ["env"]
-    other = load_report(tmp_path, "hashB")  # another checkpoint: start fresh
+    other = load_report(tmp_path, "hashB")  # another checkpoint: start fresh, keep the old one
     assert other.stages == {}
+    kept = json.loads((tmp_path / "report.previous.json").read_text())
+    assert kept["reproduction"]["config_hash"] == "hashA" and list(kept["stages"]) == ["env"]
     (tmp_path / "report.json").write_text("{not json")
     assert load_report(tmp_path, "hashA").stages == {}
+    assert (tmp_path / "report.previous.json").read_text() == "{not json"
 
 
 def test_reproduction_block_contents(tmp_path, golden_ckpt, monkeypatch):

@@ -386,7 +386,8 @@ def load_report(out_dir: str | Path, config_hash: str | None = None) -> Report:
     """Open ``out_dir/report.json`` for merging, or a new :class:`Report`.
 
     A report of another checkpoint (different ``config_hash``) or an unreadable/old-schema file is not
-    merged into: a fresh report starts (the old file is overwritten when the new one is written).
+    merged into: a fresh report starts, and the old ``report.json`` is kept as ``report.previous.json``
+    (a one-line note on stderr says so), so no measurement is lost without a word.
     """
     p = Path(out_dir) / "report.json"
     if not p.is_file():
@@ -394,11 +395,22 @@ def load_report(out_dir: str | Path, config_hash: str | None = None) -> Report:
     try:
         rep = Report.from_dict(json.loads(p.read_text()))
     except (ValueError, KeyError, TypeError, ConfigError):
-        return Report()
+        return _fresh(p, "it is not a k3rocm.report/1 file")
     old = rep.reproduction.get("config_hash")
     if config_hash and old and old != config_hash:
-        return Report()
+        return _fresh(p, "it is a report of another checkpoint config")
     return rep
+
+
+def _fresh(p: Path, why: str) -> Report:
+    import shutil
+    import sys
+
+    keep = p.with_name("report.previous.json")
+    shutil.copyfile(p, keep)
+    print(f"note: {p} not merged into ({why}); starting a new report, the old one is kept as {keep.name}",
+          file=sys.stderr)
+    return Report()
 
 
 class Timer:
