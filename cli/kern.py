@@ -54,6 +54,8 @@ def isa_cmd(targets, families, as_json, debug):
     expected matrix instructions or spills on AMD."""
     from rich.table import Table
 
+    from rich.markup import escape
+
     from k3rocm.kernels.isa import TARGETS, run_isa
     reps = run_isa(tuple(targets) or TARGETS, tuple(families) or None)
     if as_json:
@@ -64,10 +66,15 @@ def isa_cmd(targets, families, as_json, debug):
             t.add_column(col)
         for r in reps:
             sp = "-" if r.vgpr_spill is None else f"{r.vgpr_spill}/{r.sgpr_spill}"
-            t.add_row(r.name, r.target, ", ".join(r.matrix_ops) or "-", str(r.vgpr if r.vgpr is not None else "-"),
+            t.add_row(escape(r.name), r.target, ", ".join(r.matrix_ops) or "-", str(r.vgpr if r.vgpr is not None else "-"),
                       str(r.sgpr if r.sgpr is not None else "-"), sp, str(r.lds_bytes if r.lds_bytes is not None else "-"),
                       "[green]ok[/]" if r.ok else "[red]" + "; ".join(r.problems()) + "[/]")
         console().print(t)
+        if reps:
+            ok = sum(r.ok for r in reps)
+            kinds = len({r.name for r in reps})
+            console().print(f"{ok}/{len(reps)} compilations ok ({kinds} kernel configs x "
+                            f"{len({r.target for r in reps})} targets)")
     if not reps:
         click.echo("no kernel family exposes isa_cases() yet")
     bad = [r for r in reps if not r.ok]
