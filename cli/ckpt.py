@@ -54,7 +54,7 @@ Examples:
   k3rocm checkpoint inspect --json""")
 @click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR",
               help="Checkpoint directory (default: the embedded k3-tiny).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @debug_option
 @handle_errors
 def inspect_cmd(checkpoint, as_json, debug):
@@ -96,7 +96,8 @@ def inspect_cmd(checkpoint, as_json, debug):
 Examples:
   k3rocm checkpoint verify --checkpoint ./k3-tiny                 # against k3rocm-manifest.json
   k3rocm checkpoint verify --checkpoint ./k3-tiny --write-manifest""")
-@click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR")
+@click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR",
+              help="Checkpoint directory. Default: the embedded k3-tiny.")
 @click.option("--write-manifest", is_flag=True, help="Write k3rocm-manifest.json (sha256 of every file) instead of checking.")
 @debug_option
 @handle_errors

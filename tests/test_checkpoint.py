@@ -122,7 +122,7 @@ def test_shard_plan_k3_prefix_2_set_logic():
         keys = [(writer._DTYPE_ORDER[s.dtype], s.name) for s in sh]
         assert keys == sorted(keys)
     assert writer.shard_name(1, 96) == "model-00001-of-000096.safetensors"
-    with pytest.raises(Exception, match="num_shards"):
+    with pytest.raises(Exception, match="shard count"):
         writer.plan_shards(cfg, 6)
 
 

@@ -88,7 +88,8 @@ def plan_shards(cfg: K3Config, num_shards: int | None = None) -> list[list[Tenso
     units = _units(cfg)
     n = default_num_shards(cfg) if num_shards is None else int(num_shards)
     if not 1 <= n <= len(units):
-        raise ConfigError(f"num_shards {n} must be in 1..{len(units)} (a shard holds whole layers)")
+        raise ConfigError(f"shard count {n} must be in 1..{len(units)} for {cfg.name} (a shard holds whole "
+                          "layers; --shards)")
     sizes = [sum(s.nbytes for s in u) for u in units]
     total = sum(sizes)
     shards: list[list[TensorSpec]] = [[] for _ in range(n)]

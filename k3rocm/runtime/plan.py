@@ -635,7 +635,12 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
             raise first_err  # type: ignore[misc]
     if ep is None:
         ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
-    _check_layout(cfg, profile, tp, ep)
+        try:
+            _check_layout(cfg, profile, tp, ep)
+        except PlanError as e:  # the user gave no --ep: say where the value came from
+            raise PlanError(f"{e} (ep was not given and defaults to {ep}; pass --ep)") from None
+    else:
+        _check_layout(cfg, profile, tp, ep)
     lay = _Layout(tp, ep)
     max_tokens = int(max_tokens or DEFAULT_MAX_TOKENS)
     context_len = int(context_len or DEFAULT_CONTEXT)
