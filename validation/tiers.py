@@ -408,7 +408,12 @@ def tier_correctness(session: Session, stage: Stage) -> None:
 def _impl_note(session: Session) -> str:
     sel = session.kernel_selection()
     kinds = sorted(set(sel.values()))
-    return "ops: " + (", ".join(kinds) if len(kinds) <= 1 else ", ".join(f"{k}={v}" for k, v in sel.items()))
+    note = "ops: " + (", ".join(kinds) if len(kinds) <= 1 else ", ".join(f"{k}={v}" for k, v in sel.items()))
+    if kinds == ["torch"]:
+        # say plainly what this row can and cannot show: both sides run the same op code here
+        note += ("; every op is the torch oracle itself, so this row checks only the engine's weight handling "
+                 "and batching, not kernels (the serving-path rows below and a GPU run exercise more)")
+    return note
 
 
 def golden_checks(session: Session, stage: Stage) -> None:
