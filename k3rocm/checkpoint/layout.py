@@ -133,24 +133,32 @@ def layer_specs(cfg: K3Config, i: int, with_experts: bool = True) -> list[Tensor
                 _bf16(f"{a}kv_a_layernorm.weight", (kr,), i),
                 _bf16(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + vd), kr), i),
                 _bf16(f"{a}g_proj.weight", (nh * vd, H), i), _bf16(f"{a}o_proj.weight", (H, nh * vd), i)]
-    if cfg.is_moe_layer(i):
-        m = f"{p}block_sparse_moe."
-        E, Lt, S = cfg.num_experts, cfg.expert_in_size, cfg.shared_intermediate_size
-        out += [_bf16(f"{m}gate.weight", (E, H), i), _f32(f"{m}gate.e_score_correction_bias", (E,), i)]
-        if cfg.routed_expert_hidden_size is not None:
-            out += [_bf16(f"{m}routed_expert_down_proj.weight", (Lt, H), i),
-                    _bf16(f"{m}routed_expert_norm.weight", (Lt,), i),
-                    _bf16(f"{m}routed_expert_up_proj.weight", (H, Lt), i)]
+    out += _channel_specs(cfg, p, i, with_experts)
+    return out
+
+
+def _channel_specs(cfg: K3Config, p: str, i: int, with_experts: bool) -> list[TensorSpec]:
+    """Channel mixer of layer ``i`` (prefix ``p``): router, latent projections (Stable LatentMoE only),
+    merged shared experts, routed experts — or the dense MLP before ``first_k_dense_replace``."""
+    H = cfg.hidden_size
+    if not cfg.is_moe_layer(i):
+        I = cfg.intermediate_size
+        return [_bf16(f"{p}mlp.gate_proj.weight", (I, H), i), _bf16(f"{p}mlp.up_proj.weight", (I, H), i),
+                _bf16(f"{p}mlp.down_proj.weight", (H, I), i)]
+    m = f"{p}block_sparse_moe."
+    E, Lt, S = cfg.num_experts, cfg.expert_in_size, cfg.shared_intermediate_size
+    out = [_bf16(f"{m}gate.weight", (E, H), i), _f32(f"{m}gate.e_score_correction_bias", (E,), i)]
+    if cfg.routed_expert_hidden_size is not None:
+        out += [_bf16(f"{m}routed_expert_down_proj.weight", (Lt, H), i),
+                _bf16(f"{m}routed_expert_norm.weight", (Lt,), i),
+                _bf16(f"{m}routed_expert_up_proj.weight", (H, Lt), i)]
+    if S:
         out += [_bf16(f"{m}shared_experts.gate_proj.weight", (S, H), i),
                 _bf16(f"{m}shared_experts.up_proj.weight", (S, H), i),
                 _bf16(f"{m}shared_experts.down_proj.weight", (H, S), i)]
-        if with_experts:
-            for e in range(E):
-                out += expert_specs(cfg, i, e)
-    else:
-        I = cfg.intermediate_size
-        out += [_bf16(f"{p}mlp.gate_proj.weight", (I, H), i), _bf16(f"{p}mlp.up_proj.weight", (I, H), i),
-                _bf16(f"{p}mlp.down_proj.weight", (H, I), i)]
+    if with_experts:
+        for e in range(E):
+            out += expert_specs(cfg, i, e)
     return out
 
 
@@ -182,21 +190,7 @@ def _kimi_linear_layer_specs(cfg: K3Config, i: int, with_experts: bool) -> list[
                 _bf16(f"{a}kv_a_layernorm.weight", (kr,), i),
                 _bf16(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + vd), kr), i),
                 _bf16(f"{a}o_proj.weight", (H, nh * vd), i)]
-    if cfg.is_moe_layer(i):
-        m = f"{p}block_sparse_moe."
-        E, S = cfg.num_experts, cfg.shared_intermediate_size
-        out += [_bf16(f"{m}gate.weight", (E, H), i), _f32(f"{m}gate.e_score_correction_bias", (E,), i)]
-        if S:
-            out += [_bf16(f"{m}shared_experts.gate_proj.weight", (S, H), i),
-                    _bf16(f"{m}shared_experts.up_proj.weight", (S, H), i),
-                    _bf16(f"{m}shared_experts.down_proj.weight", (H, S), i)]
-        if with_experts:
-            for e in range(E):
-                out += expert_specs(cfg, i, e)
-    else:
-        I = cfg.intermediate_size
-        out += [_bf16(f"{p}mlp.gate_proj.weight", (I, H), i), _bf16(f"{p}mlp.up_proj.weight", (I, H), i),
-                _bf16(f"{p}mlp.down_proj.weight", (H, I), i)]
+    out += _channel_specs(cfg, p, i, with_experts)
     return out
 
 
