@@ -240,3 +240,23 @@ def test_serving_logits_skip_graph_capture():
     assert toks == [0, 1, 2, 3] and logits.shape == (4, 7)
     assert logits.argmax(-1).tolist() == toks
     assert "_forward" not in vars(eng) and "_graph_decode" not in vars(eng)  # spies removed
+
+
+def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
+    """A sweep gives one trade-off point per concurrency at (1000 / median TPOT, output tok/s/GPU)."""
+    from k3rocm.validation.evidence import Stage
+    from k3rocm.validation.tiers import bench_rows
+
+    class S:  # the two attributes bench_rows reads from a session
+        measured_level = "measured-fallback"
+        profile = type("P", (), {"targets": ()})()
+
+    res = [{"concurrency": c, "completed": 3, "failed": 0, "hang": None, "median_tpot_ms": tpot,
+            "output_throughput_per_gpu": thr} for c, tpot, thr in ((1, 10.0, 100.0), (8, 20.0, 400.0), (64, 50.0, 900.0))]
+    st = Stage("bench")
+    bench_rows(S(), st, res, tier="bench")
+    t = st.series["tradeoff"]
+    assert t["x"] == [20.0, 50.0, 100.0] and t["y"]["output tok/s/GPU"] == [900.0, 400.0, 100.0]
+    assert t["labels"] == ["c=64", "c=8", "c=1"]
+    rows = {e.name: e for e in st.evidence}
+    assert rows["c8.tok_s_per_user"].value == 50.0 and rows["c8.tok_s_per_user"].level == "measured-fallback"

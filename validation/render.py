@@ -116,6 +116,8 @@ def _series_svg(name: str, spec: dict) -> str | None:
             ax.set_xticks([i + 0.4 - w / 2 for i in range(len(vals))], [str(v) for v in xs])
         else:
             ax.plot(xs, vals, marker="o", markersize=3, label=lab)
+            for xv, yv, text in zip(xs, vals, spec.get("labels") or []):
+                ax.annotate(str(text), (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
     positive = [float(v) for vals in ys.values() for v in vals
                 if isinstance(v, (int, float)) and v == v and v > 0]
     if spec.get("log") and positive:

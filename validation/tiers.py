@@ -612,6 +612,18 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
     if thr:
         stage.series["throughput"] = {"title": "throughput vs concurrency", "kind": "bar", "x": cs,
                                       "xlabel": "concurrency", "ylabel": "tok/s", "y": thr}
+    # the serving trade-off (InferenceX's axes): output tok/s per GPU against tok/s per user, one point per
+    # concurrency; tok/s/user = 1000 / median TPOT (ms)
+    pts = sorted((1000.0 / r["median_tpot_ms"], r["output_throughput_per_gpu"], r.get("concurrency"))
+                 for r in results if r.get("median_tpot_ms") and r.get("output_throughput_per_gpu") is not None)
+    for u, _, c in pts:
+        stage.add(info(tier, f"c{c}.tok_s_per_user", round(u, 4), "tok/s/user", level=lv,
+                       detail="1000 / median TPOT (ms): decode speed one user sees"))
+    if pts:
+        stage.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)",
+                                    "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",
+                                    "ylabel": "output tok/s/GPU", "y": {"output tok/s/GPU": [p[1] for p in pts]},
+                                    "labels": [f"c={p[2]}" for p in pts]}
 
 
 def _target_conc(setting: str) -> int | None:
