@@ -57,6 +57,7 @@ class Impl:
 
 _REGISTRY: dict[str, dict[str, Impl]] = {}
 _loaded_families = False
+_IMPORT_ERRORS: dict[str, str] = {}
 
 
 def register(op: str, impl: str, fn: Callable, supports: Callable[..., bool] | None = None, note: str = "") -> None:
@@ -76,8 +77,15 @@ def _load_families() -> None:
     for fam in FAMILIES:
         try:
             importlib.import_module(f"k3rocm.kernels.{fam}")
-        except ImportError:  # a family without kernels yet, or triton missing: torch still serves
-            pass
+        except ImportError as e:  # triton missing or a broken family: torch still serves, but say why
+            _IMPORT_ERRORS[fam] = f"{type(e).__name__}: {e}"
+
+
+def import_errors() -> dict[str, str]:
+    """Kernel families that failed to import, ``{family: "ImportError: ..."}`` (their ops fall back to the
+    torch oracle). The env tier fails on a GPU when this is not empty, so a fallback is never silent."""
+    _load_families()
+    return dict(_IMPORT_ERRORS)
 
 
 def implementations(op: str) -> dict[str, Impl]:

@@ -25,13 +25,14 @@ def _inputs(B, T, H, D, gen, lo=-3.0, hi=3.0):
 @pytest.mark.parametrize("form", ["k3", "kimi_linear"])
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_chunked_equals_recurrent(form, chunk):
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31  # fresh inputs every run; the seed is in the failure message to reproduce it
+    gen = torch.Generator().manual_seed(seed)
     args = _inputs(2, 70, 3, 16, gen)
     s0 = torch.randn(2, 3, 16, 16, generator=gen)
     o1, f1 = K.kda_recurrent(*args, initial_state=s0, gate_form=form)
     o2, f2 = K.kda_chunked(*args, initial_state=s0, gate_form=form, chunk_size=chunk)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
 
 
 def test_gate_bounds_and_formula():

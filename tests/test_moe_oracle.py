@@ -297,3 +297,15 @@ def test_mxfp4_roundtrip_through_oracle_decoder():
     assert (pack_fp4(torch.zeros(1, 2)) == 0).all()
     err = (d - w[1]).abs() / w[1].abs().amax(-1, keepdim=True)
     assert err.max() <= 0.25  # within half an E2M1 step of the block scale
+
+
+def test_negative_expert_id_is_refused():
+    """An unfilled router slot (-1) must not be routed to expert 0 by the oracle kernels are checked against."""
+    from k3rocm.errors import ConfigError
+    from k3rocm.model import moe as M
+
+    ew = random_experts(4, 64, 64, seed=1)
+    x = torch.randn(2, 64)
+    ids = torch.tensor([[0, -1], [1, 2]], dtype=torch.int32)
+    with pytest.raises(ConfigError, match="< 0"):
+        M.moe_experts(x, ids, torch.rand(2, 2), ew)

@@ -150,7 +150,8 @@ def test_a8w4_differs_from_a16w4_by_activation_error(tk):
     a8 = tk.moe.moe_experts(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, mode="a8w4")
     d = _rel(a8, a16)
     assert 1e-3 < d < 0.15, f"A8W4 vs A16W4 rel diff {d:.3g}: modes mixed up or MXFP8 broken"
-    with pytest.raises(Exception):
+    from k3rocm.errors import ConfigError
+    with pytest.raises(ConfigError, match="mode"):
         tk.moe.moe_experts(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, mode="auto")
 
 

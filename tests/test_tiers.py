@@ -196,6 +196,12 @@ def test_every_tier_passes_on_the_gpu(golden_dir):
     assert cor["golden.greedy_tokens"].passed
     sel = s.kernel_selection()
     assert sel and all(v in ("triton", "aiter", "torch") for v in sel.values())
+    # every op that has a GPU kernel must run it: a silent fallback to the oracle would make the
+    # correctness tier compare the oracle with itself
+    from k3rocm.kernels import registry
+    with_kernel = {op for op in registry.ORACLE_OPS if {"triton", "aiter"} & set(registry.implementations(op))}
+    assert with_kernel and {op for op in with_kernel if sel.get(op) == "torch"} == set(), sel
+    assert not s.engine.describe().get("fallbacks"), s.engine.describe().get("fallbacks")
 
 
 class _FakeGraphEngine:
@@ -260,3 +266,23 @@ def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
     assert t["labels"] == ["c=64", "c=8", "c=1"]
     rows = {e.name: e for e in st.evidence}
     assert rows["c8.tok_s_per_user"].value == 50.0 and rows["c8.tok_s_per_user"].level == "measured-fallback"
+
+
+def test_a_kernel_family_that_fails_to_import_is_reported(monkeypatch):
+    from k3rocm.kernels import registry
+
+    from types import SimpleNamespace as NS
+
+    from k3rocm.validation.evidence import Stage
+
+    monkeypatch.setattr(registry, "_IMPORT_ERRORS", {"kda": "ImportError: broken"})
+    assert registry.import_errors() == {"kda": "ImportError: broken"}
+    gpu = NS(name="NVIDIA H200", arch="sm_90")
+    det = NS(backend="cuda", torch_version="x", torch_build="cuda", triton_version="3.6", triton_target="cuda:90",
+             aiter_version=None, count=1, devices=[gpu], memory_bytes=150e9, env={}, notes=[], arch="sm_90")
+    prof = NS(name="h200-1", device_count=1, device_name="H200", arch="sm_90", memory_bytes=150e9, backend="cuda")
+    sess = NS(detected=det, profile=prof, measured_level="measured", hardware_matches=True)
+    st = Stage("env")
+    tiers.tier_env(sess, st)
+    row = {e.name: e for e in st.evidence}["kernels.import"]
+    assert row.passed is False and "kda: ImportError: broken" in row.detail

@@ -31,7 +31,7 @@ THRESHOLDS: dict[str, float] = {
     "engine.logits_max_abs": 0.5,       # max |logit difference|
     "decode_vs_prefill.max_abs": 5e-3,  # logits of token-by-token decode vs one prefill (same path)
     # oracle (fp32) vs external golden logits (golden README)
-    "golden.logits_max_abs": 5e-3,   # README: "within ~2e-3"; measured 2.3e-3 on k3-tiny
+    "golden.logits_max_abs": 3e-3,   # README: "within ~2e-3"; measured 2.28e-3 on k3-tiny (the unit test's bound)
     "golden.layer_rel_rms": 1e-3,
     "golden.top1_margin": 1e-2,         # argmax compared only where the golden margin exceeds this
     # official checkpoint known answers (K3_FACTS §6)
@@ -213,6 +213,14 @@ def tier_env(session: Session, stage: Stage) -> None:
                        detail=f"profile {prof.name} names {prof.arch} x{prof.device_count}; every measurement "
                               "in this report is measured-fallback, targets are projected"))
     stage.add(info("env", "env_vars", len(det.env), detail=", ".join(f"{k}={v}" for k, v in det.env.items())[:300]))
+    from k3rocm.kernels import registry
+    errs = registry.import_errors()
+    if det.count:  # on a GPU a kernel family that does not import would silently run as the torch oracle
+        stage.add(check("env", "kernels.import", len(errs), eq=0, unit="families failed",
+                        detail="; ".join(f"{f}: {e}" for f, e in errs.items())[:300] or "every kernel family imports"))
+    elif errs:
+        stage.add(info("env", "kernels.import", len(errs), "families failed",
+                       detail="; ".join(f"{f}: {e}" for f, e in errs.items())[:300]))
     for n in det.notes:
         stage.add(info("env", "note", n))
     stage.add(info("env", "level", lv, detail="level of every measurement in this report"))

@@ -383,9 +383,15 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
                 outs.append(o_n[0])
             o = torch.cat(outs, 0)
     o = f32(o).reshape(T, H * Dv)
-    if w.has(p + "g_proj.weight"):
+    if mla_has_output_gate(cfg):  # decided by the config, so a missing g_proj is an error, never an ungated model
         o = o * torch.sigmoid(linear(x, w(p + "g_proj.weight")))
     return linear(o, w(p + "o_proj.weight"))
+
+
+def mla_has_output_gate(cfg: K3Config) -> bool:
+    """Gated MLA (K3: ``mla_use_output_gate``, attn_out × sigmoid(g_proj(x))); Kimi-Linear's MLA has no gate."""
+    text = cfg.raw.get("text_config", cfg.raw) if isinstance(cfg.raw, dict) else {}
+    return bool(text.get("mla_use_output_gate", cfg.family == "k3"))
 
 
 # ---------------------------------------------------------------------------------------------------------

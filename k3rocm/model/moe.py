@@ -278,7 +278,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     Returns:
         ``[T, D]`` fp32.
     Raises:
-        ConfigError: unknown mode/act or mismatched shapes. CheckpointError: bad expert tensors.
+        ConfigError: unknown mode/act, mismatched shapes, or a negative expert id (an unfilled router slot).
+        CheckpointError: bad expert tensors.
     """
     if mode not in MODES:
         raise ConfigError(f"moe_experts: mode {mode!r} is not one of {', '.join(MODES)}; pass it explicitly")
@@ -295,7 +296,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if topk_ids.numel() == 0:
         return out
     k = topk_ids.shape[1]
-    d = dispatch(topk_ids.clamp(min=0), max(int(topk_ids.max()) + 1, first + n_local), (first, first + n_local))
+    if int(topk_ids.min()) < 0:
+        raise ConfigError(f"moe_experts: expert id {int(topk_ids.min())} < 0 in topk_ids (an unfilled router "
+                          "slot?); every id must be a global expert id")
+    d = dispatch(topk_ids, max(int(topk_ids.max()) + 1, first + n_local), (first, first + n_local))
     xin = quantize_mxfp8_e4m3(x)[2] if mode == "a8w4" else x
     wflat = _f32(topk_weights).reshape(-1)
     counts = d.counts.tolist()

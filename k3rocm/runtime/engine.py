@@ -35,7 +35,7 @@ from k3rocm.errors import ConfigError, PlanError
 from k3rocm.kernels import registry
 from k3rocm.model.common import f32, linear, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate,
-                                fold_res_weight, kda_mixer, mlp_side, moe_block)
+                                fold_res_weight, kda_mixer, mla_has_output_gate, mlp_side, moe_block)
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
 
@@ -164,8 +164,12 @@ class Engine:
             override["*"] = "torch"  # a CPU engine never takes GPU kernels, even where a GPU is visible
         self.ops: dict[str, Any] = {}
         self.op_impls: dict[str, str] = {}
+        # what the kernels' supports() checks look at: the model's shapes, not their defaults
+        shape = dict(quantized=cfg.experts_quantized, kv_lora_rank=cfg.kv_lora_rank,
+                     gate_form="k3" if cfg.family == "k3" else "kimi_linear", lower_bound=cfg.gate_lower_bound,
+                     num_sources=cfg.num_attn_res_bank_rows + 1)
         for op in registry.ORACLE_OPS:
-            name, impl = registry.select(op, override)
+            name, impl = registry.select(op, override, **shape)
             self.ops[op] = impl.fn
             self.op_impls[op] = name
         # ---- weights
@@ -226,7 +230,8 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
-            "moe_mode": self.moe_mode,
+            # the mode that runs: bf16 (unquantized) experts have no A8W4 path
+            "moe_mode": self.moe_mode if self.cfg.experts_quantized else "a16w4 (bf16 experts)",
             "ops": dict(self.op_impls),
             "fallbacks": [f"{op}: torch oracle (no GPU kernel registered or supported)" for op, impl in
                           self.op_impls.items() if impl == "torch" and self.device.type == "cuda"],
@@ -350,7 +355,7 @@ class Engine:
         """Output gate ``sigmoid(g_proj(x))`` (when the layer has one) and ``o_proj``."""
         p = f"layers.{layer}.self_attn."
         o = f32(o).reshape(x.shape[0], -1)
-        if self.w.has(p + "g_proj.weight"):
+        if mla_has_output_gate(self.cfg):
             o = o * torch.sigmoid(linear(x, self.w(p + "g_proj.weight")))
         return linear(o, self.w(p + "o_proj.weight"))
 

@@ -57,8 +57,8 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     E = gate_weight.shape[0]
     if not 0 < top_k <= E:
         raise ConfigError(f"moe_router: top_k {top_k} must be in 1..{E} (num_experts_per_token)")
-    if gate_weight.dtype != x.dtype:
-        gate_weight = gate_weight.to(x.dtype)
+    if gate_weight.dtype != x.dtype:  # never narrow one side to the other's format: widen both (FP32 router)
+        x, gate_weight = x.float(), gate_weight.float()
     x = x.contiguous()
     gate_weight = gate_weight.contiguous()
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
