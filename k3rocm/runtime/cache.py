@@ -119,8 +119,10 @@ class MLACache:
                  device: str | torch.device = "cpu", kv_scale: float = 1.0, layers: list[int] | None = None):
         if num_blocks < 1 or block_size < 1:
             raise PlanError(f"MLA cache needs num_blocks >= 1 and block_size >= 1 (got {num_blocks}, {block_size})")
-        if dtype not in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn):
-            raise PlanError(f"MLA cache dtype {dtype} is not supported; use bfloat16, float32 or float8_e4m3fn")
+        # FP8: e4m3fn on gfx950 / CUDA, e4m3fnuz on gfx942 (k3rocm.model.mla.fp8_cache_dtype picks by arch)
+        if dtype not in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            raise PlanError(f"MLA cache dtype {dtype} is not supported; use bfloat16, float32, float8_e4m3fn "
+                            "(gfx950/CUDA) or float8_e4m3fnuz (gfx942)")
         self.cfg = cfg
         self.num_blocks = num_blocks
         self.block_size = block_size
