@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from k3rocm.model import moe as M
+from k3rocm.model.common import situ_glu
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_moe_oracle import near_tie_router_inputs, random_experts  # noqa: E402
@@ -109,20 +110,52 @@ def _slice(ew, r, ranks):
                 w2_scale=ew["w2_scale"][sl], num_experts=per, first_expert=r * per)
 
 
-TOL = {"a16w4": 1e-2, "a8w4": 1e-2}
+TOL = {"a16w4": 5e-4, "a8w4": 1e-2}  # a16w4: one-ulp flips of a stored bf16 h (fp32 order), ~1e-4
+
+
+def _store_bf16(h: torch.Tensor) -> torch.Tensor:
+    """How the A16W4 kernel stores ``h`` (bf16): round-to-nearest-even on a GPU; the Triton interpreter's
+    fp32 -> bf16 cast truncates (rounds toward zero), so under the interpreter the reference does the same."""
+    if GPU:
+        return h.bfloat16().float()
+    return (h.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+
+def _ref_a16w4(x, ids, wts, ew):
+    """Independent fp32 reference of the A16W4 kernel's arithmetic, pair by pair: bf16 x, decoded MXFP4
+    weights, SiTU in fp32, h stored as bf16, W2, router weight, sum per token."""
+    first, n = int(ew.get("first_expert", 0)), int(ew["num_experts"])
+    xf = x.float()
+    out = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first
+            if not 0 <= e < n:
+                continue
+            w13, w2 = M.expert_dense_weights(ew, e)
+            gu = xf[t] @ w13.t()
+            inter = gu.shape[0] // 2
+            h = _store_bf16(situ_glu(gu[:inter], gu[inter:]))
+            out[t] += float(wts[t, j]) * (h @ w2.t())
+    return out
 
 
 @pytest.mark.parametrize("mode", ["a16w4", "a8w4"])
 @pytest.mark.parametrize("T", [1, 2, 7, 64])
 def test_experts_every_config(tk, mode, T):
     x, ids, wts, ew = _case(T, 16, 64, 64, 4, seed=T)
-    ref = M.moe_experts(x, ids, wts, ew, mode=mode)
+    # A16W4: against a reference that stores h as the kernel does (bf16), so the bound is set by one-ulp flips
+    # of h under a different fp32 summation order (~1e-4), not by the bf16 storage error itself (~3e-3); the
+    # oracle's own A16W4 (h kept in fp32) is checked too, within that storage error
+    ref = _ref_a16w4(x, ids, wts, ew) if mode == "a16w4" else M.moe_experts(x, ids, wts, ew, mode=mode)
+    oracle = M.moe_experts(x, ids, wts, ew, mode=mode)
     ewd = _to(ew, tk.dev)
     for cfg in tk.configs:
         out = tk.moe.moe_experts(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, mode=mode, config=cfg,
                                  poison=True)
         assert torch.isfinite(out).all(), f"{cfg.name()}: unwritten (NaN) output"
         assert _rel(out, ref) < TOL[mode], f"{cfg.name()} {mode} T={T}: rel err {_rel(out, ref):.3g}"
+        assert _rel(out, oracle) < 1e-2, f"{cfg.name()} {mode} T={T}: rel err vs oracle {_rel(out, oracle):.3g}"
         again = tk.moe.moe_experts(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, mode=mode, config=cfg)
         assert torch.equal(again, out), f"{cfg.name()}: not deterministic"
 
