@@ -120,8 +120,6 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
 
     Exit 2 with the numbers when the checkpoint does not fit the profile.
     """
-    from rich.table import Table
-
     from k3rocm.config import preset as make_preset
     from k3rocm.hw import detect, load_profile, match_profile
     from k3rocm.runtime.plan import plan

@@ -140,8 +140,8 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     Every point's results go into the report's `bench` stage with plots of latency percentiles and
     throughput against concurrency.
     """
-    from k3rocm.validation.evidence import Stage, now_iso
-    from k3rocm.validation.tiers import bench_rows, run_bench_point, run_stage
+    from k3rocm.validation.evidence import Stage
+    from k3rocm.validation.tiers import bench_rows, run_bench_point
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
     s.preflight()
     from k3rocm.checkpoint import layout
@@ -173,12 +173,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
                                                progress=bar.callback(f"bench c={c}")))
         bench_rows(s, stage, results, tier="bench")
 
-    stage = run_stage("bench", body, s.opts.command, debug)
-    stage.started = stage.started or now_iso()
-    stages = [stage]
-    print_stages(stages)
-    _print_bench(stage)
-    finish(stages, write_stages(s, stages))
+    _finish_bench(s, body, debug)
 
 
 def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts, range_ratio, warmups, debug):
@@ -190,8 +185,8 @@ def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts
     from k3rocm.bench import run_bench
     from k3rocm.bench.client import OpenAIClient
     from k3rocm.config import preset
-    from k3rocm.validation.evidence import Stage, now_iso
-    from k3rocm.validation.tiers import bench_rows, run_stage
+    from k3rocm.validation.evidence import Stage
+    from k3rocm.validation.tiers import bench_rows
     cfg = s.config if checkpoint else preset("k3")
     client = OpenAIClient(endpoint, model=model_name, vocab_size=cfg.vocab_size,
                           special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id))
@@ -208,6 +203,13 @@ def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts
                 results.append(d)
         bench_rows(s, stage, results, tier="bench", level="external")
 
+    _finish_bench(s, body, debug)
+
+
+def _finish_bench(s, body, debug) -> None:
+    """Run the bench stage ``body(stage)``, print it, merge it into the report and exit with its status."""
+    from k3rocm.validation.evidence import now_iso
+    from k3rocm.validation.tiers import run_stage
     stage = run_stage("bench", body, s.opts.command, debug)
     stage.started = stage.started or now_iso()
     stages = [stage]

@@ -55,7 +55,7 @@ def render_markdown(rep: Report) -> str:
              f"backend {dev.get('backend', '?')})",
              f"- k3rocm {sw.get('k3rocm')} @ {sw.get('git_sha')}; torch {sw.get('torch')} ({sw.get('torch_build')}),"
              f" triton {sw.get('triton')}, aiter {sw.get('aiter')}",
-             f"- evidence levels: " + ", ".join(f"{k} {v}" for k, v in d["evidence_levels"].items()), ""]
+             "- evidence levels: " + ", ".join(f"{k} {v}" for k, v in d["evidence_levels"].items()), ""]
     lines += ["| stage | status | seconds | rows | failures |", "|---|---|---:|---:|---:|"]
     for s in rep.ordered():
         lines.append(f"| {s.tier} | {s.status} | {s.seconds:.2f} | {len(s.evidence)} | {len(s.failures)} |")

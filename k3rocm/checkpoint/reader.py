@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 from typing import Callable, Iterable
 

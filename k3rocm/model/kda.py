@@ -136,7 +136,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor |
 
 def _prep(q, k, v, decay_raw, beta_raw, A_log, dt_bias, scale, lower_bound, gate_form):
     B, T, H, K = q.shape
-    V = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != (B, T, H):
         raise ConfigError(f"kda: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [B, T, H, K/V]")
     if beta_raw.shape[:2] != (B, T) or beta_raw.reshape(B, T, -1).shape[-1] != H:

@@ -16,7 +16,6 @@ The block free list is FIFO (freed blocks are reused last), so allocation order 
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 

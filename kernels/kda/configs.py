@@ -13,7 +13,6 @@ Every list is exposed (:func:`configs`) so tests can run every configuration, no
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 from k3rocm.kernels._interp import interpreting, kjit, launch  # noqa: F401  (re-exported)

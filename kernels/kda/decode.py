@@ -13,7 +13,6 @@ synchronisation, no data-dependent allocation: safe under CUDA / HIP graph captu
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from k3rocm.errors import ConfigError

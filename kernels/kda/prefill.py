@@ -25,7 +25,6 @@ sequences. Algebra: Yang et al. 2024 (DeltaNet over sequence length), Kimi Linea
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
