@@ -158,7 +158,7 @@ def write_stages(session, stages) -> Path:
         prof = session.profile.name
     except K3Error:
         pass
-    rep = load_report(out, cfg_hash)
+    rep = load_report(out, cfg_hash, ckpt)
     extra = {}
     sel = session.kernel_selection()
     if sel:

@@ -156,9 +156,13 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
         raise ConfigError(f"--num-prompts {num_prompts} must be >= 1")
     if not 0.0 < range_ratio <= 1.0:
         raise ConfigError(f"--range-ratio {range_ratio} must be in (0, 1]")
-    if warmups is not None and warmups < 0:
-        raise ConfigError(f"--warmups {warmups} must be >= 0")
+    if warmups is not None and not 0 <= warmups <= MAX_PROMPTS:
+        raise ConfigError(f"--warmups {warmups} must be in 0..{MAX_PROMPTS:,}")
 
+    if endpoint is None:
+        check_bench_capacity(s, cs, il, ol, num_prompts)
+    elif num_prompts is not None and num_prompts > MAX_PROMPTS:
+        raise ConfigError(f"--num-prompts {num_prompts} is more than {MAX_PROMPTS:,}; run several benchmarks")
     if endpoint is not None:
         return _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts, range_ratio, warmups,
                                debug)
@@ -204,6 +208,39 @@ def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts
         bench_rows(s, stage, results, tier="bench", level="external")
 
     _finish_bench(s, body, debug)
+
+
+MAX_PROMPTS = 1_000_000
+
+
+def check_bench_capacity(s, concurrencies: list[int], input_len: int, output_len: int,
+                         num_prompts: int | None) -> None:
+    """Refuse, before any memory is taken, a load the plan's cache cannot hold.
+
+    Per sequence the engine keeps ``(input_len + output_len)`` tokens of MLA latent cache plus one KDA state
+    (``Placement.cache``: ``mla_bytes_per_token``, ``kda_state_bytes_per_seq``); ``concurrency`` sequences must
+    fit the plan's cache budget, and a sequence must fit ``max_position_embeddings``.
+
+    Raises:
+        ConfigError: the numbers, and what to lower.
+    """
+    if num_prompts is not None and num_prompts > MAX_PROMPTS:
+        raise ConfigError(f"--num-prompts {num_prompts} is more than {MAX_PROMPTS:,}; run several benchmarks")
+    text = s.config.raw.get("text_config", s.config.raw)
+    max_pos = int(text.get("max_position_embeddings") or 0)
+    L = input_len + output_len
+    if max_pos and L > max_pos:
+        raise ConfigError(f"--input-len + --output-len = {L:,} tokens exceeds the model's max_position_embeddings "
+                          f"{max_pos:,}")
+    pl = s.run_placement
+    c = pl.cache
+    per_seq = L * c.mla_bytes_per_token + c.kda_state_bytes_per_seq
+    fit = c.budget_bytes // max(per_seq, 1)
+    conc = max(concurrencies)
+    if conc > fit:
+        raise ConfigError(f"--concurrency {conc} at {L:,} tokens per sequence needs {conc * per_seq / 1e9:.2f} GB "
+                          f"of cache per GPU; the plan on {pl.profile_name} leaves {c.budget_bytes / 1e9:.2f} GB "
+                          f"({fit:,} such sequences): lower --concurrency or the lengths")
 
 
 def _finish_bench(s, body, debug) -> None:

@@ -125,9 +125,8 @@ def test_expected_failures_are_one_line(golden_ckpt, tmp_path):
     # --debug shows the traceback of the same failure
     r = run(["load", "--checkpoint", d, "--out", out, "--debug"], code=2)
     assert "Traceback" in r.output
-    # a broken checkpoint's report records the error stage
-    rep = json.loads((out / "report.json").read_text())
-    assert rep["stages"]["load"]["status"] == "error"
+    # bad input is refused before any tier runs: no report is written (or an existing one overwritten)
+    assert not (out / "report.json").exists()
 
 
 @pytest.mark.skipif(not no_gpu(), reason="checks the CPU-only answer")
@@ -242,3 +241,24 @@ def test_load_prints_the_plan_before_loading_and_the_proof_after(golden_ckpt, tm
     plan_at, tiers_at, proof_at = out.find("plan: k3-tiny"), out.find("tier"), out.find("tensors verified by checksum")
     assert 0 <= plan_at < tiers_at < proof_at, out
     assert "per-rank weight bytes" in out and "1,492/1,492" in out and "load / raw" in out
+
+
+@pytest.mark.parametrize("args,what", [
+    (["--input-len", "1000000000"], "max_position_embeddings"),
+    (["--concurrency", "1000000", "--num-prompts", "1", "--warmups", "0"], "of cache per GPU"),
+    (["--num-prompts", "1000000000000000000000"], "--num-prompts"),
+    (["--warmups", "100000000"], "--warmups"),
+])
+def test_bench_loads_the_plan_cannot_hold_are_refused_up_front(cache, tmp_path, args, what):
+    line = one_line_error(run(["bench", *args, "--out", tmp_path / "r"], code=2))
+    assert what in line
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
+    bad = tmp_path / "golden.txt"
+    bad.write_text("not safetensors")
+    one_line_error(run(["validate", "--golden", bad, "--out", tmp_path / "r"], code=2))
+    if not torch.cuda.is_available():
+        one_line_error(run(["load", "--kernels", "triton", "--out", tmp_path / "r"], code=3))
+    assert not (tmp_path / "r" / "report.json").exists()

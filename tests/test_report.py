@@ -61,16 +61,19 @@ def test_report_merge_accumulates_and_replaces():
     rep = Report()
     rep.merge_run(_repro(cmd="k3rocm load"), [_stage("env"), _stage("load")])
     rep.merge_run(_repro(cmd="k3rocm bench"), [_stage("bench")])
-    # a later run of the same tier replaces it
-    rep.merge_run(_repro(cmd="k3rocm validate"), [_stage("env", ok=False), _stage("forward")])
+    rep.merge_run(_repro(cmd="k3rocm validate"), [_stage("env"), _stage("forward")])
+    assert list(rep.to_dict()["stages"]) == ["env", "load", "forward", "bench"]  # tier order, bench last
+    # a later run of the same tier replaces it; a tier that now fails drops the stale stages after it
+    rep.merge_run(_repro(cmd="k3rocm validate"), [_stage("env"), _stage("forward", ok=False)])
     d = rep.to_dict()
     assert d["schema"] == SCHEMA
-    assert list(d["stages"]) == ["env", "load", "forward", "bench"]  # tier order, bench last
-    assert d["stages"]["env"]["status"] == "failed" and d["status"] == "failed"
-    assert [h["command"] for h in d["history"]] == ["k3rocm load", "k3rocm bench", "k3rocm validate"]
-    assert set(d["reproduction"]["stage_seconds"]) == {"env", "load", "forward", "bench"}
+    assert list(d["stages"]) == ["env", "load", "forward"]
+    assert d["stages"]["forward"]["status"] == "failed" and d["status"] == "failed"
+    assert [h["command"] for h in d["history"]] == ["k3rocm load", "k3rocm bench", "k3rocm validate",
+                                                    "k3rocm validate"]
+    assert set(d["reproduction"]["stage_seconds"]) == {"env", "load", "forward"}
     assert d["reproduction"]["command"] == "k3rocm validate"
-    assert d["evidence_levels"]["projected"] == 4 and d["evidence_levels"]["measured"] == 4
+    assert d["evidence_levels"]["projected"] == 3 and d["evidence_levels"]["measured"] == 3
     # round trip
     back = Report.from_dict(json.loads(render_json(rep)))
     assert back.to_dict()["stages"] == d["stages"]
@@ -86,11 +89,32 @@ def test_load_report_merges_only_same_checkpoint(tmp_path):
     assert list(same.stages) == ["env"]
     other = load_report(tmp_path, "hashB")  # another checkpoint: start fresh, keep the old one
     assert other.stages == {}
-    kept = json.loads((tmp_path / "report.previous.json").read_text())
-    assert kept["reproduction"]["config_hash"] == "hashA" and list(kept["stages"]) == ["env"]
+    kept = [json.loads(f.read_text()) for f in tmp_path.glob("report.previous-*.json")]
+    assert len(kept) == 1 and kept[0]["reproduction"]["config_hash"] == "hashA"
+    assert list(kept[0]["stages"]) == ["env"]
     (tmp_path / "report.json").write_text("{not json")
     assert load_report(tmp_path, "hashA").stages == {}
-    assert (tmp_path / "report.previous.json").read_text() == "{not json"
+    texts = sorted(f.read_text() for f in tmp_path.glob("report.previous-*.json"))
+    assert len(texts) == 2 and "{not json" in texts  # the earlier kept report is still there
+
+
+def test_same_config_other_checkpoint_is_not_merged(tmp_path):
+    rep = Report()
+    r = _repro("hashA")
+    r["checkpoint"] = "/models/one"
+    rep.merge_run(r, [_stage("env")])
+    write_report(rep, tmp_path)
+    assert list(load_report(tmp_path, "hashA", "/models/one").stages) == ["env"]
+    assert load_report(tmp_path, "hashA", "/models/two").stages == {}
+
+
+def test_a_failing_tier_drops_the_stale_stages_after_it():
+    rep = Report()
+    rep.merge_run(_repro("h"), [_stage(t) for t in ("env", "load", "forward", "correctness")])
+    bad = _stage("load")
+    bad.status = "error"
+    rep.merge_run(_repro("h"), [_stage("env"), bad])
+    assert list(rep.stages) == ["env", "load"] and rep.stages["load"].status == "error"
 
 
 def test_reproduction_block_contents(tmp_path, golden_ckpt, monkeypatch):

@@ -252,6 +252,13 @@ class Report:
         for s in stages:
             self.put(s)
             timings[s.tier] = round(float(s.seconds), 4)
+        bad = [s for s in stages if s.status != "passed"]
+        if bad:  # earlier runs' stages after a tier that now fails were measured on what no longer holds
+            cut = min(_stage_rank(s.tier) for s in bad)
+            new = {s.tier for s in stages}
+            for k in [k for k in self.stages if _stage_rank(k) > cut and k not in new]:
+                del self.stages[k]
+                timings.pop(k, None)
         thresholds.update(reproduction.get("thresholds", {}))
         self.reproduction["stage_seconds"] = {k: timings[k] for k in sorted(timings, key=_stage_rank)}
         self.reproduction["thresholds"] = thresholds
@@ -382,12 +389,13 @@ def atomic_write(path: str | Path, text: str) -> None:
         raise
 
 
-def load_report(out_dir: str | Path, config_hash: str | None = None) -> Report:
+def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint: str | None = None) -> Report:
     """Open ``out_dir/report.json`` for merging, or a new :class:`Report`.
 
-    A report of another checkpoint (different ``config_hash``) or an unreadable/old-schema file is not
-    merged into: a fresh report starts, and the old ``report.json`` is kept as ``report.previous.json``
-    (a one-line note on stderr says so), so no measurement is lost without a word.
+    A report of another checkpoint (different ``config_hash``, or the same config at another ``checkpoint``
+    path: two random-weight checkpoints share a config) or an unreadable/old-schema file is not merged into:
+    a fresh report starts, and the old ``report.json`` is kept as ``report.previous-<time>.json`` (a one-line
+    note on stderr says so), so no measurement is lost without a word.
     """
     p = Path(out_dir) / "report.json"
     if not p.is_file():
@@ -399,6 +407,9 @@ def load_report(out_dir: str | Path, config_hash: str | None = None) -> Report:
     old = rep.reproduction.get("config_hash")
     if config_hash and old and old != config_hash:
         return _fresh(p, "it is a report of another checkpoint config")
+    old_ck = rep.reproduction.get("checkpoint")
+    if checkpoint and old_ck and str(old_ck) != str(checkpoint):
+        return _fresh(p, f"it is a report of the checkpoint at {old_ck}")
     return rep
 
 
@@ -406,7 +417,12 @@ def _fresh(p: Path, why: str) -> Report:
     import shutil
     import sys
 
-    keep = p.with_name("report.previous.json")
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    keep = p.with_name(f"report.previous-{stamp}.json")
+    n = 1
+    while keep.exists():  # never overwrite an earlier kept report
+        keep = p.with_name(f"report.previous-{stamp}-{n}.json")
+        n += 1
     shutil.copyfile(p, keep)
     print(f"note: {p} not merged into ({why}); starting a new report, the old one is kept as {keep.name}",
           file=sys.stderr)

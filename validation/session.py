@@ -75,11 +75,19 @@ class Session:
         self.kernel_override = need("k3rocm.kernels.registry", "parse_override")(opts.kernels)
 
     def preflight(self) -> None:
-        """Resolve what bad input can break before any tier runs: the checkpoint directory (its existence
-        and config.json) and the hardware profile. Raises the one-line K3Error (exit 2)."""
+        """Resolve what bad input can break before any tier runs or anything is printed: the checkpoint (the
+        reader's whole structural check: index, shards, headers, tensor set, scales), the hardware profile,
+        the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory.
+        Raises the one-line K3Error."""
         self.checkpoint_dir
+        self.index
         self.config
         self.profile
+        reg = need("k3rocm.kernels.registry")
+        for op in reg.ORACLE_OPS:
+            reg.select(op, self.kernel_override)
+        if self.opts.golden:
+            check_golden_file(self.opts.golden)
         require_dir_for_output(self.opts.out)
 
     def _memo(self, key: str, fn):
@@ -268,6 +276,28 @@ class Session:
         if eng is None:
             return {}
         return dict(getattr(eng, "op_impls", {}) or {})
+
+
+def check_golden_file(path: str | Path) -> None:
+    """A --golden file must be a safetensors file holding at least ``input_ids`` and ``logits``.
+
+    Raises:
+        CheckpointError: missing, unreadable, not safetensors, or without those tensors (one line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"--golden {p}: file not found; pass a safetensors file with input_ids and logits")
+    try:
+        from safetensors import safe_open
+        with safe_open(str(p), framework="pt") as f:
+            keys = set(f.keys())
+    except Exception as e:  # any parse failure of a user-given file is bad input
+        raise CheckpointError(f"--golden {p}: not a safetensors file ({type(e).__name__}); pass the golden "
+                              "outputs file (input_ids, logits, layerNN.*)") from None
+    missing = {"input_ids", "logits"} - keys
+    if missing:
+        raise CheckpointError(f"--golden {p}: lacks {', '.join(sorted(missing))}; a golden file holds input_ids "
+                              "and logits (and optionally layerNN.attn_out/mlp_out, greedy_*)")
 
 
 def require_dir_for_output(out: str | Path) -> Path:
