@@ -43,9 +43,11 @@ Examples:
   k3rocm kernels isa                          # every family, gfx950 + gfx942 + sm_90
   k3rocm kernels isa --target gfx950 --family moe
   k3rocm kernels isa --json""")
-@click.option("--target", "targets", multiple=True, help="gfx950, gfx942, sm_90 (repeatable; default all three).")
-@click.option("--family", "families", multiple=True, help="Kernel family (kda, mla, moe, mx, attnres; default all).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--target", "targets", multiple=True, type=click.Choice(["gfx950", "gfx942", "sm_90"]),
+              help="gfx950, gfx942, sm_90 (repeatable; default all three).")
+@click.option("--family", "families", multiple=True, type=click.Choice(["kda", "mla", "attnres", "moe", "mx"]),
+              help="Kernel family (repeatable; default all).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per kernel and target.")
 @debug_option
 @handle_errors
 def isa_cmd(targets, families, as_json, debug):

@@ -40,8 +40,37 @@ for mod in (run, info, ckpt, kern):
 
 
 def main(argv=None) -> None:
-    """Console-script entry point (``k3rocm = k3rocm.cli.main:main``)."""
-    cli.main(args=argv, prog_name="k3rocm")
+    """Console-script entry point (``k3rocm = k3rocm.cli.main:main``).
+
+    Usage errors (unknown option, a value outside a choice) print one ``error:`` line naming the command's
+    ``--help``, exit 2, as every other expected failure does. SIGTERM (a job scheduler, ``timeout``) ends
+    the run like Ctrl-C, so temporary directories are removed on the way out.
+    """
+    import signal
+    import sys
+
+    def _term(signum, frame):  # raise in the main thread: the writers' cleanup handlers run
+        raise SystemExit(143)
+
+    try:
+        signal.signal(signal.SIGTERM, _term)
+    except ValueError:  # not the main thread (embedded use): leave the handler alone
+        pass
+    try:
+        cli.main(args=argv, prog_name="k3rocm", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as e:  # a bare group: its help is the answer
+        click.echo(e.ctx.get_help() if e.ctx else e.format_message())
+        sys.exit(0)
+    except click.UsageError as e:
+        cmd = e.ctx.command_path if e.ctx else "k3rocm"
+        click.echo(f"error: {e.format_message()} (see `{cmd} --help`)", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -194,6 +194,7 @@ def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts
     cfg = s.config if checkpoint else preset("k3")
     client = OpenAIClient(endpoint, model=model_name, vocab_size=cfg.vocab_size,
                           special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id))
+    client.check_reachable()
 
     def body(stage: Stage) -> None:
         results = []

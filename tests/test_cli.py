@@ -262,3 +262,41 @@ def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
     if not torch.cuda.is_available():
         one_line_error(run(["load", "--kernels", "triton", "--out", tmp_path / "r"], code=3))
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_usage_errors_are_one_line_through_the_console_script(tmp_path):
+    """The installed entry point turns click's usage errors into one `error:` line, exit 2."""
+    import subprocess
+    import sys
+
+    def script(*args):
+        return subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    for args in (["validate", "--level", "nosuch"], ["kernels", "isa", "--target", "gfx1234"], ["--bogus"]):
+        r = script(*args)
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and "--help" in err[0], r.stderr
+    r = script("kernels")
+    assert r.returncode == 0 and "isa" in r.stdout
+
+
+def test_unreachable_endpoint_is_exit_3_one_line(cache, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bind, then close
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    line = one_line_error(run(["bench", "--endpoint", f"http://127.0.0.1:{port}", "--concurrency", "1",
+                               "--num-prompts", "1", "--out", tmp_path / "r"], code=3))
+    assert "cannot connect" in line and not (tmp_path / "r" / "report.json").exists()
+
+
+def test_checkpoint_make_refuses_what_the_disk_cannot_hold(tmp_path, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))  # 1 MB free
+    line = one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", tmp_path / "ck"], code=2))
+    assert "GB free" in line and not (tmp_path / "ck").exists() and not list(tmp_path.glob(".ck.tmp-*"))

@@ -55,6 +55,21 @@ class OpenAIClient:
         self.special_ids = special_ids
         self.timeout = timeout
 
+    def check_reachable(self, timeout: float = 5.0) -> None:
+        """Open (and close) a TCP connection to the server before any request is timed.
+
+        Raises:
+            HardwareError: the host does not resolve or the port refuses / times out (one line, exit 3).
+        """
+        import socket
+
+        port = self.port or (443 if self.scheme == "https" else 80)
+        try:
+            socket.create_connection((self.host, port), timeout=timeout).close()
+        except OSError as e:
+            raise HardwareError(f"--endpoint {self.endpoint}: cannot connect to {self.host}:{port} "
+                                f"({e.strerror or e}); is the server up?") from None
+
     def describe(self) -> dict:
         return {"endpoint": self.endpoint, "path": self.path, "model": self.model}
 

@@ -214,6 +214,16 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     shards = plan_shards(cfg, num_shards)
     n = len(shards)
     total = sum(s.nbytes for sh in shards for s in sh)
+    probe = out.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = None
+    if free is not None and total > free:
+        raise CheckpointError(f"{out}: {cfg.name} needs {total / 1e9:,.1f} GB but {probe} has "
+                              f"{free / 1e9:,.1f} GB free; choose another disk or a smaller preset")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
