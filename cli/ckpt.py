@@ -26,7 +26,8 @@ Examples:
 @click.option("--preset", default="k3-tiny", show_default=True, metavar="NAME",
               help="k3-tiny, k3-prefix-N, k3, kimi-linear-48b-a3b (full sizes need the disk space).")
 @click.option("--out", required=True, type=click.Path(path_type=str), metavar="DIR", help="New directory to write.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Weights are a function of (seed, tensor name).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
+              help="Weights are a function of (seed, tensor name).")
 @click.option("--shards", type=int, default=None, help="Number of shards (default: by size).")
 @click.option("--manifest", is_flag=True, help="Also write k3rocm-manifest.json (sha256 per file).")
 @debug_option
@@ -85,6 +86,10 @@ def inspect_cmd(checkpoint, as_json, debug):
     t.add_column("value")
     for k, v in doc.items():
         if k in ("shards", "checkpoint"):
+            continue
+        if isinstance(v, dict):  # bytes by part: one row each, in GB
+            for part, b in v.items():
+                t.add_row(f"bytes: {part}", f"{b:,} ({b / GB:.3f} GB)")
             continue
         t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
     t.add_row("shards", f"{len(doc['shards'])} files, {sum(x.get('bytes', 0) for x in doc['shards']) / GB:.3f} GB")

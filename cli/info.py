@@ -123,6 +123,8 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     from k3rocm.config import preset as make_preset
     from k3rocm.hw import detect, load_profile, match_profile
     from k3rocm.runtime.plan import plan
+    if preset and checkpoint:
+        raise ConfigError("plan: give --preset or --checkpoint, not both")
     if context_len is not None and context_len < 1:
         raise ConfigError(f"--context-len {context_len} must be >= 1 (tokens per sequence)")
     if preset:

@@ -98,8 +98,11 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
 
 def parse_concurrency(text: str) -> list[int]:
     """``"1,8,64"`` -> ``[1, 8, 64]``. Raises ConfigError for anything but positive integers."""
+    parts = str(text).split(",")
+    if any(not p.strip() for p in parts):
+        raise ConfigError(f"--concurrency {text!r}: an empty entry; give positive integers, e.g. 8 or 1,8,64")
     try:
-        vals = [int(x) for x in str(text).split(",") if x.strip()]
+        vals = [int(x) for x in parts]
     except ValueError:
         raise ConfigError(f"--concurrency {text!r}: give positive integers, e.g. 8 or 1,8,64") from None
     if not vals or any(v < 1 for v in vals):
@@ -113,7 +116,7 @@ Examples:
   k3rocm bench --concurrency 1,8,64 --input-len 1024 --output-len 1024 --profile mi355x-8 \\
                --checkpoint /models/Kimi-K3
   k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
-  k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --concurrency 64 \
+  k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --concurrency 64 \\
                --input-len 1024 --output-len 1024      # hold a vLLM/SGLang deployment to the same load
 
 \b

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -30,14 +31,24 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "k3rocm"
 
 
-def _usable(path: Path) -> bool:
+def _usable(path: Path, say: bool = False) -> bool:
+    """The cached copy opens, is k3-tiny, and every file matches the sha256 manifest written with it
+    (the oracle and the engine read the same bytes, so a flipped bit would otherwise pass validation)."""
     from k3rocm.checkpoint.reader import open_checkpoint
+    from k3rocm.checkpoint.verify import verify_manifest
 
     if not (path / "config.json").is_file():
         return False
     try:
         idx = open_checkpoint(path)
+        problems = verify_manifest(path)
     except K3Error:
+        problems = ["unreadable or no manifest"]
+        idx = None
+    if problems:
+        if say:
+            print(f"note: the cached k3-tiny at {path} fails its check ({problems[0]}); writing it again",
+                  file=sys.stderr)
         return False
     return idx.config.to_dict() == preset("k3-tiny").to_dict()
 
@@ -54,7 +65,7 @@ def default_checkpoint() -> Path:
 
     root = cache_root()
     final = root / DEFAULT_NAME
-    if _usable(final):
+    if _usable(final, say=final.exists()):
         return final
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -64,6 +75,8 @@ def default_checkpoint() -> Path:
                               "directory") from None
     try:
         ck = write_checkpoint(preset("k3-tiny"), build / "checkpoint", seed=DEFAULT_SEED)
+        from k3rocm.checkpoint.verify import make_manifest
+        make_manifest(ck)
         if final.exists() and not _usable(final):
             # a stale or broken copy: move it aside (atomic) and delete it
             stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.stale-", dir=root))

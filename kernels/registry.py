@@ -130,8 +130,13 @@ def parse_override(spec: str | None) -> dict[str, str]:
                 raise ConfigError(f"--kernels: unknown op {op!r}; known: {', '.join(ORACLE_OPS)}")
         else:
             op, impl = "*", part
+        if impl == "auto":
+            raise ConfigError(f"--kernels {spec!r}: 'auto' stands alone (it is the default); name implementations "
+                              "per op instead, e.g. moe_experts=torch")
         if impl not in IMPLS:
             raise ConfigError(f"--kernels: unknown implementation {impl!r}; use one of {', '.join(IMPLS)} or auto")
+        if op in out:
+            raise ConfigError(f"--kernels {spec!r}: {'every op' if op == '*' else op} is given twice; keep one")
         out[op] = impl
     return out
 

@@ -344,13 +344,23 @@ def test_default_checkpoint_cached_atomic_and_reused(tiny_ckpt, tmp_path, monkey
     assert not errors and len(set(results)) == 1
     p = results[0]
     assert p == tmp_path / "cache" / "k3-tiny-v1"
-    assert _files(p) == _files(tiny_ckpt)  # the embedded default is k3-tiny, seed 0
+    from k3rocm.checkpoint.verify import MANIFEST_NAME
+    assert (p / MANIFEST_NAME).is_file()  # written with it, checked on every use
+    assert {k: v for k, v in _files(p).items() if k != MANIFEST_NAME} == _files(tiny_ckpt)  # k3-tiny, seed 0
     assert sorted(x.name for x in (tmp_path / "cache").iterdir()) == ["k3-tiny-v1"]  # no temp leftovers
     mtime = (p / "model-00001-of-000002.safetensors").stat().st_mtime_ns
     assert embedded.default_checkpoint() == p
     assert (p / "model-00001-of-000002.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
     (p / "model-00002-of-000002.safetensors").unlink()  # a broken copy is replaced
-    assert embedded.default_checkpoint() == p and _files(p) == _files(tiny_ckpt)
+    assert embedded.default_checkpoint() == p
+    assert {k: v for k, v in _files(p).items() if k != MANIFEST_NAME} == _files(tiny_ckpt)
+    shard = p / "model-00001-of-000002.safetensors"  # one flipped bit in the data: caught by the manifest
+    b = bytearray(shard.read_bytes())
+    b[-10] ^= 0x01
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(b))
+    assert embedded.default_checkpoint() == p
+    assert {k: v for k, v in _files(p).items() if k != MANIFEST_NAME} == _files(tiny_ckpt)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ import html
 import io
 import json
 import math
+import os
 from pathlib import Path
 
 from k3rocm.validation.evidence import LEVELS, Report, atomic_write
@@ -91,6 +92,10 @@ def _series_svg(name: str, spec: dict) -> str | None:
 
     Returns None for an empty series. Without matplotlib (a declared dependency, but a GPU node may run
     a bare environment) the plot becomes a one-line note instead of failing the report."""
+    if "MPLCONFIGDIR" not in os.environ and not os.access(os.path.expanduser("~"), os.W_OK):
+        # a read-only HOME (service accounts): keep matplotlib's font cache quiet and out of the output
+        import tempfile
+        os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="k3rocm-mpl-")
     try:
         import matplotlib
     except ImportError:

@@ -102,6 +102,9 @@ class Session:
         def build() -> Path:
             if self.opts.checkpoint is None:
                 return Path(need("k3rocm.embedded", "default_checkpoint")()).resolve()
+            if not str(self.opts.checkpoint).strip():
+                raise CheckpointError("--checkpoint is empty; pass a checkpoint directory, or omit it for the "
+                                      "embedded k3-tiny")
             p = Path(self.opts.checkpoint).expanduser()
             if not p.exists():
                 raise CheckpointError(f"{p}: checkpoint directory does not exist; pass --checkpoint DIR "

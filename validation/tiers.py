@@ -192,7 +192,8 @@ def tier_env(session: Session, stage: Stage) -> None:
     det, prof = session.detected, session.profile
     lv = session.measured_level
     stage.add(info("env", "backend", det.backend, detail=f"torch {det.torch_version} ({det.torch_build})"),
-              info("env", "triton", det.triton_version or "absent", detail=f"target {det.triton_target}"),
+              info("env", "triton", det.triton_version or "absent",
+                   detail=f"target {det.triton_target}" if det.triton_target else "no GPU target (CPU)"),
               info("env", "aiter", det.aiter_version or "absent"),
               info("env", "devices", det.count, detail=", ".join(f"{d.name} {d.arch}" for d in det.devices) or "CPU"),
               info("env", "device.memory_visible", round(det.memory_bytes / 1e9, 2), "GB",
@@ -624,7 +625,7 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
     # concurrency; tok/s/user = 1000 / median TPOT (ms)
     pts = sorted((1000.0 / r["median_tpot_ms"], r["output_throughput_per_gpu"], r.get("concurrency"))
                  for r in results if r.get("median_tpot_ms") and r.get("output_throughput_per_gpu") is not None)
-    for u, _, c in pts:
+    for u, _, c in sorted(pts, key=lambda p: p[2]):  # rows in concurrency order, the plot in x order
         stage.add(info(tier, f"c{c}.tok_s_per_user", round(u, 4), "tok/s/user", level=lv,
                        detail="1000 / median TPOT (ms): decode speed one user sees"))
     if pts:

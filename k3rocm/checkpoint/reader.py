@@ -156,7 +156,7 @@ def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{shard}: tensor {name} data_offsets [{a}, {b}] do not match shape "
                                   f"{list(shape)} x {dtype}; the header is corrupt")
         if base + b > size:
-            raise CheckpointError(f"{shard}: tensor {name} ends at byte {base + b} but the file has {size} "
+            raise CheckpointError(f"{path}: tensor {name} ends at byte {base + b} but the file has {size} "
                                   "bytes; the shard is truncated - re-download it")
         out[name] = TensorEntry(shard, dtype, shape, base + a, base + b)
         spans.append((a, b, name))
