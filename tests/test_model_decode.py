@@ -185,3 +185,27 @@ def test_gpu_oracle_equals_cpu(model):
         err = max(err, float((d[0] - full[0, 12 + j]).abs().max()), float((d[1] - full[1, 7 + j]).abs().max()))
     assert err <= TOL, f"GPU cached path vs GPU forward max abs error {err:.3e}"
     assert torch.equal(gm.generate_greedy(ids[:, :5].cuda(), 4), model.generate_greedy(ids[:, :5], 4))
+
+
+def test_mla_is_called_with_the_nope_plus_rope_scale(model):
+    """The model passes (qk_nope + qk_rope)^-0.5 to both MLA paths (K3: 192^-0.5; 128^-0.5 is a silent 22%
+    error, K3_FACTS §5) — checked at the call, not only through end-to-end agreement."""
+    from k3rocm.model.layer import resolve_ops
+
+    base = resolve_ops()
+    seen: list[tuple[str, float]] = []
+
+    def spy(name, pos):
+        def fn(*a, **k):
+            seen.append((name, float(a[pos]) if len(a) > pos else float(k["scale"])))
+            return base[name](*a, **k)
+        return fn
+
+    m = K3Model(model.cfg, model.w, ops={"mla_prefill": spy("mla_prefill", 6), "mla_decode": spy("mla_decode", 7)})
+    cache = m.new_cache(1, max_len=8)
+    m.prefill([torch.tensor([5, 6, 7])], cache)
+    m.decode(torch.tensor([9]), cache)
+    want = (model.cfg.qk_nope_head_dim + model.cfg.qk_rope_head_dim) ** -0.5
+    assert {n for n, _ in seen} == {"mla_prefill", "mla_decode"}
+    assert all(abs(s - want) < 1e-12 for _, s in seen), (seen, want)
+    assert preset("k3").qk_head_dim == 192

@@ -137,11 +137,8 @@ class Session:
     @property
     def is_official(self) -> bool:
         """True when the checkpoint's config and index match the official release (K3_FACTS §6)."""
-        fn = getattr(self.index, "is_official", None)
-        try:
-            return bool(fn()) if callable(fn) else False
-        except Exception:
-            return False
+        # no blanket except: a bug here would silently switch off every known-answer check
+        return bool(self.index.is_official())
 
     # ------------------------------------------------------------------ hardware
     @property
