@@ -264,9 +264,11 @@ def test_errors_and_unquantized_experts():
     assert not torch.allclose(silu, M.moe_experts(x, ids, w, dense))
 
 
-def test_latent_moe_composition():
-    g = torch.Generator().manual_seed(9)
-    H, L, inter, S, E, k, T = 96, 64, 64, 128, 16, 4, 5
+def latent_layer_inputs(seed: int, T: int, expert_seed: int):
+    """A small Stable LatentMoE layer (hidden 96, latent 64, 16 experts top-4, shared width 128), bf16
+    weights with realistic scales: ``(x, gate, bias, down, normw, up, sg, su, sd, ew, k)``."""
+    g = torch.Generator().manual_seed(seed)
+    H, L, inter, S, E, k = 96, 64, 64, 128, 16, 4
     x = torch.randn(T, H, generator=g).bfloat16()
     gate = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
     bias = torch.randn(E, generator=g) * 0.01
@@ -275,7 +277,11 @@ def test_latent_moe_composition():
     up = (torch.randn(H, L, generator=g) * L ** -0.5).bfloat16()
     sg, su = ((torch.randn(S, H, generator=g) * H ** -0.5).bfloat16() for _ in range(2))
     sd = (torch.randn(H, S, generator=g) * S ** -0.5).bfloat16()
-    ew = random_experts(E, L, inter, seed=10)
+    return x, gate, bias, down, normw, up, sg, su, sd, random_experts(E, L, inter, seed=expert_seed), k
+
+
+def test_latent_moe_composition():
+    x, gate, bias, down, normw, up, sg, su, sd, ew, k = latent_layer_inputs(9, 5, expert_seed=10)
     out = M.latent_moe(x, gate, bias, ew, k, down, normw, up, sg, su, sd, eps=1e-5)
     ids, w = M.moe_router(x, gate, bias, k)
     xl = x.double() @ down.double().t()

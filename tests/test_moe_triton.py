@@ -25,7 +25,7 @@ from k3rocm.model import moe as M
 from k3rocm.model.common import situ_glu
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_moe_oracle import near_tie_router_inputs, random_experts  # noqa: E402
+from test_moe_oracle import latent_layer_inputs, near_tie_router_inputs, random_experts  # noqa: E402
 
 GPU = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -237,17 +237,7 @@ def test_registry_selects_triton(tk):
 @pytest.mark.parametrize("mode", ["a16w4", "a8w4"])
 def test_latent_moe_layer(tk, mode):
     # whole layer: router, down projection, experts, reduction fused with the latent RMSNorm, up, shared experts
-    g = torch.Generator().manual_seed(41)
-    H, L, inter, S, E, k, T = 96, 64, 64, 128, 16, 4, 9
-    x = torch.randn(T, H, generator=g).bfloat16()
-    gate = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
-    bias = torch.randn(E, generator=g) * 0.01
-    down = (torch.randn(L, H, generator=g) * H ** -0.5).bfloat16()
-    normw = (1 + 0.1 * torch.randn(L, generator=g)).bfloat16()
-    up = (torch.randn(H, L, generator=g) * L ** -0.5).bfloat16()
-    sg, su = ((torch.randn(S, H, generator=g) * H ** -0.5).bfloat16() for _ in range(2))
-    sd = (torch.randn(H, S, generator=g) * S ** -0.5).bfloat16()
-    ew = random_experts(E, L, inter, seed=42)
+    x, gate, bias, down, normw, up, sg, su, sd, ew, k = latent_layer_inputs(41, 9, expert_seed=42)
     ref = M.latent_moe(x, gate, bias, ew, k, down, normw, up, sg, su, sd, mode=mode)
     dv = [t.to(tk.dev) for t in (x, gate, bias, down, normw, up, sg, su, sd)]
     out = tk.moe.latent_moe(dv[0], dv[1], dv[2], _to(ew, tk.dev), k, *dv[3:], mode=mode)
