@@ -22,7 +22,13 @@ from . import configs as C
 
 @C.kjit
 def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr):
-    """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state."""
+    """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state.
+
+    The window is shifted in place. A channel's value can be held by several threads (``ch`` lives in a slice
+    of a 2-D layout, replicated across the other dimension), so every thread must have read position ``j``
+    before any thread overwrites it: a barrier separates each read from the store that shifts it down.
+    Without it a fast thread feeds its neighbours the already-shifted window (wrong q/k/v on the GPU; the
+    interpreter, which runs whole blocks at once, cannot show it)."""
     valid = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
     x = tl.load(xr + n.to(tl.int64) * NCH + ch, mask=valid, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
@@ -32,7 +38,9 @@ def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl
     for j in tl.static_range(1, W - 1):
         cur = tl.load(pool + base + j, mask=valid, other=0.0)
         acc += cur * tl.load(wt + ch * W + j).to(tl.float32)
+        tl.debug_barrier()  # every thread has read positions <= j
         tl.store(pool + base + (j - 1), cur, mask=valid)
+    tl.debug_barrier()
     tl.store(pool + base + (W - 2), x, mask=valid)
     return acc * tl.sigmoid(acc)
 
@@ -95,6 +103,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         tl.debug_barrier()
         rstd = tl.rsqrt(ss / V + eps)
         o = tl.load(obase + offs_v).to(tl.float32)
+        tl.debug_barrier()  # every thread has read the raw row before the normalised one overwrites it
     y = o * rstd * tl.load(onw + offs_v).to(tl.float32)
     y = tl.where((valid + 0 * cv) > 0, y * tl.sigmoid(gr), 0.0)
     tl.store(obase + offs_v, y.to(out.dtype.element_ty))
