@@ -20,7 +20,7 @@ from k3rocm.checkpoint import layout, writer
 from k3rocm.checkpoint.reader import INDEX_NAME, open_checkpoint, read_shard_header
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, shard_fingerprints, verify_manifest
 from k3rocm.config import preset
-from k3rocm.errors import CheckpointError
+from k3rocm.errors import CheckpointError, ConfigError
 from k3rocm.model.weights import ExpertWeights, Weights, load_weights
 
 
@@ -402,3 +402,32 @@ def test_read_falls_back_to_copies_when_private_maps_are_refused(tiny_ckpt, monk
     assert torch.equal(t, ref)
     t.fill_(0.0)  # a private copy: safe to modify
     assert torch.equal(ix.read(n), ref)
+
+
+def test_expert_init_codes_is_valid_mxfp4_of_the_right_scale(tiny_cfg, tmp_path):
+    """``expert_init="codes"``: a checkpoint the reader accepts (it validates every E8M0 scale), whose experts
+    decode to finite values with RMS within 2x of N(0, 1/in) (the gaussian init's scale), every
+    E2M1 code present, deterministic per seed, and the trunk identical to the gaussian init's."""
+    import torch
+
+    from k3rocm.checkpoint.reader import open_checkpoint
+    from k3rocm.mx import dequantize_mxfp4
+
+    a = writer.write_checkpoint(tiny_cfg, tmp_path / "a", seed=3, expert_init="codes")
+    b = writer.write_checkpoint(tiny_cfg, tmp_path / "b", seed=3, expert_init="codes")
+    g = writer.write_checkpoint(tiny_cfg, tmp_path / "g", seed=3)
+    ia, ib, ig = open_checkpoint(a), open_checkpoint(b), open_checkpoint(g)
+    packed = [n for n in ia.entries if n.endswith("weight_packed")]
+    assert packed
+    for n in packed[:12]:
+        p, sc = ia.read(n), ia.read(n.replace("weight_packed", "weight_scale"))
+        assert torch.equal(p, ib.read(n))
+        w = dequantize_mxfp4(p, sc)
+        rms, want = float(w.pow(2).mean().sqrt()), w.shape[1] ** -0.5
+        assert torch.isfinite(w).all() and 0.5 * want < rms < 2 * want, (n, rms, want)
+        codes = torch.cat([p & 15, p >> 4]).unique()
+        assert codes.numel() == 16 or p.numel() < 64
+    trunk = [n for n in ia.entries if "experts." not in n]
+    assert all(torch.equal(ia.read(n), ig.read(n)) for n in trunk)
+    with pytest.raises(ConfigError, match="expert_init"):
+        writer.write_checkpoint(tiny_cfg, tmp_path / "c", expert_init="uniform")

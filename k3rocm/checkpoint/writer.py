@@ -166,11 +166,34 @@ def random_expert_weight(name: str, out_features: int, in_features: int, seed: i
     return mx.quantize_mxfp4(w, scale_rule)
 
 
-class _ExpertCache:
-    """Quantize each expert weight once and hand out its packed and scale tensors."""
+# E2M1 magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}: RMS of a uniformly drawn code (K3_FACTS §4)
+_E2M1_CODE_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)
 
-    def __init__(self, seed: int):
+EXPERT_INITS = ("gaussian", "codes")
+
+
+def random_expert_codes(name: str, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ``(weight_packed [out, in/2] u8, weight_scale [out, in/32] u8)`` drawn directly in the format.
+
+    Every E2M1 code uniform over the 16 codes (both nibbles of each byte); each E8M0 group exponent is
+    ``floor(log2(sigma / r))`` or one more, uniformly, with ``sigma = in^-1/2`` and ``r`` the RMS of a uniform
+    code (2.93), so the dequantized RMS is close to the ``gaussian`` init's N(0, 1/in). No float draw and no
+    quantization: about 100 x faster, for full-width presets whose experts are most of the bytes.
+    """
+    g = _generator(seed, name)
+    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
+    e0 = math.floor(math.log2(1.0 / math.sqrt(in_features) / _E2M1_CODE_RMS)) + 127
+    scale = (e0 + torch.randint(0, 2, (out_features, in_features // mx.GROUP), generator=g)).to(torch.uint8)
+    return packed, scale
+
+
+class _ExpertCache:
+    """Draw each expert weight once (``init``: ``gaussian`` quantized, or ``codes``) and hand out its packed
+    and scale tensors."""
+
+    def __init__(self, seed: int, init: str = "gaussian"):
         self.seed = seed
+        self.init = init
         self.base: str | None = None
         self.pair: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -180,7 +203,8 @@ class _ExpertCache:
             packed_shape = spec.shape if kind == "weight_packed" else None
             out = spec.shape[0]
             in_f = (packed_shape[1] * 2) if packed_shape else spec.shape[1] * mx.GROUP
-            self.pair = random_expert_weight(base, out, in_f, self.seed)
+            draw = random_expert_codes if self.init == "codes" else random_expert_weight
+            self.pair = draw(base, out, in_f, self.seed)
             self.base = base
         assert self.pair is not None
         return self.pair[0] if kind == "weight_packed" else self.pair[1]
@@ -193,7 +217,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 # ------------------------------------------------------------------------------- writer
 def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shards: int | None = None,
-                     progress: Progress | None = None) -> Path:
+                     progress: Progress | None = None, expert_init: str = "gaussian") -> Path:
     """Write a deterministic random-weight checkpoint of ``cfg`` into ``out_dir``.
 
     Args:
@@ -202,12 +226,16 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
         seed: weights are a pure function of (seed, tensor name).
         num_shards: shard count (default :func:`default_num_shards`).
         progress: called as ``progress(bytes_done, bytes_total, tensor_name)`` after each tensor.
+        expert_init: ``"gaussian"`` (N(0, 1/in) quantized to MXFP4 with the ``even`` scale rule) or
+            ``"codes"`` (:func:`random_expert_codes`: format-level draws, ~100 x faster for full widths).
     Returns:
         ``out_dir`` as a Path.
     Raises:
         CheckpointError: ``out_dir`` exists and is not an empty directory, or the disk write fails.
-        ConfigError: bad ``num_shards``.
+        ConfigError: bad ``num_shards`` or ``expert_init``.
     """
+    if expert_init not in EXPERT_INITS:
+        raise ConfigError(f"expert_init {expert_init!r} is not one of {', '.join(EXPERT_INITS)}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: already exists and is not empty; remove it or choose another directory")
@@ -235,7 +263,7 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
         weight_map: dict[str, str] = {}
         done = 0
-        experts = _ExpertCache(seed)
+        experts = _ExpertCache(seed, expert_init)
         for k, specs in enumerate(shards):
             name = shard_name(k + 1, n)
             with open(tmp / name, "wb") as f:
