@@ -265,10 +265,12 @@ class Session:
 
     def engine_model(self, engine=None):
         """A layer-by-layer model running exactly the engine's ops on the engine's weights (dtype and
-        device as the engine holds them): the path the correctness tier compares with the fp32 oracle."""
+        device as the engine holds them) with the engine's dense-projection math (``matmul_dtype``: bf16
+        operands with fp32 accumulation on a GPU): the path the correctness tier compares with the fp32 oracle."""
         eng = engine or self.engine
         K3Model = need("k3rocm.model.model", "K3Model")
-        return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"))
+        return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"),
+                       matmul_dtype=getattr(eng, "matmul_dtype", None))
 
     def kernel_selection(self) -> dict:
         """op -> implementation name the engine runs."""

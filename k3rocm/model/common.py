@@ -1,17 +1,35 @@
 """Shared fp32 building blocks of the oracle model: norms, gated activations, safe softplus.
 
 Every function widens its inputs to fp32, computes in fp32, returns fp32 and never modifies its
-inputs. Sources: K3_FACTS §5 (RMSNorm eps 1e-5, KDA L2 norm eps 1e-6, SiTU-GLU with
+inputs. The one scoped exception is :func:`linear` inside a :func:`matmul_dtype` context (the serving
+engine's bf16 GEMMs): operands stay in the low-precision dtype, accumulation and the result are fp32.
+Sources: K3_FACTS §5 (RMSNorm eps 1e-5, KDA L2 norm eps 1e-6, SiTU-GLU with
 ``activation_situ_beta`` 4.0 / ``activation_situ_linear_beta`` 25.0), the Kimi-Linear HF modelling
 code (SiLU-GLU, softplus decay gate).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["f32", "rms_norm", "l2_norm", "situ_glu", "silu_glu", "softplus", "linear"]
+from k3rocm.errors import ConfigError
+
+__all__ = ["f32", "rms_norm", "l2_norm", "situ_glu", "silu_glu", "softplus", "linear", "matmul_dtype",
+           "current_matmul_dtype", "fp32_out_supported", "MATMUL_DTYPES"]
+
+# dtypes a matmul_dtype context accepts (None = off: fp32 math)
+MATMUL_DTYPES = (torch.bfloat16, torch.float16)
+
+# operand dtype of linear() in the current context; a ContextVar, so each thread (and asyncio task) has its own
+_MATMUL_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("k3rocm_matmul_dtype",
+                                                                                   default=None)
+# (device type, index) -> whether torch.mm(a, b, out_dtype=torch.float32) works there on bf16/fp16 operands
+_FP32_OUT: dict[tuple[str, int], bool] = {}
 
 
 def f32(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +96,90 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return F.softplus(f32(x))
 
 
+@contextlib.contextmanager
+def matmul_dtype(dtype: torch.dtype | None) -> Iterator[torch.dtype | None]:
+    """Scope in which :func:`linear` multiplies in ``dtype`` (bf16/fp16) when the weight is stored in it.
+
+    ``None`` switches the low-precision path off inside the scope (fp32 math, as outside any scope). The
+    setting lives in a :class:`contextvars.ContextVar`: it is restored on exit (also on an exception), nests,
+    and never leaks into other threads (a new thread starts with no scope, i.e. fp32 math).
+
+    Args:
+        dtype: ``torch.bfloat16``, ``torch.float16`` or None.
+    Raises:
+        ConfigError: any other dtype.
+    """
+    if dtype is not None and dtype not in MATMUL_DTYPES:
+        raise ConfigError(f"matmul_dtype {dtype} is not bfloat16, float16 or None; pass one of those")
+    token = _MATMUL_DTYPE.set(dtype)
+    try:
+        yield dtype
+    finally:
+        _MATMUL_DTYPE.reset(token)
+
+
+def current_matmul_dtype() -> torch.dtype | None:
+    """The operand dtype of :func:`linear` in the current context (None = fp32 math)."""
+    return _MATMUL_DTYPE.get()
+
+
+def _dev_key(device: torch.device) -> tuple[str, int]:
+    return device.type, device.index if device.index is not None else torch.cuda.current_device()
+
+
+def fp32_out_supported(device: torch.device | str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` on bf16 operands works on ``device`` (probed once).
+
+    The probe (CUDA/ROCm only; CPU is always False) multiplies a ``[16, 64]`` bf16 matrix of ones, whose first
+    column is ``1 + 2^-7``, by a ``[64, 16]`` matrix of ones: every entry must come back fp32 and exactly
+    ``64 + 2^-7`` (a bf16-rounded product would give 64). Any error or a wrong value means unsupported. The
+    answer is cached per device. While a CUDA graph is being captured an unprobed device answers False without
+    caching (the probe reads back to the host, which a capture forbids); the engine probes before capturing.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    key = _dev_key(dev)
+    ok = _FP32_OUT.get(key)
+    if ok is not None:
+        return ok
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        a = torch.ones(16, 64, dtype=torch.bfloat16, device=dev)
+        a[:, 0] = 1.0 + 2.0 ** -7
+        b = torch.ones(64, 16, dtype=torch.bfloat16, device=dev)
+        y = torch.mm(a, b, out_dtype=torch.float32)
+        ok = y.dtype == torch.float32 and bool((y == 64.0 + 2.0 ** -7).all())
+    except (RuntimeError, TypeError, NotImplementedError):  # kwarg unknown to this torch, or no kernel here
+        ok = False
+    _FP32_OUT[key] = ok
+    return ok
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T (+ bias)`` in fp32. x ``[..., in]``, weight ``[out, in]`` (HF layout). Returns ``[..., out]``."""
-    return F.linear(f32(x), f32(weight), None if bias is None else f32(bias))
+    """``x @ weight^T (+ bias)``, returned fp32. x ``[..., in]``, weight ``[out, in]`` (HF layout) -> ``[..., out]``.
+
+    Default (no :func:`matmul_dtype` scope, or a weight of another dtype than the scope's): both operands are
+    widened to fp32 and multiplied in fp32 — exact widening of bf16-stored weights, the oracle's math.
+
+    Inside ``matmul_dtype(d)`` with ``weight.dtype == d`` (the serving engine's bf16/fp16 weights): ``x`` is
+    rounded to ``d`` and multiplied with the stored weight as is (no fp32 copy of the weight), accumulating in
+    fp32. On CUDA/ROCm the product is written in fp32 by ``torch.mm(..., out_dtype=torch.float32)`` when the
+    backend supports it (:func:`fp32_out_supported`), so it is not rounded to ``d``; elsewhere (CPU, older
+    torch) the ``d`` product is widened, i.e. rounded once to ``d`` (relative error <= 2^-8 for bf16).
+    ``bias`` is added in fp32.
+    """
+    dt = _MATMUL_DTYPE.get()
+    if dt is None or weight.dtype != dt:
+        return F.linear(f32(x), f32(weight), None if bias is None else f32(bias))
+    lead = x.shape[:-1]
+    a = x.reshape(-1, x.shape[-1]).to(dt)
+    if a.device.type == "cuda" and a.shape[0] and fp32_out_supported(a.device):
+        y = torch.mm(a, weight.t(), out_dtype=torch.float32)
+    else:
+        y = F.linear(a, weight).float()
+    y = y.reshape(*lead, weight.shape[0])
+    if bias is not None:
+        y = y + f32(bias)
+    return y

@@ -1,5 +1,8 @@
 """K3Model: the fp32 oracle of the whole Kimi K3 text model (and, via the same class, Kimi-Linear).
 
+With ``matmul_dtype=torch.bfloat16`` the same class runs the serving engine's dense-projection math
+(bf16 operands, fp32 accumulation) instead; the default (None) is the fp32 oracle.
+
 ``K3Model(cfg, weights, ops=None)`` runs the decoder on flat varlen tokens with the ops of an op table
 (``ops``: op name -> callable, default the oracle functions of :mod:`k3rocm.model`). Everything is fp32;
 weights are read from ``weights`` by name and widened per use, routed MXFP4 experts stay packed and are
@@ -13,6 +16,7 @@ Sources: K3_FACTS §5 (forward pass, Block Attention Residuals), transformers ``
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,7 +24,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError
-from k3rocm.model.common import f32, linear, rms_norm
+from k3rocm.model.common import MATMUL_DTYPES, f32, linear, matmul_dtype, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, K3Cache, WeightView, attn_side, dense_mlp, final_aggregate,
                                 fold_res_weight, kda_mixer, mla_mixer, mlp_side, moe_block, resolve_ops)
 
@@ -61,6 +65,18 @@ def strict_fp32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = mm, cd
 
 
+def _scoped(fn: Callable) -> Callable:
+    """Run a public entry point of :class:`K3Model` inside ``matmul_dtype(self.matmul_dtype)``.
+
+    The scope is always set, None included, so the fp32 oracle stays fp32 even when called from inside
+    another scope (e.g. an engine step)."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        with matmul_dtype(self.matmul_dtype):
+            return fn(self, *args, **kwargs)
+    return run
+
+
 def _cu(lengths: Sequence[int]) -> torch.Tensor:
     cu = [0]
     for n in lengths:
@@ -79,16 +95,24 @@ class K3Model:
         moe_mode: ``"a16w4"`` (activations as given) or ``"a8w4"`` (MXFP8 E4M3 activations) for MXFP4 experts.
         prefix / head: checkpoint name prefix and lm_head name (K3 defaults; ``model.`` / ``lm_head.weight``
             for a bare Kimi-Linear checkpoint).
+        matmul_dtype: None (default: the fp32 oracle, every projection widened to fp32) or ``torch.bfloat16`` /
+            ``torch.float16``: the public entry points then run inside
+            :func:`k3rocm.model.common.matmul_dtype`, so dense projections whose weights are stored in that
+            dtype multiply in it with fp32 accumulation — the serving engine's math, for comparing with it.
     Raises:
-        ConfigError: unknown ``moe_mode`` or op names.
+        ConfigError: unknown ``moe_mode``, op names or ``matmul_dtype``.
         CheckpointError: (lazily) a tensor the config needs is missing from ``weights``.
     """
 
     def __init__(self, cfg: K3Config, weights: Any, ops: Mapping[str, Callable] | None = None,
                  moe_mode: str = "a16w4", prefix: str = "language_model.model.",
-                 head: str = "language_model.lm_head.weight"):
+                 head: str = "language_model.lm_head.weight", matmul_dtype: torch.dtype | None = None):
         if moe_mode not in ("a16w4", "a8w4"):
             raise ConfigError(f"moe_mode {moe_mode!r} is not 'a16w4' or 'a8w4'")
+        if matmul_dtype is not None and matmul_dtype not in MATMUL_DTYPES:
+            raise ConfigError(f"K3Model matmul_dtype {matmul_dtype} is not bfloat16, float16 or None; "
+                              "pass one of those")
+        self.matmul_dtype = matmul_dtype
         self.cfg = cfg
         self.w = weights if isinstance(weights, WeightView) else WeightView(weights, prefix, head)
         self.ops = resolve_ops(ops)
@@ -107,6 +131,7 @@ class K3Model:
         return w
 
     # ------------------------------------------------------------------ layer-by-layer API
+    @_scoped
     def embed(self, token_ids: torch.Tensor, batch: Batch | None = None, record: bool = False) -> LayerState:
         """Start a step: token ids ``[T]`` (flat, packed per ``batch.cu_seqlens``) -> :class:`LayerState`.
 
@@ -137,6 +162,7 @@ class K3Model:
             return moe_block(x, self.w, i, self.cfg, self.ops, self.moe_mode)
         return dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg)
 
+    @_scoped
     def run_layer(self, i: int, state: LayerState) -> LayerState:
         """Run decoder layer ``i`` (0-based) on ``state`` in place and return it.
 
@@ -168,6 +194,7 @@ class K3Model:
         state.next_layer = i + 1
         return state
 
+    @_scoped
     def final_hidden(self, state: LayerState) -> torch.Tensor:
         """``[T, hidden]`` fp32 after the output AttnRes (K3) and the final ``norm``."""
         if state.next_layer != self.cfg.num_hidden_layers:
@@ -176,6 +203,7 @@ class K3Model:
              else state.hidden)
         return rms_norm(h, self.w("norm.weight"), self.cfg.rms_norm_eps)
 
+    @_scoped
     def final(self, state: LayerState) -> torch.Tensor:
         """Logits ``[T, vocab]`` fp32 = lm_head(norm(output AttnRes over bank + prefix))."""
         head = self.w("embed_tokens.weight") if self.cfg.tie_word_embeddings else self.w.head()
@@ -189,6 +217,7 @@ class K3Model:
             return self.final(st), st.outputs
 
     # ------------------------------------------------------------------ whole-model API
+    @_scoped
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, return_layers: bool = False):
         """One causal forward, no cache: input_ids ``[B, T]`` int -> logits ``[B, T, vocab]`` fp32.
@@ -218,6 +247,7 @@ class K3Model:
         dev = self.w("embed_tokens.weight").device
         return K3Cache.empty(self.cfg, batch, max_len, block_size, device=dev)
 
+    @_scoped
     @torch.no_grad()
     def prefill(self, ids, cache: K3Cache):
         """Run prompts through the model, appending them to ``cache`` (slot n = sequence n).
@@ -248,6 +278,7 @@ class K3Model:
             return torch.stack(parts) if ids.dim() == 2 else parts[0].unsqueeze(0)
         return parts
 
+    @_scoped
     @torch.no_grad()
     def decode(self, token_ids: torch.Tensor, cache: K3Cache) -> torch.Tensor:
         """One decode step: token_ids ``[B]`` (one new token per cached sequence) -> logits ``[B, vocab]`` fp32.
@@ -269,6 +300,7 @@ class K3Model:
         cache.lengths += 1
         return logits
 
+    @_scoped
     @torch.no_grad()
     def generate_greedy(self, prompt_ids, n: int, max_len: int | None = None) -> torch.Tensor:
         """Greedy continuation: prompt ``[L]`` or ``[B, L]`` -> ``n`` new tokens ``[n]`` or ``[B, n]`` int64.

@@ -17,9 +17,13 @@ decoder layer by layer on flat tokens (``B = 1``, ``cu_seqlens``):
 
 Ops come from :func:`k3rocm.kernels.registry.select` (``torch`` oracle on CPU, ``triton`` on a GPU when
 registered, ``--kernels`` override). Weights: bf16 on a GPU, fp32 on CPU by default (FP32 checkpoint
-tensors and packed MXFP4 experts are kept as stored). Sampling is greedy (argmax, lowest id on ties).
-Decode-only steps on a GPU replay CUDA/HIP graphs captured per batch size of a ladder; if capture fails
-(an op that syncs with the host) the engine stays eager and :meth:`Engine.describe` says why.
+tensors and packed MXFP4 experts are kept as stored). Dense projections (attention projections, dense and
+shared MLPs, the LatentMoE down/up projections, lm_head) multiply in the weight dtype with fp32
+accumulation (``matmul_dtype``, default on a GPU with bf16/fp16 weights; see
+:func:`k3rocm.model.common.linear`) instead of widening every weight to fp32 per step. Sampling is
+greedy (argmax, lowest id on ties). Decode-only steps on a GPU replay CUDA/HIP graphs captured per batch
+size of a ladder; if capture fails (an op that syncs with the host) the engine stays eager and
+:meth:`Engine.describe` says why.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ import torch
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError, PlanError
 from k3rocm.kernels import registry
-from k3rocm.model.common import f32, linear, rms_norm
+from k3rocm.model.common import MATMUL_DTYPES, f32, fp32_out_supported, linear, matmul_dtype, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate,
                                 fold_res_weight, kda_mixer, mla_has_output_gate, mlp_side, moe_block)
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+AUTO = "auto"  # default of Engine(matmul_dtype=...): the weight dtype on a GPU when it is bf16/fp16, else None
 
 
 @dataclass(frozen=True)
@@ -138,9 +143,14 @@ class Engine:
         cuda_graphs: capture decode steps (default: on a GPU).
         graph_batch_sizes: the ladder of captured decode batch sizes.
         num_blocks: MLA cache blocks, overriding the sizing from the budget / ``max_model_len``.
+        matmul_dtype: operand dtype of the dense projections (:func:`k3rocm.model.common.matmul_dtype`):
+            ``"auto"`` (default) = ``dtype`` on a GPU when it is bf16/fp16, else None; None = widen to fp32
+            (the oracle's math); ``torch.bfloat16`` / ``torch.float16`` also on the CPU. Only weights stored in
+            that dtype take the low-precision path (FP32-stored tensors stay fp32).
 
     Raises:
-        ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU).
+        ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU), or a ``matmul_dtype`` other
+            than ``"auto"``, None, bf16 or fp16.
         PlanError: the cache does not hold one sequence.
     """
 
@@ -148,11 +158,20 @@ class Engine:
                  max_batch: int = 8, max_num_batched_tokens: int = 256, block_size: int = 16,
                  max_model_len: int = 2048, cache_budget_bytes: int | None = None, dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
-                 graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None):
+                 graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None,
+                 matmul_dtype: torch.dtype | str | None = AUTO):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
         self.dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+        if isinstance(matmul_dtype, str) and matmul_dtype == AUTO:
+            matmul_dtype = self.dtype if on_gpu and self.dtype in MATMUL_DTYPES else None
+        if matmul_dtype is not None and matmul_dtype not in MATMUL_DTYPES:
+            raise ConfigError(f"Engine matmul_dtype {matmul_dtype!r} is not 'auto', None, torch.bfloat16 or "
+                              "torch.float16; pass one of those")
+        self.matmul_dtype: torch.dtype | None = matmul_dtype
+        # probe torch.mm(out_dtype=fp32) here, never first inside a graph capture (the probe reads back)
+        self.fp32_out = bool(matmul_dtype is not None and fp32_out_supported(self.device))
         self.kv_dtype = kv_dtype or (torch.bfloat16 if on_gpu else torch.float32)
         if moe_mode not in ("a16w4", "a8w4"):
             raise ConfigError(f"moe_mode {moe_mode!r} is not 'a16w4' or 'a8w4'")
@@ -245,6 +264,11 @@ class Engine:
                             if self.cfg.family == "k3" else
                             "model per-sequence path (kda_prefill on one token; kimi_linear has no fused decode)"),
             "prefill_path": "short_conv + kda_prefill (slot state); mla_prefill (fresh) or mla_decode (continuation)",
+            "matmul_dtype": None if self.matmul_dtype is None else str(self.matmul_dtype).replace("torch.", ""),
+            "matmul": ("fp32 (weights widened per use)" if self.matmul_dtype is None else
+                       f"{str(self.matmul_dtype).replace('torch.', '')} operands, fp32 accumulation, "
+                       + ("fp32 output (torch.mm out_dtype)" if self.fp32_out else
+                          f"{str(self.matmul_dtype).replace('torch.', '')} output widened to fp32")),
             "cuda_graphs": self.graph_note,
             "graph_batch_sizes": list(self._graphs) if self._graphs else [],
         }
@@ -404,7 +428,13 @@ class Engine:
         ``dec``: ``slot_ids [nd] int32``, ``pos [nd] int64`` (tokens cached before), ``block_rows [nd, nb]``.
         ``pre``: the prefill chunks' :class:`Batch` (for the KDA mixer), or None; ``pre_info``: their
         ``block_rows [P, nb]``, ``starts`` and ``sizes`` (for the MLA chunk path).
+        Runs inside ``matmul_dtype(self.matmul_dtype)`` (eager steps, graph warm-up and capture alike).
         """
+        with matmul_dtype(self.matmul_dtype):
+            return self._forward_layers(ids, nd, dec, pre, pre_info, sample_rows)
+
+    def _forward_layers(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
+                        pre_info: dict | None, sample_rows: torch.Tensor) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
         x = f32(w("embed_tokens.weight")[ids])
