@@ -131,8 +131,8 @@ def fp32_out_supported(device: torch.device | str) -> bool:
     """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` on bf16 operands works on ``device`` (probed once).
 
     The probe (CUDA/ROCm only; CPU is always False) multiplies a ``[16, 64]`` bf16 matrix of ones, whose first
-    column is ``1 + 2^-7``, by a ``[64, 16]`` matrix of ones: every entry must come back fp32 and exactly
-    ``64 + 2^-7`` (a bf16-rounded product would give 64). Any error or a wrong value means unsupported. The
+    column is ``1 + 2^-7``, by the transpose of a ``[16, 64]`` matrix of ones (a weight as :func:`linear` passes
+    it): every entry must come back fp32 and exactly ``64 + 2^-7`` (a bf16-rounded product would give 64). Any error or a wrong value means unsupported. The
     answer is cached per device. While a CUDA graph is being captured an unprobed device answers False without
     caching (the probe reads back to the host, which a capture forbids); the engine probes before capturing.
     """
@@ -148,8 +148,8 @@ def fp32_out_supported(device: torch.device | str) -> bool:
     try:
         a = torch.ones(16, 64, dtype=torch.bfloat16, device=dev)
         a[:, 0] = 1.0 + 2.0 ** -7
-        b = torch.ones(64, 16, dtype=torch.bfloat16, device=dev)
-        y = torch.mm(a, b, out_dtype=torch.float32)
+        w = torch.ones(16, 64, dtype=torch.bfloat16, device=dev)
+        y = torch.mm(a, w.t(), out_dtype=torch.float32)
         ok = y.dtype == torch.float32 and bool((y == 64.0 + 2.0 ** -7).all())
     except (RuntimeError, TypeError, NotImplementedError):  # kwarg unknown to this torch, or no kernel here
         ok = False
