@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from k3rocm.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -16,6 +18,11 @@ class GemmConfig:
 
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
     ``extra``: backend-only compile options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
+    ``kind``: which A16W4 kernel runs — ``"scaled"`` (``moe_gemm_kernel``: ``tl.dot_scaled`` with the
+    weights as ``e2m1``; native scaled MFMA on gfx950) or ``"dq"`` (``moe_gemm_dq_kernel``: integer decode
+    of the nibbles to bf16, then ``tl.dot``; for Hopper, which has no FP4 hardware). A8W4 always runs the
+    scaled kernel with E4M3 activations (the decode path has no A8 mode), and so do fp16 activations (the
+    decode path produces bf16 weights); the tiles are the config's in every case.
     """
 
     block_m: int
@@ -25,17 +32,31 @@ class GemmConfig:
     num_stages: int
     max_rows: float = float("inf")
     extra: dict = field(default_factory=dict, hash=False, compare=False)
+    kind: str = "scaled"
+
+    def __post_init__(self):
+        if self.kind not in GEMM_KINDS:
+            raise ConfigError(f"GemmConfig kind {self.kind!r} is not one of {', '.join(GEMM_KINDS)}; fix kernels/moe/configs.py")
 
     def name(self) -> str:
-        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+        pre = "" if self.kind == "scaled" else f"{self.kind}-"
+        return f"{pre}m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+
+
+GEMM_KINDS = ("scaled", "dq")
 
 
 GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
-    # Hopper: memory-bound decode-sized groups take narrow M and wide K; big groups take 64 x 128 tiles.
+    # Hopper (no FP4 hardware): the decode path. dot_scaled's generic FP4 upcast cost ~11 instructions per
+    # weight element and spilled (sm_90 SASS of the loop); the decode path takes ~5.2 (16-row tiles) with
+    # no spills. Few rows per expert: narrow M (the token side of a transposed product); many rows: 128-row
+    # tiles, so each decoded weight tile serves more tokens. A8W4 runs the scaled kernel on these tiles.
+    # (H200, 2026-11-30, scaled kernel: m32n128k128w4s4 beat m16n128k256w4s4 at 64 and 512 tokens.)
     "cuda": [
-        GemmConfig(16, 128, 256, 4, 4, max_rows=16),
-        GemmConfig(32, 128, 128, 4, 4, max_rows=48),
-        GemmConfig(64, 128, 128, 8, 3),
+        GemmConfig(16, 128, 128, 4, 4, max_rows=16, kind="dq"),
+        GemmConfig(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
+        GemmConfig(64, 128, 64, 8, 3, max_rows=96, kind="dq"),
+        GemmConfig(128, 128, 64, 8, 3, kind="dq"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
@@ -47,6 +68,8 @@ GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
     # Triton interpreter (CPU tests): small tiles so the grid runs in seconds; semantics are the same.
     "interpreter": [
         GemmConfig(16, 32, 64, 4, 1, max_rows=4),
+        GemmConfig(16, 32, 64, 4, 1, max_rows=4, kind="dq"),
+        GemmConfig(32, 64, 32, 4, 1, kind="dq"),
         GemmConfig(32, 64, 64, 4, 1),
     ],
 }

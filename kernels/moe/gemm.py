@@ -143,3 +143,178 @@ def moe_reduce_kernel(y_ptr, pos_ptr, out_ptr, norm_w_ptr, normed_ptr, D, stride
         w = tl.load(norm_w_ptr + rd, mask=dmask, other=0.0).to(tl.float32)
         yn = acc * (1.0 / tl.sqrt(ms + eps)) * w
         tl.store(normed_ptr + t.to(tl.int64) * stride_n + rd, yn.to(normed_ptr.dtype.element_ty), mask=dmask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A16W4 "decode" path (``GemmConfig.kind == "dq"``): MXFP4 decoded to bf16 with integer ops, then a plain
+# bf16 ``tl.dot``. Hopper has no FP4 hardware, so ``tl.dot_scaled`` lowers to a generic upcast there; this
+# path decodes two elements per 32-bit operation instead and feeds the tensor cores directly.
+
+_TWO_POW_126 = tl.constexpr(8.507059173023462e37)  # 2^126: bf16 bits 0x7E80
+
+
+@triton.jit
+def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: tl.constexpr):
+    """Nibbles j (low 16-bit lane) and j+4 (high lane) of each int32 word of 8 packed E2M1 codes -> two bf16
+    tensors holding the exact MXFP4 values (code value x scale).
+
+    A code ``s e1 e0 m`` placed as ``em << 6`` (and ``s << 15``) is the bf16 pattern of ``value * 2^-126``
+    for all 16 codes: exponent field e, mantissa bit m, and for e = 0 the bf16 subnormal ``m * 2^-127`` =
+    0.5 m * 2^-126 (the E2M1 subnormal 0.5 and both zeros come out right). ``SHIFT_MAG`` / ``SHIFT_SIGN`` move
+    nibble j's bits 0-2 to bits 6-8 and bit 3 to bit 15 (positive: left) in both lanes at once. The bf16
+    products with 2^126 and with the E8M0 scale ``sb`` are exact (powers of two; no overflow below s = 255).
+    """
+    if SHIFT_MAG >= 0:
+        mag = (wd << SHIFT_MAG) & 0x01C001C0
+    else:
+        mag = (wd >> (-SHIFT_MAG)) & 0x01C001C0
+    if SHIFT_SIGN > 0:
+        sgn = (wd << SHIFT_SIGN) & -2147450880  # 0x80008000
+    elif SHIFT_SIGN == 0:
+        sgn = wd & -2147450880
+    else:
+        sgn = (wd >> (-SHIFT_SIGN)) & -2147450880
+    bits = mag | sgn
+    if F32:
+        # the Triton interpreter multiplies bf16 as integers and drops bf16 subnormals when widening: build
+        # the fp32 patterns (same values, fp32 subnormal for e = 0) and scale in fp32 there (exact as well)
+        lo = ((bits << 16).to(tl.float32, bitcast=True) * _TWO_POW_126) * sb
+        hi = ((bits & -65536).to(tl.float32, bitcast=True) * _TWO_POW_126) * sb
+    else:  # packed bf16 multiplies (2 elements per instruction on sm_90)
+        lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        lo = (lo * _TWO_POW_126) * sb
+        hi = (hi * _TWO_POW_126) * sb
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+    """Decode one packed MXFP4 weight tile to bf16, in the K order of :func:`mxfp4_k_order`.
+
+    Args:
+        wd: ``[BLOCK_N, BLOCK_K/8]`` int32, the checkpoint bytes read as little-endian words (element 2i in
+            the low nibble of byte i, K3_FACTS §4; word w holds elements 8w..8w+7, element 8w+j in nibble j).
+        s: ``[BLOCK_N, BLOCK_K/32]`` uint8 E8M0 scales (2^(s-127); 0 is 2^-127; 255 is not allowed: the
+            loader rejects it, here it would give inf).
+        F32: decode to fp32 and scale in fp32 instead of packed bf16 (the same exact values; for the Triton
+            interpreter, whose bf16 arithmetic, bf16 widening and bf16 ``tl.dot`` are not IEEE).
+    Returns:
+        ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 with ``F32``), bit-equal to ``k3rocm.mx.dequantize_mxfp4`` rounded to bf16 (exact: an E2M1
+        value times a power of two is a bf16 number unless it leaves the bf16 range). Position
+        ``32c + 8j + 2t + b`` of the result holds element ``32c + 8t + j + 4b`` of the tile: each thread of an
+        MMA then finds its bf16 pairs (nibbles j and j+4 of one word) in one register, with no shuffles.
+    """
+    if F32:
+        si = s.to(tl.int32)
+        sb = tl.where(si == 0, 0x400000, si << 23).to(tl.float32, bitcast=True)
+    else:
+        si = s.to(tl.int16)
+        sb = tl.where(si == 0, 0x40, si << 7).to(tl.bfloat16, bitcast=True)
+    sb = tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)).reshape(BLOCK_N, BLOCK_K // 8)
+    p0 = _mxfp4_pair(wd, 6, 12, sb, F32)
+    p1 = _mxfp4_pair(wd, 2, 8, sb, F32)
+    p2 = _mxfp4_pair(wd, -2, 4, sb, F32)
+    p3 = _mxfp4_pair(wd, -6, 0, sb, F32)
+    w = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, c*4+t, b, j>>1, j&1]
+    w = tl.permute(w.reshape(BLOCK_N, BLOCK_K // 32, 4, 2, 4), (0, 1, 4, 2, 3))  # [n, c, j, t, b]
+    return w.reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def mxfp4_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Reorder the K axis of an activation tile ``[BLOCK_M, BLOCK_K]`` like :func:`mxfp4_decode_tile` does
+    the weights (position 32c + 8j + 2t + b <- element 32c + 8t + 4b + j); a dot product over K is unchanged."""
+    a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 32, 4, 2, 4), (0, 1, 4, 2, 3))
+    return a.reshape(BLOCK_M, BLOCK_K)
+
+
+@triton.jit
+def moe_gemm_dq_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr,
+    sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
+    N, K, HALF_N,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+):
+    """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
+    (bf16 activations only; no A8 mode). The product is computed transposed, ``acc[n, m] = W[n, :] . a[m, :]``,
+    so the decoded weight tile is the MMA's register operand (its 64-row side on Hopper) and the few token
+    rows of a decode-sized group are the narrow side. Weight strides are in bytes and multiples of 4.
+    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    row0 = tl.load(block_start_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    if GATED:
+        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
+        arow = (pair // TOPK).to(tl.int64)
+    else:
+        arow = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_n = tl.where(nmask, offs_n, 0)
+    rk = tl.arange(0, BLOCK_K)
+    rk8 = tl.arange(0, BLOCK_K // 8)
+    rks = tl.arange(0, BLOCK_K // 32)
+    w_base = w_ptr.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (stride_we // 4)
+    ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+    wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * (stride_wn // 4) + rk8[None, :]
+    sg_ptrs = ws_base + offs_n[:, None].to(tl.int64) * stride_wsn + rks[None, :]
+    a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if GATED:
+        wu_ptrs = wg_ptrs + HALF_N * (stride_wn // 4)
+        su_ptrs = sg_ptrs + HALF_N * stride_wsn
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+        if F32:
+            a = a.to(tl.float32)
+        at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
+        wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32)
+        acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
+        if GATED:
+            wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32)
+            acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
+            wu_ptrs += BLOCK_K // 8
+            su_ptrs += BLOCK_K // 32
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K // 8
+        sg_ptrs += BLOCK_K // 32
+    orow = rows.to(tl.int64)
+    omask = nmask[:, None] & rmask[None, :]
+    o_ptrs = out_ptr + orow[None, :] * stride_om + offs_n[:, None]
+    if GATED:
+        if ACT == "situ":
+            h = _situ(acc_g, acc_u, BETA, BETA_LIN)
+        else:
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
+        wt = tl.load(pair_weight_ptr + pair, mask=rmask, other=0.0)
+        tl.store(o_ptrs, acc_g * wt[None, :], mask=omask)
+
+
+def dq_isa_case(gated: bool, cfg, backend: str) -> tuple:
+    """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
+    ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU)."""
+    sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16" if gated else "*fp32",
+           "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32",
+           "block_start_ptr": "*i32", "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
+           "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64", "stride_wsn": "i32",
+           "stride_om": "i32"}
+    consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
+              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "F32": False}
+    for c in consts:
+        sig[c] = "constexpr"
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            **(getattr(cfg, "extra", {}) if backend == "hip" else {})}
+    return f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{cfg.name()}]", moe_gemm_dq_kernel, sig, consts, True, opts
