@@ -260,3 +260,104 @@ def test_fp16_and_fp32_activations(tk):
         ref = M.moe_experts(xa, ids, wts, ew)
         out = tk.moe.moe_experts(xa.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, poison=True)
         assert _rel(out, ref) < 1e-2, f"{xa.dtype}: {_rel(out, ref):.3g}"
+
+
+# ---------------------------------------------------------------------------------------- decode path (kind "dq")
+
+
+def _decode_probe(tk, packed, scale):
+    """Run ``mxfp4_decode_tile`` + ``mxfp4_k_order`` on one tile; returns (decoded fp32 [N, K], K order [N, K])."""
+    from k3rocm.kernels.moe.gemm import mxfp4_decode_probe_kernel
+
+    N, K = packed.shape[0], packed.shape[1] * 2
+    out = torch.full((N, K), float("nan"), device=tk.dev)
+    idx = torch.arange(K, dtype=torch.int32, device=tk.dev).repeat(N, 1)
+    order = torch.full_like(idx, -1)
+    mxfp4_decode_probe_kernel[(1,)](packed.to(tk.dev), scale.to(tk.dev), out, idx, order, BN=N, BK=K,
+                                    F32=not GPU)
+    return out.cpu(), order.cpu()
+
+
+def _all_codes_tile(scales):
+    """[16, 32] packed tile (64 elements): row r holds every E2M1 code in both nibbles, in a different order per row
+    (byte b of row r = codes (b + r) % 16 | ((b * 7 + r) % 16) << 4); scales [16, 2] from ``scales``."""
+    r = torch.arange(16)[:, None]
+    b = torch.arange(32)[None, :]
+    packed = (((b + r) % 16) | (((b * 7 + r) % 16) << 4)).to(torch.uint8)
+    s = torch.tensor(scales, dtype=torch.uint8).reshape(16, 2)
+    return packed, s
+
+
+@pytest.mark.parametrize("lo,hi", [(2, 65), (65, 128), (128, 191), (191, 253)])
+def test_decode_every_code_and_scale_bit_exact(tk, lo, hi):
+    # every code x every scale whose products are bf16 normals: bit-equal to the MXFP4 oracle rounded to bf16
+    from k3rocm.mx import dequantize_mxfp4
+
+    for start in range(lo, hi, 32):
+        sc = [min(start + i, hi - 1) for i in range(32)]
+        packed, s = _all_codes_tile(sc)
+        got, order = _decode_probe(tk, packed, s)
+        ref = dequantize_mxfp4(packed, s).bfloat16().float()
+        perm = order[0].long()
+        assert sorted(perm.tolist()) == list(range(64))
+        assert torch.equal(got, ref[:, perm]), f"scales {start}..: {(got != ref[:, perm]).sum()} elements differ"
+        assert (got == 0).any() and (got.signbit() & (got == 0)).any()  # +0 and -0 codes both present
+
+
+def test_decode_extreme_scales(tk):
+    # E8M0 0 (2^-127: results are bf16 subnormals) and 253/254 (6 x 2^127 overflows to inf, as in fp32)
+    from k3rocm.mx import dequantize_mxfp4
+
+    packed, s = _all_codes_tile([0, 1, 253, 254] * 8)
+    got, order = _decode_probe(tk, packed, s)
+    ref = dequantize_mxfp4(packed, s).bfloat16().float()[:, order[0].long()]
+    assert torch.equal(got.nan_to_num(), ref.nan_to_num()), f"{(got != ref).sum()} elements differ"
+
+
+def test_decode_k_order_matches_activation_order(tk):
+    # the weight and activation K permutations are the same map, so a dot product over K is unchanged
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (16, 64), dtype=torch.uint8, generator=g)
+    s = torch.randint(118, 124, (16, 4), dtype=torch.uint8, generator=g)
+    from k3rocm.mx import dequantize_mxfp4
+
+    got, order = _decode_probe(tk, packed, s)
+    ref = dequantize_mxfp4(packed, s)
+    assert torch.equal(got, ref[:, order[0].long()])
+    x = torch.randn(128, generator=g)
+    torch.testing.assert_close(got @ x[order[0].long()], ref @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_every_cuda_config_code_path_small(tk):
+    # every tile of the CUDA list (and of the HIP list) through its own kernel at a small size: under the
+    # interpreter this runs the decode kernel's code with the shipped tiles, not only the interpreter's tiles
+    import k3rocm.kernels.moe.configs as C
+
+    x, ids, wts, ew = _case(7, 16, 128, 128, 4, seed=61)
+    ref = _ref_a16w4(x, ids, wts, ew)
+    ewd = _to(ew, tk.dev)
+    for cfg in C.GEMM_CONFIGS["cuda"] + C.GEMM_CONFIGS["hip"]:
+        stages: dict = {}
+        out, _ = tk.moe.ops._experts_impl(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, "situ", "a16w4",
+                                          4.0, 25.0, cfg, poison=True, stages=stages)
+        assert stages["kernel"] == cfg.kind, f"{cfg.name()}: ran the {stages['kernel']} kernel"
+        assert torch.isfinite(out).all(), f"{cfg.name()}: unwritten (NaN) output"
+        assert _rel(out, ref) < TOL["a16w4"], f"{cfg.name()}: rel err {_rel(out, ref):.3g}"
+
+
+def test_decode_configs_never_run_a8w4_or_fp16(tk):
+    # A8W4 keeps tl.dot_scaled with E4M3 activations; fp16 activations keep the scaled kernel (fp16 operand)
+    import k3rocm.kernels.moe.configs as C
+
+    dq = next(c for c in tk.configs if c.kind == "dq")
+    x, ids, wts, ew = _case(7, 16, 64, 64, 4, seed=71)
+    ewd = _to(ew, tk.dev)
+    for mode, xa, want in (("a16w4", x, "dq"), ("a8w4", x, "scaled"), ("a16w4", x.half(), "scaled")):
+        stages: dict = {}
+        out, _ = tk.moe.ops._experts_impl(xa.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, "situ", mode,
+                                          4.0, 25.0, dq, stages=stages)
+        assert stages["kernel"] == want, f"{mode} {xa.dtype}: {stages['kernel']}"
+        assert _rel(out, M.moe_experts(xa, ids, wts, ew, mode=mode)) < 1e-2
+    from k3rocm.errors import ConfigError
+    with pytest.raises(ConfigError, match="kind"):
+        C.GemmConfig(16, 32, 64, 4, 1, kind="fast")

@@ -229,6 +229,22 @@ def mxfp4_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     return a.reshape(BLOCK_M, BLOCK_K)
 
 
+
+@triton.jit
+def mxfp4_decode_probe_kernel(w_ptr, s_ptr, o_ptr, idx_ptr, oi_ptr, BN: tl.constexpr, BK: tl.constexpr,
+                              F32: tl.constexpr):
+    """Check aid: decode one contiguous tile ``w [BN, BK/2] u8``, ``s [BN, BK/32] u8`` into ``o [BN, BK]`` fp32
+    with :func:`mxfp4_decode_tile`, and apply :func:`mxfp4_k_order` to ``idx [BN, BK]`` int32 -> ``oi``
+    (so a test sees both the values and the K order the GEMM uses)."""
+    rn = tl.arange(0, BN)
+    wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])
+    s = tl.load(s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
+    w = mxfp4_decode_tile(wd, s, BN, BK, F32)
+    tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
+    idx = tl.load(idx_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :])
+    tl.store(oi_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], mxfp4_k_order(idx, BN, BK))
+
+
 @triton.jit
 def moe_gemm_dq_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr,
