@@ -181,9 +181,13 @@ def random_expert_codes(name: str, out_features: int, in_features: int, seed: in
     quantization: about 100 x faster, for full-width presets whose experts are most of the bytes.
     """
     g = _generator(seed, name)
-    packed = torch.randint(0, 256, (out_features, in_features // 2), generator=g, dtype=torch.uint8)
+    # 8 code bytes per int64 draw (in_features is a multiple of 32, so the bytes split evenly)
+    packed = torch.randint(-2**63, 2**63 - 1, (out_features * in_features // 16,), generator=g,
+                           dtype=torch.int64).view(torch.uint8).view(out_features, in_features // 2)
     e0 = math.floor(math.log2(1.0 / math.sqrt(in_features) / _E2M1_CODE_RMS)) + 127
-    scale = (e0 + torch.randint(0, 2, (out_features, in_features // mx.GROUP), generator=g)).to(torch.uint8)
+    n = out_features * (in_features // mx.GROUP)
+    bits = torch.randint(-2**63, 2**63 - 1, (-(-n // 8),), generator=g, dtype=torch.int64).view(torch.uint8)[:n]
+    scale = (bits & 1).add_(e0).view(out_features, in_features // mx.GROUP)
     return packed, scale
 
 
