@@ -30,10 +30,19 @@ COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
 BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
 
 
-# tile candidates tried by --candidates (not shipped until they join GEMM_CONFIGS and its tests)
-CANDIDATES = [GemmConfig(16, 64, 256, 4, 4), GemmConfig(16, 128, 128, 4, 4), GemmConfig(16, 256, 128, 8, 3),
-              GemmConfig(32, 64, 256, 4, 4), GemmConfig(64, 64, 128, 4, 4), GemmConfig(128, 128, 64, 8, 3),
-              GemmConfig(64, 256, 64, 8, 3)]
+# variants tried by --candidates (A16W4; not shipped until they join GEMM_CONFIGS and its tests): the two
+# best dot_scaled configs of the first H200 run (reference points) and decode-path (kind "dq"/"dqn") tiles
+# around the shipped ones. Each is checked against the oracle with --check. Candidates far from a token
+# count's group size are skipped there (block_m >= 128 below 2048 tokens, block_m < 64 from 2048 tokens on)
+# to keep one sweep of 64 / 512 / 8192 tokens near two minutes on an H200, compile time included.
+CANDIDATES = [GemmConfig(32, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
+              GemmConfig(16, 64, 128, 4, 4, kind="dq"), GemmConfig(16, 256, 128, 8, 3, kind="dq"),
+              GemmConfig(32, 128, 128, 4, 4, kind="dq"), GemmConfig(64, 128, 128, 8, 3, kind="dq"),
+              GemmConfig(128, 128, 128, 8, 3, kind="dq"), GemmConfig(128, 128, 64, 8, 3, kind="dqn")]
+
+
+def _candidate_fits(cfg: GemmConfig, tokens: int) -> bool:
+    return cfg.block_m < 128 if tokens < 2048 else cfg.block_m >= 64
 
 
 def situ(g, u):
@@ -88,6 +97,7 @@ def main() -> None:
                     _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
                     t_all = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode=mode, config=cfg))
                     r[f"{key}_experts_ms"] = t_all
+                    r[f"{key}_kernel"] = stages.get("kernel")
                     for st in ("w13", "w2", "reduce", "quantize"):
                         if stages.get(st) is not None:
                             r[f"{key}_{st}_ms"] = do_bench(stages[st])
@@ -112,13 +122,24 @@ def main() -> None:
             pk = r[f"{mode}_picked_ms"]
             r[f"{mode}_router_plus_experts_ms"] = pk + r["router_ms"] if pk else None
         if args.candidates:
+            ref16 = None
+            if args.check:
+                from k3rocm.model.moe import moe_experts as oracle
+
+                torch.backends.cuda.matmul.allow_tf32 = False
+                ref16 = oracle(xl, ids, wts, ew, mode="a16w4")
             for cfg in CANDIDATES:
+                if not _candidate_fits(cfg, T):
+                    continue
                 try:
-                    moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg)
+                    out = moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg)
                     r[f"cand_{cfg.name()}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4",
                                                                               config=cfg))
+                    if ref16 is not None:
+                        r[f"cand_{cfg.name()}_rel_err"] = ((out - ref16).abs().max() / ref16.abs().max()).item()
                 except Exception as e:  # noqa: BLE001
                     r[f"cand_{cfg.name()}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            del ref16
         if w13_bf is not None:
             try:
                 counts = torch.bincount(ids.flatten().long(), minlength=E)
@@ -178,6 +199,16 @@ def _markdown(meta, rows, modes) -> str:
                 f"{max(r['floor_fp4_ms'], r['floor_flops_ms']):.3f} | "
                 f"{(max(r['floor_fp4_ms'], r['floor_flops_ms']) / t) if t else 0:.2f} | "
                 f"{bf if bf is None else round(bf, 3)} | {(bf / t) if (bf and t) else 0:.2f} |")
+    cands = sorted({k[5:-3] for r in rows for k in r if k.startswith("cand_") and k.endswith("_ms")})
+    if cands:
+        out += ["", "Candidates (A16W4, whole moe_experts call, ms; rel. max error vs the oracle with --check):", "",
+                "| tokens | " + " | ".join(cands) + " |", "|---|" + "---|" * len(cands)]
+        for r in rows:
+            cells = []
+            for c in cands:
+                t, e = r.get(f"cand_{c}_ms"), r.get(f"cand_{c}_rel_err")
+                cells.append("—" if t is None else f"{t:.3f}" + (f" ({e:.1e})" if e is not None else ""))
+            out.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 

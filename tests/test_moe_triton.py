@@ -330,13 +330,18 @@ def test_decode_k_order_matches_activation_order(tk):
 
 def test_every_cuda_config_code_path_small(tk):
     # every tile of the CUDA list (and of the HIP list) through its own kernel at a small size: under the
-    # interpreter this runs the decode kernel's code with the shipped tiles, not only the interpreter's tiles
+    # interpreter this runs the decode kernel's code with the shipped tiles, not only the interpreter's tiles;
+    # plus the untransposed decode variant ("dqn", a benchmark candidate) and the benchmark's candidates
     import k3rocm.kernels.moe.configs as C
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    from bench_moe import CANDIDATES
 
     x, ids, wts, ew = _case(7, 16, 128, 128, 4, seed=61)
     ref = _ref_a16w4(x, ids, wts, ew)
     ewd = _to(ew, tk.dev)
-    for cfg in C.GEMM_CONFIGS["cuda"] + C.GEMM_CONFIGS["hip"]:
+    extra = [C.GemmConfig(32, 64, 64, 4, 1, kind="dqn")]
+    for cfg in C.GEMM_CONFIGS["cuda"] + C.GEMM_CONFIGS["hip"] + extra + CANDIDATES:
         stages: dict = {}
         out, _ = tk.moe.ops._experts_impl(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, "situ", "a16w4",
                                           4.0, 25.0, cfg, poison=True, stages=stages)

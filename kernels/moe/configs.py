@@ -19,8 +19,10 @@ class GemmConfig:
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
     ``extra``: backend-only compile options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
     ``kind``: which A16W4 kernel runs — ``"scaled"`` (``moe_gemm_kernel``: ``tl.dot_scaled`` with the
-    weights as ``e2m1``; native scaled MFMA on gfx950) or ``"dq"`` (``moe_gemm_dq_kernel``: integer decode
-    of the nibbles to bf16, then ``tl.dot``; for Hopper, which has no FP4 hardware). A8W4 always runs the
+    weights as ``e2m1``; native scaled MFMA on gfx950), ``"dq"`` (``moe_gemm_dq_kernel``: integer decode
+    of the nibbles to bf16, then ``tl.dot`` with the decoded weights as the register operand and the tokens as
+    the narrow side; for Hopper, which has no FP4 hardware) or ``"dqn"`` (the same decode, tokens x weights
+    with the decoded weights staged in shared memory; for large groups). A8W4 always runs the
     scaled kernel with E4M3 activations (the decode path has no A8 mode), and so do fp16 activations (the
     decode path produces bf16 weights); the tiles are the config's in every case.
     """
@@ -43,7 +45,7 @@ class GemmConfig:
         return f"{pre}m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
 
 
-GEMM_KINDS = ("scaled", "dq")
+GEMM_KINDS = ("scaled", "dq", "dqn")
 
 
 GEMM_CONFIGS: dict[str, list[GemmConfig]] = {

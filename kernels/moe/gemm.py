@@ -189,7 +189,8 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
 
 
 @triton.jit
-def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+                      MMA_ORDER: tl.constexpr = True):
     """Decode one packed MXFP4 weight tile to bf16, in the K order of :func:`mxfp4_k_order`.
 
     Args:
@@ -216,8 +217,9 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
     p1 = _mxfp4_pair(wd, 2, 8, sb, F32)
     p2 = _mxfp4_pair(wd, -2, 4, sb, F32)
     p3 = _mxfp4_pair(wd, -6, 0, sb, F32)
-    w = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, c*4+t, b, j>>1, j&1]
-    w = tl.permute(w.reshape(BLOCK_N, BLOCK_K // 32, 4, 2, 4), (0, 1, 4, 2, 3))  # [n, c, j, t, b]
+    w = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, c*4+t, b, j>>1, j&1]: element 8w + 4b + j
+    if MMA_ORDER:
+        w = tl.permute(w.reshape(BLOCK_N, BLOCK_K // 32, 4, 2, 4), (0, 1, 4, 2, 3))  # [n, c, j, t, b]
     return w.reshape(BLOCK_N, BLOCK_K)
 
 
@@ -252,12 +254,17 @@ def moe_gemm_dq_kernel(
     N, K, HALF_N,
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+    F32: tl.constexpr,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
-    (bf16 activations only; no A8 mode). The product is computed transposed, ``acc[n, m] = W[n, :] . a[m, :]``,
-    so the decoded weight tile is the MMA's register operand (its 64-row side on Hopper) and the few token
-    rows of a decode-sized group are the narrow side. Weight strides are in bytes and multiples of 4.
+    (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
+    ``acc[n, m] = W[n, :] . a[m, :]``, so the decoded weight tile is the MMA's register operand (its 64-row
+    side on Hopper) and the few token rows of a decode-sized group are the narrow side; the activations are
+    loaded in the decode's K order. Not ``SWAP`` (kind ``"dqn"``): ``acc[m, n] = a[m, :] . W[n, :]`` with the
+    activations as they are and the decoded weights staged as the shared-memory operand (large groups, where
+    the permuted activation loads would cost more than the staging). Weight strides are in bytes and
+    multiples of 4.
     ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -284,29 +291,45 @@ def moe_gemm_dq_kernel(
     wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * (stride_wn // 4) + rk8[None, :]
     sg_ptrs = ws_base + offs_n[:, None].to(tl.int64) * stride_wsn + rks[None, :]
     a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if GATED:
-        wu_ptrs = wg_ptrs + HALF_N * (stride_wn // 4)
-        su_ptrs = sg_ptrs + HALF_N * stride_wsn
+    if SWAP:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wu_ptrs = wg_ptrs + HALF_N * (stride_wn // 4)
+    su_ptrs = sg_ptrs + HALF_N * stride_wsn
+    prec: tl.constexpr = "ieee" if F32 else None
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         if F32:
             a = a.to(tl.float32)
-        at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
-        wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32)
-        acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
+        if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
+            at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, True)
+            acc_g = tl.dot(wg, at, acc_g, input_precision=prec)
+            if GATED:
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, True)
+                acc_u = tl.dot(wu, at, acc_u, input_precision=prec)
+        else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, False)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=prec)
+            if GATED:
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=prec)
         if GATED:
-            wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32)
-            acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
             wu_ptrs += BLOCK_K // 8
             su_ptrs += BLOCK_K // 32
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K // 8
         sg_ptrs += BLOCK_K // 32
     orow = rows.to(tl.int64)
-    omask = nmask[:, None] & rmask[None, :]
-    o_ptrs = out_ptr + orow[None, :] * stride_om + offs_n[:, None]
+    if SWAP:
+        omask = nmask[:, None] & rmask[None, :]
+        o_ptrs = out_ptr + orow[None, :] * stride_om + offs_n[:, None]
+    else:
+        omask = rmask[:, None] & nmask[None, :]
+        o_ptrs = out_ptr + orow[:, None] * stride_om + offs_n[None, :]
     if GATED:
         if ACT == "situ":
             h = _situ(acc_g, acc_u, BETA, BETA_LIN)
@@ -316,7 +339,10 @@ def moe_gemm_dq_kernel(
     else:
         pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
         wt = tl.load(pair_weight_ptr + pair, mask=rmask, other=0.0)
-        tl.store(o_ptrs, acc_g * wt[None, :], mask=omask)
+        if SWAP:
+            tl.store(o_ptrs, acc_g * wt[None, :], mask=omask)
+        else:
+            tl.store(o_ptrs, acc_g * wt[:, None], mask=omask)
 
 
 def dq_isa_case(gated: bool, cfg, backend: str) -> tuple:
@@ -328,7 +354,8 @@ def dq_isa_case(gated: bool, cfg, backend: str) -> tuple:
            "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64", "stride_wsn": "i32",
            "stride_om": "i32"}
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
-              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "F32": False}
+              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+              "SWAP": cfg.kind == "dq", "F32": False}
     for c in consts:
         sig[c] = "constexpr"
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

@@ -220,7 +220,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     bk1 = _fit_block_k(cfg.block_k, D)
 
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
-    dq = cfg.kind == "dq" and not a8 and a.dtype == torch.bfloat16
+    dq = cfg.kind in ("dq", "dqn") and not a8 and a.dtype == torch.bfloat16
     interp = backend_name() == "interpreter"
 
     def run_w13():
@@ -230,7 +230,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 inter, D, inter,
                 a.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), h.stride(0),
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk1, F32=interp, **opts)
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk1, SWAP=cfg.kind == "dq", F32=interp, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(inter, cfg.block_n))](
             a, a_s, w13p, w13s, h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -251,7 +251,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 D, inter, 0,
                 h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk2, F32=interp, **opts)
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk2, SWAP=cfg.kind == "dq", F32=interp, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg.block_n))](
             h, hs, w2p, w2s, y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -274,7 +274,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         stages.update(w13=run_w13, w2=run_w2, reduce=run_reduce,
                       dispatch=lambda: dispatch_gpu(topk_ids, first, E_loc, cfg.block_m),
                       quantize=(lambda: quantize_mxfp8_rows(x)) if a8 else None, config=cfg,
-                      kernel="dq" if dq else "scaled")
+                      kernel=cfg.kind if dq else "scaled")
     return out, normed
 
 
