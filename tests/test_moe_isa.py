@@ -3,7 +3,8 @@
 Asserts: every HIP config of both grouped GEMMs in both modes compiles with zero VGPR/SGPR spills on gfx950
 and gfx942; the A8W4 GEMM uses the native scaled MFMA (``v_mfma_scale_f32_*_f8f6f4``) on gfx950 and the
 A16W4 GEMM plain bf16 MFMAs (never a scaled one); the CUDA configs compile for sm_90 with tensor-core
-instructions; the router GEMM has matrix instructions everywhere.
+instructions, the A16W4 decode kernel (kind "dq") with bf16 wgmma; the decode kernel also compiles for
+gfx950 / gfx942 without spills; the router GEMM has matrix instructions everywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from k3rocm.kernels.isa import compile_kernel  # noqa: E402
 from k3rocm.kernels.moe import GEMM_CONFIGS, ROUTER_CONFIGS, isa_cases  # noqa: E402
 from k3rocm.kernels.moe.router import router_logits_kernel  # noqa: E402
 from k3rocm.kernels.moe import _gemm_case  # noqa: E402
+from k3rocm.kernels.moe.configs import GemmConfig  # noqa: E402
+from k3rocm.kernels.moe.gemm import dq_isa_case  # noqa: E402
 
 SCALED_MFMA = re.compile(r"v_mfma_scale_f32_\w+_f8f6f4")
 
@@ -49,11 +52,31 @@ def test_amd_every_config_no_spills(target, gated, a8):
 
 @pytest.mark.parametrize("a8", [False, True], ids=["a16w4", "a8w4"])
 def test_sm90_configs_compile(a8):
+    # each CUDA config compiles as the kernel it runs: A8W4 always the scaled kernel (dot_scaled, E4M3);
+    # A16W4 the decode kernel for kind "dq"/"dqn" (bf16 wgmma on the decoded tile), else the scaled one
     for gated in (True, False):
         for cfg in GEMM_CONFIGS["cuda"]:
-            rep = _compile(_gemm_case(gated, a8, cfg, "cuda"), "sm_90")
+            case = dq_isa_case(gated, cfg, "cuda") if (cfg.kind != "scaled" and not a8) else \
+                _gemm_case(gated, a8, cfg, "cuda")
+            rep = _compile(case, "sm_90")
             assert rep.error is None, rep.error
             assert rep.matrix_ops, f"{rep.name}: no tensor-core instructions on sm_90"
+            if cfg.kind != "scaled" and not a8:
+                assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), \
+                    f"{rep.name}: {rep.matrix_ops}"
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942"])
+def test_decode_kernel_compiles_for_amd(target):
+    # the decode path is the Hopper choice (HIP keeps dot_scaled: native scaled MFMA on gfx950), but the
+    # same source must stay portable: it compiles to bf16 MFMAs without spills (transposed orientation, the
+    # shipped Hopper one; the untransposed "dqn" is only a benchmark candidate)
+    for cfg in (GemmConfig(16, 64, 128, 4, 2, kind="dq"),):
+        for gated in (True, False):
+            rep = _compile(dq_isa_case(gated, cfg, "hip"), target)
+            assert rep.error is None, rep.error
+            assert rep.ok, f"{rep.name} on {target}: {rep.problems()}"
+            assert rep.matrix_ops and not any(SCALED_MFMA.match(op) for op in rep.matrix_ops), rep.matrix_ops
 
 
 def test_sm90_router_configs_compile():
