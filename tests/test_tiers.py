@@ -286,3 +286,35 @@ def test_a_kernel_family_that_fails_to_import_is_reported(monkeypatch):
     tiers.tier_env(sess, st)
     row = {e.name: e for e in st.evidence}["kernels.import"]
     assert row.passed is False and "kda: ImportError: broken" in row.detail
+
+
+def test_teacher_forced_layers_localise_a_wrong_layer(golden_ckpt):
+    """Each engine layer runs on the oracle's input: a fault in one MoE layer shows in that layer alone (a
+    free-running stack would smear it over every later layer); identical ops give exactly zero."""
+    from k3rocm.model.layer import resolve_ops
+    from k3rocm.model.model import K3Model
+    from k3rocm.model.weights import load_weights
+
+    s = _session(golden_ckpt)
+    cfg = s.config
+    w = load_weights(golden_ckpt)
+    orc = K3Model(cfg, w)
+    ids = torch.randint(3, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(11))
+    same = tiers.teacher_forced_layers(K3Model(cfg, w), orc, ids)
+    assert len(same) == cfg.num_hidden_layers and all(v == 0.0 for d in same for v in d.values())
+
+    good = resolve_ops(None)["moe_experts"]
+    calls = {"n": 0}
+
+    def third_call_wrong(*a, **k):
+        calls["n"] += 1
+        y = good(*a, **k)
+        return torch.roll(y, 1, dims=-1) if calls["n"] == 3 else y
+
+    bad = tiers.teacher_forced_layers(K3Model(cfg, w, ops={"moe_experts": third_call_wrong}), orc, ids)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    hit = moe_layers[2]
+    assert bad[hit]["mlp_out"] > tiers.THRESHOLDS["engine.layer_rel_rms"]
+    assert all(v == 0.0 for i, d in enumerate(bad) for n, v in d.items() if (i, n) != (hit, "mlp_out"))
+    sens = tiers.oracle_sensitivity(orc, ids, tiers.oracle_forward(orc, ids)[0])
+    assert sens["finite"] and 0.0 < sens["max_abs"] < float("inf")

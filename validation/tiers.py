@@ -100,6 +100,65 @@ def oracle_forward(model, ids):
     return model_forward(model, ids, model.cfg.num_hidden_layers)
 
 
+def teacher_forced_layers(model, oracle, ids) -> list[dict]:
+    """Each layer of ``model`` run on the oracle's own input to that layer, compared with the oracle's output.
+
+    ``ids`` ``[B, T]`` int64. Both objects need the layer-by-layer API (``embed`` / ``run_layer``). The oracle
+    runs the whole stack; before each of its layers the state (AttnRes bank and prefix, or the residual
+    stream) is copied and ``model``'s layer ``i`` runs on the copy. Errors therefore do not compound across
+    layers: a random-weight test model amplifies any rounding end to end (see :func:`oracle_sensitivity`),
+    while a per-layer error here points at the layer that is wrong.
+    Returns ``[{"attn_out": rel_rms, "mlp_out": rel_rms}, ...]`` per layer.
+    """
+    torch = _t()
+    from k3rocm.model.layer import AttnResState, Batch
+    from k3rocm.model.model import LayerState
+    B, T = ids.shape
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+    out = []
+    with torch.no_grad():
+        so = oracle.embed(ids.reshape(-1), Batch(cu), record=True)
+        for i in range(oracle.cfg.num_hidden_layers):
+            res = None if so.res is None else AttnResState([b.clone() for b in so.res.bank], so.res.prefix.clone())
+            hid = None if so.hidden is None else so.hidden.clone()
+            se = LayerState(so.batch, res=res, hidden=hid, record=True, next_layer=i)
+            model.run_layer(i, se)
+            oracle.run_layer(i, so)
+            out.append({n: rel_rms(se.outputs[f"layer{i:02d}.{n}"], so.outputs[f"layer{i:02d}.{n}"])
+                        for n in ("attn_out", "mlp_out")})
+    return out
+
+
+def oracle_sensitivity(oracle, ids, ref_logits) -> dict:
+    """How much the fp32 oracle's own logits move when only its embeddings get a bf16-sized rounding error.
+
+    A bf16 engine makes perturbations of that size (unit round-off 2^-8) at every projection, so an end-to-end
+    comparison can never be tighter than this response. Random-weight test models (k3-tiny) amplify it to
+    O(1) logit changes; a trained model barely moves. Returns :func:`logits_compare` of the perturbed run
+    against ``ref_logits`` ``[B, T, V]``.
+    """
+    torch = _t()
+    from k3rocm.model.layer import Batch
+    B, T = ids.shape
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+    with torch.no_grad():
+        st = oracle.embed(ids.reshape(-1), Batch(cu))
+        h = st.res.prefix if st.res is not None else st.hidden
+        # a relative error uniform in +-2^-9 per element: what rounding to bf16 does (the stored embeddings are
+        # often bf16 already, so a literal rounding would change nothing); fixed seed, reproducible
+        g = torch.Generator().manual_seed(0)
+        u = torch.rand(h.shape, generator=g, dtype=torch.float32).to(h.device) - 0.5
+        h = h * (1.0 + u * 2.0 ** -8)
+        if st.res is not None:
+            st.res.prefix = h
+        else:
+            st.hidden = h
+        for i in range(oracle.cfg.num_hidden_layers):
+            oracle.run_layer(i, st)
+        logits = oracle.final(st).view(B, T, -1).float()
+    return logits_compare(logits, ref_logits)
+
+
 def serve_with_logits(engine, prompt: list[int], n: int):
     """Serve one request of ``prompt`` for ``n`` greedy tokens through the engine's own path (prefill
     chunk, then decode steps on the KDA slot pool and paged MLA cache, CUDA/HIP graphs when on) and
@@ -363,30 +422,58 @@ def tier_correctness(session: Session, stage: Stage) -> None:
     ids = _ids(session, 2, 16)
     ol, olay = oracle_forward(orc, ids)
     el, elay = model_forward(model, ids, session.config.num_hidden_layers)
-    # per layer
+    # per layer: each engine layer on the oracle's input (teacher-forced: the check), and free-running (the plot)
     names = ("attn_out", "mlp_out")
+    tf = teacher_forced_layers(model, orc, ids) if hasattr(model, "run_layer") else []
     series = {n: [] for n in names}
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(elay, olay)):
+    for a, b in zip(elay, olay):
         for n in names:
             if n in a and n in b:
-                e = rel_rms(a[n], b[n])
-                series[n].append(e)
-                worst = max(worst, e) if math.isfinite(e) else float("inf")
-    if any(series.values()):
+                series[n].append(rel_rms(a[n], b[n]))
+    per_layer = [(i, n, d[n]) for i, d in enumerate(tf) for n in names] or \
+                [(i, n, v) for n in names for i, v in enumerate(series[n])]
+    if per_layer:
+        wi, wn, worst = max(per_layer, key=lambda x: x[2] if math.isfinite(x[2]) else float("inf"))
+        worst = worst if math.isfinite(worst) else float("inf")
+        how = "each engine layer on the oracle's input to it" if tf else "free-running stack"
         stage.add(check("correctness", "layers.rel_rms.max", worst, le=THRESHOLDS["engine.layer_rel_rms"], level=lv,
-                        detail=f"engine ({_impl_note(session)}) vs fp32 oracle, worst layer output"))
+                        detail=f"engine ({_impl_note(session)}) vs fp32 oracle, {how}; worst: layer {wi} {wn}"))
+        y = {f"teacher-forced: {n}": [d[n] for d in tf] for n in names} if tf else {}
+        y.update({f"free-running: {k}": v for k, v in series.items() if v})
         stage.series["layer_error"] = {
-            "title": "per-layer relative RMS error", "x": list(range(len(series["attn_out"]))), "xlabel": "layer",
-            "ylabel": "relative RMS error", "log": True,
-            "y": {f"selected kernels vs oracle: {k}" + (" (all exactly 0)" if not any(v) else ""): v
-                  for k, v in series.items() if v}}
+            "title": "per-layer relative RMS error, engine vs fp32 oracle", "x": list(range(len(olay))),
+            "xlabel": "layer", "ylabel": "relative RMS error", "log": True,
+            "y": {k + (" (all exactly 0)" if not any(v) else ""): v for k, v in y.items()}}
+    # end to end: a reduced-precision engine is held to the fixed thresholds or to a multiple of the oracle's own
+    # response to a bf16-sized error on its embeddings, whichever is looser
+    sens = oracle_sensitivity(orc, ids, ol) if hasattr(orc, "run_layer") else None
+    amp = 4.0
+    kl_b, abs_b, top_b = (THRESHOLDS["engine.logits_kl"], THRESHOLDS["engine.logits_max_abs"],
+                          THRESHOLDS["engine.top1_agreement"])
+    note = ""
+    # the bounds widen only for an engine that computes or stores in reduced precision (bf16 weights, matmuls
+    # or cache): an fp32 engine must meet the fixed thresholds whatever the model's sensitivity
+    f32 = _t().float32
+    lowp = any(getattr(eng, a, f32) not in (None, f32) for a in ("dtype", "kv_dtype", "matmul_dtype"))
+    if sens is not None:
+        stage.add(info("correctness", "oracle.bf16_sensitivity.max_abs", round(sens["max_abs"], 6), level=lv,
+                       detail="logits of the fp32 oracle with a bf16-sized (+-2^-9 relative) error on its embeddings "
+                              "only, vs without"),
+                  info("correctness", "oracle.bf16_sensitivity.kl", sens["kl"], "nats", level=lv),
+                  info("correctness", "oracle.bf16_sensitivity.top1", round(sens["top1"], 4), level=lv))
+    if sens is not None and lowp:
+        kl_b, abs_b = max(kl_b, amp * sens["kl"]), max(abs_b, amp * sens["max_abs"])
+        top_b = min(top_b, max(0.0, 1.0 - amp * (1.0 - sens["top1"])))
+        note = (f"; bound = the fixed threshold or {amp:g} x the oracle's own response to a bf16-sized error on "
+                "its embeddings, whichever is looser")
     c = logits_compare(el, ol)
-    stage.add(check("correctness", "logits.kl", c["kl"], le=THRESHOLDS["engine.logits_kl"], unit="nats", level=lv,
-                    detail="mean KL(oracle || engine) per position"),
-              check("correctness", "logits.top1_agreement", c["top1"], ge=THRESHOLDS["engine.top1_agreement"],
-                    level=lv),
-              check("correctness", "logits.max_abs", c["max_abs"], le=THRESHOLDS["engine.logits_max_abs"], level=lv))
+    stage.add(check("correctness", "logits.kl", c["kl"], le=kl_b, unit="nats", level=lv,
+                    detail="mean KL(oracle || engine) per position" + note),
+              check("correctness", "logits.top1_agreement", c["top1"], ge=top_b, level=lv, detail=note[2:]),
+              check("correctness", "logits.max_abs", c["max_abs"], le=abs_b, level=lv, detail=note[2:]))
+    tok_b = 1.0 if sens is None or not lowp else max(0.0, 1.0 - amp * (1.0 - sens["top1"]))
+    dvp_b = THRESHOLDS["decode_vs_prefill.max_abs"] if sens is None or not lowp else \
+        max(THRESHOLDS["decode_vs_prefill.max_abs"], amp * sens["max_abs"])
     # the engine's serving path (decode kernels, caches, graphs) vs one forward of the same ops
     n_dec = 4
     worst_abs, agree, rows = 0.0, 0, 0
@@ -403,11 +490,11 @@ def tier_correctness(session: Session, stage: Stage) -> None:
         worst_abs = max(worst_abs, float((got - ref).abs().max()))
         agree += int((torch.tensor(toks) == ref.argmax(-1)).sum())
         rows += n_dec
-    stage.add(check("correctness", "decode_vs_prefill.max_abs", worst_abs, le=THRESHOLDS["decode_vs_prefill.max_abs"],
+    stage.add(check("correctness", "decode_vs_prefill.max_abs", worst_abs, le=dvp_b,
                     level=lv, detail=f"engine serving path (prefill 12 + decode {n_dec - 1}, slot pool, paged MLA "
-                                     "cache) vs one forward of the same ops, logits"),
-              check("correctness", "decode_vs_prefill.tokens", agree / max(rows, 1), ge=1.0, level=lv,
-                    detail="served greedy tokens equal the forward's argmax"))
+                                     "cache) vs one forward of the same ops, logits" + note),
+              check("correctness", "decode_vs_prefill.tokens", agree / max(rows, 1), ge=tok_b, level=lv,
+                    detail="served greedy tokens equal the forward's argmax" + note))
     if session.opts.golden:
         golden_checks(session, stage)
     if session.is_official:
