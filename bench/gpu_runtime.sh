@@ -6,8 +6,8 @@
 # PRESET defaults to k3-prefix-4 (layers 0-3 of K3 at full width: the dense layer, two KDA + LatentMoE
 # layers and the first MLA layer; 57.6 GB), written with --expert-init codes (disk-bound) unless CKPT_DIR
 # already holds it. Then, each step with its own time limit (the integer SWEEP_SCALE multiplies them):
-#   load      k3rocm load       (plan, stream, checksum every tensor, GB/s vs raw read)
-#   validate  k3rocm validate --level performance
+#   validate  k3rocm validate --level performance (env, load: plan, stream, checksum every tensor, GB/s vs
+#             raw read; forward; correctness vs the fp32 oracle; a short benchmark)
 #   bench64   k3rocm bench --concurrency 64   (input 256 / output 64 tokens)
 #   bench1_8  k3rocm bench --concurrency 1,8  (fewer prompts) into a second report
 #   dist      the TP2/EP2 GPU tests (nccl, one GPU per rank) when two GPUs are visible
@@ -35,7 +35,6 @@ step() {  # step NAME LIMIT_S CMD...
 if [ ! -f "$CK/model.safetensors.index.json" ]; then
   step make 240 $K3 checkpoint make --preset "$P" --out "$CK" --expert-init codes
 fi
-step load 150 $K3 load --checkpoint "$CK" --out "$R/report"
 step validate 240 $K3 validate --checkpoint "$CK" --level performance --out "$R/report"
 step bench64 200 $K3 bench --checkpoint "$CK" --concurrency 64 --input-len 256 --output-len 64 \
      --num-prompts 256 --warmups 64 --out "$R/report"
