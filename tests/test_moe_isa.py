@@ -99,3 +99,17 @@ def test_other_kernels_all_targets():
             backend = "hip" if target.startswith("gfx") else "cuda"
             rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
             assert rep.ok, f"{name} on {target}: {rep.problems()}"
+
+
+def test_one_program_dispatch_all_targets():
+    # the launch ops.dispatch_gpu makes (K3: 896 local experts, up to 8192 pairs): spill-free everywhere
+    from k3rocm.kernels.moe.gemm import moe_dispatch_kernel
+
+    sig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
+           "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32", "bstart_ptr": "*i32",
+           "run_ptr": "*i32", "UB": "i32", "BLOCK_M": "constexpr", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr",
+           "BLOCK_UB": "constexpr"}
+    consts = {"BLOCK_M": 16, "BLOCK_P": 64, "BLOCK_E": 1024, "BLOCK_UB": 8192}
+    for target in ("gfx950", "gfx942", "sm_90"):
+        rep = compile_kernel(moe_dispatch_kernel, sig, consts, target, name="dispatch", options={"num_warps": 8})
+        assert rep.ok, f"dispatch on {target}: {rep.problems()}"

@@ -366,3 +366,29 @@ def test_decode_configs_never_run_a8w4_or_fp16(tk):
     from k3rocm.errors import ConfigError
     with pytest.raises(ConfigError, match="kind"):
         C.GemmConfig(16, 32, 64, 4, 1, kind="fast")
+
+
+@pytest.mark.parametrize("T,k,E,first,num_local,bm", [(1, 1, 4, 0, 4, 16), (7, 4, 16, 0, 16, 16),
+                                                      (64, 16, 896, 0, 896, 16), (33, 16, 128, 32, 32, 32),
+                                                      (300, 4, 16, 8, 8, 64), (5, 4, 16, 12, 4, 16)])
+def test_one_program_dispatch_equals_torch_path(tk, T, k, E, first, num_local, bm):
+    # the one-launch dispatch kernel and the torch (radix sort) path give the same tensors, and the grouping of
+    # the oracle's dispatch (stable within an expert; pairs of other ranks dropped / -1)
+    g = torch.Generator().manual_seed(T + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int().to(tk.dev)
+    a = tk.moe.dispatch_gpu(ids, first, num_local, bm, one_program=True)
+    b = tk.moe.dispatch_gpu(ids, first, num_local, bm, one_program=False)
+    for f in ("sorted_pair", "pos", "counts", "offsets", "block_expert"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), f
+    used = a.block_expert >= 0
+    assert torch.equal(a.block_start[used], b.block_start[used])
+    ref = M.dispatch(ids.cpu(), E, (first, first + num_local))
+    n = int(a.offsets[-1])
+    assert n == ref.sorted_pair.numel()
+    assert torch.equal(a.sorted_pair[:n].cpu().long(), ref.sorted_pair.long())
+    # every block covers rows of one expert only, and together the blocks cover each expert's rows once
+    for e in range(num_local):
+        lo, hi = int(a.offsets[e]), int(a.offsets[e + 1])
+        starts = sorted(int(s) for s in a.block_start[a.block_expert == e])
+        assert starts == list(range(lo, hi, bm))

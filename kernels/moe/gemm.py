@@ -361,3 +361,66 @@ def dq_isa_case(gated: bool, cfg, backend: str) -> tuple:
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             **(getattr(cfg, "extra", {}) if backend == "hip" else {})}
     return f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{cfg.name()}]", moe_gemm_dq_kernel, sig, consts, True, opts
+
+
+@triton.jit
+def moe_dispatch_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, counts_ptr, offsets_ptr,
+                        bexp_ptr, bstart_ptr, run_ptr, UB,
+                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_UB: tl.constexpr):
+    """Whole device dispatch in ONE program (decode-sized P): counting sort of the (token, slot) pairs by local
+    expert, stable, plus the grouped GEMM's M-block table — the contract of ``ops.dispatch_gpu``.
+
+    ids ``[P]`` int32 global expert ids (flat t*k+j); local key = id - first, pairs off this rank take key
+    ``num_local`` (sorted after all local pairs, as in the torch path); lanes past P take the spare bin
+    ``BLOCK_E - 1`` (BLOCK_E >= num_local + 2). Pass 1: per-expert counts (``tl.histogram`` per chunk of
+    BLOCK_P pairs). Pass 2: sorted row of each pair = start of its expert + pairs of that expert in earlier
+    chunks (running counters in ``run_ptr`` scratch, int32 [BLOCK_E]) + earlier pairs of the same expert in
+    this chunk (a BLOCK_P x BLOCK_P comparison). Pass 3: ``ceil(count / BLOCK_M)`` blocks per expert, laid out
+    in expert order; blocks past the last are -1. Writes sorted ``[P]``, pos ``[P]`` (-1 off-rank), counts
+    ``[num_local]`` (int64), offsets ``[num_local + 1]`` (int64), block_expert / block_start ``[UB]``.
+    """
+    re = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        rp = p0 + tl.arange(0, BLOCK_P)
+        m = rp < P
+        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
+        key = tl.where((key >= 0) & (key < num_local), key, num_local)
+        key = tl.where(m, key, BLOCK_E - 1)
+        counts += tl.histogram(key, BLOCK_E)
+    counts = tl.where(re <= num_local, counts, 0)
+    start = tl.cumsum(counts, 0) - counts  # exclusive prefix: start row of each key
+    tl.store(counts_ptr + re, counts.to(tl.int64), mask=re < num_local)
+    tl.store(offsets_ptr + re, start.to(tl.int64), mask=re <= num_local)
+    tl.store(run_ptr + re, start)
+    tl.debug_barrier()
+    rq = tl.arange(0, BLOCK_P)
+    for p0 in range(0, P, BLOCK_P):
+        rp = p0 + rq
+        m = rp < P
+        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
+        valid = (key >= 0) & (key < num_local)
+        key = tl.where(valid, key, num_local)
+        key = tl.where(m, key, BLOCK_E - 1)
+        earlier = (key[:, None] == key[None, :]) & (rq[None, :] < rq[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        row = tl.load(run_ptr + key, mask=m, other=0) + rank
+        tl.store(sorted_ptr + row, rp, mask=m)
+        tl.store(pos_ptr + rp, tl.where(valid, row, -1), mask=m)
+        tl.debug_barrier()
+        run = tl.load(run_ptr + re) + tl.histogram(key, BLOCK_E)
+        tl.debug_barrier()
+        tl.store(run_ptr + re, run)
+        tl.debug_barrier()
+    ru = tl.arange(0, BLOCK_UB)
+    tl.store(bexp_ptr + ru, tl.full((BLOCK_UB,), -1, tl.int32), mask=ru < UB)
+    tl.store(bstart_ptr + ru, tl.zeros((BLOCK_UB,), dtype=tl.int32), mask=ru < UB)
+    tl.debug_barrier()
+    blocks = tl.where(re < num_local, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.cumsum(blocks, 0) - blocks
+    for j in range(0, tl.max(blocks, 0)):
+        b = first_block + j
+        mb = (j < blocks) & (b < UB)
+        tl.store(bexp_ptr + b, re, mask=mb)
+        tl.store(bstart_ptr + b, start + j * BLOCK_M, mask=mb)
