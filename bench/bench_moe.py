@@ -36,9 +36,10 @@ BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
 # count's group size are skipped there (block_m >= 128 below 2048 tokens, block_m < 64 from 2048 tokens on)
 # to keep one sweep of 64 / 512 / 8192 tokens near two minutes on an H200, compile time included.
 CANDIDATES = [GemmConfig(32, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
-              GemmConfig(16, 64, 128, 4, 4, kind="dq"), GemmConfig(16, 256, 128, 8, 3, kind="dq"),
-              GemmConfig(32, 128, 128, 4, 4, kind="dq"), GemmConfig(64, 128, 128, 8, 3, kind="dq"),
-              GemmConfig(128, 128, 128, 8, 3, kind="dq"), GemmConfig(128, 128, 64, 8, 3, kind="dqn")]
+              GemmConfig(16, 64, 128, 4, 4, kind="dq"), GemmConfig(16, 128, 128, 4, 4, kind="dq"),
+              GemmConfig(16, 128, 64, 4, 6, kind="dq"), GemmConfig(32, 64, 128, 4, 4, kind="dq"),
+              GemmConfig(64, 128, 128, 8, 3, kind="dq"), GemmConfig(128, 128, 128, 8, 3, kind="dq"),
+              GemmConfig(128, 128, 64, 8, 3, kind="dqn")]
 
 
 def _candidate_fits(cfg: GemmConfig, tokens: int) -> bool:

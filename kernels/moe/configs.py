@@ -49,13 +49,15 @@ GEMM_KINDS = ("scaled", "dq", "dqn")
 
 
 GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
-    # Hopper (no FP4 hardware): the decode path. dot_scaled's generic FP4 upcast cost ~11 instructions per
-    # weight element and spilled (sm_90 SASS of the loop); the decode path takes ~5.2 (16-row tiles) with
-    # no spills. Few rows per expert: narrow M (the token side of a transposed product); many rows: 128-row
-    # tiles, so each decoded weight tile serves more tokens. A8W4 runs the scaled kernel on these tiles.
-    # (H200, 2026-11-30, scaled kernel: m32n128k128w4s4 beat m16n128k256w4s4 at 64 and 512 tokens.)
+    # Hopper (no FP4 hardware): the decode path. In sm_90 SASS of the w1|w3 loop (Triton 3.9, K3 strides)
+    # dot_scaled's generic FP4 upcast costs ~6.3 instructions per weight element and spills (255 registers,
+    # m32n128k128w4s4); the decode path costs 4.0-4.4 with no spills (m16n128k128w8s4: 111 registers, so
+    # two 8-warp programs per SM). Few rows per expert: narrow M (the token side of the transposed product);
+    # many rows: 128-row tiles, so each decoded weight tile serves more tokens. A8W4 runs the scaled kernel
+    # on the same tiles. H200 2026-11-30 (scaled kernel only): m32n128k128w4s4 beat m16n128k256w4s4 at 64
+    # and 512 tokens (12.5 vs 17.5 ms, 19.0 vs 27.2 ms); m64n128k128w8s3 was best at 8192 (68.3 ms).
     "cuda": [
-        GemmConfig(16, 128, 128, 4, 4, max_rows=16, kind="dq"),
+        GemmConfig(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
         GemmConfig(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
         GemmConfig(64, 128, 64, 8, 3, max_rows=96, kind="dq"),
         GemmConfig(128, 128, 64, 8, 3, kind="dq"),
