@@ -7,7 +7,9 @@ the bf16 baseline (two ``torch._grouped_mm`` on the same routing, SiTU in betwee
 experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth, FLOPs over the
 measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
 
-Usage: ``python bench/bench_moe.py --tokens 64 512 8192 --modes a16w4 --json out.json --md out.md``
+Usage: ``python bench/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates --json out.json
+--md out.md``. ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) runs every step at k3-tiny sizes on the CPU to
+check the script itself; its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench as _do_bench
 
 from k3rocm.kernels.moe import GEMM_CONFIGS, GemmConfig, backend_name, moe_experts, moe_router, pick_gemm_config
 from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu
 
-E, D, I, H, K = 896, 3584, 3072, 7168, 16
+E_K3, D_K3, I_K3, H_K3, K_K3 = 896, 3584, 3072, 7168, 16
 EXPERT_BYTES = 3 * 3584 * 3072 // 2 + 3 * 3584 * 3072 // 32  # 17,547,264
 COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
 BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
@@ -50,7 +52,7 @@ def situ(g, u):
     return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 8192])
     ap.add_argument("--modes", nargs="+", default=["a16w4"])
@@ -59,8 +61,15 @@ def main() -> None:
     ap.add_argument("--candidates", action="store_true", help="also time CANDIDATES (A16W4 only, total time)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
-    args = ap.parse_args()
-    dev = "cuda"
+    ap.add_argument("--small", action="store_true",
+                    help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
+    ap.add_argument("--device", default="cuda", help="cuda (timed with do_bench) or cpu (Triton interpreter, "
+                    "TRITON_INTERPRET=1; wall-clock, for checking this script, not for figures)")
+    args = ap.parse_args(argv)
+    dev = args.device
+    E, D, I, H, K = (16, 64, 64, 128, 4) if args.small else (E_K3, D_K3, I_K3, H_K3, K_K3)
+    expert_bytes = 3 * D * I // 2 + 3 * D * I // 32
+    do_bench = _do_bench if dev == "cuda" else _wall_ms
     torch.manual_seed(0)
     ew = dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev),
               w13_scale=torch.randint(119, 122, (E, 2 * I, D // 32), dtype=torch.uint8, device=dev),
@@ -77,25 +86,37 @@ def main() -> None:
     for T in args.tokens:
         xh = torch.randn(T, H, device=dev).bfloat16()
         xl = torch.randn(T, D, device=dev).bfloat16()
-        ids, wts = moe_router(xh, gate, bias, K)
-        torch.cuda.synchronize()
+        ids, wts = moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K)
+        if dev == "cuda":
+            torch.cuda.synchronize()
         used = int((torch.bincount(ids.flatten().long(), minlength=E) > 0).sum())
-        bytes_fp4 = used * EXPERT_BYTES + T * D * 2 + T * D * 4
+        bytes_fp4 = used * expert_bytes + T * D * 2 + T * D * 4
         flops = 2 * T * K * (D * 2 * I + I * D)
         floor_fp4 = bytes_fp4 / COPY_BW
         floor_flop = flops / BF16_RATE
         r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
                  floor_flops_ms=floor_flop * 1e3)
-        r["router_ms"] = do_bench(lambda: moe_router(xh, gate, bias, K))
+        r["router_ms"] = do_bench(lambda: moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K))
         cfg0 = pick_gemm_config(T * K / min(E, T * K))
         r["dispatch_ms"] = do_bench(lambda: dispatch_gpu(ids, 0, E, cfg0.block_m))
         r["picked_config"] = cfg0.name()
+        ref16 = None  # the a16w4 oracle output, kept for the candidates when --check computed it
         for mode in args.modes:
+            ref = None
+            if args.check:
+                from k3rocm.model.moe import moe_experts as oracle
+
+                torch.backends.cuda.matmul.allow_tf32 = False
+                ref = oracle(xl, ids, wts, ew, mode=mode)
+                if mode == "a16w4":
+                    ref16 = ref
             for cfg in GEMM_CONFIGS[backend_name()]:
                 key = f"{mode}_{cfg.name()}"
                 try:
                     stages: dict = {}
-                    _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
+                    out, _ = _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
+                    if ref is not None:
+                        r[f"{key}_rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
                     t_all = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode=mode, config=cfg))
                     r[f"{key}_experts_ms"] = t_all
                     r[f"{key}_kernel"] = stages.get("kernel")
@@ -106,16 +127,13 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a failing config is a result to report
                     r[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if args.check:
-                from k3rocm.model.moe import moe_experts as oracle
-
-                torch.backends.cuda.matmul.allow_tf32 = False
-                ref = oracle(xl, ids, wts, ew, mode=mode)
                 out = moe_experts(xl, ids, wts, ew, mode=mode)
                 r[f"{mode}_rel_err_vs_oracle"] = ((out - ref).abs().max() / ref.abs().max()).item()
                 if mode == "a8w4" and "a16w4" in args.modes:
                     o16 = moe_experts(xl, ids, wts, ew, mode="a16w4")
                     r["a8w4_vs_a16w4_rel"] = ((out - o16).abs().max() / o16.abs().max()).item()
-                del ref, out
+                del out
+            del ref
             best = min(((r[f"{mode}_{c.name()}_experts_ms"], c.name()) for c in GEMM_CONFIGS[backend_name()]
                         if f"{mode}_{c.name()}_experts_ms" in r), default=(None, None))
             r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
@@ -123,8 +141,7 @@ def main() -> None:
             pk = r[f"{mode}_picked_ms"]
             r[f"{mode}_router_plus_experts_ms"] = pk + r["router_ms"] if pk else None
         if args.candidates:
-            ref16 = None
-            if args.check:
+            if args.check and ref16 is None:
                 from k3rocm.model.moe import moe_experts as oracle
 
                 torch.backends.cuda.matmul.allow_tf32 = False
@@ -140,7 +157,7 @@ def main() -> None:
                         r[f"cand_{cfg.name()}_rel_err"] = ((out - ref16).abs().max() / ref16.abs().max()).item()
                 except Exception as e:  # noqa: BLE001
                     r[f"cand_{cfg.name()}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            del ref16
+        ref16 = None
         if w13_bf is not None:
             try:
                 counts = torch.bincount(ids.flatten().long(), minlength=E)
@@ -156,14 +173,13 @@ def main() -> None:
                     return torch._grouped_mm(h, b2, offs=offs)
 
                 r["bf16_grouped_mm_ms"] = do_bench(bf16_path)
-                gu = torch._grouped_mm(xs, b13, offs=offs)
                 r["bf16_w13_only_ms"] = do_bench(lambda: torch._grouped_mm(xs, b13, offs=offs))
-                del gu
             except Exception as e:  # noqa: BLE001
                 r["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(r)
         print(json.dumps(r), flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
+                torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=backend_name(),
                 commit=_commit())
     if args.json:
@@ -172,6 +188,17 @@ def main() -> None:
     if args.md:
         with open(args.md, "w") as f:
             f.write(_markdown(meta, rows, args.modes))
+
+
+def _wall_ms(fn) -> float:
+    """CPU stand-in for ``do_bench`` (one warm call, then the median of 3 wall-clock runs, ms)."""
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[1]
 
 
 def _commit() -> str:
