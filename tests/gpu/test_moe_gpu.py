@@ -210,12 +210,14 @@ def test_decode_kernel_matches_scaled_kernel_k3(weights, T):
     # so they differ only by summation order (and the bf16 rounding of h that follows); both against the oracle
     import dataclasses
 
+    from k3rocm.kernels.moe import pick_gemm_config
+
     ew, dense = weights[896]
     x, ids, wts = _inputs(T, 896, 3584, 16, seed=T + 1)
     ref = M.moe_experts(x, ids, wts, dense)
-    for cfg in GEMM_CONFIGS[backend_name()]:
+    for cfg in [pick_gemm_config(T * 16 / min(896, T * 16))]:  # the config this size runs (compile time)
         if cfg.kind == "scaled":
-            continue
+            pytest.skip(f"{cfg.name()} is not a decode-path config")
         dq = moe_experts(x, ids, wts, ew, config=cfg, poison=True)
         sc = moe_experts(x, ids, wts, ew, config=dataclasses.replace(cfg, kind="scaled"), poison=True)
         d, e = _rel(dq, sc), _rel(dq, ref)
