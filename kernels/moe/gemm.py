@@ -299,7 +299,6 @@ def moe_gemm_dq_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wu_ptrs = wg_ptrs + HALF_N * (stride_wn // 4)
     su_ptrs = sg_ptrs + HALF_N * stride_wsn
-    prec: tl.constexpr = "ieee" if F32 else None
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         if F32:
@@ -307,16 +306,16 @@ def moe_gemm_dq_kernel(
         if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
             at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
             wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, True)
-            acc_g = tl.dot(wg, at, acc_g, input_precision=prec)
+            acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, True)
-                acc_u = tl.dot(wu, at, acc_u, input_precision=prec)
+                acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
         else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
             wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, False)
-            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=prec)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee" if F32 else None)
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False)
-                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=prec)
+                acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
         if GATED:
             wu_ptrs += BLOCK_K // 8
             su_ptrs += BLOCK_K // 32
