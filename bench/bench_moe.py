@@ -3,9 +3,9 @@
 Problem (K3_FACTS §2-§5): 896 experts, latent 3584, intermediate 3072, top-16, router over hidden 7168.
 For each token count: router time, dispatch time, the whole ``moe_experts`` call for every config of the backend's
 list, each kernel of the expert path alone for the config the size picks (quantize for A8W4, w1|w3 + SiTU,
-w2 x weight, reduce), and the bf16 baseline (two ``torch._grouped_mm`` on the same routing, SiTU in between). Floors: bytes of the
-experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth, FLOPs over the
-measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
+w2 x weight, reduce), and the bf16 baseline (two ``torch._grouped_mm`` on the same routing, SiTU in between).
+Floors: bytes of the experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth,
+FLOPs over the measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
 
 Usage: ``python bench/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates --json out.json
 --md out.md``. ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) runs every step at k3-tiny sizes on the CPU to

@@ -38,7 +38,8 @@ class GemmConfig:
 
     def __post_init__(self):
         if self.kind not in GEMM_KINDS:
-            raise ConfigError(f"GemmConfig kind {self.kind!r} is not one of {', '.join(GEMM_KINDS)}; fix kernels/moe/configs.py")
+            raise ConfigError(f"GemmConfig kind {self.kind!r} is not one of {', '.join(GEMM_KINDS)}; "
+                              "fix kernels/moe/configs.py")
 
     def name(self) -> str:
         pre = "" if self.kind == "scaled" else f"{self.kind}-"

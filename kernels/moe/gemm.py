@@ -191,20 +191,22 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
 @triton.jit
 def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
                       MMA_ORDER: tl.constexpr = True):
-    """Decode one packed MXFP4 weight tile to bf16, in the K order of :func:`mxfp4_k_order`.
+    """Decode one packed MXFP4 weight tile to bf16 (in the K order of :func:`mxfp4_k_order` by default).
 
     Args:
         wd: ``[BLOCK_N, BLOCK_K/8]`` int32, the checkpoint bytes read as little-endian words (element 2i in
             the low nibble of byte i, K3_FACTS §4; word w holds elements 8w..8w+7, element 8w+j in nibble j).
         s: ``[BLOCK_N, BLOCK_K/32]`` uint8 E8M0 scales (2^(s-127); 0 is 2^-127; 255 is not allowed: the
-            loader rejects it, here it would give inf).
+            loader rejects it, here it would give inf / NaN).
         F32: decode to fp32 and scale in fp32 instead of packed bf16 (the same exact values; for the Triton
             interpreter, whose bf16 arithmetic, bf16 widening and bf16 ``tl.dot`` are not IEEE).
+        MMA_ORDER: permute K for a Hopper MMA whose register operand is this tile (below); False: natural order.
     Returns:
-        ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 with ``F32``), bit-equal to ``k3rocm.mx.dequantize_mxfp4`` rounded to bf16 (exact: an E2M1
-        value times a power of two is a bf16 number unless it leaves the bf16 range). Position
-        ``32c + 8j + 2t + b`` of the result holds element ``32c + 8t + j + 4b`` of the tile: each thread of an
-        MMA then finds its bf16 pairs (nibbles j and j+4 of one word) in one register, with no shuffles.
+        ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 with ``F32``), bit-equal to ``k3rocm.mx.dequantize_mxfp4`` rounded
+        to bf16 (exact: an E2M1 value times a power of two is a bf16 number unless it leaves the bf16 range).
+        With ``MMA_ORDER``, position ``32c + 8j + 2t + b`` holds element ``32c + 8t + j + 4b`` of the tile:
+        each thread of the MMA then finds its bf16 pairs (nibbles j and j+4 of one word) in one register,
+        with no shuffles.
     """
     if F32:
         si = s.to(tl.int32)
@@ -229,7 +231,6 @@ def mxfp4_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     the weights (position 32c + 8j + 2t + b <- element 32c + 8t + 4b + j); a dot product over K is unchanged."""
     a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 32, 4, 2, 4), (0, 1, 4, 2, 3))
     return a.reshape(BLOCK_M, BLOCK_K)
-
 
 
 @triton.jit
