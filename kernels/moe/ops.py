@@ -1,9 +1,9 @@
 """Launch wrappers of the MoE kernels, with the oracle's signatures (``k3rocm.model.moe``).
 
 * :func:`moe_router` — Triton router (``router.py``).
-* :func:`dispatch_gpu` — (token, expert) pairs sorted by local expert on the device with torch ops (stable
-  radix sort, scatter-add counts, cumsum, searchsorted; no host synchronisation), plus the M-block table of the grouped
-  GEMM for a given ``block_m``.
+* :func:`dispatch_gpu` — (token, expert) pairs sorted by local expert on the device (no host synchronisation),
+  plus the M-block table of the grouped GEMM for a given ``block_m``: one Triton program (counting sort) for
+  decode-sized batches, torch ops (stable radix sort, scatter-add counts, cumsum, searchsorted) above that.
 * :func:`moe_experts` — w1|w3 grouped GEMM + SiTU-GLU, w2 grouped GEMM x router weight, per-token reduction;
   ``mode`` is explicit (``"a16w4"`` / ``"a8w4"``); nothing in the environment changes it.
 * :func:`latent_moe` — the whole Stable LatentMoE layer: router, latent down projection, experts, reduction
@@ -315,8 +315,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         topk_ids, topk_weights: ``[T, k]`` global ids / fp32 weights from the router.
         experts: ``ExpertWeights`` with ``w13_packed/w13_scale/w2_packed/w2_scale`` (checkpoint layout,
             unconverted), ``first_expert`` for expert parallelism (pairs of other ranks' experts add nothing).
-        mode: ``"a16w4"`` (bf16 x decoded MXFP4) or ``"a8w4"`` (MXFP8 E4M3 activations, quantized on the fly,
-            x MXFP4 through ``tl.dot_scaled``); explicit, no global switch.
+        mode: ``"a16w4"`` (bf16 x decoded MXFP4: the integer decode + bf16 ``tl.dot`` for configs of kind
+            ``"dq"``/``"dqn"``, ``tl.dot_scaled`` for kind ``"scaled"``) or ``"a8w4"`` (MXFP8 E4M3 activations,
+            quantized on the fly, x MXFP4 through ``tl.dot_scaled`` whatever the kind); explicit, no global
+            switch.
         config: one entry of ``GEMM_CONFIGS`` (default: :func:`pick_gemm_config`).
         poison: testing aid — fill every intermediate and the output with NaN before the kernels run.
     Returns:
