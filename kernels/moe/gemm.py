@@ -1,6 +1,6 @@
 """Grouped GEMM of the routed experts on packed MXFP4 weights, and the per-token weighted reduction.
 
-One kernel source serves both GEMMs of an expert and both activation modes (HIP and CUDA alike):
+Each GEMM kernel serves both GEMMs of an expert (HIP and CUDA alike):
 
 * ``GATED=True`` (w1|w3): rows of a group are gathered from the activation by token id; the program computes
   the gate tile (weight rows ``n``) and the up tile (rows ``I + n``) of the stacked ``w13`` and applies
@@ -16,11 +16,11 @@ Weights stay in the checkpoint's own layout (``[E, N, K/2]`` u8, element 2i in t
   the nibbles are decoded to exact bf16 values with integer operations, two per 32-bit operation, and a
   plain bf16 ``tl.dot`` follows (see :func:`mxfp4_decode_tile`).
 * ``moe_gemm_kernel`` (kind ``"scaled"``, and A8W4 / fp16 activations under any kind) uses ``tl.dot_scaled``
-  with the weights as ``e2m1``: A16W4 passes bf16 activations with no scale (the compiler decodes FP4 to bf16 in
-registers: Hopper, gfx942), A8W4 passes E4M3 activations with their E8M0 scales (native
-``v_mfma_scale_f32_*_f8f6f4`` on gfx950; emulated elsewhere: Triton upcasts both operands to bf16 and
-uses wgmma / mma on sm_90 and bf16 MFMA on gfx942). ``tl.dot_scaled`` also runs under the Triton
-interpreter with bf16 and E4M3 operands, so the CPU tests cover both modes.
+  with the weights as ``e2m1``: A16W4 passes bf16 activations with no scale (the compiler decodes FP4 to bf16
+  in registers: Hopper, gfx942), A8W4 passes E4M3 activations with their E8M0 scales (native
+  ``v_mfma_scale_f32_*_f8f6f4`` on gfx950; emulated elsewhere: Triton upcasts both operands to bf16 and
+  uses wgmma / mma on sm_90 and bf16 MFMA on gfx942). ``tl.dot_scaled`` also runs under the Triton
+  interpreter with bf16 and E4M3 operands, so the CPU tests cover both modes.
 
 The reduction sums the k weighted rows of each token in slot order (deterministic: no atomics).
 ``moe_dispatch_kernel`` groups decode-sized batches by expert in one program (``ops.dispatch_gpu``).
