@@ -150,7 +150,12 @@ def test_experts_every_config(tk, mode, T):
     ref = _ref_a16w4(x, ids, wts, ew) if mode == "a16w4" else M.moe_experts(x, ids, wts, ew, mode=mode)
     oracle = M.moe_experts(x, ids, wts, ew, mode=mode)
     ewd = _to(ew, tk.dev)
+    seen = set()
     for cfg in tk.configs:
+        tiles = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+        if mode == "a8w4" and tiles in seen:  # A8W4 runs the scaled kernel whatever the kind: same launch
+            continue
+        seen.add(tiles)
         out = tk.moe.moe_experts(x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, mode=mode, config=cfg,
                                  poison=True)
         assert torch.isfinite(out).all(), f"{cfg.name()}: unwritten (NaN) output"
