@@ -14,7 +14,7 @@ from k3rocm.errors import ConfigError
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One grouped-GEMM launch: tile M x N x K (K a multiple of 64, N of 32), warps, pipeline stages.
+    """One grouped-GEMM launch: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
 
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
     ``extra``: backend-only compile options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
@@ -52,7 +52,7 @@ GEMM_KINDS = ("scaled", "dq", "dqn")
 GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
     # Hopper (no FP4 hardware): the decode path. In sm_90 SASS of the w1|w3 loop (Triton 3.9, K3 strides)
     # dot_scaled's generic FP4 upcast costs ~6.3 instructions per weight element and spills (255 registers,
-    # m32n128k128w4s4); the decode path costs 4.0-4.4 with no spills (m16n128k128w8s4: 111 registers, so
+    # m32n128k128w4s4); the decode path costs 4.3-4.9 with no spills (m16n128k128w8s4: 111 registers, so
     # two 8-warp programs per SM). Few rows per expert: narrow M (the token side of the transposed product);
     # many rows: 128-row tiles, so each decoded weight tile serves more tokens. A8W4 runs the scaled kernel
     # on the same tiles. H200 2026-11-30 (scaled kernel only): m32n128k128w4s4 beat m16n128k256w4s4 at 64
