@@ -581,7 +581,10 @@ class Engine:
               "slot_ids": torch.full((size,), -1, dtype=torch.int32, device=dev),
               "pos": torch.zeros(size, dtype=torch.int64, device=dev),
               "block_rows": torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=dev)}
-        rows = torch.arange(size, device=dev)
+        # every tensor the graph reads but did not allocate during capture must live as long as the graph: a
+        # buffer freed after capture goes back to the caching allocator, and replays read whatever reuses it
+        # (here: the sampled-row indices of the final AttnRes gather)
+        st["rows"] = rows = torch.arange(size, device=dev)
         try:
             s = torch.cuda.Stream(device=dev)
             s.wait_stream(torch.cuda.current_stream(dev))
