@@ -102,17 +102,22 @@ def make_session(checkpoint, profile, out, kernels, seed, debug, **extra):
 
 
 class Progress:
-    """A rich progress bar (on stderr, transient) with a ``(done, total)`` callback.
+    """Progress of long work with a ``(done, total)`` callback: a rich bar on a terminal, plain lines otherwise.
 
+    On a terminal (stderr is a TTY) a transient rich bar; when stderr is a file or a pipe (CI, batch jobs, a
+    remote shell) one line ``k3rocm: <what>: <done>/<total> (<pct>%), <elapsed> s`` at most every
+    ``interval_s`` seconds and at completion, so a long load or validation is never silent in a log.
     Use as a context manager; ``cb = bar.callback("loading")`` gives the function to pass down.
     """
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled and sys.stderr.isatty()
+    def __init__(self, enabled: bool = True, interval_s: float = 10.0):
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.interval_s = interval_s
         self._p = None
 
     def __enter__(self) -> "Progress":
-        if self.enabled:
+        if self.enabled and self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
             self._p = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                          console=console(stderr=True), transient=True)
@@ -124,8 +129,10 @@ class Progress:
             self._p.__exit__(*exc)
 
     def callback(self, description: str) -> Callable:
-        if self._p is None:
+        if not self.enabled:
             return lambda *a, **k: None
+        if self._p is None:
+            return self._plain(description)
         task = self._p.add_task(description, total=None)
 
         def cb(done=None, total=None, *_, **__):
@@ -133,6 +140,33 @@ class Progress:
                 self._p.update(task, total=total)
             if done is not None:
                 self._p.update(task, completed=done)
+        return cb
+
+    def stage(self, name: str) -> None:
+        """Say that a tier / stage starts: a plain line when stderr is not a terminal (the bar says it otherwise)."""
+        if self.enabled and self._p is None:
+            print(f"k3rocm: {name} ...", file=sys.stderr, flush=True)
+
+    def _plain(self, description: str) -> Callable:
+        import time
+        t0 = time.monotonic()
+        state = {"last": -1e9, "total": None, "finished": False}
+
+        def cb(done=None, total=None, *_, **__):
+            if total is not None:
+                state["total"] = total
+            if done is None:
+                return
+            now, tot = time.monotonic(), state["total"]
+            finished = tot is not None and done >= tot
+            if finished and state["finished"]:
+                return
+            if not finished and now - state["last"] < self.interval_s:
+                return
+            state["last"], state["finished"] = now, finished
+            pct = f" ({100.0 * done / tot:.0f}%)" if tot else ""
+            of = f"/{tot:,}" if tot is not None else ""
+            print(f"k3rocm: {description}: {done:,}{of}{pct}, {now - t0:.0f} s", file=sys.stderr, flush=True)
         return cb
 
 

@@ -34,7 +34,7 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     where = s.profile.name if s.hardware_matches else f"{pl.profile_name} (this machine; profile {s.profile.name})"
     print_plan(pl, s.config.name, where)
     with Progress() as bar:
-        stages = run_tiers(s, "load", progress=bar.callback("loading"))
+        stages = run_tiers(s, "load", progress=bar.callback("loading"), on_start=lambda t: bar.stage(f"tier {t}"))
     print_stages(stages)
     _print_load(s)
     finish(stages, write_stages(s, stages))
@@ -91,7 +91,7 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
     if golden and not Path(golden).is_file():
         raise CheckpointError(f"--golden {golden}: file not found; pass a safetensors file with input_ids and logits")
     with Progress() as bar:
-        stages = run_tiers(s, level, progress=bar.callback("working"))
+        stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
     print_stages(stages)
     finish(stages, write_stages(s, stages))
 

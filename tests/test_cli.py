@@ -26,8 +26,9 @@ def run(args, code=0, env=None):
 
 
 def one_line_error(r) -> str:
-    """The run printed exactly one ``error: ...`` line on stderr and no traceback."""
-    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    """The run printed exactly one ``error: ...`` line on stderr (besides the ``k3rocm: ...`` progress lines a
+    non-terminal stderr gets) and no traceback."""
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("k3rocm: ")]
     assert len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "Traceback" not in r.output
     return err[0]
@@ -300,3 +301,27 @@ def test_checkpoint_make_refuses_what_the_disk_cannot_hold(tmp_path, monkeypatch
     monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))  # 1 MB free
     line = one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", tmp_path / "ck"], code=2))
     assert "GB free" in line and not (tmp_path / "ck").exists() and not list(tmp_path.glob(".ck.tmp-*"))
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(golden_ckpt, tmp_path):
+    """A long command in a log (CI, batch job) says which tier runs and how far the load got."""
+    r = run(["validate", "--checkpoint", golden_ckpt, "--level", "load", "--out", tmp_path])
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("k3rocm: ")]
+    assert "k3rocm: tier env ..." in lines and "k3rocm: tier load ..." in lines
+    assert any(ln.startswith("k3rocm: working: ") and "(100%)" in ln for ln in lines), r.stderr
+
+
+def test_plain_progress_is_throttled():
+    from k3rocm.cli.common import Progress
+
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        with Progress(interval_s=3600) as bar:
+            cb = bar.callback("loading")
+            for i in range(1, 101):
+                cb(i, 100)
+            cb(100, 100)
+    lines = buf.getvalue().splitlines()
+    assert lines == ["k3rocm: loading: 1/100 (1%), 0 s", "k3rocm: loading: 100/100 (100%), 0 s"]

@@ -751,8 +751,12 @@ def run_stage(name: str, fn: Callable[[Stage], None], command: str = "", debug: 
 
 
 def run_tiers(session: Session, level: str, progress: Callable | None = None,
-              on_stage: Callable[[Stage], None] | None = None) -> list[Stage]:
+              on_stage: Callable[[Stage], None] | None = None,
+              on_start: Callable[[str], None] | None = None) -> list[Stage]:
     """Run tiers ``env`` .. ``level`` in order, stopping after the first that does not pass.
+
+    ``on_start(tier)`` is called before each tier, ``on_stage(stage)`` after it; ``progress(done, total)`` is
+    passed to the tiers that report progress (load, performance).
 
     Raises:
         ConfigError: ``level`` is not a tier name.
@@ -763,6 +767,8 @@ def run_tiers(session: Session, level: str, progress: Callable | None = None,
     out = []
     for name in TIERS[: TIERS.index(level) + 1]:
         fn = TIER_FUNCS[name]
+        if on_start:
+            on_start(name)
         if name in ("load", "performance"):
             st = run_stage(name, lambda s, f=fn: f(session, s, progress), session.opts.command, session.opts.debug)
         else:
