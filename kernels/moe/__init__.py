@@ -10,7 +10,7 @@ from __future__ import annotations
 from k3rocm.kernels.registry import register
 
 from .configs import GEMM_CONFIGS, ROUTER_CONFIGS, GemmConfig, RouterConfig, backend_name, pick_gemm_config
-from .gemm import moe_gemm_kernel, moe_reduce_kernel
+from .gemm import dq_isa_case, moe_dispatch_kernel, moe_gemm_kernel, moe_reduce_kernel
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
 from .router import router_logits_kernel, router_topk_kernel
 
@@ -25,7 +25,8 @@ def _packed_only(quantized: bool = True, **_) -> bool:
 register("moe_router", "triton", moe_router,
          note="Triton router: split-K fp32 logits, sigmoid, biased top-k (lowest-id ties), renormalised weights")
 register("moe_experts", "triton", moe_experts, supports=_packed_only,
-         note="Triton grouped GEMM on packed MXFP4 (tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit")
+         note="Triton grouped GEMM on packed MXFP4 (A16W4 on CUDA: integer E2M1 decode + bf16 tl.dot; A8W4 and "
+              "HIP: tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit")
 
 
 def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
@@ -50,8 +51,9 @@ def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
 def isa_cases() -> list[tuple]:
     """Kernels for ``kernels isa`` (compiled for every target): both grouped GEMMs x both modes with the first
     and last HIP configs (spill-free on gfx950/gfx942; the same tiles compile for sm_90), the router logits
-    GEMM (bf16 serving path; fp32 IEEE validation path), the top-k and reduce kernels (no matrix work).
-    The CUDA config lists are compiled for sm_90 by tests/test_moe_isa.py.
+    GEMM (bf16 serving path; fp32 IEEE validation path), the A16W4 decode-path GEMM with the first and last
+    CUDA tiles, the one-program dispatch, the top-k and reduce kernels (no matrix work).
+    Every CUDA config is compiled for sm_90 by tests/test_moe_isa.py.
     """
     cases = []
     for gated in (True, False):
@@ -61,6 +63,20 @@ def isa_cases() -> list[tuple]:
                 name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, a8, cfg, "hip")
                 cuda_opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
                 cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
+    # the A16W4 decode-path GEMM (the CUDA list's kind "dq"; it also compiles spill-free for gfx950/gfx942)
+    for gated in (True, False):
+        for cfg in (GEMM_CONFIGS["cuda"][0], GEMM_CONFIGS["cuda"][-1]):
+            name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda")
+            hip_opts = {"num_warps": cfg.num_warps, "num_stages": 2}
+            cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
+    # the one-program dispatch at K3 size (896 local experts, up to 8192 pairs), as ops.dispatch_gpu launches it
+    dpsig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
+             "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32", "bstart_ptr": "*i32",
+             "run_ptr": "*i32", "UB": "i32", "BLOCK_M": "constexpr", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr",
+             "BLOCK_UB": "constexpr"}
+    cases.append(("dispatch_one_program", moe_dispatch_kernel, dpsig,
+                  {"BLOCK_M": 16, "BLOCK_P": 64, "BLOCK_E": 1024, "BLOCK_UB": 8192}, False,
+                  {"hip": {"num_warps": 8}, "cuda": {"num_warps": 8}}))
     rsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "D": "i32",
             "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
             "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr"}
