@@ -165,3 +165,23 @@ def test_load_to_gpu(tiny_ckpt):
     src = index.read("language_model.model.layers.0.self_attn.o_proj.weight")
     assert torch.equal(res.rank_weights[1]["language_model.model.layers.0.self_attn.o_proj.weight"].cpu(),
                        src[:, src.shape[1] // 2:])
+
+
+def test_checksum_is_position_weighted_across_chunks():
+    """The chunked checksum equals the one-pass definition at chunk edges, and moves when two bytes swap."""
+    from k3rocm.runtime.load import _CK_STEP, checksum
+
+    def one_pass(t):
+        b = t.contiguous().view(-1).view(torch.uint8).to(torch.int64)
+        w = (torch.arange(b.numel(), dtype=torch.int64) % 251) + 1
+        return int(b.sum()), int((b * w).sum())
+
+    g = torch.Generator().manual_seed(5)
+    for n in (0, 1, _CK_STEP - 1, _CK_STEP, _CK_STEP + 3):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        assert checksum(t) == one_pass(t), n
+    t = torch.randint(0, 256, (_CK_STEP + 3,), dtype=torch.uint8, generator=g)
+    t[_CK_STEP - 1], t[_CK_STEP] = 7, 9
+    u = t.clone()
+    u[_CK_STEP - 1], u[_CK_STEP] = 9, 7  # a swap across the chunk edge: same sum, different weighted sum
+    assert checksum(t)[0] == checksum(u)[0] and checksum(t) != checksum(u)

@@ -124,17 +124,32 @@ class LoadResult:
         return self._full
 
 
+# chunk length: a multiple of 251, so the position weights ((i mod 251) + 1) are the same for every chunk and
+# are made once per device
+_CK_STEP = 251 << 16
+_CK_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def _checksum_weights(device: torch.device, n: int) -> torch.Tensor:
+    key = str(device)
+    w = _CK_WEIGHTS.get(key)
+    if w is None:
+        w = _CK_WEIGHTS[key] = (torch.arange(_CK_STEP, device=device, dtype=torch.int64) % 251) + 1
+    return w[:n]
+
+
 def checksum(t: torch.Tensor) -> tuple[int, int]:
-    """Fletcher-style ``(s1, s2)`` over the raw bytes of ``t`` (any dtype, any device; computed there)."""
+    """Fletcher-style ``(s1, s2)`` over the raw bytes of ``t`` (any dtype, any device; computed there).
+
+    ``s1`` = sum of the bytes, ``s2`` = sum of byte_i x ((i mod 251) + 1), both exact in int64.
+    """
     b = t.detach().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
     s1 = s2 = 0
     n = b.numel()
-    step = 16 << 20
-    for a in range(0, n, step):
-        c = b[a:a + step].to(torch.int64)
-        w = (torch.arange(a, a + c.numel(), device=c.device, dtype=torch.int64) % 251) + 1
+    for a in range(0, n, _CK_STEP):
+        c = b[a:a + _CK_STEP].to(torch.int64)
         s1 += int(c.sum())
-        s2 += int((c * w).sum())
+        s2 += int((c * _checksum_weights(c.device, c.numel())).sum())
     return s1, s2
 
 
@@ -408,6 +423,8 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
                 probs.append(f"rank {r}: {name} is {tuple(t.shape)} {t.dtype}, planned {sl.local_shape} {tdt}")
                 continue
             src = index.read(name)[sl.index()]
+            if t.device.type != "cpu":  # checksum both on the device: a plain torch copy of the reader's bytes
+                src = src.to(t.device)
             if checksum(t) != checksum(src):
                 probs.append(f"rank {r}: {name} checksum differs from the source bytes "
                              f"({index.entries[name].shard} bytes {index.entries[name].start}..{index.entries[name].end})")
