@@ -207,20 +207,46 @@ class K3Config:
                 raise ConfigError(f"{where}.{key} is missing; the K3 config.json defines it")
             return d[key]
 
+        def num(v: Any, key: str, kind: type, where: str = "text_config") -> Any:
+            # JSON numbers only: no strings, no booleans; an integer field also takes an integral float
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if ok and kind is int and isinstance(v, float):
+                ok = v.is_integer()
+            if not ok:
+                what = "an integer" if kind is int else "a number"
+                raise ConfigError(f"{where}.{key} is {v!r}; it must be {what} (see the official config.json)")
+            return kind(v)
+
+        def ival(key: str, d: dict = text, where: str = "text_config", default: Any = ...) -> int:
+            if default is not ... and d.get(key) is None:
+                return default
+            return num(req(key, d, where), key, int, where)
+
+        def fval(key: str, default: float, d: dict = text, where: str = "text_config") -> float:
+            return default if d.get(key) is None else num(d[key], key, float, where)
+
+        def ilist(v: Any, key: str) -> tuple[int, ...]:
+            if not isinstance(v, list):
+                raise ConfigError(f"text_config.linear_attn_config.{key} is {v!r}; it must be a list of "
+                                  "1-based layer indices")
+            return tuple(num(x, key, int, "text_config.linear_attn_config") for x in v)
+
         lac = text.get("linear_attn_config")
         if not isinstance(lac, dict):
             raise ConfigError("text_config.linear_attn_config is missing; cannot tell KDA from MLA layers")
         if lac.get("full_attn_layers") is None or (not lac["full_attn_layers"] and lac.get("kda_layers") is None):
             raise ConfigError("text_config.linear_attn_config.full_attn_layers is missing; refusing to "
                               "default it (that would silently run every layer as KDA)")
-        L = int(req("num_hidden_layers"))
-        full = tuple(int(x) for x in lac["full_attn_layers"])
+        L = ival("num_hidden_layers")
+        if L < 1:
+            raise ConfigError(f"text_config.num_hidden_layers is {L}; it must be at least 1")
+        full = ilist(lac["full_attn_layers"], "full_attn_layers")
         if any(not 1 <= x <= L for x in full) or len(set(full)) != len(full):
             raise ConfigError(f"linear_attn_config.full_attn_layers {list(full)} must be distinct 1-based "
                               f"indices in 1..{L}")
         kda = lac.get("kda_layers")
         if kda is not None:
-            kda_set, full_set = set(int(x) for x in kda), set(full)
+            kda_set, full_set = set(ilist(kda, "kda_layers")), set(full)
             if kda_set & full_set or (kda_set | full_set) != set(range(1, L + 1)):
                 raise ConfigError("linear_attn_config.kda_layers and full_attn_layers must partition "
                                   f"1..{L} (overlap {sorted(kda_set & full_set)}, "
@@ -229,6 +255,9 @@ class K3Config:
         quant = None
         qc = text.get("quantization_config")
         if qc is not None:
+            if not isinstance(qc, dict):
+                raise ConfigError(f"text_config.quantization_config is {qc!r}; it must be an object "
+                                  "(compressed-tensors' mxfp4-pack-quantized)")
             fmt = qc.get("format")
             if fmt != "mxfp4-pack-quantized":
                 raise ConfigError(f"text_config.quantization_config.format {fmt!r} is not supported "
@@ -244,37 +273,37 @@ class K3Config:
         latent = text.get("routed_expert_hidden_size")
         cfg = cls(
             family=family,
-            vocab_size=int(req("vocab_size")),
-            hidden_size=int(req("hidden_size")),
+            vocab_size=ival("vocab_size"),
+            hidden_size=ival("hidden_size"),
             num_hidden_layers=L,
-            num_attention_heads=int(req("num_attention_heads")),
-            intermediate_size=int(req("intermediate_size")),
-            first_k_dense_replace=int(text.get("first_k_dense_replace", 0)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            q_lora_rank=(int(text["q_lora_rank"]) if text.get("q_lora_rank") else None),
-            kv_lora_rank=int(req("kv_lora_rank")),
-            qk_nope_head_dim=int(req("qk_nope_head_dim")),
-            qk_rope_head_dim=int(req("qk_rope_head_dim")),
-            v_head_dim=int(req("v_head_dim")),
+            num_attention_heads=ival("num_attention_heads"),
+            intermediate_size=ival("intermediate_size"),
+            first_k_dense_replace=ival("first_k_dense_replace", default=0),
+            rms_norm_eps=fval("rms_norm_eps", 1e-5),
+            q_lora_rank=(ival("q_lora_rank") if text.get("q_lora_rank") else None),
+            kv_lora_rank=ival("kv_lora_rank"),
+            qk_nope_head_dim=ival("qk_nope_head_dim"),
+            qk_rope_head_dim=ival("qk_rope_head_dim"),
+            v_head_dim=ival("v_head_dim"),
             full_attn_layers=full,
-            kda_num_heads=int(req("num_heads", lac, "linear_attn_config")),
-            kda_head_dim=int(req("head_dim", lac, "linear_attn_config")),
-            short_conv_kernel_size=int(lac.get("short_conv_kernel_size", 4)),
-            gate_lower_bound=float(lac.get("gate_lower_bound", -5.0) if family == "k3" else 0.0),
-            num_experts=int(text.get("num_experts", 0) or 0),
-            num_experts_per_token=int(text.get("num_experts_per_token", 0) or 0),
-            num_shared_experts=int(text.get("num_shared_experts", 0) or 0),
-            moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
-            routed_expert_hidden_size=(int(latent) if latent else None),
+            kda_num_heads=ival("num_heads", lac, "text_config.linear_attn_config"),
+            kda_head_dim=ival("head_dim", lac, "text_config.linear_attn_config"),
+            short_conv_kernel_size=ival("short_conv_kernel_size", lac, "text_config.linear_attn_config", 4),
+            gate_lower_bound=(fval("gate_lower_bound", -5.0, lac, "text_config.linear_attn_config") if family == "k3" else 0.0),
+            num_experts=ival("num_experts", default=0),
+            num_experts_per_token=ival("num_experts_per_token", default=0),
+            num_shared_experts=ival("num_shared_experts", default=0),
+            moe_intermediate_size=ival("moe_intermediate_size", default=0),
+            routed_expert_hidden_size=(num(latent, "routed_expert_hidden_size", int) if latent else None),
             moe_renormalize=bool(text.get("moe_renormalize", True)),
-            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=fval("routed_scaling_factor", 1.0),
             hidden_act=str(text.get("hidden_act", "silu")),
-            activation_situ_beta=float(text.get("activation_situ_beta", 4.0)),
-            activation_situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
-            attn_res_block_size=(int(text["attn_res_block_size"]) if text.get("attn_res_block_size") else None),
-            bos_token_id=int(text.get("bos_token_id", doc.get("bos_token_id", 0)) or 0),
-            eos_token_id=int(text.get("eos_token_id", doc.get("eos_token_id", 0)) or 0),
-            pad_token_id=int(text.get("pad_token_id", doc.get("pad_token_id", 0)) or 0),
+            activation_situ_beta=fval("activation_situ_beta", 4.0),
+            activation_situ_linear_beta=fval("activation_situ_linear_beta", 25.0),
+            attn_res_block_size=(ival("attn_res_block_size") if text.get("attn_res_block_size") else None),
+            bos_token_id=num(text.get("bos_token_id", doc.get("bos_token_id")) or 0, "bos_token_id", int),
+            eos_token_id=num(text.get("eos_token_id", doc.get("eos_token_id")) or 0, "eos_token_id", int),
+            pad_token_id=num(text.get("pad_token_id", doc.get("pad_token_id")) or 0, "pad_token_id", int),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
             quant=quant,
             raw=copy.deepcopy(doc),

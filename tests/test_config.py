@@ -171,3 +171,31 @@ def test_from_file_names_the_preset_it_is(tmp_path):
     from k3rocm.config import identify
     assert identify(preset("k3-tiny").to_dict()) == "k3-tiny"
     assert identify(preset("k3-prefix-13").to_dict()) == "k3-prefix-13"
+
+
+@pytest.mark.parametrize("path, value, needle", [
+    (("text_config", "rms_norm_eps"), None, None),  # absent-like: the documented default
+    (("text_config", "rms_norm_eps"), "1e-5", "rms_norm_eps"),
+    (("text_config", "hidden_size"), "abc", "hidden_size"),
+    (("text_config", "hidden_size"), True, "hidden_size"),
+    (("text_config", "num_experts"), [16], "num_experts"),
+    (("text_config", "num_experts"), "16", "num_experts"),
+    (("text_config", "num_hidden_layers"), -1, "num_hidden_layers"),
+    (("text_config", "linear_attn_config", "full_attn_layers"), "4,8", "full_attn_layers"),
+    (("text_config", "quantization_config"), [1], "quantization_config"),
+])
+def test_wrongly_typed_fields_are_one_line_config_errors(path, value, needle):
+    """A field of the wrong JSON type is a ConfigError naming the field, never a TypeError/ValueError."""
+    from k3rocm.errors import ConfigError
+
+    doc = preset("k3-tiny").to_dict()
+    d = doc
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    if needle is None:
+        assert K3Config.from_dict(doc).rms_norm_eps == 1e-5
+        return
+    with pytest.raises(ConfigError, match=needle) as e:
+        K3Config.from_dict(doc)
+    assert "\n" not in str(e.value)
