@@ -200,3 +200,13 @@ def test_html_without_matplotlib_still_renders(monkeypatch):
     html = render_html(rep)
     assert "<svg" not in html and "plot curve omitted: matplotlib is not installed" in html
     assert "forward.metric" in html
+
+
+@pytest.mark.parametrize("text", ['[]', '{"schema": "k3rocm.report/1", "stages": []}',
+                                  '{"schema": "k3rocm.report/1", "stages": {}, "reproduction": []}'])
+def test_load_report_sets_aside_any_malformed_structure(tmp_path, text):
+    """Valid JSON of the wrong shape starts a fresh report and keeps the file, like unparsable text does."""
+    (tmp_path / "report.json").write_text(text)
+    assert load_report(tmp_path, "hashA").stages == {}
+    kept = [f.read_text() for f in tmp_path.glob("report.previous-*.json")]
+    assert kept == [text]

@@ -402,7 +402,9 @@ def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint:
         return Report()
     try:
         rep = Report.from_dict(json.loads(p.read_text()))
-    except (ValueError, KeyError, TypeError, ConfigError):
+        if not isinstance(rep.reproduction, dict):
+            raise TypeError("reproduction is not an object")
+    except (ValueError, KeyError, TypeError, AttributeError, ConfigError):  # any malformed structure
         return _fresh(p, "it is not a k3rocm.report/1 file")
     old = rep.reproduction.get("config_hash")
     if config_hash and old and old != config_hash:
