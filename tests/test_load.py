@@ -185,3 +185,23 @@ def test_checksum_is_position_weighted_across_chunks():
     u = t.clone()
     u[_CK_STEP - 1], u[_CK_STEP] = 9, 7  # a swap across the chunk edge: same sum, different weighted sum
     assert checksum(t)[0] == checksum(u)[0] and checksum(t) != checksum(u)
+
+
+def test_nan_weights_in_the_checkpoint_are_caught(tiny_cfg, tmp_path):
+    """A checkpoint whose bf16 weight holds NaN bytes (no manifest to catch it) fails verification by name."""
+    from k3rocm.checkpoint.writer import write_checkpoint
+    ck = write_checkpoint(tiny_cfg, tmp_path / "ck", seed=1)
+    idx = open_checkpoint(ck)
+    name = "language_model.model.embed_tokens.weight"
+    e = idx.entries[name]
+    with open(ck / e.shard, "r+b") as f:  # 0xFFFF is a bf16 NaN; e.start is the absolute offset in the shard
+        f.seek(e.start)
+        f.write(b"\xff" * 64)
+    idx = open_checkpoint(ck)
+    pl = plan(idx.config, load_profile("cpu"))
+    with pytest.raises(ValidationFailed, match="NaN/Inf") as err:
+        load(idx, pl, measure_raw=False)
+    assert name in str(err.value) and "32 NaN" in str(err.value)
+    res = load(idx, pl, measure_raw=False, verify=False)
+    n_ok, probs = verify_loaded(idx, pl, res.rank_weights)
+    assert len(probs) == 1 and name in probs[0] and n_ok == pl.ranks[0].num_tensors - 1, probs

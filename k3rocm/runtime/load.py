@@ -406,7 +406,8 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
 
     Returns:
         ``(verified_count, problems)`` — one line per problem (missing tensor, wrong shape/dtype, checksum
-        mismatch naming the tensor and rank), and extra tensors that the plan does not name.
+        mismatch naming the tensor and rank, NaN/Inf values in a floating-point weight), and extra tensors
+        that the plan does not name.
     """
     ok = 0
     probs: list[str] = []
@@ -429,6 +430,12 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
                 probs.append(f"rank {r}: {name} checksum differs from the source bytes "
                              f"({index.entries[name].shard} bytes {index.entries[name].start}..{index.entries[name].end})")
                 continue
+            if t.is_floating_point() and t.numel():
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:  # landed exactly as stored, but the checkpoint itself holds NaN/Inf weights
+                    probs.append(f"rank {r}: {name} holds {bad:,} NaN/Inf values in the checkpoint "
+                                 f"({index.entries[name].shard}); the file is corrupt: re-download or re-make it")
+                    continue
             ok += 1
         extra = names - set(planned)
         for name in sorted(extra)[:5]:
