@@ -72,7 +72,7 @@ def out_option(f):
 
 def kernels_option(f):
     return click.option("--kernels", default="auto", show_default=True, metavar="SPEC",
-                        help="Kernel choice: auto | torch | triton | aiter, or per op: "
+                        help="Kernel choice: auto | torch | triton, or per op: "
                              "'kda_prefill=triton,moe_experts=torch'.")(f)
 
 

@@ -153,8 +153,9 @@ def select(op: str, override: dict[str, str] | None = None, allow_interpreter: b
     interp = allow_interpreter and os.environ.get("TRITON_INTERPRET") == "1"
     if want:
         if want not in impls:
-            raise HardwareError(f"--kernels asks for {want!r} for {op}, but no such implementation is registered "
-                                f"(have: {', '.join(sorted(impls))})")
+            hint = (" (aiter kernels are not wired into k3rocm yet)" if want == "aiter" else "")
+            raise HardwareError(f"--kernels asks for {want!r} for {op}, but no such implementation is registered"
+                                f"{hint}; choose one of: {', '.join(sorted(impls))} (see `k3rocm kernels list`)")
         if want in ("triton", "aiter") and not (gpu_available() or interp):
             raise HardwareError(f"--kernels {want} for {op} needs a GPU (none visible); use --kernels torch")
         return want, impls[want]
