@@ -236,5 +236,7 @@ def finish(stages, report_html: Path) -> None:
             fail(f"{s.tier} tier could not run: {s.error}", getattr(s, "exit_code", EXIT_USAGE))
         if s.status == "failed":
             f = s.failures[0]
+            why = " ".join(str(getattr(f, "detail", "") or "").split())  # one line, whatever the detail holds
+            why = f" — {why[:200]}{'…' if len(why) > 200 else ''}" if why else ""
             fail(f"{s.tier} tier failed: {f.name} = {f.value} {f.unit}".rstrip()
-                 + f" (needs {f.threshold}); see {report_html}", EXIT_FAILED)
+                 + f" (needs {f.threshold}){why}; see {report_html}", EXIT_FAILED)

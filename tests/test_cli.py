@@ -208,6 +208,42 @@ def test_bench_against_an_openai_endpoint(cache, tmp_path):
     assert done and done[0]["value"] == 4
 
 
+def test_bench_endpoint_failures_say_why(cache, tmp_path):
+    """A server that answers every request with HTTP 500: exit 1, and the line and the report say why."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Broken(BaseHTTPRequestHandler):
+        def do_GET(self):  # the reachability probe
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"model overloaded")
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "r"
+        r = run(["bench", "--endpoint", f"http://127.0.0.1:{srv.server_address[1]}", "--concurrency", "1",
+                 "--num-prompts", "2", "--warmups", "0", "--input-len", "8", "--output-len", "2", "--out", out],
+                code=1)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    line = one_line_error(r)
+    assert "c1.failed = 2" in line and "HTTP 500" in line and "model overloaded" in line
+    rows = json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]
+    assert any(e["name"] == "c1.failed" and "2 x" in e["detail"] and "HTTP 500" in e["detail"] for e in rows)
+
+
 def test_bench_endpoint_bad_url_is_one_line(cache, tmp_path):
     one_line_error(run(["bench", "--endpoint", "ftp://nowhere", "--out", tmp_path / "r"], code=2))
 

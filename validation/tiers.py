@@ -674,7 +674,10 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         c = r.get("concurrency")
         tag = f"c{c}"
         n = r.get("completed", 0)
-        stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv, detail="failed requests"),
+        errs = r.get("errors") or []
+        why = "; ".join(f"{e['count']} x {e['error']}" for e in errs)[:300]
+        stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv,
+                        detail=f"failed requests: {why}" if why else "failed requests"),
                   check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
         for k, unit in (("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
                         ("output_throughput_per_gpu", "tok/s/GPU"), ("median_ttft_ms", "ms"), ("p99_ttft_ms", "ms"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -62,6 +62,9 @@ class BenchResult:
         d = {"concurrency": self.concurrency, "input_len": self.input_len, "output_len": self.output_len,
              "num_prompts": self.num_prompts, "num_warmups": self.num_warmups, "range_ratio": self.range_ratio,
              "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target}
+        errs = Counter(r.error for r in self.records if not r.success and r.error)
+        if errs:  # why requests failed: each distinct reason with its count, most frequent first
+            d["errors"] = [{"error": e[:300], "count": n} for e, n in errs.most_common(5)]
         if self.roofline is not None:
             r = dict(self.roofline)
             if not per_step:
