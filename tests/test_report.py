@@ -210,3 +210,20 @@ def test_load_report_sets_aside_any_malformed_structure(tmp_path, text):
     assert load_report(tmp_path, "hashA").stages == {}
     kept = [f.read_text() for f in tmp_path.glob("report.previous-*.json")]
     assert kept == [text]
+
+
+def test_html_plots_have_unique_ids(tmp_path):
+    """Several inline SVG figures in one page: every id is unique and every internal reference resolves."""
+    import re
+
+    from k3rocm.validation.render import render_html
+    rep = Report()
+    st = _stage("forward")
+    st.series = {f"s{k}": {"title": f"t{k}", "x": [0, 1, 2], "y": {"a": [1.0, 2.0, 3.0]}, "xlabel": "x",
+                           "ylabel": "y"} for k in range(3)}
+    rep.merge_run(_repro(), [st])
+    html = render_html(rep)
+    ids = re.findall(r'\bid="([^"]+)"', html)
+    assert html.count("<svg") == 3 and len(ids) == len(set(ids))
+    refs = re.findall(r'url\(#([^)]+)\)', html) + re.findall(r'href="#([^"]+)"', html)
+    assert set(refs) <= set(ids)

@@ -77,14 +77,29 @@ def render_markdown(rep: Report) -> str:
 
 
 # ---------------------------------------------------------------------------- HTML
+_SVG_COUNT = [0]
+
+
 def _svg(fig) -> str:
+    """The figure as an inline ``<svg>`` element whose ids are unique in the page.
+
+    matplotlib names the elements of every figure alike (``figure_1``, ``axes_1``, clip paths); several
+    figures inlined in one page would repeat ids (invalid HTML, and a clip path could resolve to another
+    figure's), so each figure's ids and references get their own prefix.
+    """
+    import re
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
     import matplotlib.pyplot as plt
     plt.close(fig)
     s = buf.getvalue()
     i = s.find("<svg")
-    return s[i:] if i >= 0 else s
+    s = s[i:] if i >= 0 else s
+    _SVG_COUNT[0] += 1
+    pre = f"f{_SVG_COUNT[0]}-"
+    s = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{pre}{m.group(1)}"', s)
+    s = re.sub(r'url\(#([^)]+)\)', lambda m: f"url(#{pre}{m.group(1)})", s)
+    return re.sub(r'href="#([^"]+)"', lambda m: f'href="#{pre}{m.group(1)}"', s)
 
 
 def _series_svg(name: str, spec: dict) -> str | None:
