@@ -162,6 +162,9 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     if warmups is not None and not 0 <= warmups <= MAX_PROMPTS:
         raise ConfigError(f"--warmups {warmups} must be in 0..{MAX_PROMPTS:,}")
 
+    if model_name is not None and endpoint is None:
+        raise ConfigError("--model names the model an --endpoint serves; without --endpoint the built-in engine "
+                          "runs the checkpoint: drop --model or add --endpoint URL")
     if endpoint is None:
         check_bench_capacity(s, cs, il, ol, num_prompts)
     elif num_prompts is not None and num_prompts > MAX_PROMPTS:

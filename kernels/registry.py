@@ -119,11 +119,15 @@ def parse_override(spec: str | None) -> dict[str, str]:
 
     Returns ``{"*": impl}`` or ``{op: impl}``. Raises ConfigError naming the bad entry.
     """
-    if not spec or spec == "auto":
+    if spec is None or spec == "auto":
         return {}
+    if not spec.strip():
+        raise ConfigError("--kernels is empty; give auto (the default), torch, triton, or op=impl pairs")
     out: dict[str, str] = {}
     for part in spec.split(","):
         part = part.strip()
+        if not part:
+            raise ConfigError(f"--kernels {spec!r}: an empty entry between commas; remove it")
         if "=" in part:
             op, impl = (s.strip() for s in part.split("=", 1))
             if op not in ORACLE_OPS:

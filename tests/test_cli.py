@@ -361,3 +361,10 @@ def test_plain_progress_is_throttled():
             cb(100, 100)
     lines = buf.getvalue().splitlines()
     assert lines == ["k3rocm: loading: 1/100 (1%), 0 s", "k3rocm: loading: 100/100 (100%), 0 s"]
+
+
+def test_empty_or_orphan_options_are_refused(cache, tmp_path):
+    for args in (["validate", "--kernels", ""], ["validate", "--kernels", "kda_prefill=torch,,moe_experts=torch"],
+                 ["bench", "--model", "k3"]):
+        line = one_line_error(run([*args, "--out", tmp_path / "r"], code=2))
+        assert "--kernels" in line or "--model" in line
