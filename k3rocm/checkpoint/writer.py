@@ -241,8 +241,12 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     if expert_init not in EXPERT_INITS:
         raise ConfigError(f"expert_init {expert_init!r} is not one of {', '.join(EXPERT_INITS)}")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: is a file, not a directory; choose a new directory for the checkpoint")
+    if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: already exists and is not empty; remove it or choose another directory")
+    if any(p.exists() and not p.is_dir() for p in out.parents):
+        raise CheckpointError(f"{out}: a parent path is a file, not a directory; choose another location")
     shards = plan_shards(cfg, num_shards)
     n = len(shards)
     total = sum(s.nbytes for sh in shards for s in sh)
