@@ -187,3 +187,17 @@ def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
     assert (p.tp, p.ep) == (4, 4) and any("tp reduced" in n for n in p.notes)
     with pytest.raises(PlanError, match="not divisible by tp=8"):
         plan(tiny_cfg, load_profile("mi355x-8"), tp=8)
+
+
+def test_layout_hint_lists_only_layouts_that_work():
+    """A refused tp names the (tp, ep) layouts that pass every layout check on that profile, and no other."""
+    import re
+
+    from k3rocm.runtime.plan import valid_layouts
+    cfg, prof = preset("k3"), load_profile("mi355x-8")
+    with pytest.raises(PlanError) as e:
+        plan(cfg, prof, tp=7, ep=7)
+    named = [(int(t), int(p)) for t, p in re.findall(r"tp=(\d+)/ep=(\d+)", str(e.value))]
+    assert named == valid_layouts(cfg, prof) and (8, 8) in named and all(t in (1, 2, 4, 8) for t, _ in named)
+    for t, p in named:
+        plan(cfg, prof, tp=t, ep=p, strict=False)  # each one plans (fit aside)

@@ -471,7 +471,7 @@ class Placement:
 
 
 # ------------------------------------------------------------------------------------------ planning
-def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int) -> None:
+def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool = True) -> None:
     where = f"{cfg.name} on {profile.name}"
     if tp < 1 or ep < 1:
         raise PlanError(f"{where}: tp={tp}, ep={ep} must be >= 1")
@@ -483,10 +483,10 @@ def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int) -> None:
                         f"inside each EP group); try ep={tp}")
     if cfg.num_kda_layers and cfg.kda_num_heads % tp:
         raise PlanError(f"{where}: {cfg.kda_num_heads} KDA heads are not divisible by tp={tp}; "
-                        f"choose tp from {_divisors(cfg.kda_num_heads)}")
+                        f"{_valid_hint(cfg, profile) if hint else ''}")
     if cfg.num_mla_layers and cfg.num_attention_heads % tp:
         raise PlanError(f"{where}: {cfg.num_attention_heads} MLA heads are not divisible by tp={tp}; "
-                        f"choose tp from {_divisors(cfg.num_attention_heads)}")
+                        f"{_valid_hint(cfg, profile) if hint else ''}")
     if cfg.num_moe_layers:
         if cfg.num_experts % ep:
             raise PlanError(f"{where}: {cfg.num_experts} routed experts are not divisible by ep={ep}; "
@@ -505,6 +505,31 @@ def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int) -> None:
         raise PlanError(f"{where}: dense intermediate {cfg.intermediate_size} is not divisible by tp={tp}")
     if cfg.vocab_size % tp:
         raise PlanError(f"{where}: vocab {cfg.vocab_size} is not divisible by tp={tp} (vocab-parallel embedding/head)")
+
+
+def valid_layouts(cfg: K3Config, profile: Profile) -> list[tuple[int, int]]:
+    """Every ``(tp, ep)`` that passes the layout checks on ``profile`` (tp up to its device count, or 64 on
+    the CPU profile), smallest tp first; memory is not considered."""
+    top = profile.device_count if profile.backend != "cpu" else 64
+    out = []
+    for tp in range(1, top + 1):
+        for ep in range(1, tp + 1):
+            if tp % ep:
+                continue
+            try:
+                _check_layout(cfg, profile, tp, ep, hint=False)
+            except PlanError:
+                continue
+            out.append((tp, ep))
+    return out
+
+
+def _valid_hint(cfg: K3Config, profile: Profile) -> str:
+    lay = valid_layouts(cfg, profile)
+    if not lay:
+        return f"no tp/ep layout works on {profile.name}"
+    shown = ", ".join(f"tp={t}/ep={e}" for t, e in lay[:12]) + (", ..." if len(lay) > 12 else "")
+    return f"layouts that work on {profile.name}: {shown}"
 
 
 def _divisors(n: int) -> str:
@@ -706,7 +731,9 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
                          context_len=pl.cache.context_len, strict=True)
             except PlanError:
                 continue
-            where = "this node" if n <= profile.device_count else "several nodes (torchrun)"
+            where = ("this node" if n <= profile.device_count else
+                     f"{-(-n // profile.device_count)} nodes under torchrun; `plan` covers one node of "
+                     f"{profile.device_count}, so plan it with a profile of {n} devices")
             # a smaller cache dtype helps only when the weights alone fit and the cache is not fp8 already
             kv = (", fp8 kv cache" if pl.kv_dtype != "fp8" and pl.weights_bytes < pl.usable_bytes else "")
             return (f"try tp={n}/ep={n} ({n} x {profile.device_name}, {p.weights_bytes / GB:.1f} GB/GPU of "
