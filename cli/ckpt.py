@@ -117,11 +117,13 @@ def verify_cmd(checkpoint, write_manifest, debug):
     from k3rocm.validation.session import Options, Session
     s = Session(Options(checkpoint=checkpoint))
     d = s.checkpoint_dir
-    if write_manifest:
-        mf = make_manifest(d)
-        click.echo(f"wrote {mf}")
-        return
     from k3rocm.checkpoint.verify import MANIFEST_NAME
+    if write_manifest:
+        had = (d / MANIFEST_NAME).is_file()
+        mf = make_manifest(d)
+        click.echo(f"wrote {mf}" + (" (replacing the previous manifest: it now vouches for the files as they are)"
+                                    if had else ""))
+        return
     if not (d / MANIFEST_NAME).is_file():
         raise CheckpointError(f"{d}: no {MANIFEST_NAME}; create one with `k3rocm checkpoint verify --checkpoint {d} "
                               "--write-manifest` on a trusted copy")
