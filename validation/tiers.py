@@ -65,30 +65,53 @@ def _layers_from(outs: dict, num_layers: int) -> list[dict]:
     return layers
 
 
-def model_forward(model, ids, num_layers: int):
+def _flat_batch(B: int, T: int):
+    """:class:`~k3rocm.model.layer.Batch` of ``B`` packed sequences of ``T`` tokens (no cache)."""
+    torch = _t()
+    from k3rocm.model.layer import Batch
+    return Batch(torch.arange(0, (B + 1) * T, T, dtype=torch.int32))
+
+
+def model_forward(model, ids, num_layers: int, shadow=None):
     """One causal forward (no cache) of ``ids`` ``[B, T]`` int64 on a K3Model-like object.
 
     Uses the layer-by-layer API (``embed`` / ``run_layer`` / ``final``) when the object has it, to also
     record each layer's activation max |h| (the Block AttnRes prefix, or the residual stream, after the
     layer; K3_FACTS §6 calls it |h|max). Returns ``(logits [B, T, V] fp32, layers)``, ``layers[i]`` a dict
     with ``attn_out``, ``mlp_out`` ``[B, T, D]`` fp32 and ``absmax`` (float).
+
+    ``shadow``: another model with the layer API, run teacher-forced in the same pass: before each layer
+    the state (AttnRes bank and prefix, or the residual stream) is copied and ``shadow``'s layer ``i`` runs
+    on the copy; ``layers[i]["teacher_forced"]`` = ``{"attn_out": rel_rms, "mlp_out": rel_rms}`` of its
+    outputs against ``model``'s (see :func:`teacher_forced_layers`).
     """
     torch = _t()
     B, T = ids.shape
     if all(hasattr(model, a) for a in ("embed", "run_layer", "final")):
-        from k3rocm.model.layer import Batch
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+        from k3rocm.model.layer import AttnResState
+        from k3rocm.model.model import LayerState
         with torch.no_grad():
-            st = model.embed(ids.reshape(-1), Batch(cu), record=True)
-            absmax = []
+            st = model.embed(ids.reshape(-1), _flat_batch(B, T), record=True)
+            absmax, forced = [], []
             for i in range(num_layers):
+                if shadow is not None:
+                    res = None if st.res is None else AttnResState([b.clone() for b in st.res.bank],
+                                                                   st.res.prefix.clone())
+                    hid = None if st.hidden is None else st.hidden.clone()
+                    se = LayerState(st.batch, res=res, hidden=hid, record=True, next_layer=i)
+                    shadow.run_layer(i, se)
                 model.run_layer(i, st)
+                if shadow is not None:
+                    forced.append({n: rel_rms(se.outputs[f"layer{i:02d}.{n}"], st.outputs[f"layer{i:02d}.{n}"])
+                                   for n in ("attn_out", "mlp_out")})
                 h = st.res.prefix if getattr(st, "res", None) is not None else st.hidden
                 absmax.append(float(h.abs().max()))
             logits = model.final(st).view(B, T, -1).float()
         layers = _layers_from({k: v.view(B, T, -1) for k, v in st.outputs.items()}, num_layers)
-        for lay, m in zip(layers, absmax):
+        for i, (lay, m) in enumerate(zip(layers, absmax)):
             lay["absmax"] = m
+            if forced:
+                lay["teacher_forced"] = forced[i]
         return logits, layers
     out = model.forward(ids, return_layers=True)
     logits, outs = out if isinstance(out, tuple) else (out.logits, out.layers)
@@ -103,30 +126,14 @@ def oracle_forward(model, ids):
 def teacher_forced_layers(model, oracle, ids) -> list[dict]:
     """Each layer of ``model`` run on the oracle's own input to that layer, compared with the oracle's output.
 
-    ``ids`` ``[B, T]`` int64. Both objects need the layer-by-layer API (``embed`` / ``run_layer``). The oracle
-    runs the whole stack; before each of its layers the state (AttnRes bank and prefix, or the residual
-    stream) is copied and ``model``'s layer ``i`` runs on the copy. Errors therefore do not compound across
-    layers: a random-weight test model amplifies any rounding end to end (see :func:`oracle_sensitivity`),
-    while a per-layer error here points at the layer that is wrong.
-    Returns ``[{"attn_out": rel_rms, "mlp_out": rel_rms}, ...]`` per layer.
+    ``ids`` ``[B, T]`` int64. Both objects need the layer-by-layer API (``embed`` / ``run_layer``). Errors do
+    not compound across layers: a random-weight test model amplifies any rounding end to end (see
+    :func:`oracle_sensitivity`), while a per-layer error here points at the layer that is wrong.
+    Returns ``[{"attn_out": rel_rms, "mlp_out": rel_rms}, ...]`` per layer (one oracle pass,
+    :func:`model_forward` with ``shadow=model``).
     """
-    torch = _t()
-    from k3rocm.model.layer import AttnResState, Batch
-    from k3rocm.model.model import LayerState
-    B, T = ids.shape
-    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
-    out = []
-    with torch.no_grad():
-        so = oracle.embed(ids.reshape(-1), Batch(cu), record=True)
-        for i in range(oracle.cfg.num_hidden_layers):
-            res = None if so.res is None else AttnResState([b.clone() for b in so.res.bank], so.res.prefix.clone())
-            hid = None if so.hidden is None else so.hidden.clone()
-            se = LayerState(so.batch, res=res, hidden=hid, record=True, next_layer=i)
-            model.run_layer(i, se)
-            oracle.run_layer(i, so)
-            out.append({n: rel_rms(se.outputs[f"layer{i:02d}.{n}"], so.outputs[f"layer{i:02d}.{n}"])
-                        for n in ("attn_out", "mlp_out")})
-    return out
+    _, layers = model_forward(oracle, ids, oracle.cfg.num_hidden_layers, shadow=model)
+    return [lay["teacher_forced"] for lay in layers]
 
 
 def oracle_sensitivity(oracle, ids, ref_logits, rel: float = 2.0 ** -9) -> dict:
@@ -140,11 +147,9 @@ def oracle_sensitivity(oracle, ids, ref_logits, rel: float = 2.0 ** -9) -> dict:
     ``[B, T, V]``.
     """
     torch = _t()
-    from k3rocm.model.layer import Batch
     B, T = ids.shape
-    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
     with torch.no_grad():
-        st = oracle.embed(ids.reshape(-1), Batch(cu))
+        st = oracle.embed(ids.reshape(-1), _flat_batch(B, T))
         h = st.res.prefix if st.res is not None else st.hidden
         # (the stored embeddings are often bf16 already, so a literal rounding would change nothing)
         g = torch.Generator().manual_seed(0)
@@ -434,11 +439,13 @@ def tier_correctness(session: Session, stage: Stage) -> None:
     eng, orc = session.engine, session.oracle
     model = session.engine_model(eng)
     ids = _ids(session, 2, 16)
-    ol, olay = oracle_forward(orc, ids)
+    # per layer: each engine layer on the oracle's input (teacher-forced: the check, in the oracle's own pass),
+    # and free-running (the plot)
+    ol, olay = model_forward(orc, ids, orc.cfg.num_hidden_layers,
+                             shadow=model if hasattr(model, "run_layer") else None)
     el, elay = model_forward(model, ids, session.config.num_hidden_layers)
-    # per layer: each engine layer on the oracle's input (teacher-forced: the check), and free-running (the plot)
     names = ("attn_out", "mlp_out")
-    tf = teacher_forced_layers(model, orc, ids) if hasattr(model, "run_layer") else []
+    tf = [lay["teacher_forced"] for lay in olay if "teacher_forced" in lay]
     series = {n: [] for n in names}
     for a, b in zip(elay, olay):
         for n in names:
