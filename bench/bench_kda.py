@@ -76,13 +76,13 @@ def decode_inputs(N, H, S=None, seed=1):
         r(S, H, D, D) * 0.1, torch.randperm(S, device="cuda")[:N].to(torch.int32)
 
 
-def bench_rows(out_dir, with_fla=True, only=("decode", "prefill")):
+def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None):
     import triton.testing as tt
 
     from k3rocm.kernels.kda import decode as DE
     from k3rocm.kernels.kda import prefill as P
     rows = []
-    for B, T, H in (PREFILL_ROWS if "prefill" in only else []):
+    for B, T, H in ((prefill_rows or PREFILL_ROWS) if "prefill" in only else []):
         name = f"prefill B{B} T{T} H{H}"
         a = prefill_inputs(B, T, H)
         ours = lambda: P.kda_prefill(**a, out_dtype=torch.bfloat16)  # noqa: E731
@@ -103,7 +103,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill")):
             ref = row.get("fla_fused_gate_ms") or row.get("fla_precomputed_gate_ms")
             if ref:
                 row["ratio_ours_over_fla"] = t_ours / ref
-        row["fla_ref_brief_ms"] = FLA_REF_MS[name]
+        row["fla_ref_brief_ms"] = FLA_REF_MS.get(name)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del a
@@ -149,7 +149,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill")):
                 row["ratio_ours_over_fla"] = row["ours_ms"] / row["fla_recurrent_precomputed_gate_ms"]
             except Exception as e:
                 row["fla_error"] = f"{type(e).__name__}: {e}"[:200]
-        row["fla_ref_brief_ms"] = FLA_REF_MS[name]
+        row["fla_ref_brief_ms"] = FLA_REF_MS.get(name)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -210,7 +210,15 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--only", default="decode,prefill,accuracy",
                     help="comma list of parts, run in this order (decode first: fla's prefill autotuning is slow)")
+    ap.add_argument("--prefill", default=None, metavar="BxTxH,...",
+                    help="prefill rows to run instead of the default four, e.g. 1x32768x12,4x8192x12")
     args = ap.parse_args()
+    try:
+        sel = [tuple(int(v) for v in r.split("x")) for r in args.prefill.split(",")] if args.prefill else None
+    except ValueError:
+        ap.error(f"--prefill {args.prefill!r}: rows are BxTxH separated by commas, e.g. 1x32768x12")
+    if sel and any(len(r) != 3 or min(r) < 1 for r in sel):
+        ap.error(f"--prefill {args.prefill!r}: each row needs three positive numbers B x T x H")
     if args.warm:
         warm(args.warm)
         return
@@ -220,7 +228,7 @@ def main():
     rows = []
     for part in parts:
         if part in ("decode", "prefill"):
-            rows += bench_rows(args.out, not args.no_fla, only=(part,))
+            rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel)
     acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -318,3 +318,68 @@ def test_teacher_forced_layers_localise_a_wrong_layer(golden_ckpt):
     assert all(v == 0.0 for i, d in enumerate(bad) for n, v in d.items() if (i, n) != (hit, "mlp_out"))
     sens = tiers.oracle_sensitivity(orc, ids, tiers.oracle_forward(orc, ids)[0])
     assert sens["finite"] and 0.0 < sens["max_abs"] < float("inf")
+
+
+def test_teacher_forcing_is_per_sublayer(golden_ckpt):
+    """A wrong token mixer shows in that layer's attn_out alone: the same layer's channel mixer runs on the
+    oracle's input to it, so its mlp_out (and every other sublayer) stays exactly equal."""
+    from k3rocm.model.layer import resolve_ops
+    from k3rocm.model.model import K3Model
+    from k3rocm.model.weights import load_weights
+
+    cfg = _session(golden_ckpt).config
+    w = load_weights(golden_ckpt)
+    orc = K3Model(cfg, w)
+    ids = torch.randint(3, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(int(torch.randint(1 << 30, ()))))
+    good = resolve_ops(None)["kda_prefill"]
+    calls = {"n": 0}
+
+    def second_call_wrong(*a, **k):
+        calls["n"] += 1
+        o, s = good(*a, **k)
+        return (o * 1.5, s) if calls["n"] == 2 else (o, s)
+
+    bad = tiers.teacher_forced_layers(K3Model(cfg, w, ops={"kda_prefill": second_call_wrong}), orc, ids)
+    hit = [i for i in range(cfg.num_hidden_layers) if cfg.layer_type(i) == "kda"][1]
+    assert bad[hit]["attn_out"] > tiers.THRESHOLDS["engine.layer_rel_rms"]
+    assert all(v == 0.0 for i, d in enumerate(bad) for n, v in d.items() if (i, n) != (hit, "attn_out"))
+
+
+def test_sublayer_halves_run_in_order_and_perturb_hook(golden_ckpt):
+    """run_attn / run_mlp refuse to run out of order (one-line ConfigError); a state's ``perturb`` hook sees
+    every sublayer output (2 per layer), and the identity hook changes nothing."""
+    from k3rocm.errors import ConfigError
+    from k3rocm.model.model import K3Model
+    from k3rocm.model.weights import load_weights
+
+    cfg = _session(golden_ckpt).config
+    m = K3Model(cfg, load_weights(golden_ckpt))
+    ids = torch.randint(3, cfg.vocab_size, (5,))
+    st = m.embed(ids)
+    with pytest.raises(ConfigError, match="token mixer is next"):
+        m.run_mlp(0, st)
+    m.run_attn(0, st)
+    with pytest.raises(ConfigError, match="channel mixer is next"):
+        m.run_attn(0, st)
+    seen = []
+    st2 = m.embed(ids)
+    st2.perturb = lambda x: (seen.append(x.shape), x)[1]
+    ref = m.embed(ids)
+    for i in range(cfg.num_hidden_layers):
+        m.run_layer(i, st2)
+        m.run_layer(i, ref)
+    assert len(seen) == 2 * cfg.num_hidden_layers
+    assert torch.equal(m.final(st2), m.final(ref))
+
+
+def test_golden_from_another_checkpoint_says_so(golden_dir):
+    """Golden data compared with the wrong weights (the embedded k3-tiny instead of the golden checkpoint) fails
+    with a line that names the likely cause and what to pass."""
+    sess = Session(Options(golden=str(golden_dir / "golden.safetensors")))
+    st = Stage("correctness")
+    tiers.golden_checks(sess, st)
+    row = {e.name: e for e in st.evidence}["golden.logits_max_abs"]
+    assert row.passed is False and "another checkpoint" in row.detail and "--checkpoint" in row.detail
+    ok = Stage("correctness")
+    tiers.golden_checks(_session(golden_dir / "checkpoint", golden=str(golden_dir / "golden.safetensors")), ok)
+    assert "another checkpoint" not in {e.name: e for e in ok.evidence}["golden.logits_max_abs"].detail

@@ -43,6 +43,11 @@ class LayerState:
             in ``outputs``.
         outputs: recorded per-layer outputs.
         next_layer: index of the next layer to run.
+        mid: True between :meth:`K3Model.run_attn` and :meth:`K3Model.run_mlp` of ``next_layer`` (its token
+            mixer ran, its channel mixer is pending).
+        perturb: optional ``f(out) -> out`` applied to every sublayer output (token mixer, channel mixer)
+            before it is added to the residual prefix / stream; None: none. Used to measure how the model
+            responds to rounding of a given size at every sublayer (validation's ``oracle_sensitivity``).
     """
 
     batch: Batch
@@ -51,6 +56,15 @@ class LayerState:
     record: bool = False
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     next_layer: int = 0
+    mid: bool = False
+    perturb: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def clone(self, record: bool = True) -> "LayerState":
+        """A copy of the residual state (AttnRes bank and prefix, or the stream) that can be run on separately:
+        same batch and position (``next_layer``, ``mid``), fresh ``outputs``, no ``perturb``."""
+        res = None if self.res is None else AttnResState([b.clone() for b in self.res.bank], self.res.prefix.clone())
+        hid = None if self.hidden is None else self.hidden.clone()
+        return LayerState(self.batch, res=res, hidden=hid, record=record, next_layer=self.next_layer, mid=self.mid)
 
 
 @contextlib.contextmanager
@@ -164,35 +178,59 @@ class K3Model:
 
     @_scoped
     def run_layer(self, i: int, state: LayerState) -> LayerState:
-        """Run decoder layer ``i`` (0-based) on ``state`` in place and return it.
+        """Run decoder layer ``i`` (0-based) on ``state`` in place and return it: :meth:`run_attn` then
+        :meth:`run_mlp`.
 
         K3 (K3_FACTS §5): attention-side AttnRes -> ``input_layernorm`` -> token mixer -> prefix += out;
         MLP-side AttnRes -> ``post_attention_layernorm`` -> channel mixer -> prefix += out.
         kimi_linear: pre-norm residual stream. Raises ConfigError when layers are run out of order.
         """
-        cfg = self.cfg
-        if i != state.next_layer:
-            raise ConfigError(f"run_layer({i}) called but layer {state.next_layer} is next; run layers in order")
-        eps = cfg.rms_norm_eps
-        p = f"layers.{i}."
-        if self.attn_res:
-            r = state.res
-            h = attn_side(r, i, self._res_weight(f"layers.{i}.self_attention_res"), cfg, self.ops)
-            a = self._mixer(i, rms_norm(h, self.w(p + "input_layernorm.weight"), eps), state.batch)
-            r.prefix = r.prefix + a
-            h = mlp_side(r, self._res_weight(f"layers.{i}.mlp_res"), cfg, self.ops)
-            m = self._channel(i, rms_norm(h, self.w(p + "post_attention_layernorm.weight"), eps))
-            r.prefix = r.prefix + m
-        else:
-            a = self._mixer(i, rms_norm(state.hidden, self.w(p + "input_layernorm.weight"), eps), state.batch)
-            state.hidden = state.hidden + a
-            m = self._channel(i, rms_norm(state.hidden, self.w(p + "post_attention_layernorm.weight"), eps))
-            state.hidden = state.hidden + m
-        if state.record:
-            state.outputs[f"layer{i:02d}.attn_out"] = a
-            state.outputs[f"layer{i:02d}.mlp_out"] = m
+        self.run_attn(i, state)
+        return self.run_mlp(i, state)
+
+    def _order(self, i: int, state: LayerState, mid: bool, what: str) -> None:
+        if i != state.next_layer or state.mid != mid:
+            at = f"layer {state.next_layer}'s {'channel' if state.mid else 'token'} mixer"
+            raise ConfigError(f"{what}({i}) called but {at} is next; run layers (and their halves) in order")
+
+    @_scoped
+    def run_attn(self, i: int, state: LayerState) -> LayerState:
+        """First half of decoder layer ``i``: (AttnRes attention side ->) ``input_layernorm`` -> token mixer
+        (KDA or MLA) -> added to the prefix / stream; recorded as ``layerNN.attn_out`` ``[T, hidden]`` fp32.
+        Raises ConfigError when called out of order."""
+        self._order(i, state, False, "run_attn")
+        x = (attn_side(state.res, i, self._res_weight(f"layers.{i}.self_attention_res"), self.cfg, self.ops)
+             if self.attn_res else state.hidden)
+        a = self._mixer(i, rms_norm(x, self.w(f"layers.{i}.input_layernorm.weight"), self.cfg.rms_norm_eps),
+                        state.batch)
+        self._add(state, f"layer{i:02d}.attn_out", a)
+        state.mid = True
+        return state
+
+    @_scoped
+    def run_mlp(self, i: int, state: LayerState) -> LayerState:
+        """Second half of decoder layer ``i``: (AttnRes MLP side ->) ``post_attention_layernorm`` -> channel
+        mixer (dense MLP or LatentMoE) -> added; recorded as ``layerNN.mlp_out``. Raises ConfigError when
+        called out of order (before :meth:`run_attn` of the same layer)."""
+        self._order(i, state, True, "run_mlp")
+        x = mlp_side(state.res, self._res_weight(f"layers.{i}.mlp_res"), self.cfg, self.ops) if self.attn_res \
+            else state.hidden
+        m = self._channel(i, rms_norm(x, self.w(f"layers.{i}.post_attention_layernorm.weight"), self.cfg.rms_norm_eps))
+        self._add(state, f"layer{i:02d}.mlp_out", m)
+        state.mid = False
         state.next_layer = i + 1
         return state
+
+    @staticmethod
+    def _add(state: LayerState, name: str, out: torch.Tensor) -> None:
+        if state.perturb is not None:
+            out = state.perturb(out)
+        if state.res is not None:
+            state.res.prefix = state.res.prefix + out
+        else:
+            state.hidden = state.hidden + out
+        if state.record:
+            state.outputs[name] = out
 
     @_scoped
     def final_hidden(self, state: LayerState) -> torch.Tensor:

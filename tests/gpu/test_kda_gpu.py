@@ -21,7 +21,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")]
 
 BF16_REL_RMS = 2.5e-3
-FP32_TOL = 2e-5
+# fp32 kernel (ieee dots) vs the fp32 torch oracle: two fp32 evaluations of the chunked UT transform in different
+# orders. On an H200 the final state differed by up to 2.2e-5 (B8 T64 H12, normalised by 1 + max|state|; the
+# output by 4e-8), so 5e-5; a TF32 or bf16 slip in the fp32 path gives ~1e-3, far above.
+FP32_TOL = 5e-5
 D = 128
 
 
