@@ -11,7 +11,8 @@ data offsets from the reader's :class:`~k3rocm.checkpoint.reader.TensorEntry` an
   (only the touched pages are read).
 
 Bytes stay as stored (BF16 / FP32 / U8: MXFP4 stays packed). The destination is first filled with 0xFF
-(NaN for floats), so an unwritten byte cannot pass as data. On a GPU the host buffer is copied to the device.
+(NaN for floats), so an unwritten byte cannot pass as data. On a GPU each host buffer is copied to the device
+as soon as its reads are done, while the pool reads on (the copies overlap the disk), and then freed.
 
 Proof that every planned tensor landed (:func:`verify_loaded`): for each planned tensor, the loaded tensor
 exists, has the planned shape and dtype, and its checksum equals the checksum of the same slice taken from
@@ -337,6 +338,10 @@ def load(index: CheckpointIndex | str | Path, placement: Placement, ranks: Itera
                 futs = []
                 group: list = []
                 group_bytes = 0
+                # (tensor, index of the future that holds its last read): a tensor goes to the device as soon as
+                # every read before and including that future is done, while the pool reads on, so the
+                # host -> device copies overlap the disk instead of following it (and host buffers are freed early)
+                last_read: list[tuple[str, int]] = []
                 for name, sl in plans[r]:
                     tdt, _ = DTYPES[sl.dtype]
                     buf = torch.empty(sl.local_shape, dtype=tdt)
@@ -349,12 +354,19 @@ def load(index: CheckpointIndex | str | Path, placement: Placement, ranks: Itera
                         if group_bytes >= GROUP_BYTES:  # small tensors travel in groups: less pool overhead
                             futs.append(pool.submit(_run_jobs, group, shards, done, lock, progress, total, name))
                             group, group_bytes = [], 0
+                    last_read.append((name, len(futs) if group else len(futs) - 1))
                 if group:
                     futs.append(pool.submit(_run_jobs, group, shards, done, lock, progress, total, name))
-                loaded = 0
-                for f in futs:
-                    loaded += f.result()
-                tensors = host if dev.type == "cpu" else {n: t.to(dev, non_blocking=False) for n, t in host.items()}
+                loaded, k = 0, 0
+                tensors: dict[str, torch.Tensor] = {}
+                for i, f in enumerate(futs + [None]):
+                    if f is not None:
+                        loaded += f.result()
+                    while k < len(last_read) and (f is None or last_read[k][1] <= i):
+                        n = last_read[k][0]
+                        t = host.pop(n)
+                        tensors[n] = t if dev.type == "cpu" else t.to(dev, non_blocking=False)
+                        k += 1
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 dt = time.perf_counter() - t0

@@ -697,9 +697,9 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                    heads_per_rank={"kda": cfg.kda_num_heads // tp, "mla": cfg.num_attention_heads // tp},
                    notes=notes)
     if cfg.experts_quantized and cfg.num_moe_layers and not profile.has_fp4 and profile.backend != "cpu":
-        pl.notes.append(f"{profile.arch} has no MXFP4 hardware: experts stay packed in memory and are "
-                        f"dequantized inside the kernels (emulated dot_scaled), so the byte plan holds but "
-                        f"expert GEMMs run at the {'fp8' if profile.peak_flops.get('fp8') else 'bf16'} rate")
+        pl.notes.append(f"{profile.arch} has no MXFP4 hardware: experts stay packed in memory and the A16W4 "
+                        "kernel decodes them to bf16 in registers, so the byte plan holds but expert GEMMs run "
+                        "at the bf16 rate (A8W4 is emulated there)")
     if not fits:
         pl.problem = _not_fit_message(cfg, profile, pl)
         if strict:
