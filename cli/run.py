@@ -31,7 +31,10 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     s.preflight()
     # the layout and per-rank bytes, before anything loads
     pl = s.run_placement
-    where = s.profile.name if s.hardware_matches else f"{pl.profile_name} (this machine; profile {s.profile.name})"
+    if not s.hardware_matches:
+        # the profile's plan (projected: what the target hardware would hold), then the one this machine loads with
+        print_plan(s.placement, s.config.name, f"{s.profile.name} (projected: not this machine)")
+    where = s.profile.name if s.hardware_matches else f"{pl.profile_name} (this machine; loads with this plan)"
     print_plan(pl, s.config.name, where)
     with Progress() as bar:
         stages = run_tiers(s, "load", progress=bar.callback("loading"), on_start=lambda t: bar.stage(f"tier {t}"))

@@ -368,3 +368,15 @@ def test_empty_or_orphan_options_are_refused(cache, tmp_path):
                  ["bench", "--model", "k3"]):
         line = one_line_error(run([*args, "--out", tmp_path / "r"], code=2))
         assert "--kernels" in line or "--model" in line
+
+
+@pytest.mark.skipif(not no_gpu(), reason="checks a fallback (CPU) load against a GPU profile")
+def test_load_for_another_profile_shows_both_plans(golden_ckpt, tmp_path):
+    """`load --profile mi355x-8` on a CPU machine prints the profile's plan as projected, then the plan it loads
+    with; the report carries both (plan.* projected, run_plan.* measured on the fallback)."""
+    r = run(["load", "--profile", "mi355x-8", "--checkpoint", golden_ckpt, "--out", tmp_path])
+    assert "projected: not this machine" in r.output and "loads with this plan" in r.output
+    assert r.output.index("projected: not this machine") < r.output.index("loads with this plan")
+    ev = {e["name"]: e for e in json.loads((tmp_path / "report.json").read_text())["stages"]["load"]["evidence"]}
+    assert ev["plan.tp"]["level"] == "projected" and ev["plan.tp"]["value"] > 1
+    assert ev["run_plan.tp"]["value"] == 1 and ev["run_plan.tp"]["level"] != "projected"

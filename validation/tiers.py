@@ -342,6 +342,15 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
+    run = session.run_placement
+    if run is not plc:
+        # a fallback run loads with this machine's plan; the profile's plan above stays the projected one
+        stage.add(info("load", "run_plan.tp", run.tp, level=session.measured_level,
+                       detail=f"the plan the weights were loaded with: {run.profile_name} (this machine), not "
+                              f"{plc.profile_name}"),
+                  info("load", "run_plan.ep", run.ep, level=session.measured_level),
+                  info("load", "run_plan.weights_bytes_per_gpu", run.ranks[0].weights_bytes if run.ranks else 0,
+                       "B", level=session.measured_level))
     with Timer() as tl:
         rep = session.load(progress=progress).report
     lv = session.measured_level
