@@ -38,6 +38,11 @@ def _refused(path: Path, kind: type[K3Error], *needles: str, **kw) -> str:
     return msg
 
 
+def _full(ck: Path, shard: str) -> str:
+    """A shard as error messages name it: its full path in the (resolved) checkpoint directory."""
+    return str(ck.resolve() / shard)
+
+
 def _index(ck: Path) -> dict:
     return json.loads((ck / INDEX_NAME).read_text())
 
@@ -65,26 +70,31 @@ def test_truncated_shard(ck):
     size = (ck / S1).stat().st_size
     with open(ck / S1, "r+b") as f:
         f.truncate(size - 100)
-    _refused(ck, CheckpointError, S1, "truncated", "language_model.model.")
+    _refused(ck, CheckpointError, _full(ck, S1), "truncated", "language_model.model.")
 
 
 def test_header_length_past_end_of_file(ck):
     b = bytearray((ck / S2).read_bytes())
     b[:8] = (len(b) + 1).to_bytes(8, "little")
     (ck / S2).write_bytes(bytes(b))
-    _refused(ck, CheckpointError, S2, "header length", "past the end")
+    _refused(ck, CheckpointError, _full(ck, S2), "header length", "past the end")
 
 
 def test_shard_shorter_than_a_header(ck):
     (ck / S2).write_bytes(b"\x01\x02")
-    _refused(ck, CheckpointError, S2, "too short")
+    _refused(ck, CheckpointError, _full(ck, S2), "too short")
+
+
+def test_zero_byte_shard(ck):
+    (ck / S1).write_bytes(b"")
+    _refused(ck, CheckpointError, _full(ck, S1), "0 bytes", "too short")
 
 
 def test_header_not_json(ck):
     b = bytearray((ck / S1).read_bytes())
     b[8:12] = b"\xff\xfe{["
     (ck / S1).write_bytes(bytes(b))
-    _refused(ck, CheckpointError, S1, "not valid JSON")
+    _refused(ck, CheckpointError, _full(ck, S1), "not valid JSON")
 
 
 def test_index_names_tensor_the_shard_lacks(ck):
@@ -116,7 +126,7 @@ def test_shard_tensor_missing_from_index(ck):
 
 def test_wrong_dtype(ck):
     _rewrite_shard(ck, S1, lambda t: t.__setitem__(A_LOG, t[A_LOG].to(torch.bfloat16)))
-    _refused(ck, CheckpointError, A_LOG, "BF16", "F32")
+    _refused(ck, CheckpointError, _full(ck, S1), A_LOG, "BF16", "F32")
 
 
 def test_wrong_shape(ck):
@@ -213,4 +223,4 @@ def test_corrupt_data_offsets(ck):
     js += b" " * (n - len(js)) if len(js) <= n else b""
     assert len(js) == n
     (ck / S1).write_bytes(b[:8] + js + b[8 + n:])
-    _refused(ck, CheckpointError, A_LOG, "data_offsets")
+    _refused(ck, CheckpointError, _full(ck, S1), A_LOG, "data_offsets")

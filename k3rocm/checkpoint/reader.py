@@ -105,25 +105,26 @@ def read_shard_header(path: Path) -> tuple[dict, int, int]:
     Returns:
         ``(header dict, data_start, file_size)``; ``data_start`` = 8 + header length.
     Raises:
-        CheckpointError: file shorter than 8 bytes, header length past the end of the file, bad JSON.
+        CheckpointError: file shorter than 8 bytes, header length past the end of the file, bad JSON;
+            the message names the shard by its full path.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path.name}: {size} bytes is too short for a safetensors header; "
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors header; "
                                   "the shard is truncated - re-download it")
         n = int.from_bytes(head, "little")
         if n > size - 8 or n > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{path.name}: header length {n} runs past the end of the file ({size} bytes); "
+            raise CheckpointError(f"{path}: header length {n} runs past the end of the file ({size} bytes); "
                                   "the shard is truncated or not safetensors - re-download it")
         raw = f.read(n)
     try:
-        hdr = json.loads(raw, object_pairs_hook=_no_dup_object(path.name))
+        hdr = json.loads(raw, object_pairs_hook=_no_dup_object(str(path)))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: header is not valid JSON ({e}); re-download the shard") from None
+        raise CheckpointError(f"{path}: header is not valid JSON ({e}); re-download the shard") from None
     if not isinstance(hdr, dict):
-        raise CheckpointError(f"{path.name}: header is not a JSON object; re-download the shard")
+        raise CheckpointError(f"{path}: header is not a JSON object; re-download the shard")
     return hdr, 8 + n, size
 
 
@@ -146,14 +147,14 @@ def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
                 n *= d
         except KeyError:
             if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in sizes:
-                raise CheckpointError(f"{shard}: tensor {name} has unknown dtype {info['dtype']!r}") from None
-            raise CheckpointError(f"{shard}: header entry for {name} lacks dtype/shape/data_offsets; "
+                raise CheckpointError(f"{path}: tensor {name} has unknown dtype {info['dtype']!r}") from None
+            raise CheckpointError(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; "
                                   "re-download the shard") from None
         except (TypeError, ValueError):
-            raise CheckpointError(f"{shard}: header entry for {name} has a malformed shape or data_offsets; "
+            raise CheckpointError(f"{path}: header entry for {name} has a malformed shape or data_offsets; "
                                   "re-download the shard") from None
         if type(a) is not int or type(b) is not int or not 0 <= a <= b or b - a != n:
-            raise CheckpointError(f"{shard}: tensor {name} data_offsets [{a}, {b}] do not match shape "
+            raise CheckpointError(f"{path}: tensor {name} data_offsets [{a}, {b}] do not match shape "
                                   f"{list(shape)} x {dtype}; the header is corrupt")
         if base + b > size:
             raise CheckpointError(f"{path}: tensor {name} ends at byte {base + b} but the file has {size} "
@@ -163,7 +164,7 @@ def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
     spans.sort()
     for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:]):
         if a1 < b0 and b1 > a1:
-            raise CheckpointError(f"{shard}: tensors {n0} and {n1} overlap in the file; the header is corrupt")
+            raise CheckpointError(f"{path}: tensors {n0} and {n1} overlap in the file; the header is corrupt")
     return out
 
 
@@ -366,7 +367,8 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
                                   "fix the index")
     for name, e in found.items():
         if name not in wm:
-            raise CheckpointError(f"{e.shard}: holds tensor {name} that {INDEX_NAME} does not list; fix the index")
+            raise CheckpointError(f"{root / e.shard}: holds tensor {name} that {INDEX_NAME} does not list; "
+                                  "fix the index")
 
     entries: dict[str, TensorEntry] = {}
     vision: dict[str, TensorEntry] = {}
@@ -378,10 +380,10 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
             raise CheckpointError(f"{root}: tensor {spec.name} (and {missing - 1} more) required by config.json is "
                                   "missing; the checkpoint is incomplete or for another config")
         if e.dtype != spec.dtype:
-            raise CheckpointError(f"{e.shard}: tensor {spec.name} has dtype {e.dtype}, expected {spec.dtype}; "
+            raise CheckpointError(f"{root / e.shard}: tensor {spec.name} has dtype {e.dtype}, expected {spec.dtype}; "
                                   "the checkpoint was converted wrongly - use the released files")
         if e.shape != spec.shape:
-            raise CheckpointError(f"{e.shard}: tensor {spec.name} has shape {list(e.shape)}, expected "
+            raise CheckpointError(f"{root / e.shard}: tensor {spec.name} has shape {list(e.shape)}, expected "
                                   f"{list(spec.shape)} from config.json; checkpoint and config disagree")
         entries[spec.name] = e
         parts[spec.name] = spec.part
@@ -390,8 +392,9 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
             vision[name] = e
     extra = sorted(n for n in found if not layout.is_vision(n))
     if extra:
-        raise CheckpointError(f"{found[extra[0]].shard}: unexpected tensor {extra[0]} (and {len(extra) - 1} more) "
-                              "that config.json does not imply; checkpoint and config disagree")
+        raise CheckpointError(f"{root / found[extra[0]].shard}: unexpected tensor {extra[0]} "
+                              f"(and {len(extra) - 1} more) that config.json does not imply; checkpoint and "
+                              "config disagree")
     idx = CheckpointIndex(cfg, root, shards, entries, vision, total_size, sizes, parts)
     if check_scales:
         check_scale_bytes(idx)
