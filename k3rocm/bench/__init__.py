@@ -161,18 +161,22 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     Args:
         target: the engine or client.
         concurrency: requests in flight at most (>= 1).
-        input_len, output_len: upper ends of the uniform length draws (``[range_ratio * L, L]``).
+        input_len, output_len: upper ends of the uniform length draws (``[range_ratio * L, L]``, tokens;
+            output lengths start at 2, so ``output_len >= 2``: TPOT and ITL need a second token).
         num_prompts: measured requests (default ``10 * concurrency``); warmups: default ``2 * concurrency``.
         seed: load generator seed.
         progress: ``progress(phase, done, total)`` called as requests complete (phase "warmup" / "measure").
         watchdog_factor: hang threshold as a multiple of the running median E2EL (0 = off).
-        num_gpus: for tok/s/GPU.
+        num_gpus: GPUs serving the target (>= 1), the divisor of the ``*_per_gpu`` throughputs; for an endpoint
+            the caller must know it (the server does not say).
         roofline: a :class:`StepRoofline` to report the fraction of roofline of the measured engine steps.
         vocab_size, special_ids: for prompt ids (default from ``target.cfg`` / the client).
 
     Raises:
-        ConfigError: bad load parameters or a target of neither kind.
+        ConfigError: bad load parameters (including ``num_gpus < 1``) or a target of neither kind.
     """
+    if int(num_gpus) < 1:
+        raise ConfigError(f"benchmark num_gpus {num_gpus} must be >= 1 (GPUs serving the load, for tok/s/GPU)")
     cfg = getattr(target, "cfg", None)
     vocab = vocab_size or (cfg.vocab_size if cfg is not None else getattr(target, "vocab_size", None))
     if vocab is None:

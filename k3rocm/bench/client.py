@@ -14,9 +14,11 @@ Command line: ``python -m k3rocm.bench.client --endpoint http://host:8000 --conc
 from __future__ import annotations
 
 import argparse
+import html
 import http.client
 import json
 import queue
+import re
 import sys
 import threading
 import time
@@ -26,6 +28,27 @@ from urllib.parse import urlsplit
 from k3rocm.bench.loadgen import BenchRequest
 from k3rocm.bench.metrics import RequestRecord
 from k3rocm.errors import ConfigError, HardwareError
+
+SNIPPET_CHARS = 80  # of a response body quoted in an error line
+
+
+def body_snippet(raw: bytes, limit: int = SNIPPET_CHARS) -> str:
+    """One short line from a response body, for an error message: an OpenAI-style JSON error's ``message``, the
+    visible text of an HTML page (head, scripts, styles and tags dropped, entities decoded), else the text;
+    whitespace collapsed, at most ``limit`` characters (``…`` marks a cut). Never raises."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        doc = json.loads(text)
+        err = doc.get("error", doc) if isinstance(doc, dict) else None
+        msg = err.get("message") if isinstance(err, dict) else (err if isinstance(err, str) else None)
+        if isinstance(msg, str) and msg.strip():
+            text = msg
+    except ValueError:
+        if "<" in text and re.search(r"<\s*(!doctype|html|head|body|p|h1|title)\b", text, re.I):
+            text = re.sub(r"(?is)<(head|script|style)\b.*?(</\1\s*>|$)", " ", text)
+            text = html.unescape(re.sub(r"(?s)<[^>]*>?", " ", text))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
 
 
 class OpenAIClient:
@@ -82,8 +105,11 @@ class OpenAIClient:
         """Send one request and call ``on_token(arrival_time, n_tokens)`` per streamed event with text.
 
         Returns the output token count (``usage.completion_tokens`` or the number of events).
+
         Raises:
-            HardwareError: connection failure or an HTTP status other than 200 (one line with the status).
+            HardwareError: connection failure; an HTTP status other than 200 (one short line: the status, its
+                reason and the first :data:`SNIPPET_CHARS` characters of the body's text, never the raw page); a
+                200 answer that carries no server-sent ``data:`` event (not a streaming completions server).
         """
         body = {"prompt": list(prompt_ids), "max_tokens": int(max_tokens), "stream": True, "temperature": 0.0,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -100,8 +126,16 @@ class OpenAIClient:
             except OSError as e:
                 raise HardwareError(f"endpoint {self.endpoint}: cannot connect ({e}); is the server up?") from None
             if resp.status != 200:
-                text = resp.read(300).decode(errors="replace").replace("\n", " ")
-                raise HardwareError(f"endpoint {self.endpoint}{self.path}: HTTP {resp.status} {text}")
+                try:
+                    raw = resp.read(4096)
+                except OSError:
+                    raw = b""
+                snip = body_snippet(raw)
+                raise HardwareError(f"POST {self.path}: HTTP {resp.status} {resp.reason or ''}".rstrip()
+                                    + (f": {snip}" if snip else ""))
+            ctype = resp.getheader("Content-Type", "") or ""
+            seen_data = False
+            first = b""
             while True:
                 if stop is not None and stop.is_set():
                     break
@@ -110,7 +144,10 @@ class OpenAIClient:
                     break
                 line = line.strip()
                 if not line.startswith(b"data:"):
+                    if not seen_data and len(first) < 4096:
+                        first += line + b" "
                     continue
+                seen_data = True
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
@@ -124,6 +161,10 @@ class OpenAIClient:
                 if ch and ch[0].get("text"):
                     events += 1
                     on_token(time.perf_counter(), 1)
+            if not seen_data and not (stop is not None and stop.is_set()):
+                snip = body_snippet(first)
+                raise HardwareError(f"POST {self.path}: HTTP 200 ({ctype or 'no Content-Type'}) without any "
+                                    "server-sent 'data:' event" + (f": {snip}" if snip else ""))
         finally:
             conn.close()
         return int(usage) if usage is not None else events
@@ -214,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--range-ratio", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-gpus", type=int, default=1)
+    ap.add_argument("--num-gpus", type=int, required=True,
+                    help="GPUs serving the endpoint: the divisor of the tok/s/GPU figures (the server does not say)")
     ap.add_argument("--vocab-size", type=int, default=163840)
     a = ap.parse_args(argv)
     client = OpenAIClient(a.endpoint, a.model, a.vocab_size)

@@ -6,6 +6,10 @@ from ``[range_ratio * input_len, input_len]``, output lengths from ``[range_rati
 length enforced with ``ignore_eos``, requests issued as fast as the ``--max-concurrency`` limit allows.
 We add ``2 * concurrency`` warm-up requests (not measured) before the measured set.
 
+One departure: output lengths are never drawn below :data:`MIN_OUTPUT_LEN` (2), since TPOT and ITL are defined
+only from the second output token on; a request of one output token would measure TTFT alone. This changes the
+draw only where ``range_ratio * output_len < 2``.
+
 Everything is drawn from one ``numpy`` generator seeded by ``seed``, so a run is reproducible.
 """
 
@@ -18,6 +22,7 @@ import numpy as np
 from k3rocm.errors import ConfigError
 
 DEFAULT_RANGE_RATIO = 0.8
+MIN_OUTPUT_LEN = 2  # tokens: TPOT / ITL need a second output token
 
 
 @dataclass(frozen=True)
@@ -41,17 +46,18 @@ class BenchRequest:
         return len(self.prompt_ids)
 
 
-def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
-    """Inclusive bounds ``(max(1, floor(range_ratio * length)), length)`` of the uniform length draw.
+def length_bounds(length: int, range_ratio: float, minimum: int = 1) -> tuple[int, int]:
+    """Inclusive bounds ``(max(minimum, floor(range_ratio * length)), length)`` of the uniform length draw,
+    in tokens.
 
     Raises:
-        ConfigError: ``length < 1`` or ``range_ratio`` outside ``(0, 1]``.
+        ConfigError: ``length < minimum`` or ``range_ratio`` outside ``(0, 1]``.
     """
-    if length < 1:
-        raise ConfigError(f"benchmark length {length} must be >= 1")
+    if length < minimum:
+        raise ConfigError(f"benchmark length {length} must be >= {minimum} (tokens)")
     if not 0.0 < range_ratio <= 1.0:
         raise ConfigError(f"--range-ratio {range_ratio} must be in (0, 1]")
-    return max(1, int(np.floor(range_ratio * length))), length
+    return max(minimum, int(np.floor(range_ratio * length))), length
 
 
 def make_requests(
@@ -68,7 +74,8 @@ def make_requests(
 
     Args:
         n: number of requests (>= 0).
-        input_len, output_len: the upper ends L of the uniform length draws ``[range_ratio*L, L]``.
+        input_len, output_len: the upper ends L of the uniform length draws ``[range_ratio*L, L]`` (tokens;
+            output lengths start at :data:`MIN_OUTPUT_LEN`, so ``output_len >= 2``).
         vocab_size: ids are drawn uniformly from ``[0, vocab_size)`` excluding ``special_ids``
             (BOS/EOS/pad, so a prompt never ends a request early or looks like padding).
         range_ratio: lower end as a fraction of L (InferenceX: 0.8).
@@ -76,10 +83,14 @@ def make_requests(
         warmup: mark the requests as warm-ups.
 
     Raises:
-        ConfigError: bad lengths, ratio, or a vocabulary with no ordinary ids.
+        ConfigError: bad lengths (``input_len < 1``, ``output_len < 2``), ratio, or a vocabulary with no
+            ordinary ids.
     """
     lo_i, hi_i = length_bounds(input_len, range_ratio)
-    lo_o, hi_o = length_bounds(output_len, range_ratio)
+    if output_len < MIN_OUTPUT_LEN:
+        raise ConfigError(f"output length {output_len} must be >= {MIN_OUTPUT_LEN} tokens: with one output token "
+                          "there is no TPOT or ITL")
+    lo_o, hi_o = length_bounds(output_len, range_ratio, MIN_OUTPUT_LEN)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
     if allowed.size == 0:
         raise ConfigError(f"vocab_size {vocab_size} leaves no ordinary token ids for random prompts")

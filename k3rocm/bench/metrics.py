@@ -14,6 +14,10 @@ Definitions (vLLM ``benchmarks/benchmark_serving.py``, the ones InferenceX repor
 
 Aggregates: ``mean_*``, ``median_*``, ``std_*``, ``p90_*``, ``p99_*`` in milliseconds, percentiles with
 linear interpolation (``numpy.percentile``'s default, as vLLM).
+
+No measurement, no number: where vLLM writes 0 for an empty set, :func:`aggregate` leaves the fields out —
+the latency fields of a metric no completed request defines (TPOT and ITL need two output tokens), and the
+duration and throughputs when no request completed. A 0 ms latency or 0 tok/s would read as a result.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from k3rocm.errors import ConfigError
 
 PERCENTILES = (90, 99)
 
@@ -81,10 +87,11 @@ class RequestRecord:
 
 
 def _stats(name: str, values_s: list[float], out: dict) -> None:
-    """Write mean/median/std/p90/p99 of ``values_s`` (seconds) into ``out`` as ``*_{name}_ms``."""
+    """Write mean/median/std/p90/p99 of ``values_s`` (seconds) into ``out`` as ``*_{name}_ms``; nothing when
+    ``values_s`` is empty (vLLM writes 0 there, which reads as a measurement)."""
     a = np.asarray(values_s, dtype=np.float64) * 1000.0
     if a.size == 0:
-        a = np.zeros(1)  # vLLM reports 0 for an empty set
+        return
     out[f"mean_{name}_ms"] = float(a.mean())
     out[f"median_{name}_ms"] = float(np.median(a))
     out[f"std_{name}_ms"] = float(a.std())
@@ -97,16 +104,23 @@ def aggregate(records: list[RequestRecord], duration: float, num_gpus: int = 1) 
 
     Args:
         records: measured requests (warm-ups excluded); failed ones count in ``failed`` only.
-        duration: benchmark wall time in seconds (first issue → last completion); must be > 0.
-        num_gpus: GPUs serving the load, for ``output_throughput_per_gpu`` / ``total_token_throughput_per_gpu``.
+        duration: benchmark wall time in seconds (first issue → last completion); must be > 0 when a request
+            completed.
+        num_gpus: GPUs serving the load (>= 1), for ``output_throughput_per_gpu`` /
+            ``total_token_throughput_per_gpu``.
 
     Returns:
-        dict with ``completed``, ``failed``, ``total_input_tokens``, ``total_output_tokens``, ``duration``,
-        ``request_throughput``, ``output_throughput``, ``total_token_throughput``, the ``*_per_gpu`` pair and
-        ``{mean,median,std,p90,p99}_{ttft,tpot,itl,e2el}_ms``.
+        dict with ``completed``, ``failed``, ``total_input_tokens``, ``total_output_tokens``, ``num_gpus``; when at
+        least one request completed also ``duration`` (s), ``request_throughput`` (req/s), ``output_throughput``,
+        ``total_token_throughput`` and the ``*_per_gpu`` pair (tok/s), and ``{mean,median,std,p90,p99}_{m}_ms``
+        for each metric ``m`` in ttft, tpot, itl, e2el that some completed request defines (absent otherwise).
+
+    Raises:
+        ConfigError: ``num_gpus < 1``.
     """
+    if int(num_gpus) < 1:
+        raise ConfigError(f"benchmark num_gpus {num_gpus} must be >= 1 (GPUs serving the load, for tok/s/GPU)")
     ok = [r for r in records if r.success]
-    duration = max(float(duration), 1e-12)
     tin = sum(r.input_len for r in ok)
     tout = sum(r.output_tokens for r in ok)
     out: dict = {
@@ -114,14 +128,19 @@ def aggregate(records: list[RequestRecord], duration: float, num_gpus: int = 1) 
         "failed": len(records) - len(ok),
         "total_input_tokens": tin,
         "total_output_tokens": tout,
+        "num_gpus": num_gpus,
+    }
+    if not ok:  # nothing was measured: no duration, no throughput, no latency
+        return out
+    duration = max(float(duration), 1e-12)
+    out.update({
         "duration": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": tout / duration,
         "total_token_throughput": (tin + tout) / duration,
-        "num_gpus": num_gpus,
         "output_throughput_per_gpu": tout / duration / num_gpus,
         "total_token_throughput_per_gpu": (tin + tout) / duration / num_gpus,
-    }
+    })
     _stats("ttft", [r.ttft for r in ok if r.ttft is not None], out)
     _stats("tpot", [r.tpot for r in ok if r.tpot is not None], out)
     _stats("itl", [x for r in ok for x in r.itls], out)

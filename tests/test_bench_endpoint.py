@@ -1,0 +1,236 @@
+"""`k3rocm bench --endpoint` honesty: tok/s/GPU divides by the GPUs that serve the endpoint and says where that
+number came from; a server that answers no request yields no numbers, one short line and exit 3; options that
+cannot mean anything are refused before any report directory exists."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from k3rocm.bench.client import body_snippet
+from k3rocm.bench.loadgen import make_requests
+from k3rocm.bench.metrics import RequestRecord, aggregate
+from k3rocm.cli.main import cli
+from k3rocm.errors import ConfigError
+
+torch.set_num_threads(1)
+
+LATENCY_ROWS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+                "median_e2el_ms", "p99_e2el_ms", "output_throughput", "total_token_throughput",
+                "output_throughput_per_gpu", "tok_s_per_user")
+
+
+def run(args, code=0, env=None):
+    r = CliRunner().invoke(cli, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
+    assert r.exit_code == code, (args, r.exit_code, r.output, r.exception)
+    return r
+
+
+def one_line_error(r) -> str:
+    """Exactly one ``error: ...`` line on stderr (besides ``k3rocm: ...`` progress lines) and no traceback."""
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("k3rocm: ")]
+    assert len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output
+    return err[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(tmp_path_factory):
+    """One private user cache for the embedded k3-tiny, shared by this module's runs."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("K3ROCM_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+    mp.undo()
+
+
+class _Streaming(BaseHTTPRequestHandler):
+    """A minimal OpenAI-compatible streaming /v1/completions server: one 'x' per token, 2 ms apart."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        type(self).seen.append(self.path)
+        n = int(req["max_tokens"])
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for _ in range(n):
+            time.sleep(0.002)
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
+
+
+class _Html404(BaseHTTPRequestHandler):
+    """Answers every request with http.server's HTML error page, as a plain web server does."""
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_error(404)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_error(404)
+
+
+@contextmanager
+def serve(handler):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _rows(out) -> dict:
+    return {e["name"]: e for e in json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]}
+
+
+LOAD = ["--concurrency", "2", "--num-prompts", "4", "--warmups", "1", "--input-len", "8", "--output-len", "4"]
+
+
+# ------------------------------------------------------------------------------------------------ per-GPU figures
+def test_per_gpu_figures_divide_by_the_profile_gpus_and_say_so(tmp_path):
+    _Streaming.seen = []
+    out = tmp_path / "r"
+    with serve(_Streaming) as url:
+        r = run(["bench", "--endpoint", url, "--profile", "mi355x-8", *LOAD, "--out", out])
+    assert len(_Streaming.seen) == 5  # 1 warm-up + 4 measured
+    rows = _rows(out)
+    tot, per = rows["c2.output_throughput"]["value"], rows["c2.output_throughput_per_gpu"]["value"]
+    assert tot > 0 and per == pytest.approx(tot / 8, rel=1e-3, abs=1e-3)
+    detail = rows["c2.output_throughput_per_gpu"]["detail"]
+    assert "8 GPUs" in detail and "--profile mi355x-8" in detail
+    assert rows["endpoint.gpus"]["value"] == 8 and "--profile mi355x-8" in rows["endpoint.gpus"]["detail"]
+    assert rows["c2.output_throughput_per_gpu"]["level"] == "external"
+    assert "endpoint.gpus" in r.output
+
+
+def test_endpoint_gpus_wins_over_the_profile(tmp_path):
+    out = tmp_path / "r"
+    with serve(_Streaming) as url:
+        run(["bench", "--endpoint", url, "--profile", "mi355x-8", "--endpoint-gpus", "2", *LOAD, "--out", out])
+    rows = _rows(out)
+    tot, per = rows["c2.output_throughput"]["value"], rows["c2.output_throughput_per_gpu"]["value"]
+    assert per == pytest.approx(tot / 2, rel=1e-3, abs=1e-3)
+    assert "2 GPUs" in rows["c2.output_throughput_per_gpu"]["detail"]
+    assert "--endpoint-gpus" in rows["c2.output_throughput_per_gpu"]["detail"]
+    assert rows["endpoint.gpus"]["value"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ nothing measured
+def test_a_server_that_answers_html_404_gives_no_numbers_one_line_exit_3(tmp_path):
+    out = tmp_path / "r"
+    with serve(_Html404) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2", "--num-prompts", "2",
+                 "--warmups", "0", "--input-len", "8", "--output-len", "2", "--out", out], code=3)
+    line = one_line_error(r)
+    assert "HTTP 404" in line and "none of 2 requests" in line
+    assert "<" not in line and "DOCTYPE" not in line and len(line) < 400, line
+    rep = json.loads((out / "report.json").read_text())
+    bench = rep["stages"]["bench"]
+    assert bench["status"] == "error"
+    rows = {e["name"]: e for e in bench["evidence"]}
+    for k in LATENCY_ROWS:  # no measurement, no number
+        assert f"c1.{k}" not in rows, k
+    assert not any(name.startswith("c2.") for name in rows)  # the sweep stopped at the point that measured nothing
+    failed = rows["c1.failed"]
+    assert failed["passed"] is False and failed["value"] == 2
+    assert "HTTP 404" in failed["detail"] and "<" not in failed["detail"]
+    assert rows["c1.completed"]["value"] == 0 and rows["c1.completed"]["passed"] is False
+    # the stdout table holds no 0 ms latency either
+    assert "median_ttft_ms" not in r.output and "output_throughput" not in r.output
+
+
+def test_body_snippet_is_short_text():
+    page = (b'<!DOCTYPE HTML>\n<html lang="en">\n<head><title>Error response</title>'
+            b"<style>body{color:red}</style></head>\n<body>\n<h1>Error response</h1>\n"
+            b"<p>Error code: 404</p>\n<p>Message: File not found &amp; more.</p>\n" + b"<p>x</p>" * 200 +
+            b"</body></html>")
+    s = body_snippet(page)
+    assert s.startswith("Error response Error code: 404 Message: File not found & more.")
+    assert len(s) <= 80 and "<" not in s and "color" not in s
+    assert body_snippet(b'{"object": "error", "message": "model k9 does not exist", "code": 404}') == \
+        "model k9 does not exist"
+    assert body_snippet(b'{"error": {"message": "bad prompt"}}') == "bad prompt"
+    assert body_snippet(b"model\n  overloaded") == "model overloaded"
+    assert body_snippet(b"") == ""
+
+
+def test_aggregate_leaves_out_what_was_not_measured():
+    failed = RequestRecord(0, 10, 4, 0.0, [], 0, False, "HTTP 404")
+    m = aggregate([failed], 1e-9, num_gpus=8)
+    assert (m["completed"], m["failed"], m["num_gpus"]) == (0, 1, 8)
+    for k in ("duration", "output_throughput", "output_throughput_per_gpu", "mean_ttft_ms", "median_tpot_ms",
+              "p99_itl_ms", "median_e2el_ms"):
+        assert k not in m, k
+    one = RequestRecord(1, 10, 1, 0.0, [0.25], 1, True)  # one output token: TTFT and E2EL, no TPOT or ITL
+    m = aggregate([one], 0.5, num_gpus=2)
+    assert m["median_ttft_ms"] == pytest.approx(250.0) and m["median_e2el_ms"] == pytest.approx(250.0)
+    assert not any(k.endswith(("_tpot_ms", "_itl_ms")) for k in m)
+    assert m["output_throughput_per_gpu"] == pytest.approx(1 / 0.5 / 2)
+    with pytest.raises(ConfigError):
+        aggregate([one], 0.5, num_gpus=0)
+
+
+def test_output_draws_start_at_two_tokens():
+    reqs = make_requests(50, 8, 2, vocab_size=97, range_ratio=0.8, seed=1)
+    assert {r.output_len for r in reqs} == {2}
+    reqs = make_requests(200, 8, 10, vocab_size=97, range_ratio=0.1, seed=1)
+    assert min(r.output_len for r in reqs) == 2 and max(r.output_len for r in reqs) == 10
+    with pytest.raises(ConfigError, match="TPOT"):
+        make_requests(1, 8, 1, vocab_size=97)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+DEAD = "http://127.0.0.1:9"  # never contacted: every refusal comes first
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--endpoint", DEAD], ["--endpoint-gpus"]),
+    (["--endpoint", DEAD, "--profile", "cpu"], ["--endpoint-gpus", "no GPU"]),
+    (["--endpoint", DEAD, "--endpoint-gpus", "0"], ["--endpoint-gpus 0"]),
+    (["--endpoint-gpus", "4"], ["--endpoint-gpus", "--endpoint URL"]),
+    (["--endpoint", DEAD, "--endpoint-gpus", "8", "--kernels", "triton"], ["--kernels", "no effect"]),
+    (["--endpoint", DEAD, "--profile", "mi355x-8", "--kernels", "torch"], ["--kernels", "no effect"]),
+    (["--num-prompts", "1", "--concurrency", "4"], ["--num-prompts 1", "--concurrency 4", "--num-prompts 4"]),
+    (["--endpoint", DEAD, "--endpoint-gpus", "8", "--num-prompts", "3", "--concurrency", "1,8"],
+     ["--num-prompts 3", "--num-prompts 8"]),
+    (["--endpoint", DEAD, "--endpoint-gpus", "8", "--num-prompts", "10"], ["default --concurrency 64"]),
+    (["--num-prompts", "2"], ["default --concurrency 4", "--num-prompts 4"]),
+    (["--output-len", "1"], ["--output-len 1", "TPOT"]),
+    (["--output-len", "0", "--endpoint", DEAD, "--endpoint-gpus", "8"], ["--output-len 0", "TPOT"]),
+])
+def test_refusals_are_one_line_exit_2_and_create_nothing(tmp_path, args, words):
+    out = tmp_path / "deep" / "r"
+    line = one_line_error(run(["bench", *args, "--out", out], code=2))
+    for w in words:
+        assert w in line, (w, line)
+    assert not (tmp_path / "deep").exists()
+
+
+def test_help_says_the_limits():
+    h = " ".join(run(["bench", "--help"]).output.split())
+    assert "--endpoint-gpus" in h and "at least 2" in h and "no TPOT or ITL" in h
+    assert "at least the largest concurrency" in h
