@@ -23,9 +23,14 @@ Examples:
 @debug_option
 @handle_errors
 def list_cmd(kernels, debug):
-    """Every op, its registered implementations and the one selected here (with --kernels applied)."""
+    """Every op, its registered implementations and the one selected here (with --kernels applied).
+
+    An implementation --kernels asks for that cannot run on this machine (triton without a GPU) is listed as
+    unavailable with the reason, instead of failing: this command only reports (validate / bench refuse it).
+    """
     from rich.table import Table
 
+    from k3rocm.errors import HardwareError
     from k3rocm.kernels import registry
     ov = registry.parse_override(kernels)
     t = Table(title="kernel registry")
@@ -33,8 +38,11 @@ def list_cmd(kernels, debug):
         t.add_column(col)
     for op in registry.ORACLE_OPS:
         impls = registry.implementations(op)
-        name, impl = registry.select(op, ov)
-        t.add_row(op, ", ".join(sorted(impls)), name, impl.note)
+        try:
+            name, impl = registry.select(op, ov)
+            t.add_row(op, ", ".join(sorted(impls)), name, impl.note)
+        except HardwareError as e:
+            t.add_row(op, ", ".join(sorted(impls)), "[red]unavailable[/]", str(e).split(";")[0])
     console().print(t)
 
 

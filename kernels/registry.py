@@ -137,8 +137,13 @@ def parse_override(spec: str | None) -> dict[str, str]:
         if impl == "auto":
             raise ConfigError(f"--kernels {spec!r}: 'auto' stands alone (it is the default); name implementations "
                               "per op instead, e.g. moe_experts=torch")
+        if op == "*" and impl in ORACLE_OPS:
+            raise ConfigError(f"--kernels {spec!r}: {impl} is an op, not an implementation; write {impl}=triton "
+                              f"or {impl}=torch")
+        if impl == "aiter":
+            raise ConfigError(f"--kernels {spec!r}: aiter kernels are not part of k3rocm yet; use triton or torch")
         if impl not in IMPLS:
-            raise ConfigError(f"--kernels: unknown implementation {impl!r}; use one of {', '.join(IMPLS)} or auto")
+            raise ConfigError(f"--kernels: unknown implementation {impl!r}; use triton, torch or auto")
         if op in out:
             raise ConfigError(f"--kernels {spec!r}: {'every op' if op == '*' else op} is given twice; keep one")
         out[op] = impl

@@ -380,3 +380,43 @@ def test_load_for_another_profile_shows_both_plans(golden_ckpt, tmp_path):
     ev = {e["name"]: e for e in json.loads((tmp_path / "report.json").read_text())["stages"]["load"]["evidence"]}
     assert ev["plan.tp"]["level"] == "projected" and ev["plan.tp"]["value"] > 1
     assert ev["run_plan.tp"]["value"] == 1 and ev["run_plan.tp"]["level"] != "projected"
+
+
+def test_empty_options_and_kernel_specs_are_one_line(golden_ckpt, tmp_path):
+    """An empty --out / --profile / --golden never falls back to a default; --kernels mistakes say what to write;
+    a refused run leaves no report directory behind."""
+    out = tmp_path / "never" / "made"
+    for args in (["load", "--out", ""], ["plan", "--profile", " "], ["bench", "--profile", ""]):
+        r = run(args, code=2)  # click usage errors (one `error:` line through the console entry point)
+        assert "is empty" in r.stderr and "Traceback" not in r.output
+    for args, needle in ((["validate", "--golden", "", "--out", out], "--golden is empty"),
+                         (["validate", "--kernels", "kda_prefill", "--out", out], "kda_prefill=triton"),
+                         (["validate", "--kernels", "aiter", "--out", out], "not part of k3rocm"),
+                         (["validate", "--kernels", "moe_experts=fast", "--out", out], "unknown implementation")):
+        line = one_line_error(run([*args, "--checkpoint", golden_ckpt], code=2))
+        assert needle in line, (args, line)
+    assert not (tmp_path / "never").exists()
+    # `kernels list` reports an implementation this machine cannot run instead of failing
+    if no_gpu():
+        r = run(["kernels", "list", "--kernels", "kda_prefill=triton"])
+        assert "unavailable" in r.output and "needs a GPU" in r.output
+
+
+def test_load_of_a_checkpoint_with_nan_weights_fails_the_tier_naming_the_tensor(golden_ckpt, tmp_path):
+    """NaN weights are a failed load tier (exit 1) whose one line names the tensor, not a tier that 'could not
+    run'."""
+    import struct
+
+    from k3rocm.checkpoint.reader import open_checkpoint
+    ck = tmp_path / "ck"
+    shutil.copytree(golden_ckpt, ck)
+    for f in ck.iterdir():
+        f.chmod(0o644)
+    idx = open_checkpoint(ck)
+    name = next(n for n, e in idx.entries.items() if e.dtype == "BF16" and n.endswith("q_proj.weight"))
+    e = idx.entries[name]
+    with open(ck / e.shard, "r+b") as f:
+        f.seek(e.start)
+        f.write(struct.pack("<8H", *([0xFFFF] * 8)))  # bf16 NaNs
+    line = one_line_error(run(["load", "--checkpoint", ck, "--out", tmp_path / "r"], code=1))
+    assert "load.problems" in line and name in line and "NaN" in line

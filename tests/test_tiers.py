@@ -380,6 +380,58 @@ def test_golden_from_another_checkpoint_says_so(golden_dir):
     tiers.golden_checks(sess, st)
     row = {e.name: e for e in st.evidence}["golden.logits_max_abs"]
     assert row.passed is False and "another checkpoint" in row.detail and "--checkpoint" in row.detail
+    assert row.detail.index("--checkpoint") < 200  # the advice survives the error line's cut
     ok = Stage("correctness")
     tiers.golden_checks(_session(golden_dir / "checkpoint", golden=str(golden_dir / "golden.safetensors")), ok)
     assert "another checkpoint" not in {e.name: e for e in ok.evidence}["golden.logits_max_abs"].detail
+
+
+def test_malformed_golden_files_are_one_line_errors(golden_dir, tmp_path):
+    """Every malformed golden file is refused before any tier runs: one CheckpointError naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from k3rocm.errors import CheckpointError
+    from k3rocm.validation.session import check_golden_file
+
+    cfg = _session(golden_dir / "checkpoint").config
+    good = load_file(str(golden_dir / "golden.safetensors"))
+    check_golden_file(golden_dir / "golden.safetensors", cfg)  # the real one passes
+    B, T = good["input_ids"].shape
+
+    def variant(name, **change):
+        d = {k: v.clone() for k, v in good.items()}
+        for k, v in change.items():
+            if v is None:
+                d.pop(k)
+            else:
+                d[k] = v
+        f = tmp_path / f"{name}.safetensors"
+        save_file({k: v.contiguous() for k, v in d.items()}, str(f))
+        return f
+
+    cases = {
+        "flat_ids": (dict(input_ids=good["input_ids"].reshape(-1), logits=good["logits"].reshape(B * T, -1)),
+                     "input_ids"),
+        "layer_shape": (dict(layer00_attn=None, **{"layer00.attn_out": torch.randn(B, T, 3)}), "layer00.attn_out"),
+        "short_logits": (dict(logits=good["logits"][:, : T // 2].clone()), "logits"),
+        "empty_ids": (dict(input_ids=torch.zeros(0, 0, dtype=torch.int64),
+                           logits=torch.zeros(0, 0, cfg.vocab_size)), "input_ids"),
+        "float_ids": (dict(input_ids=good["input_ids"].float()), "input_ids"),
+        "ids_out_of_vocab": (dict(input_ids=torch.full((B, T), cfg.vocab_size + int(torch.randint(1, 99, ())),
+                                                       dtype=torch.int64)), "outside"),
+        "empty_greedy": (dict(greedy_tokens=torch.zeros(0, dtype=torch.int64), greedy_margins=None), "greedy_tokens"),
+        "greedy_half": (dict(greedy_tokens=None, greedy_margins=None), "greedy_prompt"),
+        "layer_past_end": ({f"layer{cfg.num_hidden_layers + 5:02d}.mlp_out": torch.randn(B, T, cfg.hidden_size)},
+                           "past"),
+    }
+    cases["layer_shape"][0].pop("layer00_attn")
+    for name, (change, needle) in cases.items():
+        f = variant(name, **change)
+        with pytest.raises(CheckpointError) as ei:
+            check_golden_file(f, cfg)
+        msg = str(ei.value)
+        assert needle in msg and "\n" not in msg and str(f) in msg, (name, msg)
+    with pytest.raises(CheckpointError, match="is a directory"):
+        check_golden_file(tmp_path, cfg)
+    with pytest.raises(CheckpointError, match="empty"):
+        check_golden_file("", cfg)

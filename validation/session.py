@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,9 @@ class Session:
         reg = need("k3rocm.kernels.registry")
         for op in reg.ORACLE_OPS:
             reg.select(op, self.kernel_override)
-        if self.opts.golden:
-            check_golden_file(self.opts.golden)
-        require_dir_for_output(self.opts.out)
+        if self.opts.golden is not None:
+            check_golden_file(self.opts.golden, self.config)
+        require_dir_for_output(self.opts.out, keep=False)
 
     def _memo(self, key: str, fn):
         if key not in self._cache:
@@ -150,6 +151,9 @@ class Session:
         """``--profile`` (ConfigError for an unknown name) or the shipped profile matching the hardware."""
         def build():
             hw = need("k3rocm.hw")
+            if self.opts.profile is not None and not str(self.opts.profile).strip():
+                raise ConfigError("--profile is empty; pass a profile name (see `k3rocm profiles`), or omit it to "
+                                  "use the one matching this machine")
             if self.opts.profile:
                 return hw.load_profile(self.opts.profile)
             return hw.match_profile(self.detected)
@@ -208,8 +212,10 @@ class Session:
         def build():
             self._small_cpu_threads()
             load_checkpoint = need("k3rocm.runtime.load", "load_checkpoint")
+            # not strict: the load tier reports every problem as evidence (load.problems) and fails; users of
+            # the weights (:attr:`weights`) refuse a load with problems
             return load_checkpoint(self.checkpoint_dir, placement=self.run_placement, index=self.index,
-                                   device=self.device, progress=progress)
+                                   device=self.device, progress=progress, strict=False)
         return self._memo("load", build)
 
     def _small_cpu_threads(self) -> None:
@@ -231,8 +237,17 @@ class Session:
 
     @property
     def weights(self):
-        """The loaded single-device Weights (all ranks re-assembled when the plan has several)."""
-        return self.load().weights
+        """The loaded single-device Weights (all ranks re-assembled when the plan has several).
+
+        Raises:
+            ValidationFailed: the load found problems (a tensor that differs from its source, NaN/Inf weights).
+        """
+        res = self.load()
+        if res.report.problems:
+            from k3rocm.errors import ValidationFailed
+            p = res.report.problems
+            raise ValidationFailed(f"load of {self.checkpoint_dir}: {len(p)} problem(s), first: {p[0]}")
+        return res.weights
 
     @property
     def load_report(self):
@@ -280,30 +295,95 @@ class Session:
         return dict(getattr(eng, "op_impls", {}) or {})
 
 
-def check_golden_file(path: str | Path) -> None:
-    """A --golden file must be a safetensors file holding at least ``input_ids`` and ``logits``.
+def check_golden_file(path: str | Path, config=None) -> None:
+    """A --golden file must be a safetensors file of consistent golden outputs.
+
+    Required: ``input_ids`` ``[B, T]`` integer, non-empty; ``logits`` ``[B, T, V]`` float. Optional:
+    ``layerNN.attn_out`` / ``layerNN.mlp_out`` ``[B, T, hidden]``, ``logits_top1_margin`` ``[B, T]``,
+    ``greedy_prompt`` ``[L]`` and ``greedy_tokens`` ``[n]`` integer, non-empty, ``greedy_margins`` ``[n]``.
+    With ``config`` (a :class:`k3rocm.config.K3Config`): ids inside ``0 .. vocab_size-1``, ``V == vocab_size``,
+    ``hidden == hidden_size``, layer numbers below ``num_hidden_layers``.
 
     Raises:
-        CheckpointError: missing, unreadable, not safetensors, or without those tensors (one line).
+        CheckpointError: missing, a directory, unreadable, not safetensors, or any tensor of the wrong name,
+            rank, shape or dtype (one line naming the tensor and what is expected).
     """
+    if not str(path).strip():
+        raise CheckpointError("--golden is empty; pass a safetensors file with input_ids and logits, or omit it")
     p = Path(path)
+    if p.is_dir():
+        raise CheckpointError(f"--golden {p}: is a directory; pass the golden safetensors file inside it")
     if not p.is_file():
         raise CheckpointError(f"--golden {p}: file not found; pass a safetensors file with input_ids and logits")
     try:
         from safetensors import safe_open
         with safe_open(str(p), framework="pt") as f:
-            keys = set(f.keys())
+            meta = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            ids = f.get_tensor("input_ids") if "input_ids" in meta else None
+            greedy = {k: f.get_tensor(k) for k in ("greedy_prompt", "greedy_tokens") if k in meta}
     except Exception as e:  # any parse failure of a user-given file is bad input
         raise CheckpointError(f"--golden {p}: not a safetensors file ({type(e).__name__}); pass the golden "
                               "outputs file (input_ids, logits, layerNN.*)") from None
-    missing = {"input_ids", "logits"} - keys
+    missing = {"input_ids", "logits"} - set(meta)
     if missing:
         raise CheckpointError(f"--golden {p}: lacks {', '.join(sorted(missing))}; a golden file holds input_ids "
                               "and logits (and optionally layerNN.attn_out/mlp_out, greedy_*)")
 
+    def bad(name: str, want: str) -> CheckpointError:
+        shape, dt = meta[name]
+        return CheckpointError(f"--golden {p}: tensor {name} is {dt} {shape}, expected {want}; use golden data "
+                               "written in the documented layout")
 
-def require_dir_for_output(out: str | Path) -> Path:
+    ints = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+    floats = ("F16", "BF16", "F32", "F64")
+    ishape, idt = meta["input_ids"]
+    if len(ishape) != 2 or 0 in ishape or idt not in ints:
+        raise bad("input_ids", "a non-empty integer [B, T]")
+    B, T = ishape
+    lshape, ldt = meta["logits"]
+    if len(lshape) != 3 or lshape[:2] != [B, T] or lshape[2] < 1 or ldt not in floats:
+        raise bad("logits", f"a float [{B}, {T}, V] (the input_ids' batch and length)")
+    hidden = config.hidden_size if config is not None else None
+    for k in sorted(meta):
+        m = re.fullmatch(r"layer(\d+)\.(attn_out|mlp_out)", k)
+        if m:
+            shape, dt = meta[k]
+            if len(shape) != 3 or shape[:2] != [B, T] or dt not in floats or (hidden is not None and shape[2] != hidden):
+                raise bad(k, f"a float [{B}, {T}, hidden]" + (f" with hidden {hidden}" if hidden is not None else ""))
+            hidden = shape[2]
+            if config is not None and int(m.group(1)) >= config.num_hidden_layers:
+                raise CheckpointError(f"--golden {p}: tensor {k} names a layer past the checkpoint's "
+                                      f"{config.num_hidden_layers}; use golden data made from this checkpoint")
+        elif k.startswith("layer") and (k.endswith("attn_out") or k.endswith("mlp_out")):
+            raise CheckpointError(f"--golden {p}: tensor {k} is not named layerNN.attn_out / layerNN.mlp_out")
+    if "logits_top1_margin" in meta and meta["logits_top1_margin"][0] != [B, T]:
+        raise bad("logits_top1_margin", f"[{B}, {T}]")
+    if ("greedy_prompt" in meta) != ("greedy_tokens" in meta):
+        raise CheckpointError(f"--golden {p}: has only one of greedy_prompt / greedy_tokens; give both or neither")
+    for k, t in greedy.items():
+        if t.dim() != 1 or t.numel() == 0 or meta[k][1] not in ints:
+            raise bad(k, "a non-empty integer [n]")
+    if "greedy_margins" in meta and "greedy_tokens" in meta and \
+            meta["greedy_margins"][0] != [int(greedy["greedy_tokens"].numel())]:
+        raise bad("greedy_margins", f"[{int(greedy['greedy_tokens'].numel())}] (one per greedy token)")
+    if config is not None:
+        V = config.vocab_size
+        all_ids = [("input_ids", ids)] + [(k, v) for k, v in greedy.items()]
+        for k, t in all_ids:
+            if int(t.min()) < 0 or int(t.max()) >= V:
+                raise CheckpointError(f"--golden {p}: {k} holds ids {int(t.min())}..{int(t.max())}, outside the "
+                                      f"checkpoint's vocabulary 0..{V - 1}; use golden data made from this checkpoint")
+        if lshape[2] != V:
+            raise CheckpointError(f"--golden {p}: logits have {lshape[2]} vocabulary entries, the checkpoint "
+                                  f"{V}; use golden data made from this checkpoint")
+
+
+def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
     """Create the report directory and prove it is writable (a probe file is created and removed).
+
+    ``keep=False`` (the pre-flight check, before any tier runs): directories this call had to create are
+    removed again after the probe, so a run refused later for another reason leaves nothing behind; the
+    report writer creates them for real.
 
     Raises:
         ConfigError: ``out`` exists and is not a directory, or cannot be created / written (permissions,
@@ -311,9 +391,12 @@ def require_dir_for_output(out: str | Path) -> Path:
     """
     import tempfile
 
+    if not str(out).strip():
+        raise ConfigError("--out is empty; pass a report directory (default: reports/latest)")
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {p}: exists and is not a directory; choose another report directory")
+    created = [q for q in [p, *p.parents] if not q.exists()]
     try:
         p.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".k3rocm-probe.", dir=p)
@@ -322,4 +405,11 @@ def require_dir_for_output(out: str | Path) -> Path:
     except OSError as e:
         raise ConfigError(f"--out {p}: cannot write reports there ({e.strerror or e}); "
                           "choose a writable directory") from None
+    finally:
+        if not keep:
+            for q in created:  # deepest first
+                try:
+                    q.rmdir()
+                except OSError:
+                    break
     return p

@@ -338,7 +338,8 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
             res = verify(session.checkpoint_dir)
         bad = list(res)
         stage.add(check("load", "manifest.sha256", len(bad), eq=0, unit="files",
-                        detail=(f"every file matches {manifest.name}" if not bad else "; ".join(bad)[:200])),
+                        detail=(f"files whose sha256 differs from {manifest.name}: none" if not bad
+                                else "; ".join(bad)[:200])),
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
@@ -355,14 +356,16 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         rep = session.load(progress=progress).report
     lv = session.measured_level
     r = rep.to_dict()
+    # the problems row first: a failed load's one error line then names the tensor and what is wrong with it
     stage.add(info("load", "load.seconds", round(tl.seconds, 3), "s", level=lv,
-                   detail=f"{r['world']} rank(s) onto {r['device']}, {r['threads']} reader threads"),
+                   detail=f"{r['world']} rank(s) onto {r['device']}, {r['threads']} reader threads, "
+                          "verification included"),
+              check("load", "load.problems", len(r["problems"]), eq=0, level=lv,
+                    detail="; ".join(map(str, r["problems"]))[:300] or "none"),
               check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=int(r["tensors_planned"]), level=lv,
                     detail="tensors the plan names for the loaded ranks"),
               check("load", "load.tensors_verified", int(r["tensors_verified"]), eq=int(r["tensors_planned"]),
-                    level=lv, detail="checksum of each loaded slice equals the same slice read independently"),
-              check("load", "load.problems", len(r["problems"]), eq=0, level=lv,
-                    detail="; ".join(map(str, r["problems"]))[:300] or "none"))
+                    level=lv, detail="checksum of each loaded slice equals the same slice read independently"))
     planned, used = _per_rank(r["bytes_planned"]), _per_rank(r["bytes_loaded"])
     keys = sorted(set(planned) | set(used), key=lambda k: (len(k), k))
     for k in keys:
@@ -374,7 +377,7 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
                                             "y": {"planned": [planned.get(k, 0) / 1e6 for k in keys],
                                                   "loaded": [used.get(k, 0) / 1e6 for k in keys]}}
     stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
-    for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks"),
+    for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks (reads and device copies; verification not included)"),
                          ("raw_read_gbps", "GB/s", "sequential read of the same shard files"
                           + (" (page cache dropped first)" if r.get("page_cache_dropped") else "")),
                          ("load_vs_raw", "", "load throughput / raw read throughput"),
@@ -593,15 +596,14 @@ def golden_checks(session: Session, stage: Stage) -> None:
                 errs.append((key, rel_rms(lay[n], g[key])))
     # an independent fp32 implementation differs by ~1e-6 at the first layer; an O(1) difference there means
     # the golden data was made from other weights (the usual mistake: the default k3-tiny, not its checkpoint)
-    hint = (f"; the first layer output {errs[0][0]} already differs by {errs[0][1]:.2g}: the golden file was most "
-            "likely made from another checkpoint, pass the one it was made from with --checkpoint"
-            if errs and errs[0][1] > 0.5 else "")
+    hint = (f"golden data of another checkpoint? ({errs[0][0]} already differs by {errs[0][1]:.2g}): pass the "
+            "checkpoint it was made from with --checkpoint; " if errs and errs[0][1] > 0.5 else "")
     c = logits_compare(ol, ref)
     margin = g.get("logits_top1_margin")
     sure = (margin > THRESHOLDS["golden.top1_margin"]) if margin is not None else _t().ones_like(ref[..., 0], dtype=_t().bool)
     agree = float((ol.argmax(-1) == ref.argmax(-1))[sure].double().mean()) if bool(sure.any()) else 1.0
     stage.add(check("correctness", "golden.logits_max_abs", c["max_abs"], le=THRESHOLDS["golden.logits_max_abs"],
-                    level="external", detail=f"fp32 oracle vs {p.name} logits {list(ref.shape)}{hint}"),
+                    level="external", detail=f"{hint}fp32 oracle vs {p.name} logits {list(ref.shape)}"),
               check("correctness", "golden.top1_agreement", agree, ge=1.0, level="external",
                     detail=f"argmax where golden margin > {THRESHOLDS['golden.top1_margin']:g} "
                            f"({int(sure.sum())} of {sure.numel()} positions)"),
