@@ -28,11 +28,11 @@ def ck(tiny_ckpt, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_ckpt, tmp_path / "ck"))
 
 
-def _refused(path: Path, kind: type[K3Error], *needles: str, **kw) -> str:
+def _refused(path: Path, kind: type[K3Error], *needles: str, max_len: int = 400, **kw) -> str:
     with pytest.raises(kind) as ei:
         open_checkpoint(path, **kw)
     msg = str(ei.value)
-    assert "\n" not in msg and msg.strip() == msg and len(msg) < 400, msg
+    assert "\n" not in msg and msg.strip() == msg and len(msg) < max_len, msg
     for n in needles:
         assert n in msg, f"{n!r} not in {msg!r}"
     return msg
@@ -224,3 +224,75 @@ def test_corrupt_data_offsets(ck):
     assert len(js) == n
     (ck / S1).write_bytes(b[:8] + js + b[8 + n:])
     _refused(ck, CheckpointError, _full(ck, S1), A_LOG, "data_offsets")
+
+
+# ---------------------------------------------------------------------- Hugging Face cache layout
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hf_cache(src: Path, hub: Path, repo: str = "models--moonshotai--Kimi-K3") -> Path:
+    """Lay ``src`` out as the hub cache does: ``<repo>/blobs/<hash>`` holds the bytes and every file of
+    ``<repo>/snapshots/<rev>/`` is a relative symlink ``../../blobs/<hash>``. Returns the snapshot dir."""
+    import hashlib
+
+    blobs, snap = hub / repo / "blobs", hub / repo / "snapshots" / REV
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        h = hashlib.sha1(f.name.encode()).hexdigest()
+        shutil.copyfile(f, blobs / h)
+        os.symlink(f"../../blobs/{h}", snap / f.name)
+    return snap
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from k3rocm.cli.main import cli
+
+    return CliRunner().invoke(cli, list(args), env={"COLUMNS": "200"})
+
+
+def test_hf_cache_snapshot_is_accepted_and_loads(golden_ckpt, tmp_path):
+    """A snapshot whose files all link into the repo's blobs/ validates, inspects and loads through the links."""
+    snap = _hf_cache(golden_ckpt, tmp_path / "hub")
+    assert all((snap / f.name).is_symlink() for f in golden_ckpt.iterdir())
+    ix = open_checkpoint(snap)
+    assert len(ix) == 1492 and ix.path == snap.resolve()
+    ref = load_file(str(golden_ckpt / S1))[A_LOG]
+    assert torch.equal(ix.read(A_LOG), ref)
+    ix.close()
+
+    r = _cli("checkpoint", "inspect", "--checkpoint", str(snap), "--json")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert json.loads(r.stdout)["tensors"] == 1492
+
+    out = tmp_path / "report"
+    r = _cli("load", "--checkpoint", str(snap), "--out", str(out))
+    assert r.exit_code == 0, r.output + r.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["stages"]["load"]["status"] == "passed", rep["stages"]["load"]
+
+
+@pytest.mark.parametrize("target", ["elsewhere", "other_repo_blobs", "not_a_snapshot"])
+def test_hf_cache_escapes_are_still_refused(golden_ckpt, tmp_path, target):
+    """Only links into the same cache repo's blobs/ are allowed: a link anywhere else is refused."""
+    snap = _hf_cache(golden_ckpt, tmp_path / "hub")
+    if target == "not_a_snapshot":  # <repo>/blobs exists, but the directory is not <repo>/snapshots/<rev>
+        d = snap.parent.parent / "copies" / REV
+        shutil.copytree(snap, d, symlinks=True)
+        _refused(d, CheckpointError, S1, "outside the checkpoint directory", "/blobs/", max_len=600)
+        return
+    if target == "elsewhere":
+        victim = tmp_path / "elsewhere" / S2
+    else:
+        victim = tmp_path / "hub" / "models--someone--other" / "blobs" / "f00d"
+        (victim.parent.parent / "snapshots").mkdir(parents=True)
+    victim.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(golden_ckpt / S2, victim)
+    (snap / S2).unlink()
+    os.symlink(victim, snap / S2)
+    # two long paths (the index in the snapshot and the link's target): allow a longer line
+    msg = _refused(snap, CheckpointError, S2, "outside the checkpoint directory", str(victim.resolve()),
+                   max_len=600)
+    assert msg.endswith("copy the file into the directory")

@@ -8,7 +8,8 @@
 2. ``config.json`` parses as a :class:`K3Config` (which refuses a missing ``full_attn_layers``);
 3. ``model.safetensors.index.json`` parses (``weight_map`` of name -> shard, no duplicate names);
 4. every shard it names is a file inside the directory (no absolute paths, no ``..``, no symlink that
-   leaves the directory);
+   leaves the directory, except, in a Hugging Face cache snapshot ``<repo>/snapshots/<rev>/``, a symlink
+   into the same repo's ``<repo>/blobs/`` - the way the hub cache stores every download);
 5. every shard header parses: 8-byte little-endian length within the file, JSON object, known dtypes,
    ``data_offsets`` matching shape x dtype size, not overlapping, and the file long enough to hold them;
 6. the index and the headers agree (an index entry the shard lacks, a tensor in two shards, a shard
@@ -80,6 +81,27 @@ def _no_dup_object(where: str) -> Callable[[list], dict]:
     return hook
 
 
+def hf_cache_blobs(root: Path) -> Path | None:
+    """The ``blobs/`` folder of the Hugging Face cache repo that snapshot directory ``root`` belongs to.
+
+    In the hub cache (``~/.cache/huggingface/hub/models--ORG--NAME/``) a download lives in
+    ``snapshots/<revision>/`` and every file there is a symlink to ``../../blobs/<hash>``. Returns
+    ``<repo>/blobs`` (resolved) when ``root`` (resolved) is ``<repo>/snapshots/<revision>`` and ``<repo>/blobs``
+    is a directory, else None. Raises nothing.
+    """
+    root = root.resolve()
+    if root.parent.name != "snapshots":
+        return None
+    blobs = root.parent.parent / "blobs"
+    return blobs.resolve() if blobs.is_dir() else None
+
+
+def _allowed_roots(root: Path) -> list[Path]:
+    """Where a shard may really live: the checkpoint directory, and the blobs of its HF cache repo."""
+    blobs = hf_cache_blobs(root)
+    return [root.resolve()] + ([blobs] if blobs is not None else [])
+
+
 def _safe_shard_path(root: Path, name: object, index_file: Path) -> Path:
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{index_file}: shard name {name!r} is not a file name; fix the index")
@@ -88,12 +110,10 @@ def _safe_shard_path(root: Path, name: object, index_file: Path) -> Path:
         raise CheckpointError(f"{index_file}: shard path {name!r} leaves the checkpoint directory; "
                               "refusing it (shard names must be plain file names inside it)")
     p = root / pure
-    try:
-        real = p.resolve(strict=False)
-        real.relative_to(root.resolve())
-    except ValueError:
+    real = p.resolve(strict=False)
+    if not any(real.is_relative_to(d) for d in _allowed_roots(root)):
         raise CheckpointError(f"{index_file}: shard {name!r} resolves to {real}, outside the checkpoint "
-                              "directory (symlink?); copy the file into the directory") from None
+                              "directory (symlink?); copy the file into the directory")
     if not p.is_file():
         raise CheckpointError(f"{root}: shard {name!r} named by the index is missing; re-download it")
     return p
