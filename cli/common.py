@@ -73,7 +73,8 @@ def _not_empty(what: str):
 def profile_option(f):
     return click.option("--profile", default=None, metavar="NAME",
                         callback=_not_empty("pass a profile name (see `k3rocm profiles`) or omit it to detect"),
-                        help="Hardware profile (see `k3rocm profiles`). Default: detected.")(f)
+                        help="Hardware profile (see `k3rocm profiles`), or a profile file (*.toml in the "
+                             "format of hwprofiles/, e.g. a copy with another device count). Default: detected.")(f)
 
 
 def out_option(f):

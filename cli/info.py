@@ -173,7 +173,7 @@ def print_plan(pl, model_name: str, profile_name: str) -> None:
     st = pl.roofline.step(1, 1024)
     c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
             f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
-            f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3f} ms "
+            f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3g} ms "
             f"({st['bound']}-bound, projected)")
     for n in pl.notes:
         c.print(f"note: {n}")

@@ -24,6 +24,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 try:  # Python >= 3.11
@@ -420,14 +421,27 @@ def parse_profile(doc: dict, name: str, fname: str = "<profile>") -> Profile:
 
 @lru_cache(maxsize=32)
 def load_profile(name: str) -> Profile:
-    """Load the shipped profile ``name`` (e.g. ``mi355x-8``).
+    """Load the shipped profile ``name`` (e.g. ``mi355x-8``), or a profile file: a path ending in ``.toml``
+    in the shipped profiles' format (e.g. a copy of ``hwprofiles/mi355x-8.toml`` edited to describe two nodes
+    of 8 GPUs as 16 devices).
 
     Raises:
-        ConfigError: unknown name (the message lists the known ones) or a malformed file.
+        ConfigError: unknown name (the message lists the known ones), a missing file, or a malformed file.
     """
+    if str(name).endswith(".toml"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"profile file {path} does not exist; pass a TOML file in the format of "
+                              "hwprofiles/*.toml, or a shipped profile name (see `k3rocm profiles`)")
+        try:
+            doc = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid TOML ({e}); fix the file") from None
+        return parse_profile(doc, path.stem, str(path))
     known = list_profiles()
     if name not in known:
-        raise ConfigError(f"unknown hardware profile {name!r}; choose one of {', '.join(known)}")
+        raise ConfigError(f"unknown hardware profile {name!r}; choose one of {', '.join(known)}, or pass a "
+                          "profile file (*.toml)")
     fname = f"hwprofiles/{name}.toml"
     try:
         doc = tomllib.loads(_profile_dir().joinpath(f"{name}.toml").read_text())

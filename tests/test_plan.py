@@ -201,3 +201,30 @@ def test_layout_hint_lists_only_layouts_that_work():
     assert named == valid_layouts(cfg, prof) and (8, 8) in named and all(t in (1, 2, 4, 8) for t, _ in named)
     for t, p in named:
         plan(cfg, prof, tp=t, ep=p, strict=False)  # each one plans (fit aside)
+
+
+def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path):
+    """A model that does not fit one node is refused with a tp/ep suggestion and how to plan it: a profile
+    file (a shipped profile with another device count) given to --profile, which then plans that layout."""
+    from pathlib import Path
+
+    from k3rocm.errors import ConfigError, PlanError
+    from k3rocm.hw import load_profile
+    from k3rocm.runtime.plan import plan
+
+    with pytest.raises(PlanError) as ei:
+        plan(preset("k3"), load_profile("mi300x-8"))
+    msg = str(ei.value)
+    assert "tp=16/ep=16" in msg and "--profile FILE.toml" in msg and "count = 16" in msg
+    src = Path(__file__).resolve().parents[1] / "hwprofiles" / "mi300x-8.toml"
+    f = tmp_path / "mi300x-16.toml"
+    f.write_text(src.read_text().replace("\ncount = 8", "\ncount = 16", 1))
+    prof = load_profile(str(f))
+    assert prof.device_count == 16 and prof.name == "mi300x-16"
+    p = plan(preset("k3"), prof, tp=16, ep=16)
+    assert p.fits and p.experts_per_rank == 896 // 16
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(str(tmp_path / "nope.toml"))
+    (tmp_path / "bad.toml").write_text("[device\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_profile(str(tmp_path / "bad.toml"))
