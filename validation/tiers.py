@@ -292,7 +292,7 @@ def tier_env(session: Session, stage: Stage) -> None:
                    detail="smallest visible device"),
               info("env", "profile", prof.name, level="projected",
                    detail=f"expects {prof.device_count} x {prof.device_name} ({prof.arch}, "
-                          f"{prof.memory_bytes / 1e9:.0f} GB) [datasheet]"))
+                          f"{prof.memory_bytes / 1e9:.0f} GB) [{_figure_kind(prof, 'device.memory_source')}]"))
     if prof.backend == "cpu":
         stage.add(check("env", "torch.import", True, eq=True, detail="torch imports and computes on the CPU"))
     elif session.hardware_matches:
@@ -405,6 +405,13 @@ def _as_dict(obj) -> dict:
     if hasattr(obj, "to_dict"):
         return obj.to_dict()
     return dict(vars(obj))
+
+
+def _figure_kind(prof, source_key: str) -> str:
+    """``"assumed"`` when the profile's source note for a figure says it is an assumption (the ``cpu``
+    profile's), else ``"datasheet"``."""
+    src = str(getattr(prof, "sources", {}).get(source_key, ""))
+    return "assumed" if src.lower().startswith("assumption") else "datasheet"
 
 
 def _placement_rows(stage: Stage, plc, tier: str) -> None:
@@ -699,7 +706,8 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
                     progress=(lambda phase, done, total: progress(done, total)) if progress else None,
                     num_gpus=ngpu, roofline=roof)
     d = res.to_dict(per_request=False)
-    d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak}
+    d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
+                              "kind": _figure_kind(prof, "device.hbm_bandwidth_source")}
     return d
 
 
@@ -740,7 +748,7 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
             stage.add(info(tier, f"{tag}.roofline.floor_s", round(float(roof["total_floor_s"]), 6), "s",
                            level="projected",
                            detail=f"sum over measured engine steps of max(bytes/bandwidth, FLOPs/peak); "
-                                  f"ceilings of {ceil.get('profile')} (datasheet)"),
+                                  f"ceilings of {ceil.get('profile')} ({ceil.get('kind', 'datasheet')})"),
                       info(tier, f"{tag}.roofline.measured_s", round(float(roof.get("total_measured_s", 0)), 6), "s",
                            level=lv, detail="sum of the same steps' measured times"),
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
