@@ -192,7 +192,7 @@ def test_bench_against_an_openai_endpoint(cache, tmp_path):
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         out = tmp_path / "r"
-        run(["bench", "--endpoint", url, "--model", "k3", "--concurrency", "2", "--num-prompts", "4",
+        run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--model", "k3", "--concurrency", "2", "--num-prompts", "4",
              "--warmups", "1", "--input-len", "16", "--output-len", "5", "--out", out])
     finally:
         srv.shutdown()
@@ -209,7 +209,7 @@ def test_bench_against_an_openai_endpoint(cache, tmp_path):
 
 
 def test_bench_endpoint_failures_say_why(cache, tmp_path):
-    """A server that answers every request with HTTP 500: exit 1, and the line and the report say why."""
+    """A server that answers every request with HTTP 500: exit 3, and the line and the report say why."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -232,14 +232,14 @@ def test_bench_endpoint_failures_say_why(cache, tmp_path):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         out = tmp_path / "r"
-        r = run(["bench", "--endpoint", f"http://127.0.0.1:{srv.server_address[1]}", "--concurrency", "1",
-                 "--num-prompts", "2", "--warmups", "0", "--input-len", "8", "--output-len", "2", "--out", out],
-                code=1)
+        r = run(["bench", "--endpoint", f"http://127.0.0.1:{srv.server_address[1]}", "--endpoint-gpus", "1",
+                 "--concurrency", "1", "--num-prompts", "2", "--warmups", "0", "--input-len", "8", "--output-len", "2",
+                 "--out", out], code=3)
     finally:
         srv.shutdown()
         srv.server_close()
     line = one_line_error(r)
-    assert "c1.failed = 2" in line and "HTTP 500" in line and "model overloaded" in line
+    assert "none of 2 requests" in line and "HTTP 500" in line and "model overloaded" in line
     rows = json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]
     assert any(e["name"] == "c1.failed" and "2 x" in e["detail"] and "HTTP 500" in e["detail"] for e in rows)
 
@@ -282,7 +282,7 @@ def test_load_prints_the_plan_before_loading_and_the_proof_after(golden_ckpt, tm
 
 @pytest.mark.parametrize("args,what", [
     (["--input-len", "1000000000"], "max_position_embeddings"),
-    (["--concurrency", "1000000", "--num-prompts", "1", "--warmups", "0"], "of cache per GPU"),
+    (["--concurrency", "1000000", "--num-prompts", "1000000", "--warmups", "0"], "of cache per GPU"),
     (["--num-prompts", "1000000000000000000000"], "--num-prompts"),
     (["--warmups", "100000000"], "--warmups"),
 ])
@@ -324,7 +324,7 @@ def test_unreachable_endpoint_is_exit_3_one_line(cache, tmp_path):
     with socket.socket() as s:  # a port nothing listens on: bind, then close
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    line = one_line_error(run(["bench", "--endpoint", f"http://127.0.0.1:{port}", "--concurrency", "1",
+    line = one_line_error(run(["bench", "--endpoint", f"http://127.0.0.1:{port}", "--endpoint-gpus", "1", "--concurrency", "1",
                                "--num-prompts", "1", "--out", tmp_path / "r"], code=3))
     assert "cannot connect" in line and not (tmp_path / "r" / "report.json").exists()
 
