@@ -6,9 +6,7 @@ import click
 
 from k3rocm.cli.common import (Progress, common_options, finish, handle_errors, make_session, print_stages,
                                write_stages)
-from pathlib import Path
-
-from k3rocm.errors import CheckpointError, ConfigError
+from k3rocm.errors import ConfigError
 
 
 @click.command("load", epilog="""\b
@@ -89,10 +87,11 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
     checkpoint (its known answers), it adds `external` evidence.
     """
     from k3rocm.validation.tiers import run_tiers
+    if golden is not None and level in ("env", "load", "forward"):
+        raise ConfigError(f"--golden is compared in the correctness tier, which --level {level} does not reach; "
+                          "use --level correctness (the default) or performance, or drop --golden")
     s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden)
     s.preflight()
-    if golden and not Path(golden).is_file():
-        raise CheckpointError(f"--golden {golden}: file not found; pass a safetensors file with input_ids and logits")
     with Progress() as bar:
         stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
     print_stages(stages)
