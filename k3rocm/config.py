@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -178,8 +179,9 @@ class K3Config:
             doc = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config.json not found; pass a checkpoint directory that has one") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e}); fix or re-download the file") from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            raise ConfigError(f"{path}: not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                              "fix or re-download the file") from None
         try:
             return cls.from_dict(doc, name=identify(doc) or path.resolve().parent.name)
         except ConfigError as e:
@@ -187,146 +189,249 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any], name: str = "custom") -> "K3Config":
-        """Parse a config document: the K3 wrapper (``text_config`` inside) or a bare text config."""
+        """Parse a config document: the K3 wrapper (``text_config`` inside) or a bare text config.
+
+        Every field is checked for its JSON type and range before use (sizes and counts positive, token ids
+        inside the vocabulary, top-k within the expert count, finite floats), so a malformed field is one
+        line naming it rather than a crash or a wrong model later.
+
+        Raises:
+            ConfigError: one line ``<field> is <value>; it must be ... - fix config.json`` for the first
+                malformed, missing or inconsistent field.
+        """
         if not isinstance(doc, dict):
-            raise ConfigError("config is not a JSON object")
+            raise ConfigError(f"the document is a JSON {_json_type(doc)}, not an object; config.json must be "
+                              "one JSON object (see the official config.json)")
         text = doc.get("text_config", doc)
         if not isinstance(text, dict):
-            raise ConfigError("text_config is not an object")
+            raise ConfigError(f"text_config is a JSON {_json_type(text)}, not an object; it must hold the text "
+                              "model's fields - fix config.json")
         archs = doc.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"architectures is {_short(archs)}; it must be a list of class names such as "
+                              "[\"KimiK3ForConditionalGeneration\"] - fix config.json")
         if "KimiK3ForConditionalGeneration" in archs or "attn_res_block_size" in text:
             family = "k3"
         elif text.get("model_type") == "kimi_linear":
             family = "kimi_linear"
         else:
             raise ConfigError(
-                f"model_type {text.get('model_type')!r} / architectures {archs} is neither Kimi K3 nor kimi_linear")
+                f"model_type {_short(text.get('model_type'))} / architectures {_short(archs)} is neither Kimi K3 nor "
+                "kimi_linear; pass a Kimi K3 (or Kimi-Linear) checkpoint")
+        # field names as the file spells them: inside text_config for the K3 wrapper, bare for a text config
+        TC = "" if text is doc else "text_config"
+        LAC = _dot(TC, "linear_attn_config")
 
-        def req(key: str, d: dict = text, where: str = "text_config") -> Any:
+        def bad(where: str, key: str, v: Any, must: str) -> ConfigError:
+            return ConfigError(f"{_dot(where, key)} is {_short(v)}; it must be {must} - fix config.json")
+
+        def req(key: str, d: dict = text, where: str = TC) -> Any:
             if key not in d or d[key] is None:
-                raise ConfigError(f"{where}.{key} is missing; the K3 config.json defines it")
+                raise ConfigError(f"{_dot(where, key)} is missing; the K3 config.json defines it - add it to "
+                                  "config.json")
             return d[key]
 
-        def num(v: Any, key: str, kind: type, where: str = "text_config") -> Any:
+        def num(v: Any, key: str, kind: type, where: str = TC) -> Any:
             # JSON numbers only: no strings, no booleans; an integer field also takes an integral float
             ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if ok and kind is int and isinstance(v, float):
-                ok = v.is_integer()
+            if ok and isinstance(v, float):
+                ok = math.isfinite(v) and (kind is float or v.is_integer())
             if not ok:
-                what = "an integer" if kind is int else "a number"
-                raise ConfigError(f"{where}.{key} is {v!r}; it must be {what} (see the official config.json)")
+                raise bad(where, key, v, "an integer" if kind is int else "a finite number")
             return kind(v)
 
-        def ival(key: str, d: dict = text, where: str = "text_config", default: Any = ...) -> int:
+        def ival(key: str, d: dict = text, where: str = TC, default: Any = ..., lo: int = 1,
+                 hi: int | None = None, must: str | None = None) -> int:
+            """An integer field in lo..hi (default: positive); ``default`` when absent/null, if given."""
             if default is not ... and d.get(key) is None:
                 return default
-            return num(req(key, d, where), key, int, where)
+            v = num(req(key, d, where), key, int, where)
+            if v < lo or (hi is not None and v > hi):
+                if must is None:
+                    must = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"at least {lo}") \
+                        if hi is None else f"an integer in {lo}..{hi}"
+                raise bad(where, key, v, must)
+            return v
 
-        def fval(key: str, default: float, d: dict = text, where: str = "text_config") -> float:
-            return default if d.get(key) is None else num(d[key], key, float, where)
+        def opt_ival(key: str, d: dict = text, where: str = TC, what: str = "") -> int | None:
+            """A positive integer, or null/absent for None."""
+            if d.get(key) is None:
+                return None
+            return ival(key, d, where, must=f"a positive integer, or null {what}".rstrip())
+
+        def fval(key: str, default: float, d: dict = text, where: str = TC, sign: int = 1) -> float:
+            """A finite float; ``sign`` 1: > 0, -1: < 0, 0: any."""
+            if d.get(key) is None:
+                return default
+            v = num(d[key], key, float, where)
+            if (sign > 0 and v <= 0) or (sign < 0 and v >= 0):
+                raise bad(where, key, v, f"a {'positive' if sign > 0 else 'negative'} number "
+                                         f"(the default is {default})")
+            return v
+
+        def bval(key: str, default: bool, d: dict = text, where: str = TC) -> bool:
+            v = d.get(key)
+            if v is None:
+                return default
+            if not isinstance(v, bool):
+                raise bad(where, key, v, "true or false")
+            return v
 
         def ilist(v: Any, key: str) -> tuple[int, ...]:
             if not isinstance(v, list):
-                raise ConfigError(f"text_config.linear_attn_config.{key} is {v!r}; it must be a list of "
-                                  "1-based layer indices")
-            return tuple(num(x, key, int, "text_config.linear_attn_config") for x in v)
+                raise bad(LAC, key, v, "a list of 1-based layer indices")
+            return tuple(num(x, key, int, LAC) for x in v)
 
         lac = text.get("linear_attn_config")
+        if lac is None:
+            raise ConfigError(f"{LAC} is missing; cannot tell KDA from MLA layers - add it to config.json "
+                              "(see the official config.json)")
         if not isinstance(lac, dict):
-            raise ConfigError("text_config.linear_attn_config is missing; cannot tell KDA from MLA layers")
+            raise bad(TC, "linear_attn_config", lac, "an object (full_attn_layers, kda_layers, num_heads, ...)")
         if lac.get("full_attn_layers") is None or (not lac["full_attn_layers"] and lac.get("kda_layers") is None):
-            raise ConfigError("text_config.linear_attn_config.full_attn_layers is missing; refusing to "
-                              "default it (that would silently run every layer as KDA)")
+            raise ConfigError(f"{LAC}.full_attn_layers is missing; refusing to default it (that would silently "
+                              "run every layer as KDA) - add it to config.json")
         L = ival("num_hidden_layers")
-        if L < 1:
-            raise ConfigError(f"text_config.num_hidden_layers is {L}; it must be at least 1")
         full = ilist(lac["full_attn_layers"], "full_attn_layers")
         if any(not 1 <= x <= L for x in full) or len(set(full)) != len(full):
-            raise ConfigError(f"linear_attn_config.full_attn_layers {list(full)} must be distinct 1-based "
-                              f"indices in 1..{L}")
+            raise bad(LAC, "full_attn_layers", list(full),
+                      f"distinct 1-based layer indices in 1..{L} (num_hidden_layers {L})")
         kda = lac.get("kda_layers")
         if kda is not None:
             kda_set, full_set = set(ilist(kda, "kda_layers")), set(full)
             if kda_set & full_set or (kda_set | full_set) != set(range(1, L + 1)):
-                raise ConfigError("linear_attn_config.kda_layers and full_attn_layers must partition "
-                                  f"1..{L} (overlap {sorted(kda_set & full_set)}, "
-                                  f"missing {sorted(set(range(1, L + 1)) - kda_set - full_set)})")
+                raise ConfigError(f"{LAC}.kda_layers and full_attn_layers must partition 1..{L} (overlap "
+                                  f"{sorted(kda_set & full_set)}, missing "
+                                  f"{sorted(set(range(1, L + 1)) - kda_set - full_set)}) - fix config.json")
 
         quant = None
         qc = text.get("quantization_config")
         if qc is not None:
+            QC = _dot(TC, "quantization_config")
             if not isinstance(qc, dict):
-                raise ConfigError(f"text_config.quantization_config is {qc!r}; it must be an object "
-                                  "(compressed-tensors' mxfp4-pack-quantized)")
+                raise bad(TC, "quantization_config", qc, "an object (compressed-tensors' mxfp4-pack-quantized)")
             fmt = qc.get("format")
             if fmt != "mxfp4-pack-quantized":
-                raise ConfigError(f"text_config.quantization_config.format {fmt!r} is not supported "
-                                  "(only compressed-tensors 'mxfp4-pack-quantized')")
+                raise ConfigError(f"{QC}.format {_short(fmt)} is not supported (only compressed-tensors "
+                                  "'mxfp4-pack-quantized'); use the released config.json")
             groups = qc.get("config_groups") or {}
-            gsz = {((g.get("weights") or {}).get("group_size")) for g in groups.values()}
-            if gsz != {32}:
-                raise ConfigError(f"quantization_config group_size {sorted(map(str, gsz))} is not 32 (MXFP4)")
-            quant = QuantConfig(format=fmt, group_size=32, ignore=tuple(qc.get("ignore") or ()), raw=qc)
+            if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+                raise bad(QC, "config_groups", groups, "an object of group objects (each with weights.group_size)")
+            if not groups:
+                raise ConfigError(f"{QC}.config_groups is missing; MXFP4 needs a group with weights.group_size "
+                                  "32 - use the released config.json")
+            for gname, g in groups.items():
+                w = g.get("weights") or {}
+                if not isinstance(w, dict):
+                    raise bad(f"{QC}.config_groups.{gname}", "weights", w, "an object with group_size 32")
+                if w.get("group_size") != 32 or isinstance(w.get("group_size"), bool):
+                    raise bad(f"{QC}.config_groups.{gname}.weights", "group_size", w.get("group_size"),
+                              "32 (MXFP4 scales one E8M0 byte per 32 elements; use the released config.json)")
+            ignore = qc.get("ignore") or []
+            if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+                raise bad(QC, "ignore", ignore, "a list of module names / 're:' regexes")
+            quant = QuantConfig(format=fmt, group_size=32, ignore=tuple(ignore), raw=qc)
         elif doc.get("quantization_config") is not None and "text_config" in doc:
-            raise ConfigError("quantization_config sits at the top level; K3 keeps it inside text_config")
+            raise ConfigError("quantization_config sits at the top level; K3 keeps it inside text_config - "
+                              "move it there")
 
-        latent = text.get("routed_expert_hidden_size")
+        want_act = "situ" if family == "k3" else "silu"
+        act = req("hidden_act") if family == "k3" or text.get("hidden_act") is not None else "silu"
+        if act != want_act:
+            raise bad(TC, "hidden_act", act, f"{want_act!r} ({'Kimi K3' if family == 'k3' else 'Kimi-Linear'} "
+                                             "uses only that activation)")
+        vocab = ival("vocab_size")
+        n_exp = ival("num_experts", default=0, lo=0)
+        n_shared = ival("num_shared_experts", default=0, lo=0)
+        if n_exp:
+            topk = ival("num_experts_per_token", hi=n_exp,
+                        must=f"in 1..{n_exp} (at least one and at most {_dot(TC, 'num_experts')})")
+        else:
+            topk = ival("num_experts_per_token", default=0, lo=0)
+        moe_i = ival("moe_intermediate_size", default=0, lo=1 if (n_exp or n_shared) else 0,
+                     must="a positive integer (the width of each expert)" if (n_exp or n_shared) else None)
+
+        def token_id(key: str) -> int:
+            v = text.get(key, doc.get(key))
+            if v is None:
+                return 0
+            return ival(key, {key: v}, TC if key in text else "", lo=0,
+                        hi=vocab - 1, must=f"a token id in 0..{vocab - 1} ({_dot(TC, 'vocab_size')} {vocab})")
+
         cfg = cls(
             family=family,
-            vocab_size=ival("vocab_size"),
+            vocab_size=vocab,
             hidden_size=ival("hidden_size"),
             num_hidden_layers=L,
             num_attention_heads=ival("num_attention_heads"),
             intermediate_size=ival("intermediate_size"),
-            first_k_dense_replace=ival("first_k_dense_replace", default=0),
+            first_k_dense_replace=ival("first_k_dense_replace", default=0, lo=0, hi=L,
+                                       must=f"an integer in 0..{L} (dense layers before the MoE layers)"),
             rms_norm_eps=fval("rms_norm_eps", 1e-5),
-            q_lora_rank=(ival("q_lora_rank") if text.get("q_lora_rank") else None),
+            q_lora_rank=opt_ival("q_lora_rank", what="(no query low-rank projection)"),
             kv_lora_rank=ival("kv_lora_rank"),
             qk_nope_head_dim=ival("qk_nope_head_dim"),
             qk_rope_head_dim=ival("qk_rope_head_dim"),
             v_head_dim=ival("v_head_dim"),
             full_attn_layers=full,
-            kda_num_heads=ival("num_heads", lac, "text_config.linear_attn_config"),
-            kda_head_dim=ival("head_dim", lac, "text_config.linear_attn_config"),
-            short_conv_kernel_size=ival("short_conv_kernel_size", lac, "text_config.linear_attn_config", 4),
-            gate_lower_bound=(fval("gate_lower_bound", -5.0, lac, "text_config.linear_attn_config") if family == "k3" else 0.0),
-            num_experts=ival("num_experts", default=0),
-            num_experts_per_token=ival("num_experts_per_token", default=0),
-            num_shared_experts=ival("num_shared_experts", default=0),
-            moe_intermediate_size=ival("moe_intermediate_size", default=0),
-            routed_expert_hidden_size=(num(latent, "routed_expert_hidden_size", int) if latent else None),
-            moe_renormalize=bool(text.get("moe_renormalize", True)),
+            kda_num_heads=ival("num_heads", lac, LAC),
+            kda_head_dim=ival("head_dim", lac, LAC),
+            short_conv_kernel_size=ival("short_conv_kernel_size", lac, LAC, 4),
+            gate_lower_bound=(fval("gate_lower_bound", -5.0, lac, LAC, sign=-1) if family == "k3" else 0.0),
+            num_experts=n_exp,
+            num_experts_per_token=topk,
+            num_shared_experts=n_shared,
+            moe_intermediate_size=moe_i,
+            routed_expert_hidden_size=opt_ival("routed_expert_hidden_size", what="(plain MoE)"),
+            moe_renormalize=bval("moe_renormalize", True),
             routed_scaling_factor=fval("routed_scaling_factor", 1.0),
-            hidden_act=str(text.get("hidden_act", "silu")),
+            hidden_act=act,
             activation_situ_beta=fval("activation_situ_beta", 4.0),
             activation_situ_linear_beta=fval("activation_situ_linear_beta", 25.0),
-            attn_res_block_size=(ival("attn_res_block_size") if text.get("attn_res_block_size") else None),
-            bos_token_id=num(text.get("bos_token_id", doc.get("bos_token_id")) or 0, "bos_token_id", int),
-            eos_token_id=num(text.get("eos_token_id", doc.get("eos_token_id")) or 0, "eos_token_id", int),
-            pad_token_id=num(text.get("pad_token_id", doc.get("pad_token_id")) or 0, "pad_token_id", int),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            attn_res_block_size=opt_ival("attn_res_block_size", what="(ordinary residual stream)"),
+            bos_token_id=token_id("bos_token_id"),
+            eos_token_id=token_id("eos_token_id"),
+            pad_token_id=token_id("pad_token_id"),
+            tie_word_embeddings=bval("tie_word_embeddings", False),
             quant=quant,
             raw=copy.deepcopy(doc),
             name=name,
         )
-        cfg._check()
+        cfg._check(TC)
         return cfg
 
-    def _check(self) -> None:
-        if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
-            raise ConfigError(f"num_experts_per_token {self.num_experts_per_token} must be in 1..{self.num_experts}")
+    def _check(self, tc: str = "text_config") -> None:  # tc: "" for a bare text config
+        """Cross-field rules (each field is already in range). Raises ConfigError naming the field."""
         if self.family == "k3" and self.quant is not None:
-            for w in (self.expert_in_size, self.moe_intermediate_size):
+            for key, w in (("routed_expert_hidden_size" if self.routed_expert_hidden_size else "hidden_size",
+                            self.expert_in_size), ("moe_intermediate_size", self.moe_intermediate_size)):
                 if w % 32:
-                    raise ConfigError(f"expert width {w} is not a multiple of the MXFP4 group size 32")
-        if self.family == "k3" and self.hidden_act != "situ":
-            raise ConfigError(f"hidden_act {self.hidden_act!r}: Kimi K3 uses 'situ'")
-        if self.kda_head_dim <= 0 or self.kda_num_heads <= 0:
-            raise ConfigError("linear_attn_config.num_heads and head_dim must be positive")
+                    raise ConfigError(f"{_dot(tc, key)} is {w}, not a multiple of the MXFP4 group size 32 (the routed "
+                                      "experts are MXFP4) - fix config.json")
 
     def to_dict(self) -> dict:
         """The full config document (wrapper included) as parsed; ``json.dump`` it to write config.json."""
         return copy.deepcopy(self.raw)
+
+
+def _dot(where: str, key: str) -> str:
+    """A field's dotted name: ``text_config.hidden_size``, or ``hidden_size`` at the top level."""
+    return f"{where}.{key}" if where else key
+
+
+def _json_type(v: Any) -> str:
+    """JSON's name for the type of a parsed value (``list`` -> ``array``)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(v), "number")
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """``repr`` of a config value cut to ``limit`` characters, on one line (for error messages)."""
+    r = repr(v).replace("\n", " ")
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------- presets
@@ -386,15 +491,19 @@ _KIMI_LINEAR_48B = {
 }
 
 
-def identify(doc: dict) -> str | None:
-    """The preset a config document is exactly (``k3``, ``k3-tiny``, ``k3-prefix-N``), else None."""
+def identify(doc: Any) -> str | None:
+    """The preset a config document is exactly (``k3``, ``k3-tiny``, ``k3-prefix-N``), else None.
+
+    Any JSON value is accepted (a malformed document is simply no preset); raises nothing.
+    """
     if not isinstance(doc, dict):
         return None
     if doc == _official_doc():
         return "k3"
     if doc == _tiny_doc():
         return "k3-tiny"
-    n = (doc.get("text_config") or {}).get("num_hidden_layers")
+    text = doc.get("text_config")
+    n = text.get("num_hidden_layers") if isinstance(text, dict) else None
     if isinstance(n, int) and 1 <= n < 93:
         try:
             if doc == _prefix_doc(n):

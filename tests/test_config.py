@@ -199,3 +199,150 @@ def test_wrongly_typed_fields_are_one_line_config_errors(path, value, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         K3Config.from_dict(doc)
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------- malformed fields through the CLI
+_T, _L, _Q = ("text_config",), ("text_config", "linear_attn_config"), ("text_config", "quantization_config")
+# (path of the field in config.json, bad value, the dotted field name the one error line must start with)
+_BAD_FIELDS = [
+    ((), [1, 2], None),  # the whole document
+    (("text_config",), [1, 2], "text_config"),
+    (("text_config",), None, "text_config"),
+    (("architectures",), 5, "architectures"),
+    (_T + ("num_experts",), -16, "text_config.num_experts"),
+    (_T + ("num_experts",), "16", "text_config.num_experts"),
+    (_T + ("num_experts_per_token",), 0, "text_config.num_experts_per_token"),
+    (_T + ("num_experts_per_token",), -4, "text_config.num_experts_per_token"),
+    (_T + ("num_experts_per_token",), 64, "text_config.num_experts_per_token"),
+    (_T + ("num_shared_experts",), -2, "text_config.num_shared_experts"),
+    (_T + ("moe_intermediate_size",), 0, "text_config.moe_intermediate_size"),
+    (_T + ("moe_intermediate_size",), -64, "text_config.moe_intermediate_size"),
+    (_T + ("moe_intermediate_size",), 48, "text_config.moe_intermediate_size"),  # not MXFP4 groups of 32
+    (_T + ("routed_expert_hidden_size",), -64, "text_config.routed_expert_hidden_size"),
+    (_T + ("routed_expert_hidden_size",), 0, "text_config.routed_expert_hidden_size"),
+    (_T + ("routed_expert_hidden_size",), 40, "text_config.routed_expert_hidden_size"),
+    (_T + ("hidden_size",), 0, "text_config.hidden_size"),
+    (_T + ("hidden_size",), -128, "text_config.hidden_size"),
+    (_T + ("hidden_size",), 128.5, "text_config.hidden_size"),
+    (_T + ("hidden_size",), True, "text_config.hidden_size"),
+    (_T + ("vocab_size",), 0, "text_config.vocab_size"),
+    (_T + ("vocab_size",), None, "text_config.vocab_size"),
+    (_T + ("num_hidden_layers",), 0, "text_config.num_hidden_layers"),
+    (_T + ("num_hidden_layers",), -13, "text_config.num_hidden_layers"),
+    (_T + ("num_hidden_layers",), [13], "text_config.num_hidden_layers"),
+    (_T + ("num_attention_heads",), 0, "text_config.num_attention_heads"),
+    (_T + ("intermediate_size",), -384, "text_config.intermediate_size"),
+    (_T + ("first_k_dense_replace",), -1, "text_config.first_k_dense_replace"),
+    (_T + ("first_k_dense_replace",), 14, "text_config.first_k_dense_replace"),
+    (_T + ("rms_norm_eps",), 0, "text_config.rms_norm_eps"),
+    (_T + ("rms_norm_eps",), -1e-5, "text_config.rms_norm_eps"),
+    (_T + ("rms_norm_eps",), "1e-5", "text_config.rms_norm_eps"),
+    (_T + ("q_lora_rank",), -64, "text_config.q_lora_rank"),
+    (_T + ("q_lora_rank",), 0, "text_config.q_lora_rank"),
+    (_T + ("kv_lora_rank",), 0, "text_config.kv_lora_rank"),
+    (_T + ("qk_nope_head_dim",), -32, "text_config.qk_nope_head_dim"),
+    (_T + ("qk_rope_head_dim",), 0, "text_config.qk_rope_head_dim"),
+    (_T + ("v_head_dim",), "32", "text_config.v_head_dim"),
+    (_T + ("routed_scaling_factor",), -1.0, "text_config.routed_scaling_factor"),
+    (_T + ("activation_situ_beta",), 0, "text_config.activation_situ_beta"),
+    (_T + ("activation_situ_linear_beta",), "25", "text_config.activation_situ_linear_beta"),
+    (_T + ("attn_res_block_size",), -3, "text_config.attn_res_block_size"),
+    (_T + ("attn_res_block_size",), 0, "text_config.attn_res_block_size"),
+    (_T + ("bos_token_id",), -1, "text_config.bos_token_id"),
+    (_T + ("eos_token_id",), 512, "text_config.eos_token_id"),  # vocab_size is 512
+    (_T + ("pad_token_id",), "0", "text_config.pad_token_id"),
+    (_T + ("moe_renormalize",), "false", "text_config.moe_renormalize"),
+    (_T + ("tie_word_embeddings",), 1, "text_config.tie_word_embeddings"),
+    (_T + ("hidden_act",), "silu", "text_config.hidden_act"),
+    (_T + ("hidden_act",), ["situ"], "text_config.hidden_act"),
+    (_T + ("linear_attn_config",), None, "text_config.linear_attn_config"),
+    (_T + ("linear_attn_config",), [4, 8], "text_config.linear_attn_config"),
+    (_L + ("num_heads",), 0, "text_config.linear_attn_config.num_heads"),
+    (_L + ("head_dim",), -32, "text_config.linear_attn_config.head_dim"),
+    (_L + ("short_conv_kernel_size",), 0, "text_config.linear_attn_config.short_conv_kernel_size"),
+    (_L + ("gate_lower_bound",), 5.0, "text_config.linear_attn_config.gate_lower_bound"),
+    (_L + ("gate_lower_bound",), "-5", "text_config.linear_attn_config.gate_lower_bound"),
+    (_L + ("full_attn_layers",), [4, 8, 12, 99], "text_config.linear_attn_config.full_attn_layers"),
+    (_L + ("full_attn_layers",), [0, 4, 8, 12], "text_config.linear_attn_config.full_attn_layers"),
+    (_L + ("full_attn_layers",), "4,8", "text_config.linear_attn_config.full_attn_layers"),
+    (_L + ("full_attn_layers",), None, "text_config.linear_attn_config.full_attn_layers"),
+    (_L + ("kda_layers",), [1, 2], "text_config.linear_attn_config.kda_layers"),
+    (_L + ("kda_layers",), {"1": 1}, "text_config.linear_attn_config.kda_layers"),
+    (_Q, [1], "text_config.quantization_config"),
+    (_Q + ("format",), "nvfp4-pack-quantized", "text_config.quantization_config.format"),
+    (_Q + ("config_groups",), [1], "text_config.quantization_config.config_groups"),
+    (_Q + ("config_groups",), {}, "text_config.quantization_config.config_groups"),
+    (_Q + ("config_groups", "group_0", "weights"), [32], "text_config.quantization_config.config_groups.group_0"
+                                                         ".weights"),
+    (_Q + ("config_groups", "group_0", "weights", "group_size"), 16,
+     "text_config.quantization_config.config_groups.group_0.weights.group_size"),
+    (_Q + ("ignore",), "lm_head", "text_config.quantization_config.ignore"),
+]
+
+
+def _cli(*args: str):
+    from click.testing import CliRunner
+
+    from k3rocm.cli.main import cli
+
+    return CliRunner().invoke(cli, list(args), env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def golden_copy(golden_ckpt, tmp_path_factory) -> Path:
+    """One copy of the golden checkpoint; each case copies it again and edits config.json."""
+    import shutil
+
+    return Path(shutil.copytree(golden_ckpt, tmp_path_factory.mktemp("golden") / "ck"))
+
+
+def test_golden_copy_inspects_cleanly(golden_copy):
+    """The control for the table below: the unmodified copy passes ``checkpoint inspect``."""
+    r = _cli("checkpoint", "inspect", "--checkpoint", str(golden_copy), "--json")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert json.loads(r.stdout)["tensors"] == 1492
+
+
+@pytest.mark.parametrize("path, value, field_name", _BAD_FIELDS,
+                         ids=[".".join(p[1:] or p or ("doc",)) + f"={v!r}" for p, v, _ in _BAD_FIELDS])
+def test_malformed_config_field_is_one_line_naming_it(golden_copy, tmp_path, path, value, field_name):
+    """``checkpoint inspect`` on a copy with one malformed config.json field: exit 2, one ``error:`` line on
+    stderr that names the file and starts with that field (not another one), no traceback."""
+    import shutil
+
+    ck = Path(shutil.copytree(golden_copy, tmp_path / "ck"))
+    cfg_file = ck / "config.json"
+    doc = json.loads(cfg_file.read_text())
+    if not path:
+        doc = value
+    else:
+        d = doc
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    cfg_file.write_text(json.dumps(doc))
+    r = _cli("checkpoint", "inspect", "--checkpoint", str(ck))
+    assert r.exit_code == 2, (r.exit_code, r.exception, r.output, r.stderr)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.output
+    prefix = f"error: {cfg_file}: "
+    assert lines[0].startswith(prefix), lines[0]
+    body = lines[0][len(prefix):]
+    if field_name is None:
+        assert "JSON array" in body and "object" in body, body
+    else:
+        assert body.startswith(field_name + " "), body
+    assert "fix config.json" in body or "add it to config.json" in body or "released config.json" in body \
+        or "official config.json" in body, body
+
+
+def test_config_file_nested_too_deep_or_huge_number(tmp_path):
+    """JSON that Python's parser rejects past its limits (nesting depth, digits) is a one-line ConfigError."""
+    f = tmp_path / "config.json"
+    for text in ("[" * 100_000 + "]" * 100_000, '{"vocab_size": ' + "9" * 5000 + "}"):
+        f.write_text(text)
+        with pytest.raises(ConfigError, match="not valid JSON") as e:
+            K3Config.from_file(f)
+        assert "\n" not in str(e.value) and str(f) in str(e.value)
