@@ -39,6 +39,7 @@ Examples:
 def make_cmd(preset, out, seed, shards, manifest, expert_init, debug):
     """Write a deterministic random-weight checkpoint in the released on-disk layout."""
     from k3rocm.config import preset as make_preset
+    _check_out_dir(out)
     cfg = make_preset(preset)
     from k3rocm.checkpoint.verify import make_manifest
     from k3rocm.checkpoint.writer import write_checkpoint as write
@@ -51,6 +52,36 @@ def make_cmd(preset, out, seed, shards, manifest, expert_init, debug):
     files = sorted(Path(path).iterdir())
     click.echo(f"wrote {preset} (seed {seed}) to {path}: {len(files)} files, "
                f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB")
+
+
+def _check_out_dir(out: str) -> None:
+    """Refuse an ``--out`` that is empty or lies where nothing can be created, before any size check.
+
+    The checkpoint is written into a temporary directory beside ``out`` (in its parent, created if need be)
+    and renamed at the end, so what must be writable is the nearest existing ancestor of ``out``'s parent.
+    That is probed by creating and removing an empty temporary directory there: permission bits alone do not
+    tell (root passes ``os.access`` on a read-only mount, and ``/proc`` or ``/sys`` refuse new entries
+    whatever the bits say).
+
+    Raises:
+        CheckpointError: ``out`` is empty/blank, or that location refuses a new directory (one line naming it
+            and the system's reason).
+    """
+    import os
+    import tempfile
+
+    if not out.strip():
+        raise CheckpointError("--out is empty; pass the new directory to write, e.g. --out ./k3-tiny")
+    probe = Path(out).absolute().parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():  # a parent path is a file: the writer says so in its own words
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".k3rocm-probe-", dir=probe))
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot create a directory in {probe} ({e.strerror or e}); the location is "
+                              "not writable - choose a directory you can write to") from None
 
 
 @checkpoint_group.command("inspect", epilog="""\b

@@ -296,3 +296,38 @@ def test_hf_cache_escapes_are_still_refused(golden_ckpt, tmp_path, target):
     msg = _refused(snap, CheckpointError, S2, "outside the checkpoint directory", str(victim.resolve()),
                    max_len=600)
     assert msg.endswith("copy the file into the directory")
+
+
+# ---------------------------------------------------------------------- checkpoint make --out
+def _one_error_line(r) -> str:
+    assert r.exit_code == 2, (r.exit_code, r.exception, r.output, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("out", ["", "   "])
+def test_make_refuses_an_empty_out(out, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an empty path would otherwise mean "." (here: an empty directory)
+    line = _one_error_line(_cli("checkpoint", "make", "--out", out))
+    assert "--out is empty" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", ["/proc/k3rocm-mk8", "/proc/k3rocm-x/y"])
+def test_make_refuses_an_unwritable_location_before_the_space_check(out):
+    """/proc refuses new entries whatever the permission bits (root included): say so, not "0.0 GB free"."""
+    if not Path("/proc/self").exists():
+        pytest.skip("no procfs on this system")
+    line = _one_error_line(_cli("checkpoint", "make", "--out", out))
+    assert line.startswith(f"error: {out}: ") and "/proc" in line and "not writable" in line, line
+    assert "GB" not in line, line
+
+
+def test_make_leaves_no_probe_behind(tmp_path):
+    out = tmp_path / "new" / "k3-tiny"
+    r = _cli("checkpoint", "make", "--out", str(out))
+    assert r.exit_code == 0, r.output + r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["new"] and [p.name for p in out.parent.iterdir()] == ["k3-tiny"]
+    assert len(open_checkpoint(out)) == 1492
