@@ -28,6 +28,9 @@ from typing import Any
 from k3rocm.errors import ConfigError
 
 PRESETS = ("k3", "k3-tiny", "k3-prefix-N", "kimi-linear-48b-a3b")
+# far above any real model; a larger count is a typo that would only exhaust memory listing the tensors
+MAX_LAYERS = 100_000
+MAX_EXPERTS = 65_536
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,7 @@ class K3Config:
         if lac.get("full_attn_layers") is None or (not lac["full_attn_layers"] and lac.get("kda_layers") is None):
             raise ConfigError(f"{LAC}.full_attn_layers is missing; refusing to default it (that would silently "
                               "run every layer as KDA) - add it to config.json")
-        L = ival("num_hidden_layers")
+        L = ival("num_hidden_layers", hi=MAX_LAYERS, must=f"a positive integer up to {MAX_LAYERS} (K3 has 93)")
         full = ilist(lac["full_attn_layers"], "full_attn_layers")
         if any(not 1 <= x <= L for x in full) or len(set(full)) != len(full):
             raise bad(LAC, "full_attn_layers", list(full),
@@ -341,7 +344,8 @@ class K3Config:
             raise bad(TC, "hidden_act", act, f"{want_act!r} ({'Kimi K3' if family == 'k3' else 'Kimi-Linear'} "
                                              "uses only that activation)")
         vocab = ival("vocab_size")
-        n_exp = ival("num_experts", default=0, lo=0)
+        n_exp = ival("num_experts", default=0, lo=0, hi=MAX_EXPERTS,
+                     must=f"an integer in 0..{MAX_EXPERTS} (0: no MoE; K3 has 896)")
         n_shared = ival("num_shared_experts", default=0, lo=0)
         if n_exp:
             topk = ival("num_experts_per_token", hi=n_exp,
@@ -368,7 +372,8 @@ class K3Config:
             first_k_dense_replace=ival("first_k_dense_replace", default=0, lo=0, hi=L,
                                        must=f"an integer in 0..{L} (dense layers before the MoE layers)"),
             rms_norm_eps=fval("rms_norm_eps", 1e-5),
-            q_lora_rank=opt_ival("q_lora_rank", what="(no query low-rank projection)"),
+            q_lora_rank=(ival("q_lora_rank") if family == "k3"  # K3's MLA always has the query low-rank path
+                         else opt_ival("q_lora_rank", what="(no query low-rank projection)")),
             kv_lora_rank=ival("kv_lora_rank"),
             qk_nope_head_dim=ival("qk_nope_head_dim"),
             qk_rope_head_dim=ival("qk_rope_head_dim"),

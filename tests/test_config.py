@@ -211,6 +211,7 @@ _BAD_FIELDS = [
     (("architectures",), 5, "architectures"),
     (_T + ("num_experts",), -16, "text_config.num_experts"),
     (_T + ("num_experts",), "16", "text_config.num_experts"),
+    (_T + ("num_experts",), 2**70, "text_config.num_experts"),  # would exhaust memory listing the tensors
     (_T + ("num_experts_per_token",), 0, "text_config.num_experts_per_token"),
     (_T + ("num_experts_per_token",), -4, "text_config.num_experts_per_token"),
     (_T + ("num_experts_per_token",), 64, "text_config.num_experts_per_token"),
@@ -230,6 +231,7 @@ _BAD_FIELDS = [
     (_T + ("num_hidden_layers",), 0, "text_config.num_hidden_layers"),
     (_T + ("num_hidden_layers",), -13, "text_config.num_hidden_layers"),
     (_T + ("num_hidden_layers",), [13], "text_config.num_hidden_layers"),
+    (_T + ("num_hidden_layers",), 10**12, "text_config.num_hidden_layers"),  # would exhaust memory
     (_T + ("num_attention_heads",), 0, "text_config.num_attention_heads"),
     (_T + ("intermediate_size",), -384, "text_config.intermediate_size"),
     (_T + ("first_k_dense_replace",), -1, "text_config.first_k_dense_replace"),
@@ -239,6 +241,7 @@ _BAD_FIELDS = [
     (_T + ("rms_norm_eps",), "1e-5", "text_config.rms_norm_eps"),
     (_T + ("q_lora_rank",), -64, "text_config.q_lora_rank"),
     (_T + ("q_lora_rank",), 0, "text_config.q_lora_rank"),
+    (_T + ("q_lora_rank",), None, "text_config.q_lora_rank"),  # K3's MLA always has the query low-rank path
     (_T + ("kv_lora_rank",), 0, "text_config.kv_lora_rank"),
     (_T + ("qk_nope_head_dim",), -32, "text_config.qk_nope_head_dim"),
     (_T + ("qk_rope_head_dim",), 0, "text_config.qk_rope_head_dim"),
