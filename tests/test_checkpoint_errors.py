@@ -331,3 +331,26 @@ def test_make_leaves_no_probe_behind(tmp_path):
     assert r.exit_code == 0, r.output + r.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["new"] and [p.name for p in out.parent.iterdir()] == ["k3-tiny"]
     assert len(open_checkpoint(out)) == 1492
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["weight_map"].__setitem__(A_LOG, [S1]), "weight_map entry for " + A_LOG),
+    (lambda d: d["weight_map"].__setitem__(A_LOG, None), "weight_map entry for " + A_LOG),
+    (lambda d: d.__setitem__("metadata", {"total_size": "lots"}), "metadata.total_size"),
+    (lambda d: d.__setitem__("metadata", {"total_size": -1}), "metadata.total_size"),
+])
+def test_malformed_index_values(ck, edit, needle):
+    """A weight_map value that is no file name, or a total_size that is no byte count: one line, no crash."""
+    doc = _index(ck)
+    edit(doc)
+    _write_index(ck, doc)
+    _refused(ck, CheckpointError, str(ck.resolve() / INDEX_NAME), needle)
+
+
+def test_index_metadata_leniency(ck):
+    """total_size as an integral float or digit string (other writers do that), or metadata as a list, is fine."""
+    for meta, want in (({"total_size": 6475776.0}, 6475776), ({"total_size": "6475776"}, 6475776), ([], None)):
+        doc = _index(ck)
+        doc["metadata"] = meta
+        _write_index(ck, doc)
+        assert open_checkpoint(ck, check_scales=False).total_size == want

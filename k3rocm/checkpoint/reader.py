@@ -303,6 +303,17 @@ class CheckpointIndex:
         self._maps.clear()
 
 
+def _byte_count(v: object) -> int | None:
+    """``v`` as a non-negative integer when it is one (int, integral float, digit string), else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    return v if isinstance(v, int) and v >= 0 else None
+
+
 def _refuse_pickles(root: Path) -> None:
     for p in sorted(root.iterdir()):
         if p.suffix.lower() in PICKLE_SUFFIXES:
@@ -357,8 +368,16 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index_file}: no weight_map; re-download the index")
-        ts = (doc.get("metadata") or {}).get("total_size")
-        total_size = int(ts) if ts is not None else None
+        bad = next(((k, v) for k, v in wm.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise CheckpointError(f"{index_file}: weight_map entry for {bad[0]} is {bad[1]!r:.60}, not a shard file "
+                                  "name; fix or re-download the index")
+        meta = doc.get("metadata") or {}
+        ts = meta.get("total_size") if isinstance(meta, dict) else None
+        total_size = _byte_count(ts)  # some writers store it as a float or a string of digits
+        if ts is not None and total_size is None:
+            raise CheckpointError(f"{index_file}: metadata.total_size is {ts!r:.60}, not a byte count; fix or "
+                                  "re-download the index")
     elif (root / SINGLE_FILE).is_file():
         hdr, _, _ = read_shard_header(root / SINGLE_FILE)
         wm = {k: SINGLE_FILE for k in hdr if k != "__metadata__"}
