@@ -169,6 +169,15 @@ def test_shard_path_escaping_the_directory(ck, bad):
     _refused(ck, CheckpointError, bad, "leaves the checkpoint directory")
 
 
+def test_single_file_symlink_leaving_the_directory(ck, tmp_path):
+    """A lone model.safetensors (no index) that links outside is refused before its header is read."""
+    (ck / INDEX_NAME).unlink()
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"\xff" * 16)  # not even a header: reading it first would give another error
+    os.symlink(outside, ck / "model.safetensors")
+    _refused(ck, CheckpointError, "model.safetensors", "outside the checkpoint directory")
+
+
 def test_shard_symlink_leaving_the_directory(ck, tmp_path):
     outside = tmp_path / "outside.safetensors"
     shutil.move(ck / S2, outside)
@@ -211,6 +220,8 @@ def test_index_not_json_or_duplicate_keys(ck):
     (ck / INDEX_NAME).write_text(dup)
     _refused(ck, CheckpointError, INDEX_NAME, "twice")
     (ck / INDEX_NAME).write_text("[")
+    _refused(ck, CheckpointError, INDEX_NAME, "not valid JSON")
+    (ck / INDEX_NAME).write_text("[" * 100_000 + "]" * 100_000)  # deeper than Python's parser goes
     _refused(ck, CheckpointError, INDEX_NAME, "not valid JSON")
 
 

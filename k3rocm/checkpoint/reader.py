@@ -125,20 +125,24 @@ def read_shard_header(path: Path) -> tuple[dict, int, int]:
     Returns:
         ``(header dict, data_start, file_size)``; ``data_start`` = 8 + header length.
     Raises:
-        CheckpointError: file shorter than 8 bytes, header length past the end of the file, bad JSON;
-            the message names the shard by its full path.
+        CheckpointError: file unreadable or shorter than 8 bytes, header length past the end of the file,
+            bad JSON; the message names the shard by its full path.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors header; "
-                                  "the shard is truncated - re-download it")
-        n = int.from_bytes(head, "little")
-        if n > size - 8 or n > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{path}: header length {n} runs past the end of the file ({size} bytes); "
-                                  "the shard is truncated or not safetensors - re-download it")
-        raw = f.read(n)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors header; "
+                                      "the shard is truncated - re-download it")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header length {n} runs past the end of the file ({size} bytes); "
+                                      "the shard is truncated or not safetensors - re-download it")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the shard ({e.strerror or e}); check that the file is "
+                              "readable") from None
     try:
         hdr = json.loads(raw, object_pairs_hook=_no_dup_object(str(path)))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -363,8 +367,12 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
     if index_file.is_file():
         try:
             doc = json.loads(index_file.read_text(), object_pairs_hook=_no_dup_object(INDEX_NAME))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index_file}: not valid JSON ({e}); re-download it") from None
+        except OSError as e:
+            raise CheckpointError(f"{index_file}: cannot read it ({e.strerror or e}); check that the file is "
+                                  "readable") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{index_file}: not valid JSON ({why}); re-download it") from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index_file}: no weight_map; re-download the index")
@@ -379,7 +387,7 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
             raise CheckpointError(f"{index_file}: metadata.total_size is {ts!r:.60}, not a byte count; fix or "
                                   "re-download the index")
     elif (root / SINGLE_FILE).is_file():
-        hdr, _, _ = read_shard_header(root / SINGLE_FILE)
+        hdr, _, _ = read_shard_header(_safe_shard_path(root, SINGLE_FILE, root))
         wm = {k: SINGLE_FILE for k in hdr if k != "__metadata__"}
     else:
         raise CheckpointError(f"{root}: no {INDEX_NAME} (nor a single {SINGLE_FILE}); "
