@@ -39,6 +39,45 @@ for mod in (run, info, ckpt, kern):
     mod.register(cli)
 
 
+class _PipeSafeStdout:
+    """``sys.stdout`` that outlives a closed pipe (``k3rocm plan | head -1``): after the reader is gone, output
+    is dropped and the command runs on to its end, so its report is still written and its exit code still
+    means what it says. The real stream's descriptor is pointed at /dev/null so Python's exit-time flush stays
+    quiet."""
+
+    def __init__(self, stream):
+        self._s = stream
+        self._dead = False
+
+    def _die(self) -> None:
+        import os
+        self._dead = True
+        try:
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, self._s.fileno())
+            os.close(fd)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def write(self, text):
+        if not self._dead:
+            try:
+                return self._s.write(text)
+            except BrokenPipeError:
+                self._die()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._dead:
+            try:
+                self._s.flush()
+            except BrokenPipeError:
+                self._die()
+
+    def __getattr__(self, name):  # encoding, isatty, fileno, buffer, ...
+        return getattr(self._s, name)
+
+
 def main(argv=None) -> None:
     """Console-script entry point (``k3rocm = k3rocm.cli.main:main``).
 
@@ -56,6 +95,8 @@ def main(argv=None) -> None:
         signal.signal(signal.SIGTERM, _term)
     except ValueError:  # not the main thread (embedded use): leave the handler alone
         pass
+    if not isinstance(sys.stdout, _PipeSafeStdout):
+        sys.stdout = _PipeSafeStdout(sys.stdout)
     try:
         cli.main(args=argv, prog_name="k3rocm", standalone_mode=False)
     except click.exceptions.Abort:

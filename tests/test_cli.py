@@ -422,3 +422,21 @@ def test_load_of_a_checkpoint_with_nan_weights_fails_the_tier_naming_the_tensor(
         f.write(struct.pack("<8H", *([0xFFFF] * 8)))  # bf16 NaNs
     line = one_line_error(run(["load", "--checkpoint", ck, "--out", tmp_path / "r"], code=1))
     assert "load.problems" in line and name in line and "NaN" in line
+
+
+def test_a_closed_pipe_does_not_cut_the_run_short(golden_ckpt, tmp_path):
+    """`k3rocm load ... | head -1`: the reader goes away after one line; the command still finishes, writes its
+    report and exits 0 without a traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "k3rocm.cli.main", "load", "--checkpoint", str(golden_ckpt),
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**__import__("os").environ, "COLUMNS": "120"})
+    assert p.stdout.readline()
+    p.stdout.close()  # the reader is gone
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert (out / "report.json").is_file()
