@@ -287,7 +287,8 @@ def tier_env(session: Session, stage: Stage) -> None:
               info("env", "triton", det.triton_version or "absent",
                    detail=f"target {det.triton_target}" if det.triton_target else "no GPU target (CPU)"),
               info("env", "aiter", det.aiter_version or "absent"),
-              info("env", "devices", det.count, detail=", ".join(f"{d.name} {d.arch}" for d in det.devices) or "CPU"),
+              info("env", "devices", det.count, detail=", ".join(f"{d.name} {d.arch}" for d in det.devices)
+                   or "GPUs visible: none; the run uses the CPU (one device in the report's header)"),
               info("env", "device.memory_visible", round(det.memory_bytes / 1e9, 2), "GB",
                    detail="smallest visible device"),
               info("env", "profile", prof.name, level="projected",
