@@ -128,6 +128,18 @@ def test_roofline_k3_decode_and_prefill():
 
     f = fraction_of_roofline(r, [S])
     assert f["fraction"] == pytest.approx(0.5)
+
+    class P:  # a step that mixes a 256-token prefill chunk into the same decode row, at the roofline
+        decode_contexts, prefill_contexts, prefill_sizes = (1024,), (256,), (256,)
+        num_decode, num_prefill_tokens = 1, 256
+        seconds = r.step([1024], [(256, 256)]).floor_s
+
+    f = fraction_of_roofline(r, [S, P, S])
+    d = f["decode_only"]  # the pure decode steps alone: the mixed step neither counts nor dilutes
+    assert d["steps"] == 2 and d["fraction"] == pytest.approx(0.5) and d["median_fraction"] == pytest.approx(0.5)
+    assert f["fraction"] > 0.5
+    assert fraction_of_roofline(r, [P])["decode_only"] == {"steps": 0, "floor_s": 0, "measured_s": 0,
+                                                           "fraction": 0.0, "median_fraction": 0.0}
     with pytest.raises(ConfigError):
         StepRoofline.from_config(k3, 0, 1)
 

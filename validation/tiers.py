@@ -753,7 +753,13 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                       info(tier, f"{tag}.roofline.measured_s", round(float(roof.get("total_measured_s", 0)), 6), "s",
                            level=lv, detail="sum of the same steps' measured times"),
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
-                           level=lv, detail="floor / measured (1.0 = at the roofline)"))
+                           level=lv, detail="floor / measured (1.0 = at the roofline), all steps"))
+            dec = roof.get("decode_only") or {}
+            if dec.get("steps"):
+                stage.add(info(tier, f"{tag}.roofline.decode_fraction", round(float(dec["fraction"]), 6), "",
+                               level=lv, detail=f"the same over the {dec['steps']} steps that carried no prefill "
+                                                f"tokens (pure decode steps; median step "
+                                                f"{float(dec['median_fraction']):.3f})"))
         for t in getattr(session.profile, "targets", ()):
             if lv in ("measured", "external") and t.metric in r and c == _target_conc(t.setting):
                 ok = r[t.metric] <= t.value if t.metric.endswith("_ms") else r[t.metric] >= t.value

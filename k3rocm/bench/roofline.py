@@ -138,7 +138,10 @@ def fraction_of_roofline(roof: StepRoofline, steps: Sequence) -> dict:
     """Fraction of roofline per step and in total for engine :class:`~k3rocm.runtime.engine.StepStats`.
 
     Returns ``{"per_step": [{"floor_s", "measured_s", "fraction", "bound", "decode", "prefill_tokens"}...],
-    "total_floor_s", "total_measured_s", "fraction"}`` (fraction = floor / measured; 0 when nothing ran).
+    "total_floor_s", "total_measured_s", "fraction", "decode_only": {"steps", "floor_s", "measured_s",
+    "fraction", "median_fraction"}}`` (fraction = floor / measured; 0 when nothing ran). ``decode_only`` covers
+    the steps that carried no prefill tokens: the decode step the serving goals speak of, without the prefill
+    chunks a continuous-batching engine mixes into other steps.
     """
     rows = []
     for s in steps:
@@ -148,8 +151,14 @@ def fraction_of_roofline(roof: StepRoofline, steps: Sequence) -> dict:
                      "bound": c.bound, "decode": s.num_decode, "prefill_tokens": s.num_prefill_tokens})
     tf = sum(r["floor_s"] for r in rows)
     tmeas = sum(r["measured_s"] for r in rows)
+    dec = [r for r in rows if r["decode"] and not r["prefill_tokens"]]
+    df, dm = sum(r["floor_s"] for r in dec), sum(r["measured_s"] for r in dec)
+    fr = sorted(r["fraction"] for r in dec)
+    med = (fr[len(fr) // 2] if len(fr) % 2 else (fr[len(fr) // 2 - 1] + fr[len(fr) // 2]) / 2) if fr else 0.0
     return {"per_step": rows, "total_floor_s": tf, "total_measured_s": tmeas,
-            "fraction": tf / tmeas if tmeas else 0.0}
+            "fraction": tf / tmeas if tmeas else 0.0,
+            "decode_only": {"steps": len(dec), "floor_s": df, "measured_s": dm,
+                            "fraction": df / dm if dm else 0.0, "median_fraction": med}}
 
 
 def _prefill_sizes(s) -> list[int]:
