@@ -138,6 +138,7 @@ def test_roofline_k3_decode_and_prefill():
     d = f["decode_only"]  # the pure decode steps alone: the mixed step neither counts nor dilutes
     assert d["steps"] == 2 and d["fraction"] == pytest.approx(0.5) and d["median_fraction"] == pytest.approx(0.5)
     assert f["fraction"] > 0.5
+    assert f["with_prefill"]["steps"] == 1 and f["with_prefill"]["fraction"] == pytest.approx(1.0)
     assert fraction_of_roofline(r, [P])["decode_only"] == {"steps": 0, "floor_s": 0, "measured_s": 0,
                                                            "fraction": 0.0, "median_fraction": 0.0}
     with pytest.raises(ConfigError):

@@ -151,6 +151,9 @@ def test_commands_merge_into_one_report(golden_dir, tmp_path):
     assert [h["stages"] for h in rep["history"]] == [["env", "load"], ["env", "load", "forward", "correctness"],
                                                      ["bench"]]
     assert rep["reproduction"]["kernel_selection"]["moe_experts"] == "torch"
+    roof = rep["stages"]["bench"]["series"]["roofline"]
+    assert roof["x"] == [1, 2] and {"all steps", "decode-only steps"} <= set(roof["y"])
+    assert all(0.0 < v < 1.0 for v in roof["y"]["all steps"])
     ev = {e["name"]: e for e in rep["stages"]["bench"]["evidence"]}
     assert ev["c1.completed"]["value"] == 2 and ev["c2.completed"]["value"] == 2
     levels = rep["evidence_levels"]

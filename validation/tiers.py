@@ -790,6 +790,17 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
     for u, _, c in sorted(pts, key=lambda p: p[2]):  # rows in concurrency order, the plot in x order
         stage.add(info(tier, f"c{c}.tok_s_per_user", round(u, 4), "tok/s/user", level=lv,
                        detail="1000 / median TPOT (ms): decode speed one user sees"))
+    # fraction of roofline per concurrency: all steps, pure decode steps, steps carrying prefill chunks
+    roofs = [r.get("roofline") or {} for r in results]
+    if any(x.get("total_floor_s") for x in roofs):
+        y = {"all steps": [float(x.get("fraction", 0.0)) for x in roofs]}
+        for key, label in (("decode_only", "decode-only steps"), ("with_prefill", "steps with prefill")):
+            vals = [float((x.get(key) or {}).get("fraction", 0.0)) for x in roofs]
+            if any(vals):
+                y[label] = vals
+        stage.series["roofline"] = {"title": "fraction of the roofline vs concurrency (1.0 = at the floor)",
+                                    "kind": "bar", "x": cs, "xlabel": "concurrency", "ylabel": "floor / measured",
+                                    "y": y}
     if pts:
         stage.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)",
                                     "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",

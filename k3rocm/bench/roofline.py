@@ -139,9 +139,10 @@ def fraction_of_roofline(roof: StepRoofline, steps: Sequence) -> dict:
 
     Returns ``{"per_step": [{"floor_s", "measured_s", "fraction", "bound", "decode", "prefill_tokens"}...],
     "total_floor_s", "total_measured_s", "fraction", "decode_only": {"steps", "floor_s", "measured_s",
-    "fraction", "median_fraction"}}`` (fraction = floor / measured; 0 when nothing ran). ``decode_only`` covers
-    the steps that carried no prefill tokens: the decode step the serving goals speak of, without the prefill
-    chunks a continuous-batching engine mixes into other steps.
+    "fraction", "median_fraction"}, "with_prefill": {...the same}}`` (fraction = floor / measured; 0 when nothing
+    ran). ``decode_only`` covers the steps that carried no prefill tokens: the decode step the serving goals
+    speak of, without the prefill chunks a continuous-batching engine mixes into other steps; ``with_prefill``
+    the others.
     """
     rows = []
     for s in steps:
@@ -151,14 +152,20 @@ def fraction_of_roofline(roof: StepRoofline, steps: Sequence) -> dict:
                      "bound": c.bound, "decode": s.num_decode, "prefill_tokens": s.num_prefill_tokens})
     tf = sum(r["floor_s"] for r in rows)
     tmeas = sum(r["measured_s"] for r in rows)
-    dec = [r for r in rows if r["decode"] and not r["prefill_tokens"]]
-    df, dm = sum(r["floor_s"] for r in dec), sum(r["measured_s"] for r in dec)
-    fr = sorted(r["fraction"] for r in dec)
-    med = (fr[len(fr) // 2] if len(fr) % 2 else (fr[len(fr) // 2 - 1] + fr[len(fr) // 2]) / 2) if fr else 0.0
     return {"per_step": rows, "total_floor_s": tf, "total_measured_s": tmeas,
             "fraction": tf / tmeas if tmeas else 0.0,
-            "decode_only": {"steps": len(dec), "floor_s": df, "measured_s": dm,
-                            "fraction": df / dm if dm else 0.0, "median_fraction": med}}
+            "decode_only": _summary([r for r in rows if r["decode"] and not r["prefill_tokens"]]),
+            "with_prefill": _summary([r for r in rows if r["prefill_tokens"]])}
+
+
+def _summary(rows: list[dict]) -> dict:
+    """``{"steps", "floor_s", "measured_s", "fraction" (sum floor / sum measured), "median_fraction"}`` of
+    per-step rows; zeros when there are none."""
+    f, m = sum(r["floor_s"] for r in rows), sum(r["measured_s"] for r in rows)
+    fr = sorted(r["fraction"] for r in rows)
+    med = (fr[len(fr) // 2] if len(fr) % 2 else (fr[len(fr) // 2 - 1] + fr[len(fr) // 2]) / 2) if fr else 0.0
+    return {"steps": len(rows), "floor_s": f, "measured_s": m, "fraction": f / m if m else 0.0,
+            "median_fraction": med}
 
 
 def _prefill_sizes(s) -> list[int]:
