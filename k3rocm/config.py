@@ -32,6 +32,18 @@ PRESETS = ("k3", "k3-tiny", "k3-prefix-N", "kimi-linear-48b-a3b")
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 65_536
 
+# text_config fields with one supported value (K3_FACTS §5; the released config.json): anything else would run
+# another model than the one k3rocm implements, so it is refused instead of ignored
+_FIXED_FIELDS: tuple[tuple[str, tuple, str], ...] = (
+    ("moe_router_activation_func", ("sigmoid",), "the router scores experts with a sigmoid"),
+    ("num_expert_group", (1,), "no expert groups in top-k"),
+    ("topk_group", (1,), "no expert groups in top-k"),
+    ("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE"),
+    ("mla_use_nope", (True,), "gated NoPE MLA"),
+    ("latent_moe_use_norm", (True,), "the latent RMSNorm of Stable LatentMoE"),
+    ("rope_scaling", (None,), "no RoPE scaling"),
+)
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -299,6 +311,10 @@ class K3Config:
         if any(not 1 <= x <= L for x in full) or len(set(full)) != len(full):
             raise bad(LAC, "full_attn_layers", list(full),
                       f"distinct 1-based layer indices in 1..{L} (num_hidden_layers {L})")
+        if lac.get("use_full_rank_gate") not in (None, True):
+            raise ConfigError(f"{LAC}.use_full_rank_gate is {json.dumps(lac.get('use_full_rank_gate'))[:60]}; "
+                              "k3rocm implements only true (KDA's per-channel forget gate), as in the released "
+                              "config.json - this checkpoint is a model variant k3rocm does not run")
         kda = lac.get("kda_layers")
         if kda is not None:
             kda_set, full_set = set(ilist(kda, "kda_layers")), set(full)
@@ -338,6 +354,25 @@ class K3Config:
             raise ConfigError("quantization_config sits at the top level; K3 keeps it inside text_config - "
                               "move it there")
 
+        # fields whose other values would change what the model computes, in ways k3rocm does not implement:
+        # refuse them by name rather than run a different model silently (absent / null = the supported value)
+        for key, ok, what in _FIXED_FIELDS:
+            if key in text and text[key] is not None and text[key] not in ok:
+                raise ConfigError(f"{TC}.{key} is {json.dumps(text[key])[:60]}; k3rocm implements only "
+                                  f"{' or '.join(json.dumps(o) for o in ok)} ({what}), as in the released "
+                                  "config.json - this checkpoint is a model variant k3rocm does not run")
+        if quant is not None:
+            if qc.get("quant_method", "compressed-tensors") != "compressed-tensors":
+                raise ConfigError(f"{_dot(TC, 'quantization_config')}.quant_method is {_short(qc.get('quant_method'))}; "
+                                  "k3rocm reads only compressed-tensors' mxfp4-pack-quantized experts - use the "
+                                  "released config.json")
+            for gname, g in (qc.get("config_groups") or {}).items():
+                w = g.get("weights") or {}
+                for key, want in (("num_bits", 4), ("type", "float")):
+                    if key in w and (w[key] != want or isinstance(w[key], bool)):
+                        raise ConfigError(f"{_dot(TC, 'quantization_config')}.config_groups.{gname}.weights.{key} "
+                                          f"is {_short(w[key])}; MXFP4 (E2M1) needs {want!r} - use the released "
+                                          "config.json")
         want_act = "situ" if family == "k3" else "silu"
         act = req("hidden_act") if family == "k3" or text.get("hidden_act") is not None else "silu"
         if act != want_act:

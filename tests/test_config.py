@@ -280,6 +280,18 @@ _BAD_FIELDS = [
     (_Q + ("config_groups", "group_0", "weights", "group_size"), 16,
      "text_config.quantization_config.config_groups.group_0.weights.group_size"),
     (_Q + ("ignore",), "lm_head", "text_config.quantization_config.ignore"),
+    # values that would run another model than the one implemented: refused by name, never ignored
+    (_T + ("moe_router_activation_func",), "softmax", "text_config.moe_router_activation_func"),
+    (_T + ("num_expert_group",), 4, "text_config.num_expert_group"),
+    (_T + ("topk_group",), 2, "text_config.topk_group"),
+    (_T + ("moe_layer_freq",), 2, "text_config.moe_layer_freq"),
+    (_T + ("mla_use_nope",), False, "text_config.mla_use_nope"),
+    (_T + ("latent_moe_use_norm",), False, "text_config.latent_moe_use_norm"),
+    (_T + ("rope_scaling",), {"type": "yarn", "factor": 4.0}, "text_config.rope_scaling"),
+    (_L + ("use_full_rank_gate",), False, "text_config.linear_attn_config.use_full_rank_gate"),
+    (_Q + ("quant_method",), "gptq", "text_config.quantization_config.quant_method"),
+    (_Q + ("config_groups", "group_0", "weights", "num_bits"), 8,
+     "text_config.quantization_config.config_groups.group_0.weights.num_bits"),
 ]
 
 
