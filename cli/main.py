@@ -97,6 +97,8 @@ def main(argv=None) -> None:
         pass
     if not isinstance(sys.stdout, _PipeSafeStdout):
         sys.stdout = _PipeSafeStdout(sys.stdout)
+    if not isinstance(sys.stderr, _PipeSafeStdout):  # `2>&1 | head`: progress lines go to a closed pipe too
+        sys.stderr = _PipeSafeStdout(sys.stderr)
     try:
         cli.main(args=argv, prog_name="k3rocm", standalone_mode=False)
     except click.exceptions.Abort:

@@ -109,6 +109,10 @@ def parse_concurrency(text: str) -> list[int]:
         raise ConfigError(f"--concurrency {text!r}: give positive integers, e.g. 8 or 1,8,64") from None
     if not vals or any(v < 1 for v in vals):
         raise ConfigError(f"--concurrency {text!r}: give positive integers, e.g. 8 or 1,8,64")
+    dup = sorted({v for v in vals if vals.count(v) > 1})
+    if dup:
+        raise ConfigError(f"--concurrency {text!r}: {', '.join(map(str, dup))} given twice (each point is one "
+                          "row set of the report); list each concurrency once")
     return vals
 
 

@@ -312,3 +312,14 @@ def test_client_watchdog_on_stalled_stream(fake_server):
     assert res.hang is not None and res.hang["request_id"] == target
     assert res.hang["where"]["output_tokens"] == 1
     assert res.metrics["completed"] == target
+
+
+def test_endpoint_url_forms_all_post_to_v1_completions():
+    """http://host:port, the OpenAI base-URL form .../v1 and the full .../v1/completions (with or without a
+    trailing slash, under a path prefix) all address the same completions route."""
+    from k3rocm.bench.client import OpenAIClient
+
+    for url, want in (("http://h:8000", "/v1/completions"), ("http://h:8000/v1", "/v1/completions"),
+                      ("http://h:8000/v1/", "/v1/completions"), ("http://h:8000/v1/completions", "/v1/completions"),
+                      ("http://h:8000/proxy/v1", "/proxy/v1/completions")):
+        assert OpenAIClient(url).path == want, url

@@ -393,6 +393,7 @@ def test_empty_options_and_kernel_specs_are_one_line(golden_ckpt, tmp_path):
         r = run(args, code=2)  # click usage errors (one `error:` line through the console entry point)
         assert "is empty" in r.stderr and "Traceback" not in r.output
     for args, needle in ((["validate", "--golden", "", "--out", out], "--golden is empty"),
+                         (["bench", "--concurrency", "2,4,2", "--out", out], "2 given twice"),
                          (["validate", "--kernels", "kda_prefill", "--out", out], "kda_prefill=triton"),
                          (["validate", "--kernels", "aiter", "--out", out], "not part of k3rocm"),
                          (["validate", "--level", "load", "--golden", golden_ckpt / "config.json", "--out", out],

@@ -55,7 +55,8 @@ class OpenAIClient:
     """Streaming client of one endpoint.
 
     Args:
-        endpoint: base URL (``http://host:port``; a trailing ``/v1/completions`` is accepted).
+        endpoint: base URL (``http://host:port``; the OpenAI base-URL form ``.../v1`` and a trailing
+            ``/v1/completions`` are accepted too).
         model: the ``model`` field (None = omitted; vLLM then uses its only model).
         vocab_size: vocabulary for random prompts (K3: 163840). special_ids: ids never used in prompts.
         timeout: socket timeout per read, seconds (a stalled stream also ends at the watchdog).
@@ -72,6 +73,8 @@ class OpenAIClient:
         self.endpoint = endpoint
         self.scheme, self.host, self.port = u.scheme, u.hostname, u.port
         path = u.path.rstrip("/")
+        if path.endswith("/v1"):  # the OpenAI base-URL form (http://host:8000/v1)
+            path = path[:-3]
         self.path = path if path.endswith("/v1/completions") else path + "/v1/completions"
         self.model = model
         self.vocab_size = vocab_size
