@@ -60,7 +60,7 @@ def checkpoint_option(f):
                         "Default: the embedded k3-tiny, written once into the user cache.")(f)
 
 
-def _not_empty(what: str):
+def not_empty(what: str):
     """A click callback refusing an empty (or blank) value with one usage line: an empty string must never
     fall back to a default silently."""
     def cb(ctx, param, value):
@@ -72,14 +72,14 @@ def _not_empty(what: str):
 
 def profile_option(f):
     return click.option("--profile", default=None, metavar="NAME",
-                        callback=_not_empty("pass a profile name (see `k3rocm profiles`) or omit it to detect"),
+                        callback=not_empty("pass a profile name (see `k3rocm profiles`) or omit it to detect"),
                         help="Hardware profile (see `k3rocm profiles`), or a profile file (*.toml in the "
                              "format of hwprofiles/, e.g. a copy with another device count). Default: detected.")(f)
 
 
 def out_option(f):
     return click.option("--out", default="reports/latest", show_default=True, metavar="DIR",
-                        callback=_not_empty("pass a report directory or omit it for reports/latest"),
+                        callback=not_empty("pass a report directory or omit it for reports/latest"),
                         help="Report directory; report.json/md/html are merged with what is already there.")(f)
 
 

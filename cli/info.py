@@ -6,7 +6,7 @@ import json
 
 import click
 
-from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, profile_option
+from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, not_empty, profile_option
 from k3rocm.errors import ConfigError, PlanError
 
 GB = 1e9
@@ -106,6 +106,7 @@ Examples:
   k3rocm plan                                           # embedded k3-tiny on this machine""")
 @checkpoint_option
 @click.option("--preset", default=None, metavar="NAME",
+              callback=not_empty("pass k3, k3-tiny, k3-prefix-N or kimi-linear-48b-a3b, or omit it"),
               help="Plan a preset config instead of a checkpoint: k3, k3-tiny, k3-prefix-N, kimi-linear-48b-a3b.")
 @profile_option
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the profile's).")

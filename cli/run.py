@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from k3rocm.cli.common import (Progress, common_options, finish, handle_errors, make_session, print_stages,
-                               write_stages)
+from k3rocm.cli.common import (Progress, common_options, finish, handle_errors, make_session, not_empty,
+                               print_stages, write_stages)
 from k3rocm.errors import ConfigError
 
 
@@ -75,7 +75,8 @@ Examples:
               default="correctness", show_default=True, help="Run every tier up to this one; stop at the first failure.")
 @click.option("--golden", type=click.Path(path_type=str), default=None, metavar="FILE",
               help="External golden outputs (safetensors: input_ids, logits, layerNN.attn_out/mlp_out, "
-                   "greedy_prompt, greedy_tokens, margins) to compare the fp32 oracle against.")
+                   "logits_top1_margin, greedy_prompt, greedy_tokens, greedy_margins) to compare the fp32 oracle "
+                   "against; checked tensor by tensor before any tier runs.")
 @common_options
 @handle_errors
 def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
@@ -148,7 +149,8 @@ neither the run is refused rather than assume 1.""")
 @click.option("--endpoint", default=None, metavar="URL",
               help="Run the same load against an OpenAI-compatible server (/v1/completions, streaming) instead "
                    "of the built-in engine; the prompts use the checkpoint's vocabulary (default: K3's).")
-@click.option("--model", "model_name", default=None, help="The 'model' field sent to --endpoint.")
+@click.option("--model", "model_name", default=None, help="The 'model' field sent to --endpoint.",
+              callback=not_empty("pass the model name the server serves, or omit --model"))
 @click.option("--endpoint-gpus", type=int, default=None, metavar="N",
               help="GPUs serving --endpoint: the divisor of its tok/s/GPU figures. Default: the device count of "
                    "--profile; with neither, an --endpoint run is refused.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -70,6 +71,197 @@ def test_malformed_profile_names_missing_field():
     with pytest.raises(ConfigError, match="device.arch"):
         hw.parse_profile({"backend": "rocm", "device": {"name": "x"}, "memory": {}, "peak_flops": {},
                           "link": {}, "parallel": {}}, "broken", "broken.toml")
+
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "hwprofiles"
+MI = "mi355x-8"
+CPU = "cpu"
+
+
+def _variant(tmp_path: Path, base: str, prefix: str, new: str, stem: str = "variant") -> Path:
+    """A copy of ``hwprofiles/<base>.toml`` whose one line starting with ``prefix`` is replaced by ``new``
+    (``{line}`` in ``new`` is the original line; ``""`` deletes it), written to ``tmp_path/<stem>.toml``."""
+    lines = (PROFILE_DIR / f"{base}.toml").read_text().split("\n")
+    hits = [i for i, ln in enumerate(lines) if ln.startswith(prefix)]
+    assert len(hits) == 1, f"{base}.toml: {len(hits)} lines start with {prefix!r}; the case must edit exactly one"
+    i = hits[0]
+    lines[i] = new.replace("{line}", lines[i])
+    path = tmp_path / f"{stem}.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _cases(base, prefix, field, *values):
+    return [pytest.param(base, prefix, v, field, id=f"{base}:{field}={v[len(prefix):].strip() or 'missing'}")
+            for v in values]
+
+
+_PEAK_SRC = 'source = "AMD Instinct MI350 series datasheet (MI355X/MI350X), 2025-06: ~2.5'
+# (base profile, line prefix, replacement line, dotted field the one-line message must name)
+BAD_CASES = [
+    *_cases(MI, "mxfp4 =", "peak_flops.mxfp4", 'mxfp4 = "nope"', "mxfp4 = 0", "mxfp4 = -1e+16", "mxfp4 = true"),
+    *_cases(MI, "fp8 =", "peak_flops.fp8", "fp8 = nan", "fp8 = inf", 'fp8 = "5e15"', ""),
+    *_cases(MI, "bf16 =", "peak_flops.bf16", 'bf16 = "none"', "bf16 = -1", "bf16 = 0", "bf16 = inf", ""),
+    *_cases(MI, _PEAK_SRC, "peak_flops.source", "source = 5", 'source = ""'),
+    # a key written below [device] belongs to [device]: refused as unknown there, not "missing peak_flops"
+    *_cases(MI, "fp8_format =", "device.peak_flops", '{line}\npeak_flops = 5'),
+    *_cases(MI, "hbm_bandwidth =", "device.hbm_bandwidth", 'hbm_bandwidth = "fast"', "hbm_bandwidth = nan",
+            "hbm_bandwidth = inf", "hbm_bandwidth = -inf", "hbm_bandwidth = 0", "hbm_bandwidth = -8e+12",
+            "hbm_bandwidth = true", "hbm_bandwidth = [8e12]", ""),
+    *_cases(MI, "memory_bytes =", "device.memory_bytes", 'memory_bytes = "192GB"', "memory_bytes = 0",
+            "memory_bytes = -1", "memory_bytes = 2.88e+11", "memory_bytes = true", ""),
+    *_cases(MI, "count =", "device.count", "count = 0", "count = -4", "count = 8.5", "count = 8.0", 'count = "8"',
+            "count = true", "count = 100000", "count = 65537", ""),
+    *_cases(MI, "usable_fraction =", "memory.usable_fraction", 'usable_fraction = "x"', "usable_fraction = 1.5",
+            "usable_fraction = 0", "usable_fraction = -0.5", "usable_fraction = nan", "usable_fraction = 1.0000001"),
+    *_cases(MI, "workspace_reserve_bytes =", "memory.workspace_reserve_bytes", "workspace_reserve_bytes = -1",
+            "workspace_reserve_bytes = 8.5e+9", 'workspace_reserve_bytes = "8GiB"'),
+    *_cases(MI, "bandwidth =", "link.bandwidth", 'bandwidth = "x"', "bandwidth = -1", "bandwidth = nan",
+            "bandwidth = inf", "bandwidth = 0", ""),
+    *_cases(MI, "kind =", "link.kind", "kind = 5", 'kind = ""'),
+    *_cases(MI, "kind =", "link.bandwidth", 'kind = "none"'),  # no link, but 1075.2 GB/s of it
+    *_cases(MI, "backend =", "backend", 'backend = "tpu"', 'backend = "hip"', "backend = 5", ""),
+    *_cases(MI, "fp8_format =", "device.fp8_format", 'fp8_format = "e5m2x"', 'fp8_format = "e4m3fnuz"',
+            "fp8_format = 1"),
+    *_cases(MI, "arch =", "device.arch", 'arch = "gfx950:sramecc+:xnack-"', 'arch = "sm_90"', "arch = 950",
+            'arch = ""', ""),
+    *_cases(MI, 'name = "AMD', "device.name", 'name = ""', "name = 5"),
+    *_cases(MI, "description =", "description", "description = 5"),
+    *_cases(MI, "tp =", "parallel.tp", "tp = 16", "tp = 0", 'tp = "8"', "tp = 8.0", ""),
+    *_cases(MI, "ep =", "parallel.ep", "ep = 0", "ep = 3", "ep = 16", "ep = true"),
+    *_cases(MI, "value = 20.9", "targets[0].value", 'value = "x"', "value = 0", "value = nan"),
+    *_cases(MI, "value = 20.9", "targets[0].valu", "{line}\nvalu = 3"),
+    # unknown keys and sections: a typo is refused, never ignored
+    *_cases(MI, "fp8_format =", "device.hbm_bandwith", "{line}\nhbm_bandwith = 8e+12"),
+    *_cases(MI, "ep =", "parallel.pp", "{line}\npp = 1"),
+    *_cases(MI, "backend =", "backedn", '{line}\nbackedn = "rocm"'),
+    *_cases(MI, "backend =", "devices", '{line}\n[devices]\ncount = 8'),
+    # the cpu profile: one host, no GPU figures of zero
+    *_cases(CPU, "count =", "device.count", "count = 0", "count = 4"),
+    *_cases(CPU, "hbm_bandwidth =", "device.hbm_bandwidth", "hbm_bandwidth = 0", "hbm_bandwidth = -5e10"),
+    *_cases(CPU, "bf16 =", "peak_flops.bf16", "bf16 = -1e12"),
+    *_cases(CPU, "tp =", "parallel.tp", "tp = 2"),
+    *_cases(CPU, "arch =", "device.arch", 'arch = "gfx950"'),
+    *_cases(CPU, "backend =", "device.arch", 'backend = "rocm"'),  # a rocm profile whose arch is "cpu"
+    *_cases(CPU, "bandwidth =", "link.bandwidth", "bandwidth = 1e9"),  # kind = "none" with a bandwidth
+]
+
+
+@pytest.mark.parametrize("base,prefix,new,field", BAD_CASES)
+def test_bad_profile_field_is_refused_naming_it(tmp_path, base, prefix, new, field):
+    path = _variant(tmp_path, base, prefix, new)
+    with pytest.raises(ConfigError) as ei:
+        hw.load_profile(str(path))
+    msg = str(ei.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith(f"{path}: "), msg  # which file
+    assert re.search(rf"(?<![\w.]){re.escape(field)}(?![\w.\[])", msg), msg  # which field, as a whole name
+
+
+def test_bad_profile_messages_say_value_rule_and_fix(tmp_path):
+    def msg(base, prefix, new):
+        with pytest.raises(ConfigError) as ei:
+            hw.load_profile(str(_variant(tmp_path, base, prefix, new, stem=f"m{len(seen)}")))
+        seen.append(1)
+        return str(ei.value)
+
+    seen: list = []
+    m = msg(MI, "count =", "count = 8.5")
+    assert "device.count = 8.5" in m and "integer from 1 to 65,536" in m and "not a float" in m
+    m = msg(MI, "hbm_bandwidth =", 'hbm_bandwidth = "fast"')
+    assert 'device.hbm_bandwidth = "fast"' in m and "finite number > 0" in m and "without quotes" in m
+    m = msg(MI, "hbm_bandwidth =", "hbm_bandwidth = nan")
+    assert "device.hbm_bandwidth = nan must be a finite number > 0" in m
+    m = msg(MI, "mxfp4 =", 'mxfp4 = "nope"')
+    assert 'peak_flops.mxfp4 = "nope"' in m and '"none"' in m
+    m = msg(MI, "usable_fraction =", "usable_fraction = 1.5")
+    assert "memory.usable_fraction = 1.5" in m and "(0, 1]" in m
+    m = msg(MI, "backend =", 'backend = "tpu"')
+    assert 'backend = "tpu"' in m and all(f'"{b}"' in m for b in ("rocm", "cuda", "cpu"))
+    m = msg(MI, "fp8_format =", 'fp8_format = "e5m2x"')
+    assert '"e4m3fn"' in m and '"e4m3fnuz"' in m
+    m = msg(MI, "tp =", "tp = 16")
+    assert "parallel.tp = 16" in m and "device.count = 8" in m
+    m = msg(MI, "ep =", "ep = 3")
+    assert "parallel.ep = 3 must divide parallel.tp = 8" in m
+    # unknown keys list the known ones of that section
+    m = msg(MI, "fp8_format =", "{line}\nhbm_bandwith = 8e+12")
+    assert "unknown key device.hbm_bandwith in [device]" in m
+    assert all(k in m for k in ("name", "arch", "count", "memory_bytes", "hbm_bandwidth", "fp8_format"))
+    m = msg(MI, "backend =", "{line}\n[devices]\ncount = 8")
+    assert "unknown section devices" in m and all(s in m for s in ("device", "peak_flops", "link", "memory",
+                                                                    "parallel", "targets"))
+    # a section written as a value at the top level
+    text = (PROFILE_DIR / f"{MI}.toml").read_text()
+    block = re.search(r"\n\[peak_flops\].*?\n(?=\[link\])", text, re.S)
+    assert block
+    path = tmp_path / "peak-scalar.toml"
+    path.write_text(text.replace('backend = "rocm"\n', 'backend = "rocm"\npeak_flops = 5\n', 1)
+                    .replace(block.group(0), "\n"))
+    with pytest.raises(ConfigError) as ei:
+        hw.load_profile(str(path))
+    assert "peak_flops = 5 must be a table" in str(ei.value) and "missing" not in str(ei.value)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_shipped_profile_passes_the_checks_as_a_file(tmp_path, name):
+    # control for the table above: an unmodified copy loads, and equals the shipped profile
+    path = tmp_path / f"{name}.toml"
+    path.write_text((PROFILE_DIR / f"{name}.toml").read_text())
+    assert hw.load_profile(str(path)) == hw.load_profile(name)
+
+
+@pytest.mark.parametrize("base,prefix,new", [
+    (MI, "usable_fraction =", "usable_fraction = 1"),  # the upper bound is allowed
+    (MI, "usable_fraction =", "usable_fraction = 1.0"),
+    (MI, "workspace_reserve_bytes =", "workspace_reserve_bytes = 0"),
+    (MI, "count =", "count = 65536"),
+    (MI, "count =", "count = 16"),
+    (MI, "mxfp4 =", 'mxfp4 = "none"'),
+    (MI, "arch =", 'arch = "gfx90a"'),  # arch is free-form within the backend's naming (no arch table in the code)
+    (MI, "hbm_bandwidth =", "hbm_bandwidth = 8000000000000"),  # an integer rate is a rate
+    (MI, "ep =", "ep = 2"),
+    (CPU, "bandwidth =", "bandwidth = 0.0"),
+])
+def test_edge_values_that_are_valid_load(tmp_path, base, prefix, new):
+    p = hw.load_profile(str(_variant(tmp_path, base, prefix, new)))
+    key = new.split("=")[0].strip()
+    got = {"usable_fraction": p.usable_fraction, "workspace_reserve_bytes": p.workspace_reserve_bytes,
+           "count": p.device_count, "mxfp4": p.peak_flops["mxfp4"], "arch": p.arch,
+           "hbm_bandwidth": p.hbm_bandwidth, "ep": p.ep, "bandwidth": p.link_bandwidth}[key]
+    want = new.split("=", 1)[1].strip()
+    assert got == (None if want == '"none"' else want.strip('"') if want.startswith('"') else float(want))
+
+
+def test_profile_path_that_is_a_directory_or_not_toml(tmp_path):
+    d = tmp_path / "dir.toml"
+    d.mkdir()
+    with pytest.raises(ConfigError, match="is a directory") as ei:
+        hw.load_profile(str(d))
+    assert str(d) in str(ei.value) and "\n" not in str(ei.value)
+    j = tmp_path / "prof.json"
+    j.write_text((PROFILE_DIR / f"{MI}.toml").read_text())
+    with pytest.raises(ConfigError, match=r"not a \.toml file"):
+        hw.load_profile(str(j))
+    b = tmp_path / "binary.toml"
+    b.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        hw.load_profile(str(b))
+
+
+@pytest.mark.parametrize("prefix,new,field", [("count =", "count = 8.5", "device.count"),
+                                              ("hbm_bandwidth =", 'hbm_bandwidth = "fast"', "device.hbm_bandwidth"),
+                                              ("mxfp4 =", 'mxfp4 = "nope"', "peak_flops.mxfp4")])
+def test_cli_plan_bad_profile_exits_2_with_one_line(tmp_path, prefix, new, field):
+    from click.testing import CliRunner
+
+    import k3rocm.cli.main
+
+    path = _variant(tmp_path, MI, prefix, new)
+    result = CliRunner().invoke(k3rocm.cli.main.cli, ["plan", "--profile", str(path)])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # handled: no traceback
+    assert "Traceback" not in result.output and field in result.output and str(path) in result.output
 
 
 def test_detect_on_this_machine():

@@ -423,6 +423,11 @@ def test_malformed_golden_files_are_one_line_errors(golden_dir, tmp_path):
         "greedy_half": (dict(greedy_tokens=None, greedy_margins=None), "greedy_prompt"),
         "layer_past_end": ({f"layer{cfg.num_hidden_layers + 5:02d}.mlp_out": torch.randn(B, T, cfg.hidden_size)},
                            "past"),
+        "unpadded_layer": ({"layer3.attn_out": good["layer03.attn_out"]}, "zero-padded"),
+        "unknown_tensor": ({"logits_extra": torch.randn(3)}, "unknown tensor"),
+        "nan_logits": (dict(logits=good["logits"].index_put((torch.tensor([0]), torch.tensor([int(torch.randint(T, ()))]),
+                                                             torch.tensor([0])), torch.tensor(float("nan")))),
+                       "NaN"),
     }
     cases["layer_shape"][0].pop("layer00_attn")
     for name, (change, needle) in cases.items():

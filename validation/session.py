@@ -320,6 +320,8 @@ def check_golden_file(path: str | Path, config=None) -> None:
         with safe_open(str(p), framework="pt") as f:
             meta = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
             ids = f.get_tensor("input_ids") if "input_ids" in meta else None
+            finite = {k: bool(f.get_tensor(k).float().isfinite().all()) for k in meta
+                      if k == "logits" or k.endswith("_out") or k.endswith("margin") or k.endswith("margins")}
             greedy = {k: f.get_tensor(k) for k in ("greedy_prompt", "greedy_tokens") if k in meta}
     except Exception as e:  # any parse failure of a user-given file is bad input
         raise CheckpointError(f"--golden {p}: not a safetensors file ({type(e).__name__}); pass the golden "
@@ -343,6 +345,16 @@ def check_golden_file(path: str | Path, config=None) -> None:
     lshape, ldt = meta["logits"]
     if len(lshape) != 3 or lshape[:2] != [B, T] or lshape[2] < 1 or ldt not in floats:
         raise bad("logits", f"a float [{B}, {T}, V] (the input_ids' batch and length)")
+    known = {"input_ids", "logits", "logits_top1_margin", "greedy_prompt", "greedy_tokens", "greedy_margins"}
+    for k in sorted(meta):
+        if k not in known and not re.fullmatch(r"layer\d+\.(attn_out|mlp_out)", k):
+            raise CheckpointError(f"--golden {p}: unknown tensor {k!r}; a golden file holds input_ids, logits, "
+                                  "logits_top1_margin, layerNN.attn_out / layerNN.mlp_out, greedy_prompt, "
+                                  "greedy_tokens, greedy_margins - rename or drop it so nothing is silently skipped")
+        m = re.fullmatch(r"layer(\d+)\.(attn_out|mlp_out)", k)
+        if m and len(m.group(1)) < 2:
+            raise CheckpointError(f"--golden {p}: tensor {k!r} is not zero-padded; name layer outputs layerNN "
+                                  f"(layer{int(m.group(1)):02d}.{m.group(2)})")
     hidden = config.hidden_size if config is not None else None
     for k in sorted(meta):
         m = re.fullmatch(r"layer(\d+)\.(attn_out|mlp_out)", k)
@@ -356,6 +368,10 @@ def check_golden_file(path: str | Path, config=None) -> None:
                                       f"{config.num_hidden_layers}; use golden data made from this checkpoint")
         elif k.startswith("layer") and (k.endswith("attn_out") or k.endswith("mlp_out")):
             raise CheckpointError(f"--golden {p}: tensor {k} is not named layerNN.attn_out / layerNN.mlp_out")
+    for k, ok in sorted(finite.items()):
+        if not ok:
+            raise CheckpointError(f"--golden {p}: tensor {k} holds NaN or Inf values; golden outputs must be finite "
+                                  "- regenerate the file")
     if "logits_top1_margin" in meta and meta["logits_top1_margin"][0] != [B, T]:
         raise bad("logits_top1_margin", f"[{B}, {T}]")
     if ("greedy_prompt" in meta) != ("greedy_tokens" in meta):
