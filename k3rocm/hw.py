@@ -505,10 +505,6 @@ class _Fields:
                                   f"{', '.join(known)}; fix the spelling or remove it{moved}")
 
 
-def _need(doc: dict, path: str, fname: str) -> Any:
-    return _Fields(doc, fname).get(path)
-
-
 def parse_profile(doc: dict, name: str, fname: str = "<profile>") -> Profile:
     """Build a :class:`Profile` from a parsed TOML document, checking every field.
 
