@@ -14,6 +14,8 @@ gate an AMD feature on the capability: use the gfx arch (HARDWARE.md "ROCm from 
 Profiles are TOML files in ``k3rocm/hwprofiles/`` (package data) read with :mod:`tomllib`:
 :func:`list_profiles`, :func:`load_profile`, :func:`match_profile`. Every figure in a profile carries its
 source (a datasheet and its date, or "measured here" with the date) — see ``hwprofiles/*.toml``.
+:func:`parse_profile` checks every field of a profile (type, range, allowed values) and refuses unknown
+sections and keys, so a profile file given as ``--profile FILE.toml`` fails with one line naming the field.
 """
 
 from __future__ import annotations
@@ -463,7 +465,7 @@ class _Fields:
     def integer(self, path: str, lo: int, hi: int | None = None, what: str = "") -> int:
         v = self.get(path)
         must = f"must be an integer >= {lo}" if hi is None else (
-            f"must be {lo}" if lo == hi else f"must be an integer from {lo} to {hi:,}")
+            f"must be {lo}" if lo == hi else f"must be an integer from {lo} to {hi}")
         if not isinstance(v, int) or isinstance(v, bool):
             raise self.fail(path, v, f"{must}{what}, not a {type(v).__name__}",
                             "write it as a plain integer without quotes or a decimal point")

@@ -167,7 +167,7 @@ def test_bad_profile_messages_say_value_rule_and_fix(tmp_path):
 
     seen: list = []
     m = msg(MI, "count =", "count = 8.5")
-    assert "device.count = 8.5" in m and "integer from 1 to 65,536" in m and "not a float" in m
+    assert "device.count = 8.5" in m and "integer from 1 to 65536" in m and "not a float" in m
     m = msg(MI, "hbm_bandwidth =", 'hbm_bandwidth = "fast"')
     assert 'device.hbm_bandwidth = "fast"' in m and "finite number > 0" in m and "without quotes" in m
     m = msg(MI, "hbm_bandwidth =", "hbm_bandwidth = nan")
