@@ -205,7 +205,7 @@ def write_stages(session, stages) -> Path:
         prof = session.profile.name
     except K3Error:
         pass
-    rep = load_report(out, cfg_hash, ckpt)
+    rep = load_report(out, cfg_hash, ckpt, prof)
     extra = {}
     sel = session.kernel_selection()
     if sel:

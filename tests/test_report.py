@@ -108,6 +108,19 @@ def test_same_config_other_checkpoint_is_not_merged(tmp_path):
     assert load_report(tmp_path, "hashA", "/models/two").stages == {}
 
 
+def test_a_report_for_another_profile_is_set_aside(tmp_path):
+    """Evidence levels and roofline ceilings were decided against the profile of the run: a report for
+    mi355x-8 is not merged into one for cpu (it is kept as report.previous-*.json)."""
+    rep = Report()
+    r = _repro("hashA")
+    r["checkpoint"], r["profile"] = "/models/one", "cpu"
+    rep.merge_run(r, [_stage("env"), _stage("load")])
+    write_report(rep, tmp_path)
+    assert list(load_report(tmp_path, "hashA", "/models/one", "cpu").stages) == ["env", "load"]
+    assert load_report(tmp_path, "hashA", "/models/one", "mi355x-8").stages == {}
+    assert list(tmp_path.glob("report.previous-*.json"))
+
+
 def test_a_failing_tier_drops_the_stale_stages_after_it():
     rep = Report()
     rep.merge_run(_repro("h"), [_stage(t) for t in ("env", "load", "forward", "correctness")])

@@ -389,11 +389,13 @@ def atomic_write(path: str | Path, text: str) -> None:
         raise
 
 
-def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint: str | None = None) -> Report:
+def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint: str | None = None,
+                profile: str | None = None) -> Report:
     """Open ``out_dir/report.json`` for merging, or a new :class:`Report`.
 
     A report of another checkpoint (different ``config_hash``, or the same config at another ``checkpoint``
-    path: two random-weight checkpoints share a config) or an unreadable/old-schema file is not merged into:
+    path: two random-weight checkpoints share a config), of another hardware ``profile`` (its evidence levels
+    and ceilings were decided against that profile) or an unreadable/old-schema file is not merged into:
     a fresh report starts, and the old ``report.json`` is kept as ``report.previous-<time>.json`` (a one-line
     note on stderr says so), so no measurement is lost without a word.
     """
@@ -412,6 +414,9 @@ def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint:
     old_ck = rep.reproduction.get("checkpoint")
     if checkpoint and old_ck and str(old_ck) != str(checkpoint):
         return _fresh(p, f"it is a report of the checkpoint at {old_ck}")
+    old_prof = rep.reproduction.get("profile")
+    if profile and old_prof and str(old_prof) != str(profile):
+        return _fresh(p, f"it is a report for the profile {old_prof}")
     return rep
 
 
