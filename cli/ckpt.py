@@ -130,7 +130,8 @@ def inspect_cmd(checkpoint, as_json, debug):
         t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
     t.add_row("shards", f"{len(doc['shards'])} files, {sum(x.get('bytes', 0) for x in doc['shards']) / GB:.3f} GB")
     console().print(t)
-    click.echo("index, shard headers, tensor set and scales valid")
+    click.echo("index, shard headers, tensor set and scales valid (weight values are not scanned here: `k3rocm load` "
+               "checks every tensor for NaN/Inf and its checksum, `checkpoint verify` the sha256 manifest)")
 
 
 @checkpoint_group.command("verify", epilog="""\b
