@@ -638,7 +638,9 @@ def load_profile(name: str) -> Profile:
         except OSError as e:
             raise ConfigError(f"profile file {path} cannot be read ({e.strerror or e}); check its "
                               "permissions") from None
-        return parse_profile(doc, path.stem, str(path))
+        # named by its absolute path: a modified copy saved as mi355x-8.toml must not pass for the shipped one
+        # (report headers, the plan's messages and report merging all go by the name)
+        return parse_profile(doc, str(path.resolve()), str(path))
     known = list_profiles()
     if name not in known and ("/" in str(name) or os.sep in str(name) or Path(str(name)).exists()):
         raise ConfigError(f"profile {name!r} is a path but not a .toml file; a profile file must be TOML in the "

@@ -220,7 +220,7 @@ def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path)
     f = tmp_path / "mi300x-16.toml"
     f.write_text(src.read_text().replace("\ncount = 8", "\ncount = 16", 1))
     prof = load_profile(str(f))
-    assert prof.device_count == 16 and prof.name == "mi300x-16"
+    assert prof.device_count == 16 and prof.name == str(f.resolve())  # a file is named by its path
     p = plan(preset("k3"), prof, tp=16, ep=16)
     assert p.fits and p.experts_per_rank == 896 // 16
     with pytest.raises(ConfigError, match="does not exist"):
