@@ -216,6 +216,8 @@ def write_stages(session, stages) -> Path:
         extra["engine"] = d if isinstance(d, dict) else str(d)
     if session.opts.golden:
         extra["golden"] = str(Path(session.opts.golden).resolve())
+    if session.opts.extra.get("endpoint"):
+        extra["endpoint"] = session.opts.extra["endpoint"]
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)

@@ -311,6 +311,8 @@ def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts
                 if not d.get("completed"):
                     break  # the server answers nothing usefully: do not run the larger points against it
         gpu_detail = f"{n_gpus} GPU{'s' if n_gpus != 1 else ''} serving the endpoint, {source}"
+        # the report's header must say what was measured: the server, not this machine or the checkpoint
+        s.opts.extra["endpoint"] = {"url": endpoint, "gpus": n_gpus, "gpus_source": source}
         stage.add(info("bench", "endpoint.gpus", n_gpus, "GPU", level="external",
                        detail=f"the tok/s/GPU figures assume {gpu_detail}"))
         bench_rows(s, stage, results, tier="bench", level="external")

@@ -125,6 +125,8 @@ def test_per_gpu_figures_divide_by_the_profile_gpus_and_say_so(tmp_path):
     assert rows["endpoint.gpus"]["value"] == 8 and "--profile mi355x-8" in rows["endpoint.gpus"]["detail"]
     assert rows["c2.output_throughput_per_gpu"]["level"] == "external"
     assert "endpoint.gpus" in r.output
+    md = (out / "report.md").read_text()  # the header names the server measured, not only this machine
+    assert f"benchmarked server: {url} (8 GPUs" in md and "the machine that sent the load" in md
 
 
 def test_endpoint_gpus_wins_over_the_profile(tmp_path):

@@ -53,7 +53,10 @@ def render_markdown(rep: Report) -> str:
              f"- checkpoint: `{r.get('checkpoint')}` (config sha256 `{str(r.get('config_hash'))[:16]}`)",
              f"- profile: `{r.get('profile')}`; kernels: `{r.get('kernels')}`",
              f"- device: {dev.get('sku', '?')} × {dev.get('count', '?')} ({dev.get('arch', '?')}, "
-             f"backend {dev.get('backend', '?')})",
+             f"backend {dev.get('backend', '?')})" + (" — the machine that sent the load" if r.get("endpoint") else ""),
+             *([f"- benchmarked server: {r['endpoint'].get('url')} ({r['endpoint'].get('gpus')} GPUs, "
+                f"{r['endpoint'].get('gpus_source')}); the checkpoint above only gave the prompts' vocabulary"]
+               if isinstance(r.get("endpoint"), dict) else []),
              f"- k3rocm {sw.get('k3rocm')} @ {sw.get('git_sha')}; torch {sw.get('torch')} ({sw.get('torch_build')}),"
              f" triton {sw.get('triton')}, aiter {sw.get('aiter')}",
              "- evidence levels: " + ", ".join(f"{k} {v}" for k, v in d["evidence_levels"].items()), ""]
