@@ -236,3 +236,26 @@ def test_help_says_the_limits():
     h = " ".join(run(["bench", "--help"]).output.split())
     assert "--endpoint-gpus" in h and "at least 2" in h and "no TPOT or ITL" in h
     assert "at least the largest concurrency" in h
+
+
+class _StreamError(_Streaming):
+    """Starts a stream, then sends an error event the way vLLM reports an unknown model mid-stream."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(b'data: {"error": {"message": "The model `nope` does not exist.", "code": 404}}\n\n'
+                         b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+
+def test_an_error_event_in_the_stream_is_reported_in_the_servers_words(tmp_path):
+    out = tmp_path / "r"
+    with serve(_StreamError) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--model", "nope", *LOAD, "--out", out], code=3)
+    line = one_line_error(r)
+    assert "does not exist" in line and "no tokens streamed" not in line

@@ -158,6 +158,13 @@ class OpenAIClient:
                     msg = json.loads(data)
                 except json.JSONDecodeError:
                     continue
+                err = msg.get("error") if isinstance(msg, dict) else None
+                if err:  # an error event inside the stream (vLLM / SGLang send {"error": {"message": ...}})
+                    text = err.get("message") if isinstance(err, dict) else err
+                    raise HardwareError(f"POST {self.path}: the stream carried an error: "
+                                        f"{body_snippet(str(text).encode())}")
+                if not isinstance(msg, dict):
+                    continue
                 if msg.get("usage"):
                     usage = msg["usage"].get("completion_tokens", usage)
                 ch = msg.get("choices") or []
