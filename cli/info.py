@@ -136,6 +136,11 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
         # the whole structural check (index, shards, headers, tensor set) — a plan of a checkpoint that cannot
         # load is no plan; the E8M0 scale scan is left to `load` (it reads ~85 GB on the real release)
         cfg = open_checkpoint(Session(Options(checkpoint=checkpoint)).checkpoint_dir, check_scales=False).config
+    text = cfg.raw.get("text_config", cfg.raw) if isinstance(getattr(cfg, "raw", None), dict) else {}
+    max_pos = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    if context_len is not None and isinstance(max_pos, int) and not isinstance(max_pos, bool) and context_len > max_pos:
+        raise ConfigError(f"--context-len {context_len:,} exceeds the model's max_position_embeddings {max_pos:,}; "
+                          "pass a length the model supports")
     prof = load_profile(profile) if profile else match_profile(detect(with_smi=False))
     pl = plan(cfg, prof, tp=tp, ep=ep, kv_dtype=kv_dtype, context_len=context_len, strict=False)
     if as_json:

@@ -25,6 +25,9 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     """
     from k3rocm.cli.info import print_plan
     from k3rocm.validation.tiers import run_tiers
+    if kernels != "auto":
+        raise ConfigError(f"--kernels {kernels!r} has no effect on load (it streams and checks weights and runs no "
+                          "kernels); drop --kernels, or give it to validate / bench")
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
     s.preflight()
     # the layout and per-rank bytes, before anything loads

@@ -300,7 +300,7 @@ def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
     bad.write_text("not safetensors")
     one_line_error(run(["validate", "--golden", bad, "--out", tmp_path / "r"], code=2))
     if not torch.cuda.is_available():
-        one_line_error(run(["load", "--kernels", "triton", "--out", tmp_path / "r"], code=3))
+        one_line_error(run(["validate", "--kernels", "triton", "--out", tmp_path / "r"], code=3))
     assert not (tmp_path / "r" / "report.json").exists()
 
 
@@ -394,6 +394,7 @@ def test_empty_options_and_kernel_specs_are_one_line(golden_ckpt, tmp_path):
         assert "is empty" in r.stderr and "Traceback" not in r.output
     for args, needle in ((["validate", "--golden", "", "--out", out], "--golden is empty"),
                          (["bench", "--concurrency", "2,4,2", "--out", out], "2 given twice"),
+                         (["load", "--kernels", "triton", "--out", out], "no effect on load"),
                          (["validate", "--kernels", "kda_prefill", "--out", out], "kda_prefill=triton"),
                          (["validate", "--kernels", "aiter", "--out", out], "not part of k3rocm"),
                          (["validate", "--level", "load", "--golden", golden_ckpt / "config.json", "--out", out],

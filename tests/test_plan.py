@@ -228,3 +228,14 @@ def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path)
     (tmp_path / "bad.toml").write_text("[device\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_profile(str(tmp_path / "bad.toml"))
+
+
+def test_plan_context_len_beyond_the_model_is_refused():
+    """--context-len above max_position_embeddings is one line, exit 2 (it planned a cache the model cannot use)."""
+    from click.testing import CliRunner
+
+    from k3rocm.cli.main import cli
+    r = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", str(10**8)])
+    assert r.exit_code == 2 and "max_position_embeddings" in r.stderr and "Traceback" not in r.output
+    ok = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", "4096"])
+    assert ok.exit_code == 0, ok.output
