@@ -259,3 +259,26 @@ def test_an_error_event_in_the_stream_is_reported_in_the_servers_words(tmp_path)
         r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--model", "nope", *LOAD, "--out", out], code=3)
     line = one_line_error(r)
     assert "does not exist" in line and "no tokens streamed" not in line
+
+
+class _Short(_Streaming):
+    """Streams one token whatever max_tokens asks for (a server that stops at EOS)."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n')
+        self.wfile.flush()
+        self.close_connection = True
+
+
+def test_short_outputs_are_counted_in_a_row(tmp_path):
+    out = tmp_path / "r"
+    with serve(_Short) as url:
+        run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out])
+    rows = _rows(out)
+    assert rows["c2.short_outputs"]["value"] == 4 and "fewer output tokens" in rows["c2.short_outputs"]["detail"]
+    assert "c2.median_tpot_ms" not in rows  # one token each: no TPOT was measured, and none is shown

@@ -739,6 +739,11 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv,
                         detail=f"failed requests: {why}" if why else "failed requests"),
                   check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
+        if r.get("short_outputs"):
+            stage.add(info(tier, f"{tag}.short_outputs", int(r["short_outputs"]), "requests", level=lv,
+                           detail=f"of {n} completed requests returned fewer output tokens than requested (the "
+                                  "server stopped early: EOS or a length limit); the load was lighter than asked "
+                                  "and requests with one token define no TPOT / ITL"))
         for k, unit in (("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
                         ("output_throughput_per_gpu", "tok/s/GPU"), ("median_ttft_ms", "ms"), ("p99_ttft_ms", "ms"),
                         ("median_tpot_ms", "ms"), ("p99_tpot_ms", "ms"), ("median_itl_ms", "ms"), ("p99_itl_ms", "ms"),

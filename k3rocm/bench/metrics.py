@@ -110,7 +110,8 @@ def aggregate(records: list[RequestRecord], duration: float, num_gpus: int = 1) 
             ``total_token_throughput_per_gpu``.
 
     Returns:
-        dict with ``completed``, ``failed``, ``total_input_tokens``, ``total_output_tokens``, ``num_gpus``; when at
+        dict with ``completed``, ``failed``, ``short_outputs`` (completed with fewer output tokens than
+        requested), ``total_input_tokens``, ``total_output_tokens``, ``num_gpus``; when at
         least one request completed also ``duration`` (s), ``request_throughput`` (req/s), ``output_throughput``,
         ``total_token_throughput`` and the ``*_per_gpu`` pair (tok/s), and ``{mean,median,std,p90,p99}_{m}_ms``
         for each metric ``m`` in ttft, tpot, itl, e2el that some completed request defines (absent otherwise).
@@ -126,6 +127,9 @@ def aggregate(records: list[RequestRecord], duration: float, num_gpus: int = 1) 
     out: dict = {
         "completed": len(ok),
         "failed": len(records) - len(ok),
+        # completed requests that returned fewer output tokens than asked for (a server that stopped at EOS or a
+        # length limit): the load was lighter than the one requested
+        "short_outputs": sum(1 for r in ok if r.output_tokens < r.output_len_target),
         "total_input_tokens": tin,
         "total_output_tokens": tout,
         "num_gpus": num_gpus,
