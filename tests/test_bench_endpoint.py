@@ -238,8 +238,10 @@ def test_help_says_the_limits():
     assert "at least the largest concurrency" in h
 
 
-class _StreamError(_Streaming):
-    """Starts a stream, then sends an error event the way vLLM reports an unknown model mid-stream."""
+class _FixedStream(_Streaming):
+    """Answers every request with the same server-sent event body (``BODY``), whatever it asked for."""
+
+    BODY = b""
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -247,10 +249,15 @@ class _StreamError(_Streaming):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(b'data: {"error": {"message": "The model `nope` does not exist.", "code": 404}}\n\n'
-                         b"data: [DONE]\n\n")
+        self.wfile.write(self.BODY)
         self.wfile.flush()
         self.close_connection = True
+
+
+class _StreamError(_FixedStream):
+    """An error event inside the stream, the way vLLM reports an unknown model."""
+
+    BODY = b'data: {"error": {"message": "The model `nope` does not exist.", "code": 404}}\n\ndata: [DONE]\n\n'
 
 
 def test_an_error_event_in_the_stream_is_reported_in_the_servers_words(tmp_path):
@@ -261,18 +268,10 @@ def test_an_error_event_in_the_stream_is_reported_in_the_servers_words(tmp_path)
     assert "does not exist" in line and "no tokens streamed" not in line
 
 
-class _Short(_Streaming):
+class _Short(_FixedStream):
     """Streams one token whatever max_tokens asks for (a server that stops at EOS)."""
 
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n')
-        self.wfile.flush()
-        self.close_connection = True
+    BODY = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n'
 
 
 def test_short_outputs_are_counted_in_a_row(tmp_path):
