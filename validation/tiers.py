@@ -580,21 +580,12 @@ def golden_checks(session: Session, stage: Stage) -> None:
     from pathlib import Path
 
     from safetensors.torch import load_file
-    from k3rocm.errors import CheckpointError
+
+    from k3rocm.validation.session import check_golden_file
     p = Path(session.opts.golden)
-    if not p.is_file():
-        raise CheckpointError(f"--golden {p}: file not found; pass a safetensors file with input_ids and logits")
-    try:
-        g = load_file(str(p))
-    except Exception as e:
-        raise CheckpointError(f"--golden {p}: not a readable safetensors file ({type(e).__name__})") from None
-    for k in ("input_ids", "logits"):
-        if k not in g:
-            raise CheckpointError(f"--golden {p}: tensor {k!r} missing; the file needs input_ids and logits")
+    check_golden_file(p, session.config)  # the same check as the pre-flight (this may be called without it)
+    g = load_file(str(p))
     ids = g["input_ids"].long()
-    if int(ids.max()) >= session.config.vocab_size or g["logits"].shape[-1] != session.config.vocab_size:
-        raise CheckpointError(f"--golden {p}: vocabulary {g['logits'].shape[-1]} does not match the checkpoint's "
-                              f"{session.config.vocab_size}; use golden data made from this checkpoint")
     ol, olay = oracle_forward(session.oracle, ids)
     ol = ol.cpu()
     ref = g["logits"].float()
