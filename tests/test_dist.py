@@ -113,26 +113,28 @@ def _wrong_order_worker(ctx, checkpoint, ids):
     from k3rocm.hw import load_profile
     from k3rocm.model.common import f32, linear, rms_norm
     from k3rocm.runtime.plan import plan
-    from k3rocm.runtime.tp import TPModel, shard_weights
+    from k3rocm.model.model import K3Model
+    from k3rocm.runtime.dist import TPGroup
+    from k3rocm.runtime.tp import shard_weights
 
-    class Wrong(TPModel):
-        def _channel(self, i, x):
+    class Wrong(K3Model):
+        def channel(self, i, x):
             cfg = self.cfg
             if not cfg.is_moe_layer(i):
-                return super()._channel(i, x)
+                return super().channel(i, x)
             p = f"layers.{i}.block_sparse_moe."
             rid, wts = self.ops["moe_router"](x, self.w(p + "gate.weight"), self.w(p + "gate.e_score_correction_bias"),
                                               cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
             xin = linear(x, self.w(p + "routed_expert_down_proj.weight"))
-            part = f32(self.ops["moe_experts"](xin, rid, wts, self.w.experts(i, cfg)))
+            part = f32(self.ops["moe_experts"](xin, rid, wts, self.w.experts(i)))
             y = linear(rms_norm(part, self.w(p + "routed_expert_norm.weight"), cfg.rms_norm_eps),
                        self.w(p + "routed_expert_up_proj.weight"))
             from k3rocm.model.layer import dense_mlp
-            return self._reduce(y + dense_mlp(x, self.w, p + "shared_experts.", cfg))
+            return self.par.reduce(y + dense_mlp(x, self.w, p + "shared_experts.", cfg), "moe")
 
     index = open_checkpoint(checkpoint)
     pl = plan(index.config, load_profile("cpu"), tp=2, ep=2)
-    m = Wrong(index.config, pl, ctx.rank, shard_weights(index, pl.ranks[ctx.rank]), ctx)
+    m = Wrong(index.config, shard_weights(index, index.config, pl.ranks[ctx.rank]), par=TPGroup(ctx, pl, ctx.rank))
     return m.forward(ids)
 
 
@@ -198,13 +200,13 @@ def _teacher_forced_worker(ctx, checkpoint, ids):
     from k3rocm.model.layer import AttnResState, Batch
     from k3rocm.model.model import K3Model, LayerState, _cu
     from k3rocm.runtime.plan import plan
-    from k3rocm.runtime.tp import TPModel, shard_weights
+    from k3rocm.runtime.tp import shard_weights, tp_model
 
     index = open_checkpoint(checkpoint)
     cfg = index.config
     pl = plan(cfg, load_profile("cpu"), tp=2, ep=2)
     oracle = K3Model(cfg, {n: index.read(n) for n in index.entries})
-    tpm = TPModel(cfg, pl, ctx.rank, shard_weights(index, pl.ranks[ctx.rank]), ctx)
+    tpm = tp_model(cfg, pl, ctx.rank, shard_weights(index, cfg, pl.ranks[ctx.rank]), ctx)
     B, T = ids.shape
     batch = Batch(_cu([T] * B))
     flat = ids.reshape(-1)

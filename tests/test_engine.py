@@ -113,14 +113,14 @@ def test_decode_padding_rows_write_nothing(tiny):
     real = {"slot_ids": torch.tensor([slot], dtype=torch.int32), "pos": torch.tensor([5]),
             "block_rows": table[[slot]]}
     with torch.no_grad():
-        want = eng._forward(torch.tensor([tok]), 1, real, None, None, torch.tensor([0]))
+        want = eng._forward(torch.tensor([tok]), 1, real, None, torch.tensor([0]))
     for d, s in zip(snap, (eng.mla.kv_cache, eng.kda.state, eng.kda.conv)):  # restore the state
         for i in s:
             s[i].copy_(d[i])
     padded = {"slot_ids": torch.tensor([slot, -1, -1], dtype=torch.int32), "pos": torch.tensor([5, 0, 0]),
               "block_rows": torch.cat([table[[slot]], torch.zeros(2, table.shape[1], dtype=torch.int32)])}
     with torch.no_grad():
-        got = eng._forward(torch.tensor([tok, 0, 0]), 3, padded, None, None, torch.tensor([0, 1, 2]))
+        got = eng._forward(torch.tensor([tok, 0, 0]), 3, padded, None, torch.tensor([0, 1, 2]))
     assert torch.isfinite(got).all()
     assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
     # caches after the padded step: only the real row's MLA slot (token 5) and KDA slot changed, and they
@@ -131,7 +131,7 @@ def test_decode_padding_rows_write_nothing(tiny):
         for i in s:
             s[i].copy_(d[i])
     with torch.no_grad():
-        eng._forward(torch.tensor([tok]), 1, real, None, None, torch.tensor([0]))
+        eng._forward(torch.tensor([tok]), 1, real, None, torch.tensor([0]))
     flat_slot = int(table[slot, 5 // 4]) * 4 + 5 % 4
     for i in eng.mla.kv_cache:
         pad_rows, one_rows, old = (x[i].view(-1, x[i].shape[-1]) for x in (after[0], eng.mla.kv_cache, snap[0]))

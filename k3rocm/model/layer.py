@@ -16,7 +16,7 @@ Batches: ``B = 1``, tokens of N sequences packed back to back, ``cu_seqlens`` in
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -26,9 +26,9 @@ from k3rocm.errors import CheckpointError, ConfigError
 from k3rocm.model.common import f32, linear, rms_norm, silu_glu, situ_glu
 
 __all__ = [
-    "ORACLE_OP_NAMES", "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState",
-    "kda_mixer", "mla_mixer", "dense_mlp", "moe_block", "fold_res_weight", "attn_side", "mlp_side",
-    "final_aggregate",
+    "ORACLE_OP_NAMES", "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
+    "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
+    "mla_has_output_gate", "dense_mlp", "moe_block", "attn_side", "mlp_side", "final_aggregate",
 ]
 
 ORACLE_OP_NAMES = ("short_conv", "kda_prefill", "kda_decode", "mla_prefill", "mla_decode", "mla_cache_write",
@@ -72,42 +72,34 @@ def resolve_ops(ops: Mapping[str, Callable] | None = None) -> dict[str, Callable
 
 
 class WeightView:
-    """Read-only access to a model's tensors by model-relative checkpoint name.
+    """Read-only access to a :class:`~k3rocm.model.weights.Weights` by model-relative checkpoint name.
 
     ``view("layers.3.self_attn.q_a_proj.weight")`` returns the stored tensor (any dtype, never copied);
-    ``view.head()`` the lm_head. Works on
-
-    * a ``Mapping[str, Tensor]`` keyed by full checkpoint names (``language_model.model.…`` for K3,
-      ``model.…`` for Kimi-Linear), or
-    * a ``Weights`` object (:mod:`k3rocm.model.weights`) offering ``get(name)`` / ``__getitem__`` by full name.
-
-    Routed experts: :meth:`experts` returns the source's own ``ExpertWeights`` when it has an ``experts(layer)``
-    method, else stacks the per-expert tensors of that one layer (packed MXFP4 stays packed; nothing is
-    dequantized here, ``moe_experts`` dequantizes per expert on the fly).
+    ``view.head()`` the lm_head; ``view.experts(layer)`` the layer's routed experts in the op contract's
+    ``ExpertWeights`` layout (the Weights' own stacks: packed MXFP4 stays packed, ``moe_experts`` dequantizes
+    per expert on the fly). Weights are the one protocol every model reads: the fp32 oracle, the serving
+    engine and each rank of a TP/EP layout (a rank's Weights hold its local slices and experts).
 
     Args:
-        source: mapping or Weights object.
-        prefix: name prefix of model tensors (``language_model.model.`` for K3).
+        source: a :class:`~k3rocm.model.weights.Weights` (or anything with ``get(full_name)`` and
+            ``experts(layer)``).
+        prefix: name prefix of model tensors (``language_model.model.`` for K3, ``model.`` for Kimi-Linear).
         head: full name of the lm_head weight.
+        memo: keep tensors derived from the weights (:meth:`derived`) — the engine's choice; the oracle derives
+            them per use and holds no second copy.
     Raises:
         CheckpointError: (on access) a tensor is missing — the message names it.
     """
 
-    def __init__(self, source: Any, prefix: str = "language_model.model.", head: str = "language_model.lm_head.weight"):
+    def __init__(self, source: Any, prefix: str = "language_model.model.", head: str = "language_model.lm_head.weight",
+                 memo: bool = False):
         self.source = source
         self.prefix = prefix
         self.head_name = head
+        self._memo: dict[str, Any] | None = {} if memo else None
 
     def _raw(self, full: str) -> torch.Tensor:
-        src = self.source
-        t = None
-        try:
-            if hasattr(src, "get"):
-                t = src.get(full)
-            else:
-                t = src[full]
-        except KeyError:
-            t = None
+        t = self.source.get(full)
         if t is None:
             raise CheckpointError(f"tensor {full} is missing from the weights; the checkpoint does not match "
                                   f"its config (re-run 'k3rocm validate --level load')")
@@ -117,35 +109,22 @@ class WeightView:
         return self._raw(self.prefix + name)
 
     def has(self, name: str) -> bool:
-        try:
-            self(name)
-            return True
-        except CheckpointError:
-            return False
+        return self.source.get(self.prefix + name) is not None
 
     def head(self) -> torch.Tensor:
         return self._raw(self.head_name)
 
-    def experts(self, layer: int, cfg: K3Config) -> Any:
-        """Routed experts of MoE layer ``layer`` in the ``ExpertWeights`` layout of the op contract."""
-        fn = getattr(self.source, "experts", None)
-        if callable(fn):
-            return fn(layer)
-        E = cfg.num_experts
-        base = f"layers.{layer}.block_sparse_moe.experts."
-        if cfg.experts_quantized:
-            def stack(w: str, kind: str) -> torch.Tensor:
-                return torch.stack([self(f"{base}{e}.{w}.weight_{kind}") for e in range(E)])
-            return {
-                "w13_packed": torch.cat([stack("w1", "packed"), stack("w3", "packed")], dim=1),
-                "w13_scale": torch.cat([stack("w1", "scale"), stack("w3", "scale")], dim=1),
-                "w2_packed": stack("w2", "packed"), "w2_scale": stack("w2", "scale"),
-                "num_experts": E, "first_expert": 0,
-            }
-        w1 = torch.stack([self(f"{base}{e}.w1.weight") for e in range(E)])
-        w3 = torch.stack([self(f"{base}{e}.w3.weight") for e in range(E)])
-        return {"w13": torch.cat([w1, w3], dim=1), "w2": torch.stack([self(f"{base}{e}.w2.weight") for e in range(E)]),
-                "num_experts": E, "first_expert": 0}
+    def experts(self, layer: int) -> Any:
+        """Routed experts of MoE layer ``layer`` (``ExpertWeights``: this source's expert range)."""
+        return self.source.experts(layer)
+
+    def derived(self, key: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` — kept under ``key`` when this view memoises (see ``memo``), else computed each call."""
+        if self._memo is None:
+            return fn()
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -179,7 +158,9 @@ class K3Cache:
     @classmethod
     def empty(cls, cfg: K3Config, batch: int, max_len: int = 1024, block_size: int = 16,
               device: torch.device | str = "cpu") -> "K3Cache":
-        """Zeroed state for ``batch`` sequences of up to ``max_len`` tokens (sizes per K3_FACTS §5/§7)."""
+        """Zeroed state for ``batch`` sequences of up to ``max_len`` tokens (sizes per K3_FACTS §5/§7).
+
+        ``cfg`` is the config the token mixers see: one rank's view under tensor parallelism (its KDA heads)."""
         if batch < 1 or max_len < 1:
             raise ConfigError(f"cache batch {batch} and max_len {max_len} must be positive")
         nb = -(-max_len // block_size)
@@ -233,6 +214,59 @@ class Batch:
 # ---------------------------------------------------------------------------------------------------------
 # token mixers
 # ---------------------------------------------------------------------------------------------------------
+#
+# ``cfg`` below is the config the mixer sees: under tensor parallelism one rank's view (its KDA and MLA head
+# counts, :func:`local_config`); each mixer returns its ``o_proj`` output, which under TP is the rank's partial sum
+# (the decoder skeleton reduces it).
+
+
+def local_config(cfg: K3Config, tp: int) -> K3Config:
+    """The per-rank view of ``cfg`` under tensor parallelism: KDA and MLA head counts divided by ``tp``.
+
+    Raises:
+        ConfigError: a head count is not divisible by ``tp``.
+    """
+    if tp == 1:
+        return cfg
+    if cfg.kda_num_heads % tp or cfg.num_attention_heads % tp:
+        raise ConfigError(f"heads ({cfg.kda_num_heads} KDA, {cfg.num_attention_heads} MLA) not divisible by tp={tp}")
+    return replace(cfg, kda_num_heads=cfg.kda_num_heads // tp, num_attention_heads=cfg.num_attention_heads // tp)
+
+
+def _kda_inputs(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> dict[str, Any]:
+    """KDA projections and fp32 parameters of ``layer`` (K3_FACTS §5): raw q, k, v ``[T, H*K]``, decay_raw
+    ``f_b(f_a(x))`` ``[T, H*K]``, beta_raw ``[T, H]``, gate_raw ``[T, H*K]`` (``g_proj`` for K3, low-rank
+    ``g_b(g_a(x))`` for kimi_linear), conv weights, ``A_log`` / ``dt_bias`` flat, ``o_norm``."""
+    p = f"layers.{layer}.self_attn."
+    q_raw, k_raw, v_raw = (linear(x, w(p + f"{n}_proj.weight")) for n in "qkv")
+    if cfg.family == "k3":
+        gate_raw = linear(x, w(p + "g_proj.weight"))
+    else:
+        gate_raw = linear(linear(x, w(p + "g_a_proj.weight")), w(p + "g_b_proj.weight"))
+    return {"q": q_raw, "k": k_raw, "v": v_raw,
+            "decay": linear(linear(x, w(p + "f_a_proj.weight")), w(p + "f_b_proj.weight")),
+            "beta": linear(x, w(p + "b_proj.weight")), "gate": gate_raw,
+            "conv": tuple(f32(w(p + f"{n}_conv1d.weight")) for n in "qkv"),
+            "A_log": f32(w(p + "A_log")).reshape(-1), "dt_bias": f32(w(p + "dt_bias")).reshape(-1),
+            "o_norm": f32(w(p + "o_norm.weight"))}
+
+
+def kda_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
+                    conv_state: torch.Tensor, ssm_state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """KDA token mixer for one token per row through the fused ``kda_decode`` op (K3 gate form).
+
+    Args:
+        x: ``[N, hidden]`` after ``input_layernorm``.
+        conv_state: ``[slots, 3, P, W-1]`` fp32 and ssm_state ``[slots, H, K, V]`` fp32, updated in place.
+        slot_ids: ``[N]`` int32 on the device; −1 = padding row (the op skips it: graph-capturable).
+    Returns:
+        ``[N, hidden]`` ``o_proj`` output.
+    """
+    a = _kda_inputs(x, w, layer, cfg)
+    o = ops["kda_decode"](a["q"], a["k"], a["v"], a["decay"], a["beta"], a["gate"], a["conv"], a["A_log"],
+                          a["dt_bias"], a["o_norm"], conv_state, ssm_state, slot_ids, cfg.rms_norm_eps, None,
+                          cfg.gate_lower_bound)
+    return linear(o, w(f"layers.{layer}.self_attn.o_proj.weight"))
 
 
 def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
@@ -241,40 +275,22 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
 
     q, k, v = full-rank projections; causal depthwise conv (``short_conv``, FP32 weights) + SiLU on each;
     decay_raw = ``f_b(f_a(x))``; beta_raw = ``b_proj(x)``; ``kda_prefill`` (L2 norm, scale K^-0.5, gate, delta
-    rule) or ``kda_decode`` (one token per sequence, fused); per-head RMSNorm with ``o_norm`` (eps
-    ``rms_norm_eps``) then × sigmoid(output gate); ``o_proj``. Output gate: ``g_proj(x)`` (K3, full rank) or
-    ``g_b_proj(g_a_proj(x))`` (kimi_linear, low rank). Gate form: ``"k3"`` (bounded sigmoid, lower bound
-    ``gate_lower_bound``) or ``"kimi_linear"`` (``-exp(A_log) * softplus``).
+    rule) or ``kda_decode`` (one token per sequence, fused: :func:`kda_decode_rows`); per-head RMSNorm with
+    ``o_norm`` (eps ``rms_norm_eps``) then × sigmoid(output gate); ``o_proj``. Output gate: ``g_proj(x)`` (K3,
+    full rank) or ``g_b_proj(g_a_proj(x))`` (kimi_linear, low rank). Gate form: ``"k3"`` (bounded sigmoid, lower
+    bound ``gate_lower_bound``) or ``"kimi_linear"`` (``-exp(A_log) * softplus``).
 
     With ``batch.cache``: conv and recurrent states are read from / written to the cache slots.
     """
-    p = f"layers.{layer}.self_attn."
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
-    P = H * K
     T = x.shape[0]
     form = "k3" if cfg.family == "k3" else "kimi_linear"
-    q_raw, k_raw, v_raw = (linear(x, w(p + f"{n}_proj.weight")) for n in "qkv")
-    decay_raw = linear(linear(x, w(p + "f_a_proj.weight")), w(p + "f_b_proj.weight"))
-    beta_raw = linear(x, w(p + "b_proj.weight"))
-    if cfg.family == "k3":
-        gate_raw = linear(x, w(p + "g_proj.weight"))
-    else:
-        gate_raw = linear(linear(x, w(p + "g_a_proj.weight")), w(p + "g_b_proj.weight"))
-    A_log = f32(w(p + "A_log")).reshape(-1)
-    dt_bias = f32(w(p + "dt_bias")).reshape(-1)
-    convw = [f32(w(p + f"{n}_conv1d.weight")) for n in "qkv"]
-    o_norm = f32(w(p + "o_norm.weight"))
     cache = batch.cache
     dev = x.device
     slots = torch.tensor(batch.slot_list(), dtype=torch.int64, device=dev)
-    eps = cfg.rms_norm_eps
-
     if batch.decode and cache is not None and form == "k3":
-        o = ops["kda_decode"](q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, tuple(convw), A_log, dt_bias,
-                              o_norm, cache.conv[layer], cache.ssm[layer], slots.to(torch.int32), eps,
-                              None, cfg.gate_lower_bound)
-        return linear(o, w(p + "o_proj.weight"))
-
+        return kda_decode_rows(x, w, layer, cfg, ops, cache.conv[layer], cache.ssm[layer], slots.to(torch.int32))
+    a = _kda_inputs(x, w, layer, cfg)
     cu = batch.cu_seqlens.to(dev)
     conv_states = [None, None, None]
     init = None
@@ -283,12 +299,12 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         init = cache.ssm[layer][slots].clone()
     qkv = []
     finals = []
-    for j, raw in enumerate((q_raw, k_raw, v_raw)):
-        y, fin = ops["short_conv"](raw.unsqueeze(0), convw[j], conv_states[j], cu)
+    for j, raw in enumerate((a["q"], a["k"], a["v"])):
+        y, fin = ops["short_conv"](raw.unsqueeze(0), a["conv"][j], conv_states[j], cu)
         qkv.append(y)
         finals.append(fin)
     q, k, v = (t.reshape(1, T, H, K) for t in qkv)
-    o, state = ops["kda_prefill"](q, k, v, decay_raw.unsqueeze(0), beta_raw.unsqueeze(0), A_log, dt_bias,
+    o, state = ops["kda_prefill"](q, k, v, a["decay"].unsqueeze(0), a["beta"].unsqueeze(0), a["A_log"], a["dt_bias"],
                                   initial_state=init, cu_seqlens=cu, scale=None, lower_bound=cfg.gate_lower_bound,
                                   gate_form=form)
     if cache is not None:
@@ -296,96 +312,135 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
             cache.conv[layer][slots, j] = f32(finals[j])
         cache.ssm[layer][slots] = f32(state)
     o = o.reshape(T, H, K)
-    o = rms_norm(o, o_norm, eps) * torch.sigmoid(gate_raw.view(T, H, K))
-    return linear(o.reshape(T, P), w(p + "o_proj.weight"))
+    o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"].view(T, H, K))
+    return linear(o.reshape(T, H * K), w(f"layers.{layer}.self_attn.o_proj.weight"))
 
 
-def _kv_b_split(w: WeightView, p: str, cfg: K3Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj`` [H*(Dn+Dv), R] -> (w_kc [H, Dn, R], w_vc [H, R, Dv]) fp32 (K3_FACTS §3, DeepSeek absorption)."""
-    H, Dn, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    kvb = f32(w(p + "kv_b_proj.weight")).view(H, Dn + Dv, cfg.kv_lora_rank)
-    return kvb[:, :Dn, :].contiguous(), kvb[:, Dn:, :].transpose(1, 2).contiguous()
+def mla_kv_split(w: WeightView, layer: int, cfg: K3Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj`` [H*(Dn+Dv), R] -> (w_kc [H, Dn, R], w_vc [H, R, Dv]) fp32 for the absorbed decode
+    (K3_FACTS §3, DeepSeek absorption); kept by a memoising :class:`WeightView` (the engine's)."""
+    def split() -> tuple[torch.Tensor, torch.Tensor]:
+        H, Dn, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        kvb = f32(w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(H, Dn + Dv, cfg.kv_lora_rank)
+        return kvb[:, :Dn, :].contiguous(), kvb[:, Dn:, :].transpose(1, 2).contiguous()
+    return w.derived(f"kv_split.{layer}", split)
 
 
-def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
-              batch: Batch) -> torch.Tensor:
-    """Gated NoPE MLA token mixer (K3_FACTS §5 "Gated MLA layer"): x ``[T, hidden]`` -> ``[T, hidden]`` fp32.
-
-    q = ``q_b(RMSNorm_{q_a_layernorm}(q_a(x)))`` (or ``q_proj(x)`` without q_lora) -> H × (nope + rope);
-    ``kv_a_proj_with_mqa(x)`` -> latent (``kv_a_layernorm``) + k_rope (neither normed nor rotated);
-    ``kv_b`` expands the latent to H × (k_nope + v); causal softmax attention with scale
-    ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` (192^-0.5 for K3). Output × sigmoid(``g_proj(x)``) when the
-    layer has ``g_proj`` (K3; x is this mixer's input), then ``o_proj``.
-
-    Paths: no cache -> ``mla_prefill``; cache and fresh sequences -> ``mla_prefill`` + ``mla_cache_write``;
-    cache with earlier context or decode -> ``mla_cache_write`` + absorbed ``mla_decode``.
-    """
+def mla_project(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and the latent of gated MLA (K3_FACTS §5): q = ``q_b(RMSNorm_{q_a_layernorm}(q_a(x)))`` (or
+    ``q_proj(x)`` without q_lora) ``[T, H, Dn+Dr]``; ``kv_a_proj_with_mqa(x)`` -> normed latent ``[T, R]``
+    (``kv_a_layernorm``) and k_rope ``[T, Dr]`` (neither normed nor rotated)."""
     p = f"layers.{layer}.self_attn."
-    H, Dn, Dr, Dv, R = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                        cfg.kv_lora_rank)
-    T = x.shape[0]
+    H, Dn, Dr, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     eps = cfg.rms_norm_eps
     if cfg.q_lora_rank:
         q = linear(rms_norm(linear(x, w(p + "q_a_proj.weight")), w(p + "q_a_layernorm.weight"), eps),
                    w(p + "q_b_proj.weight"))
     else:
         q = linear(x, w(p + "q_proj.weight"))
-    q = q.view(T, H, Dn + Dr)
     ckv = linear(x, w(p + "kv_a_proj_with_mqa.weight"))
     latent = rms_norm(ckv[:, :R], w(p + "kv_a_layernorm.weight"), eps)
-    k_rope = ckv[:, R:].contiguous()
-    scale = (Dn + Dr) ** -0.5
+    return q.view(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
+
+
+def mla_output(o: torch.Tensor, x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> torch.Tensor:
+    """Attention output ``[T, H, Dv]`` -> × sigmoid(``g_proj(x)``) (gated MLA; x is the mixer's input) ->
+    ``o_proj`` ``[T, hidden]``."""
+    p = f"layers.{layer}.self_attn."
+    o = f32(o).reshape(x.shape[0], -1)
+    if mla_has_output_gate(cfg):  # decided by the config, so a missing g_proj is an error, never an ungated model
+        o = o * torch.sigmoid(linear(x, w(p + "g_proj.weight")))
+    return linear(o, w(p + "o_proj.weight"))
+
+
+def mla_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
+                    kv_cache: torch.Tensor, slot_ids: torch.Tensor, pos: torch.Tensor, block_rows: torch.Tensor,
+                    **decode_kw: Any) -> torch.Tensor:
+    """Gated MLA token mixer for one token per row, all on the device (graph-capturable): write the token's
+    latent + k_rope into its paged slot (``mla_cache_write``), then absorbed ``mla_decode`` (K3_FACTS §5).
+
+    Args:
+        x: ``[N, hidden]`` after ``input_layernorm``.
+        kv_cache: ``[blocks, block_size, R + Dr]`` paged latent cache of ``layer``.
+        slot_ids: ``[N]`` int; −1 = padding row (writes nothing, context 0: the ops skip it).
+        pos: ``[N]`` int64 tokens cached before this one. block_rows: ``[N, blocks_per_seq]`` int32.
+        decode_kw: passed to ``mla_decode`` (static bounds under graph capture).
+    """
+    Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q, latent, k_rope = mla_project(x, w, layer, cfg)
+    bs = kv_cache.shape[1]
+    valid = slot_ids >= 0
+    col = torch.clamp(pos // bs, max=block_rows.shape[1] - 1).unsqueeze(1)
+    blk = block_rows.to(torch.int64).gather(1, col).squeeze(1)
+    slot_mapping = torch.where(valid, blk * bs + pos % bs, torch.full_like(pos, -1))
+    ops["mla_cache_write"](kv_cache, slot_mapping, latent, k_rope)
+    ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
+    w_kc, w_vc = mla_kv_split(w, layer, cfg)
+    o = ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(), kv_cache,
+                          block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5, **decode_kw)
+    return mla_output(o, x, w, layer, cfg)
+
+
+def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
+              batch: Batch) -> torch.Tensor:
+    """Gated NoPE MLA token mixer (K3_FACTS §5 "Gated MLA layer"): x ``[T, hidden]`` -> ``[T, hidden]`` fp32.
+
+    Projections :func:`mla_project`; ``kv_b`` expands the latent to H × (k_nope + v); causal softmax attention
+    with scale ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` (192^-0.5 for K3); output gate and ``o_proj``
+    :func:`mla_output`.
+
+    Paths: no cache -> ``mla_prefill``; cache and fresh sequences -> ``mla_cache_write`` + ``mla_prefill``;
+    decode -> :func:`mla_decode_rows`; cache with earlier context -> ``mla_cache_write`` + absorbed
+    ``mla_decode`` per sequence (its queries as the last positions of the cached context).
+    """
+    H, Dn, Dr, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     cache = batch.cache
     starts = batch.starts()
-    fresh = all(s == 0 for s in starts)
-
+    slots = batch.slot_list()
+    dev = x.device
     if cache is not None:
-        slots = batch.slot_list()
+        cu = batch.cu_seqlens.tolist()
+        for n in range(batch.num_seqs):
+            if starts[n] + cu[n + 1] - cu[n] > cache.max_len:
+                raise ConfigError(f"sequence {n}: {starts[n] + cu[n + 1] - cu[n]} tokens exceed the cache capacity "
+                                  f"{cache.max_len}; create the cache with a larger max_len")
+    if batch.decode and cache is not None:
+        slots_t = torch.tensor(slots, dtype=torch.int64)
+        return mla_decode_rows(x, w, layer, cfg, ops, cache.kv[layer], slots_t.to(dev, torch.int32),
+                               torch.tensor(starts, dtype=torch.int64, device=dev),
+                               cache.block_table[slots_t].to(dev))
+    q, latent, k_rope = mla_project(x, w, layer, cfg)
+    scale = (Dn + Dr) ** -0.5
+    if cache is not None:
         cu = batch.cu_seqlens.tolist()
         bs = cache.block_size
         pos = []
         for n in range(batch.num_seqs):
-            L = cu[n + 1] - cu[n]
-            if starts[n] + L > cache.max_len:
-                raise ConfigError(f"sequence {n}: {starts[n] + L} tokens exceed the cache capacity {cache.max_len}; "
-                                  "create the cache with a larger max_len")
-            tpos = torch.arange(starts[n], starts[n] + L)
+            tpos = torch.arange(starts[n], starts[n] + cu[n + 1] - cu[n])
             blocks = cache.block_table[slots[n]].to(torch.int64)[tpos // bs]
             pos.append(blocks * bs + tpos % bs)
-        slot_mapping = (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)).to(x.device)
+        slot_mapping = (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)).to(dev)
         ops["mla_cache_write"](cache.kv[layer], slot_mapping, latent, k_rope)
 
-    if cache is None or (fresh and not batch.decode):
-        kvb = linear(latent, w(p + "kv_b_proj.weight")).view(T, H, Dn + Dv)
-        k_nope, v = kvb[..., :Dn].contiguous(), kvb[..., Dn:].contiguous()
-        cu = batch.cu_seqlens.to(x.device)
-        o = ops["mla_prefill"](q, k_nope, k_rope, v, cu, cu, scale)
+    if cache is None or all(s == 0 for s in starts):
+        kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(x.shape[0], H, Dn + Dv)
+        cu_t = batch.cu_seqlens.to(dev)
+        o = ops["mla_prefill"](q, kvb[..., :Dn].contiguous(), k_rope, kvb[..., Dn:].contiguous(), cu_t, cu_t, scale)
     else:
-        w_kc, w_vc = _kv_b_split(w, p, cfg)
-        q_nope, q_rope = q[..., :Dn], q[..., Dn:]
-        slots_t = torch.tensor(batch.slot_list(), dtype=torch.int64)
-        if batch.decode:
-            ctx = torch.tensor([s + 1 for s in starts], dtype=torch.int32, device=x.device)
-            o = ops["mla_decode"](q_nope.unsqueeze(1).contiguous(), q_rope.unsqueeze(1).contiguous(), cache.kv[layer],
-                                  cache.block_table[slots_t].to(x.device), ctx, w_kc, w_vc, scale)
-            o = o.reshape(T, H, Dv)
-        else:
-            outs = []
-            cu = batch.cu_seqlens.tolist()
-            for n in range(batch.num_seqs):
-                a, b = cu[n], cu[n + 1]
-                if b == a:
-                    continue
-                ctx = torch.tensor([starts[n] + b - a], dtype=torch.int32, device=x.device)
-                o_n = ops["mla_decode"](q_nope[a:b].unsqueeze(0).contiguous(), q_rope[a:b].unsqueeze(0).contiguous(),
-                                        cache.kv[layer], cache.block_table[slots_t[n:n + 1]].to(x.device), ctx,
-                                        w_kc, w_vc, scale)
-                outs.append(o_n[0])
-            o = torch.cat(outs, 0)
-    o = f32(o).reshape(T, H * Dv)
-    if mla_has_output_gate(cfg):  # decided by the config, so a missing g_proj is an error, never an ungated model
-        o = o * torch.sigmoid(linear(x, w(p + "g_proj.weight")))
-    return linear(o, w(p + "o_proj.weight"))
+        w_kc, w_vc = mla_kv_split(w, layer, cfg)
+        outs = []
+        cu = batch.cu_seqlens.tolist()
+        for n in range(batch.num_seqs):
+            a, b = cu[n], cu[n + 1]
+            if b == a:
+                continue
+            ctx = torch.tensor([starts[n] + b - a], dtype=torch.int32, device=dev)
+            o_n = ops["mla_decode"](q[a:b, :, :Dn].unsqueeze(0).contiguous(), q[a:b, :, Dn:].unsqueeze(0).contiguous(),
+                                    cache.kv[layer], cache.block_table[slots[n]:slots[n] + 1].to(dev), ctx,
+                                    w_kc, w_vc, scale)
+            outs.append(o_n[0])
+        o = torch.cat(outs, 0)
+    return mla_output(o, x, w, layer, cfg)
 
 
 def mla_has_output_gate(cfg: K3Config) -> bool:
@@ -411,20 +466,26 @@ def dense_mlp(x: torch.Tensor, w: WeightView, prefix: str, cfg: K3Config) -> tor
     """GLU MLP ``down(act(gate(x), up(x)))`` in fp32: x ``[T, hidden]`` -> ``[T, hidden]``.
 
     ``prefix`` is e.g. ``layers.0.mlp.`` (dense layer 0) or ``layers.i.block_sparse_moe.shared_experts.``
-    (the shared experts, stored merged). act = SiTU-GLU (K3_FACTS §5) or SiLU-GLU (kimi_linear).
+    (the shared experts, stored merged). act = SiTU-GLU (K3_FACTS §5) or SiLU-GLU (kimi_linear). Under TP the
+    weights are a rank's intermediate slice and the result its partial sum.
     """
     h = _glu(cfg, linear(x, w(prefix + "gate_proj.weight")), linear(x, w(prefix + "up_proj.weight")))
     return linear(h, w(prefix + "down_proj.weight"))
 
 
 def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
-              mode: str = "a16w4") -> torch.Tensor:
+              mode: str = "a16w4", reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> torch.Tensor:
     """MoE channel mixer: Stable LatentMoE (K3) or plain MoE (kimi_linear). x ``[T, hidden]`` -> ``[T, hidden]`` fp32.
 
     K3_FACTS §5: FP32 router (``moe_router``: sigmoid, biased top-k, unbiased renormalised weights ×
-    ``routed_scaling_factor``); K3 only: x_lat = ``routed_expert_down_proj(x)``; ``moe_experts`` (weighted sum,
-    SiTU-GLU / SiLU-GLU; ``mode`` "a16w4" or "a8w4" for MXFP4 experts); K3 only: ``routed_expert_norm`` on the
-    sum then ``routed_expert_up_proj``; + shared experts on the original x, unweighted.
+    ``routed_scaling_factor``); K3 only: x_lat = ``routed_expert_down_proj(x)``; ``moe_experts`` (weighted sum
+    over the experts these weights hold, SiTU-GLU / SiLU-GLU; ``mode`` "a16w4" or "a8w4" for MXFP4 experts); K3
+    only: ``routed_expert_norm`` on the sum then ``routed_expert_up_proj``; + shared experts on the original x,
+    unweighted.
+
+    ``reduce(t, name)``: the tensor-parallel sum (None: one rank). The routed partial sum (a rank's experts) and
+    the shared-expert partial sum (a rank's intermediate slice) travel in one collective, reduced **before**
+    ``routed_expert_norm`` (K3_FACTS §5 step 3: norm(sum) != sum(norm)).
     """
     p = f"layers.{layer}.block_sparse_moe."
     ids, wts = ops["moe_router"](x, w(p + "gate.weight"), w(p + "gate.e_score_correction_bias"),
@@ -432,26 +493,26 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     latent = cfg.routed_expert_hidden_size is not None
     xin = linear(x, w(p + "routed_expert_down_proj.weight")) if latent else x
     act = "situ" if cfg.hidden_act == "situ" else "silu"
-    y = ops["moe_experts"](xin, ids, wts, w.experts(layer, cfg), act=act,
-                           mode=mode if cfg.experts_quantized else "a16w4",
-                           beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta)
-    y = f32(y)
+    y = f32(ops["moe_experts"](xin, ids, wts, w.experts(layer), act=act,
+                               mode=mode if cfg.experts_quantized else "a16w4",
+                               beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta))
+    shared = dense_mlp(x, w, p + "shared_experts.", cfg) if cfg.num_shared_experts else None
+    if reduce is not None:
+        if shared is not None:
+            width = y.shape[1]
+            both = reduce(torch.cat([y, shared], dim=1), "moe")
+            y, shared = both[:, :width], both[:, width:]
+        else:
+            y = reduce(y, "moe")
     if latent:
         y = linear(rms_norm(y, w(p + "routed_expert_norm.weight"), cfg.rms_norm_eps),
                    w(p + "routed_expert_up_proj.weight"))
-    if cfg.num_shared_experts:
-        y = y + dense_mlp(x, w, p + "shared_experts.", cfg)
-    return y
+    return y if shared is None else y + shared
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Block Attention Residuals bookkeeping (K3_FACTS §5)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def fold_res_weight(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
-    """``norm.weight ⊙ proj.weight[0]`` in fp32 ``[D]`` — the AttnRes score vector, folded once at load."""
-    return (f32(norm_weight) * f32(proj_weight).reshape(-1)).contiguous()
 
 
 @dataclass

@@ -17,54 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError
-from k3rocm.model.common import MATMUL_DTYPES, f32, linear, matmul_dtype, rms_norm
-from k3rocm.model.layer import (AttnResState, Batch, K3Cache, WeightView, attn_side, dense_mlp, final_aggregate,
-                                fold_res_weight, kda_mixer, mla_mixer, mlp_side, moe_block, resolve_ops)
+from k3rocm.model.common import MATMUL_DTYPES, matmul_dtype
+from k3rocm.model.decoder import Decoder, LayerState, Parallel
+from k3rocm.model.layer import Batch, K3Cache, WeightView, kda_mixer, mla_mixer, resolve_ops
+from k3rocm.model.weights import as_weights
 
 __all__ = ["K3Model", "LayerState", "strict_fp32"]
-
-
-@dataclass
-class LayerState:
-    """Hidden state of one step between layers (flat tokens).
-
-    Attributes:
-        batch: the :class:`~k3rocm.model.layer.Batch` (cu_seqlens, cache, slots, start positions).
-        res: Block AttnRes state (K3) or None.
-        hidden: ``[T, hidden]`` residual stream (kimi_linear) or None.
-        record: when True, :meth:`K3Model.run_layer` stores ``layerNN.attn_out`` / ``layerNN.mlp_out`` ``[T, hidden]``
-            in ``outputs``.
-        outputs: recorded per-layer outputs.
-        next_layer: index of the next layer to run.
-        mid: True between :meth:`K3Model.run_attn` and :meth:`K3Model.run_mlp` of ``next_layer`` (its token
-            mixer ran, its channel mixer is pending).
-        perturb: optional ``f(out) -> out`` applied to every sublayer output (token mixer, channel mixer)
-            before it is added to the residual prefix / stream; None: none. Used to measure how the model
-            responds to rounding of a given size at every sublayer (validation's ``oracle_sensitivity``).
-    """
-
-    batch: Batch
-    res: AttnResState | None = None
-    hidden: torch.Tensor | None = None
-    record: bool = False
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    next_layer: int = 0
-    mid: bool = False
-    perturb: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def clone(self, record: bool = True) -> "LayerState":
-        """A copy of the residual state (AttnRes bank and prefix, or the stream) that can be run on separately:
-        same batch and position (``next_layer``, ``mid``), fresh ``outputs``, no ``perturb``."""
-        res = None if self.res is None else AttnResState([b.clone() for b in self.res.bank], self.res.prefix.clone())
-        hid = None if self.hidden is None else self.hidden.clone()
-        return LayerState(self.batch, res=res, hidden=hid, record=record, next_layer=self.next_layer, mid=self.mid)
 
 
 @contextlib.contextmanager
@@ -98,13 +62,14 @@ def _cu(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32)
 
 
-class K3Model:
-    """fp32 oracle model.
+class K3Model(Decoder):
+    """The fp32 oracle model: the :class:`~k3rocm.model.decoder.Decoder` skeleton with the oracle's batch form
+    (a :class:`~k3rocm.model.layer.Batch` over a :class:`~k3rocm.model.layer.K3Cache`, or no cache).
 
     Args:
         cfg: a :class:`~k3rocm.config.K3Config` (family ``"k3"`` or ``"kimi_linear"``).
-        weights: a ``Weights`` object or a ``Mapping[str, Tensor]`` of full checkpoint names, or a
-            :class:`~k3rocm.model.layer.WeightView`.
+        weights: a ``Weights`` object or a ``Mapping[str, Tensor]`` of full checkpoint names (this rank's
+            slices under tensor/expert parallelism), or a :class:`~k3rocm.model.layer.WeightView`.
         ops: op table overrides (see :func:`~k3rocm.model.layer.resolve_ops`).
         moe_mode: ``"a16w4"`` (activations as given) or ``"a8w4"`` (MXFP8 E4M3 activations) for MXFP4 experts.
         prefix / head: checkpoint name prefix and lm_head name (K3 defaults; ``model.`` / ``lm_head.weight``
@@ -113,6 +78,8 @@ class K3Model:
             ``torch.float16``: the public entry points then run inside
             :func:`k3rocm.model.common.matmul_dtype`, so dense projections whose weights are stored in that
             dtype multiply in it with fp32 accumulation — the serving engine's math, for comparing with it.
+        par: the parallel context (default one rank; :class:`k3rocm.runtime.dist.TPGroup` for one rank of a
+            TP/EP layout: the TP/EP oracle, with the same collectives as the distributed engine).
     Raises:
         ConfigError: unknown ``moe_mode``, op names or ``matmul_dtype``.
         CheckpointError: (lazily) a tensor the config needs is missing from ``weights``.
@@ -120,29 +87,23 @@ class K3Model:
 
     def __init__(self, cfg: K3Config, weights: Any, ops: Mapping[str, Callable] | None = None,
                  moe_mode: str = "a16w4", prefix: str = "language_model.model.",
-                 head: str = "language_model.lm_head.weight", matmul_dtype: torch.dtype | None = None):
+                 head: str = "language_model.lm_head.weight", matmul_dtype: torch.dtype | None = None,
+                 par: Parallel | None = None):
         if moe_mode not in ("a16w4", "a8w4"):
             raise ConfigError(f"moe_mode {moe_mode!r} is not 'a16w4' or 'a8w4'")
         if matmul_dtype is not None and matmul_dtype not in MATMUL_DTYPES:
             raise ConfigError(f"K3Model matmul_dtype {matmul_dtype} is not bfloat16, float16 or None; "
                               "pass one of those")
         self.matmul_dtype = matmul_dtype
-        self.cfg = cfg
-        self.w = weights if isinstance(weights, WeightView) else WeightView(weights, prefix, head)
-        self.ops = resolve_ops(ops)
-        self.moe_mode = moe_mode
-        self.attn_res = cfg.attn_res_block_size is not None
-        # AttnRes score vectors norm.weight ⊙ proj.weight, folded once per layer on first use (K3_FACTS §5),
-        # so that weights holding only some layers can still run those layers.
-        self._folded: dict[str, torch.Tensor] = {}
+        w = weights if isinstance(weights, WeightView) else WeightView(as_weights(cfg, weights), prefix, head)
+        super().__init__(cfg, w, resolve_ops(ops), par=par, moe_mode=moe_mode)
 
-    def _res_weight(self, prefix: str) -> torch.Tensor:
-        """Folded AttnRes score vector ``[D]`` fp32 for ``prefix`` (e.g. ``layers.3.mlp_res``, ``output_attn_res``)."""
-        w = self._folded.get(prefix)
-        if w is None:
-            w = fold_res_weight(self.w(prefix + "_norm.weight"), self.w(prefix + "_proj.weight"))
-            self._folded[prefix] = w
-        return w
+    def _mix(self, batch: Batch):
+        """The oracle's batch form: each token mixer on the whole ``batch`` (through its cache, if any)."""
+        def mix(i: int, x: torch.Tensor) -> torch.Tensor:
+            fn = kda_mixer if self.cfg.layer_type(i) == "kda" else mla_mixer
+            return fn(x, self.w, i, self.mixer_cfg, self.ops, batch)
+        return mix
 
     # ------------------------------------------------------------------ layer-by-layer API
     @_scoped
@@ -160,21 +121,7 @@ class K3Model:
             batch = Batch(_cu([ids.numel()]))
         if int(batch.cu_seqlens[-1]) != ids.numel():
             raise ConfigError(f"cu_seqlens ends at {int(batch.cu_seqlens[-1])} but {ids.numel()} token ids were given")
-        table = self.w("embed_tokens.weight")
-        x = f32(table[ids.to(table.device)])
-        if self.attn_res:
-            return LayerState(batch, res=AttnResState([], x), record=record)
-        return LayerState(batch, hidden=x, record=record)
-
-    def _mixer(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if self.cfg.layer_type(i) == "kda":
-            return kda_mixer(x, self.w, i, self.cfg, self.ops, batch)
-        return mla_mixer(x, self.w, i, self.cfg, self.ops, batch)
-
-    def _channel(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.is_moe_layer(i):
-            return moe_block(x, self.w, i, self.cfg, self.ops, self.moe_mode)
-        return dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg)
+        return Decoder.embed(self, ids.to(self.w("embed_tokens.weight").device), batch, record)
 
     @_scoped
     def run_layer(self, i: int, state: LayerState) -> LayerState:
@@ -188,64 +135,29 @@ class K3Model:
         self.run_attn(i, state)
         return self.run_mlp(i, state)
 
-    def _order(self, i: int, state: LayerState, mid: bool, what: str) -> None:
-        if i != state.next_layer or state.mid != mid:
-            at = f"layer {state.next_layer}'s {'channel' if state.mid else 'token'} mixer"
-            raise ConfigError(f"{what}({i}) called but {at} is next; run layers (and their halves) in order")
-
     @_scoped
     def run_attn(self, i: int, state: LayerState) -> LayerState:
         """First half of decoder layer ``i``: (AttnRes attention side ->) ``input_layernorm`` -> token mixer
         (KDA or MLA) -> added to the prefix / stream; recorded as ``layerNN.attn_out`` ``[T, hidden]`` fp32.
         Raises ConfigError when called out of order."""
-        self._order(i, state, False, "run_attn")
-        x = (attn_side(state.res, i, self._res_weight(f"layers.{i}.self_attention_res"), self.cfg, self.ops)
-             if self.attn_res else state.hidden)
-        a = self._mixer(i, rms_norm(x, self.w(f"layers.{i}.input_layernorm.weight"), self.cfg.rms_norm_eps),
-                        state.batch)
-        self._add(state, f"layer{i:02d}.attn_out", a)
-        state.mid = True
-        return state
+        return self.attn(i, state, self._mix(state.batch))
 
     @_scoped
     def run_mlp(self, i: int, state: LayerState) -> LayerState:
         """Second half of decoder layer ``i``: (AttnRes MLP side ->) ``post_attention_layernorm`` -> channel
         mixer (dense MLP or LatentMoE) -> added; recorded as ``layerNN.mlp_out``. Raises ConfigError when
         called out of order (before :meth:`run_attn` of the same layer)."""
-        self._order(i, state, True, "run_mlp")
-        x = mlp_side(state.res, self._res_weight(f"layers.{i}.mlp_res"), self.cfg, self.ops) if self.attn_res \
-            else state.hidden
-        m = self._channel(i, rms_norm(x, self.w(f"layers.{i}.post_attention_layernorm.weight"), self.cfg.rms_norm_eps))
-        self._add(state, f"layer{i:02d}.mlp_out", m)
-        state.mid = False
-        state.next_layer = i + 1
-        return state
-
-    @staticmethod
-    def _add(state: LayerState, name: str, out: torch.Tensor) -> None:
-        if state.perturb is not None:
-            out = state.perturb(out)
-        if state.res is not None:
-            state.res.prefix = state.res.prefix + out
-        else:
-            state.hidden = state.hidden + out
-        if state.record:
-            state.outputs[name] = out
+        return self.mlp(i, state)
 
     @_scoped
     def final_hidden(self, state: LayerState) -> torch.Tensor:
         """``[T, hidden]`` fp32 after the output AttnRes (K3) and the final ``norm``."""
-        if state.next_layer != self.cfg.num_hidden_layers:
-            raise ConfigError(f"final() after {state.next_layer} of {self.cfg.num_hidden_layers} layers; run them all")
-        h = (final_aggregate(state.res, self._res_weight("output_attn_res"), self.cfg, self.ops) if self.attn_res
-             else state.hidden)
-        return rms_norm(h, self.w("norm.weight"), self.cfg.rms_norm_eps)
+        return self.hidden_out(state)
 
     @_scoped
     def final(self, state: LayerState) -> torch.Tensor:
         """Logits ``[T, vocab]`` fp32 = lm_head(norm(output AttnRes over bank + prefix))."""
-        head = self.w("embed_tokens.weight") if self.cfg.tie_word_embeddings else self.w.head()
-        return linear(self.final_hidden(state), head)
+        return self.logits(self.final_hidden(state))
 
     def _run(self, ids: torch.Tensor, batch: Batch, record: bool = False) -> tuple[torch.Tensor, dict]:
         with strict_fp32():
@@ -280,10 +192,11 @@ class K3Model:
     def new_cache(self, batch: int, max_len: int = 1024, block_size: int = 16) -> K3Cache:
         """Empty decode cache for ``batch`` sequences (KDA conv + recurrent state, MLA latent cache).
 
-        State tensors live on the device of the weights; lengths and block table stay on the CPU.
+        State tensors live on the device of the weights (this rank's KDA heads under TP; the MLA latent is
+        whole on every rank); lengths and block table stay on the CPU.
         """
         dev = self.w("embed_tokens.weight").device
-        return K3Cache.empty(self.cfg, batch, max_len, block_size, device=dev)
+        return K3Cache.empty(self.mixer_cfg, batch, max_len, block_size, device=dev)
 
     @_scoped
     @torch.no_grad()

@@ -81,8 +81,24 @@ class ExpertWeights:
                              **{k: v.to(device) for k, v in self.tensors().items()})
 
 
-def _moe_prefix(i: int) -> str:
-    return f"{layout.PREFIX}layers.{i}.block_sparse_moe.experts."
+# tensors stored FP32 in the checkpoint that the kernels read in fp32 (K3_FACTS §3): never cast down
+FP32_TENSORS = ("conv1d", "A_log", "dt_bias", "o_norm", "e_score_correction_bias")
+
+
+def keep_fp32(name: str) -> bool:
+    """True for a tensor name in :data:`FP32_TENSORS` (kept fp32 by :meth:`Weights.cast`)."""
+    return any(s in name for s in FP32_TENSORS)
+
+
+def as_weights(cfg: K3Config, source: Any) -> "Weights":
+    """``source`` as :class:`Weights`: a Weights is returned as is, a ``Mapping[str, Tensor]`` by full checkpoint
+    name is wrapped without copies (its experts are stacked on first use)."""
+    if isinstance(source, Weights):
+        return source
+    if isinstance(source, Mapping):
+        return Weights.from_tensors(cfg, source)
+    raise CheckpointError(f"weights of type {type(source).__name__} are neither Weights nor a mapping of tensors "
+                          "by checkpoint name")
 
 
 def _parse_expert(name: str) -> tuple[int, str, str]:
@@ -237,7 +253,7 @@ class Weights:
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """Tensors of decoder layer ``i`` keyed relative to ``language_model.model.layers.{i}.``."""
-        p = f"{layout.PREFIX}layers.{i}."
+        p = f"{layout.prefix_for(self.config)}layers.{i}."
         return {k[len(p):]: v for k, v in self._t.items() if k.startswith(p)}
 
     def experts(self, i: int, expert_range: tuple[int, int] | None = None) -> ExpertWeights:
@@ -279,11 +295,48 @@ class Weights:
         if (first, end) == self.expert_range:  # re-point per-expert names at the stacks: hold memory once
             for e in range(first, end):
                 for s in layout.expert_specs(cfg, i, e):
-                    _, wn, kind = _parse_expert(s.name)
-                    self._t[s.name] = self._slot(stacks, wn, kind, e - first, s.shape[0])
+                    _, wn, kind = _parse_expert(s.name)  # rows as held (a TP rank may hold an I-slice)
+                    self._t[s.name] = self._slot(stacks, wn, kind, e - first, self._t[s.name].shape[0])
                     self._views.add(s.name)
         out = self._make_experts(stacks, E, first)
         self._experts[key] = out
+        return out
+
+    def cast(self, device: str | torch.device, dtype: torch.dtype) -> "Weights":
+        """These weights on ``device`` with their floating-point tensors in ``dtype`` — the engine's copy.
+
+        FP32-stored tensors that the kernels read in fp32 (:data:`FP32_TENSORS`: the KDA conv weights, ``A_log``,
+        ``dt_bias``, ``o_norm`` and the router bias) stay fp32; packed MXFP4 (uint8) stays packed. Tensors
+        already on ``device`` in the target dtype are shared, not copied, and so are expert stacks already
+        built (an expert's per-name tensor stays a view into its stack: memory is held once).
+        """
+        dev = torch.device(device)
+
+        def target(name: str, t: torch.Tensor) -> torch.dtype:
+            if not t.is_floating_point() or (t.dtype == torch.float32 and keep_fp32(name)):
+                return t.dtype
+            return dtype
+
+        out = Weights(self.config, {}, self.expert_range)
+        for (i, a, b), ew in self._experts.items():
+            moved = {k: v.to(dev, target("", v)) for k, v in ew.tensors().items()}
+            out._experts[(i, a, b)] = ExpertWeights(ew.num_experts, ew.first_expert, **moved)
+        for name, t in self._t.items():
+            if name in self._views:
+                continue
+            out._t[name] = t.to(dev, target(name, t))
+        for (i, a, b), ew in out._experts.items():  # per-expert names as views into the moved stacks
+            if (a, b) == self.expert_range:
+                stacks = ew.tensors()
+                for e in range(a, b):
+                    for s in layout.expert_specs(self.config, i, e):
+                        _, wn, kind = _parse_expert(s.name)
+                        out._t[s.name] = out._slot(stacks, wn, kind, e - a, self._t[s.name].shape[0])
+                        out._views.add(s.name)
+        for name in self._views:  # views of stacks this object does not hold whole
+            if name not in out._t:
+                t = self._t[name]
+                out._t[name] = t.to(dev, target(name, t))
         return out
 
     def nbytes(self) -> int:
@@ -309,4 +362,4 @@ def load_weights(path: str | Path, device: str | torch.device = "cpu", **kwargs:
     return Weights.from_checkpoint(open_checkpoint(path), device=device, **kwargs)
 
 
-__all__ = ["Weights", "ExpertWeights", "load_weights"]
+__all__ = ["Weights", "ExpertWeights", "load_weights", "as_weights", "keep_fp32", "FP32_TENSORS"]

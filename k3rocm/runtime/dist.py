@@ -45,10 +45,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
+from k3rocm.checkpoint.layout import PREFIX
 from k3rocm.errors import HardwareError, K3Error
+from k3rocm.model.decoder import Parallel
 
 __all__ = ["DistContext", "WorkerFailed", "default_backend", "init", "launch", "run_under_torchrun",
-           "under_torchrun", "all_reduce", "all_gather_cat", "free_port"]
+           "under_torchrun", "all_reduce", "all_gather_cat", "free_port", "TPGroup", "CommStats"]
 
 
 class WorkerFailed(HardwareError):
@@ -139,6 +141,85 @@ def all_gather_cat(t: torch.Tensor, ctx: DistContext | None, dim: int = -1) -> t
     parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
     tdist.all_gather(parts, t.contiguous(), group=ctx.group)
     return torch.cat(parts, dim=dim)
+
+
+@dataclass
+class CommStats:
+    """Collectives one rank issued, by name (``attn``, ``mlp``, ``moe``, ``embed``, ``greedy``, ``logits``):
+    calls and bytes each rank sent into them (a ring all-reduce of B bytes moves about ``2 (w-1)/w · B`` per rank)."""
+
+    calls: dict[str, int]
+    bytes: dict[str, int]
+
+    @classmethod
+    def empty(cls) -> "CommStats":
+        return cls({}, {})
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bytes[name] = self.bytes.get(name, 0) + int(nbytes)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{name: {"calls": n, "bytes": b}}`` (a copy)."""
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+class TPGroup(Parallel):
+    """The parallel context of one rank of a TP/EP layout: owns every collective the decoder issues.
+
+    Activations are replicated; each token mixer's ``o_proj``, the dense MLP and the latent MoE (routed
+    partials of this rank's experts + shared-expert partials) are summed with one ``all_reduce`` each over all
+    ranks; the embedding and lm_head are vocabulary-parallel (rows ``vocab_start .. vocab_stop - 1`` here).
+    The greedy pick exchanges one ``[N, 2]`` (max, id) pair per row (``all_gather``): logits are never
+    gathered whole. Every collective is counted in :attr:`stats`.
+
+    Args:
+        ctx: this rank's :class:`DistContext`.
+        placement: the :class:`~k3rocm.runtime.plan.Placement` (its ``world`` must equal the group's size).
+        rank: this rank's index in ``placement.ranks``.
+    Raises:
+        HardwareError: the process group's size differs from the placement's.
+    """
+
+    def __init__(self, ctx: DistContext, placement: Any, rank: int):
+        if ctx.world_size != placement.world:
+            raise HardwareError(f"the placement has {placement.world} ranks but the process group has "
+                                f"{ctx.world_size}; start as many processes as the plan has ranks")
+        self.ctx = ctx
+        self.tp = placement.tp
+        self.world = placement.world
+        self.rank = rank
+        emb = placement.ranks[rank].tensors[PREFIX + "embed_tokens.weight"]
+        if emb.dim is not None:
+            self.vocab_start, self.vocab_stop = emb.start, emb.stop
+        self.stats = CommStats.empty()
+
+    def reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        t = t.contiguous()
+        self.stats.add(name, t.numel() * t.element_size())
+        return all_reduce(t, self.ctx)
+
+    def agree_min(self, values: list[int]) -> list[int]:
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.ctx.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MIN, group=self.ctx.group)
+        return [int(v) for v in t.tolist()]
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        self.stats.add("logits", local.numel() * local.element_size())
+        return all_gather_cat(local, self.ctx, dim=-1)
+
+    def greedy(self, local: torch.Tensor) -> torch.Tensor:
+        val, idx = local.float().max(-1)
+        start = self.vocab_start or 0
+        pair = torch.stack([val.double(), (idx + start).double()], -1)  # ids < 2^53: exact in float64
+        self.stats.add("greedy", pair.numel() * pair.element_size())
+        every = all_gather_cat(pair.unsqueeze(0), self.ctx, dim=0)  # [world, N, 2], rank order = vocab order
+        best = every[..., 0].argmax(0)  # first (lowest-id) rank among equal maxima
+        return every[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).to(torch.int64)
 
 
 def run_under_torchrun(fn: Callable[..., Any], *args, backend: str | None = None, timeout_s: float = 300.0) -> Any:

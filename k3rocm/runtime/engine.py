@@ -37,9 +37,10 @@ import torch
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError, PlanError
 from k3rocm.kernels import registry
-from k3rocm.model.common import MATMUL_DTYPES, f32, fp32_out_supported, linear, matmul_dtype, rms_norm
-from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate,
-                                fold_res_weight, kda_mixer, mla_has_output_gate, mlp_side, moe_block)
+from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
+from k3rocm.model.decoder import Decoder, Parallel
+from k3rocm.model.layer import Batch, WeightView, kda_decode_rows, kda_mixer, mla_decode_rows, mla_mixer
+from k3rocm.model.weights import as_weights
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
 
@@ -71,42 +72,22 @@ class StepStats:
     prefill_sizes: tuple[int, ...] = ()
 
 
-class _DeviceWeights:
-    """Weights moved to the engine device: float tensors cast to ``dtype`` except FP32-stored ones
-    (conv, ``A_log``, ``dt_bias``, ``o_norm``, router bias); uint8 (MXFP4) kept. Routed experts of a layer are
-    stacked once into the op contract's ``ExpertWeights`` layout and cached."""
+@dataclass(frozen=True)
+class StepBatch:
+    """What one step computes, the same on every rank (rank 0 plans it; see :mod:`k3rocm.runtime.serve`).
 
-    def __init__(self, source: Any, cfg: K3Config, device: torch.device, dtype: torch.dtype):
-        self.cfg = cfg
-        self.t: dict[str, torch.Tensor] = {}
-        for name, v in source.items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            if v.is_floating_point() and v.dtype != torch.float32:
-                v = v.to(dtype)
-            elif v.dtype == torch.float32 and dtype != torch.float32 and not _keep_fp32(name):
-                v = v.to(dtype)
-            self.t[name] = v.to(device)
-        self._experts: dict[int, Any] = {}
-        fn = getattr(source, "experts", None)
-        self._src_experts = fn if callable(fn) and not isinstance(source, dict) else None
-        self.device = device
+    Attributes:
+        num_decode: the first ``num_decode`` sequences are decode rows (one token each), the rest prefill chunks.
+        ids: ``[T]`` int64 token ids, packed in sequence order.
+        rows: ``[N, 4]`` int64 per sequence: KDA slot id, tokens cached before this step, tokens in this step,
+            1 when the step samples a token for it (its last row).
+        block_rows: ``[N, max_blocks_per_seq]`` int32 MLA block table row of each sequence.
+    """
 
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.t.get(name)
-
-    def experts(self, layer: int) -> Any:
-        if layer not in self._experts:
-            if self._src_experts is not None:  # a Weights object stacks its own experts
-                ew = self._src_experts(layer)
-                self._experts[layer] = ew.to(self.device) if hasattr(ew, "to") else ew
-            else:
-                self._experts[layer] = WeightView(self.t).experts(layer, self.cfg)
-        return self._experts[layer]
-
-
-def _keep_fp32(name: str) -> bool:
-    return any(s in name for s in ("conv1d", "A_log", "dt_bias", "o_norm", "e_score_correction_bias"))
+    num_decode: int
+    ids: torch.Tensor
+    rows: torch.Tensor
+    block_rows: torch.Tensor
 
 
 class _PagedCacheView:
@@ -147,6 +128,9 @@ class Engine:
             ``"auto"`` (default) = ``dtype`` on a GPU when it is bf16/fp16, else None; None = widen to fp32
             (the oracle's math); ``torch.bfloat16`` / ``torch.float16`` also on the CPU. Only weights stored in
             that dtype take the low-precision path (FP32-stored tensors stay fp32).
+        par: the parallel context of this rank (default one rank; a :class:`k3rocm.runtime.dist.TPGroup` for a
+            rank of a TP/EP layout: ``weights`` are then the rank's slices, the caches hold its KDA heads, and
+            every rank runs each step's :class:`StepBatch`, see :mod:`k3rocm.runtime.serve`).
 
     Raises:
         ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU), or a ``matmul_dtype`` other
@@ -159,7 +143,7 @@ class Engine:
                  max_model_len: int = 2048, cache_budget_bytes: int | None = None, dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
                  graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None,
-                 matmul_dtype: torch.dtype | str | None = AUTO):
+                 matmul_dtype: torch.dtype | str | None = AUTO, par: Parallel | None = None):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
@@ -191,36 +175,30 @@ class Engine:
             name, impl = registry.select(op, override, **shape)
             self.ops[op] = impl.fn
             self.op_impls[op] = name
-        # ---- weights
-        if isinstance(weights, Mapping) or hasattr(weights, "items"):
-            self.weights = _DeviceWeights(weights, cfg, self.device, self.dtype)
-        else:
-            self.weights = weights
-        self.w = WeightView(self.weights)
-        self.attn_res = cfg.attn_res_block_size is not None
-        self._res_attn, self._res_mlp, self._res_out = {}, {}, None
-        if self.attn_res:
-            for i in range(cfg.num_hidden_layers):
-                p = f"layers.{i}."
-                self._res_attn[i] = fold_res_weight(self.w(p + "self_attention_res_norm.weight"),
-                                                    self.w(p + "self_attention_res_proj.weight"))
-                self._res_mlp[i] = fold_res_weight(self.w(p + "mlp_res_norm.weight"), self.w(p + "mlp_res_proj.weight"))
-            self._res_out = fold_res_weight(self.w("output_attn_res_norm.weight"), self.w("output_attn_res_proj.weight"))
-        self._wkv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # ---- caches
+        # ---- weights: this rank's, on the engine device in the engine dtype (the one Weights protocol)
+        self.weights = as_weights(cfg, weights).cast(self.device, self.dtype)
+        self.w = WeightView(self.weights, memo=True)
+        self.dec = Decoder(cfg, self.w, self.ops, par=par, moe_mode=moe_mode)
+        self.par = self.dec.par
+        self.attn_res = self.dec.attn_res
+        # ---- caches: sized from this rank's budget (its KDA heads), then the smallest over the ranks, since
+        # rank 0's scheduler hands out slots and blocks that every rank must hold
+        mcfg = self.dec.mixer_cfg
         if cache_budget_bytes is not None:
-            sz = size_caches(cfg, cache_budget_bytes, max_batch, block_size, self.kv_dtype)
+            sz = size_caches(mcfg, cache_budget_bytes, max_batch, block_size, self.kv_dtype)
             num_slots, num_blocks = sz.num_slots, num_blocks or max(1, sz.num_blocks)
         else:
             num_slots = max_batch
             num_blocks = num_blocks or max_batch * -(-max_model_len // block_size)
-        self.mla = MLACache(cfg, num_blocks, block_size, self.kv_dtype, self.device)
-        self.kda = KDAStatePool(cfg, num_slots, self.device)
+        num_slots, num_blocks = self.par.agree_min([num_slots, num_blocks])
+        self.mla = MLACache(mcfg, num_blocks, block_size, self.kv_dtype, self.device)
+        self.kda = KDAStatePool(mcfg, num_slots, self.device)
         self.scheduler = Scheduler(self.mla, self.kda, max_num_seqs=min(max_batch, num_slots),
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self._next_id = 0
         self.seqs: dict[int, Sequence] = {}
+        self.channel: Any = None  # rank 0 of a layout: sends each StepBatch to the other ranks
         self.step_log: list[StepStats] = []
         # ---- graphs
         self.cuda_graphs = on_gpu if cuda_graphs is None else bool(cuda_graphs and on_gpu)
@@ -315,236 +293,137 @@ class Engine:
             self.step()
         return [list(self.seqs[i].output) for i in ids]
 
-    # ------------------------------------------------------------------ forward pieces
-    def _kv_split(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer not in self._wkv:
-            H, Dn, Dv, R = self.cfg.num_attention_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim, \
-                self.cfg.kv_lora_rank
-            kvb = f32(self.w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(H, Dn + Dv, R)
-            self._wkv[layer] = (kvb[:, :Dn, :].contiguous(), kvb[:, Dn:, :].transpose(1, 2).contiguous())
-        return self._wkv[layer]
+    # ------------------------------------------------------------------ forward
+    def _mix(self, nd: int, dec: dict | None, pre: Batch | None):
+        """The engine's batch form of the token mixers: the first ``nd`` rows are decode rows on the device-side
+        path (``kda_decode`` on the slot pool; ``mla_cache_write`` + absorbed ``mla_decode`` on the paged cache;
+        padding rows have slot −1 and context 0, so the step can be captured), the rest prefill chunks through the
+        model's mixers on the paged view (``short_conv`` + ``kda_prefill`` from the slot's state; ``mla_prefill``
+        for fresh sequences, per-chunk absorbed ``mla_decode`` when a chunk continues a cached context)."""
+        cfg, mcfg, w, ops = self.cfg, self.dec.mixer_cfg, self.w, self.ops
+        kw = self._graph_kw if self._graph_mode else {}
 
-    def _kda_decode_rows(self, x: torch.Tensor, layer: int, slot_ids: torch.Tensor) -> torch.Tensor:
-        """KDA token mixer for one token per row via ``kda_decode`` on the slot pool (K3_FACTS §5)."""
-        cfg, w = self.cfg, self.w
-        p = f"layers.{layer}.self_attn."
-        q_raw, k_raw, v_raw = (linear(x, w(p + f"{n}_proj.weight")) for n in "qkv")
-        decay_raw = linear(linear(x, w(p + "f_a_proj.weight")), w(p + "f_b_proj.weight"))
-        beta_raw = linear(x, w(p + "b_proj.weight"))
-        gate_raw = linear(x, w(p + "g_proj.weight"))
-        convw = tuple(f32(w(p + f"{n}_conv1d.weight")) for n in "qkv")
-        o = self.ops["kda_decode"](q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, convw,
-                                   f32(w(p + "A_log")).reshape(-1), f32(w(p + "dt_bias")).reshape(-1),
-                                   f32(w(p + "o_norm.weight")), self.kda.conv[layer], self.kda.state[layer],
-                                   slot_ids, cfg.rms_norm_eps, None, cfg.gate_lower_bound)
-        return linear(o, w(p + "o_proj.weight"))
+        def mix(i: int, x: torch.Tensor) -> torch.Tensor:
+            parts = []
+            if nd:
+                xd = x[:nd]
+                if cfg.layer_type(i) != "kda":
+                    parts.append(mla_decode_rows(xd, w, i, mcfg, ops, self.mla.kv_cache[i], dec["slot_ids"], dec["pos"],
+                                                 dec["block_rows"], **kw))
+                elif cfg.family == "k3":
+                    parts.append(kda_decode_rows(xd, w, i, mcfg, ops, self.kda.conv[i], self.kda.state[i],
+                                                 dec["slot_ids"]))
+                else:  # kimi_linear has no fused decode: one-token chunks through the prefill path
+                    parts.append(kda_mixer(xd, w, i, mcfg, ops, dec["batch"]))
+            if pre is not None:
+                fn = kda_mixer if cfg.layer_type(i) == "kda" else mla_mixer
+                parts.append(fn(x[nd:], w, i, mcfg, ops, pre))
+            return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        return mix
 
-    def _mla_decode_rows(self, x: torch.Tensor, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor,
-                         block_rows: torch.Tensor) -> torch.Tensor:
-        """Gated MLA token mixer for one token per row: write the token's latent + k_rope into its paged
-        slot (``mla_cache_write``), then absorbed ``mla_decode`` (K3_FACTS §5). Rows with slot id −1 write
-        nothing (slot mapping −1) and attend to nothing (context length 0)."""
-        cfg = self.cfg
-        Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        q, latent, k_rope = self._mla_qkv(x, layer)
-        bs = self.mla.block_size
-        valid = slot_ids >= 0
-        col = torch.clamp(pos // bs, max=block_rows.shape[1] - 1).unsqueeze(1)
-        blk = block_rows.to(torch.int64).gather(1, col).squeeze(1)
-        slot_mapping = torch.where(valid, blk * bs + pos % bs, torch.full_like(pos, -1))
-        self.ops["mla_cache_write"](self.mla.kv_cache[layer], slot_mapping, latent, k_rope)
-        ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
-        w_kc, w_vc = self._kv_split(layer)
-        o = self.ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(),
-                                   self.mla.kv_cache[layer], block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5,
-                                   **(self._graph_kw if self._graph_mode else {}))
-        return self._mla_out(o, x, layer)
-
-    def _mla_qkv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, H, Dn+Dr]``, normed latent ``[T, R]``, k_rope ``[T, Dr]`` of a gated MLA layer (K3_FACTS §5)."""
-        cfg, w = self.cfg, self.w
-        p = f"layers.{layer}.self_attn."
-        H, Dn, Dr, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        eps = cfg.rms_norm_eps
-        if cfg.q_lora_rank:
-            q = linear(rms_norm(linear(x, w(p + "q_a_proj.weight")), w(p + "q_a_layernorm.weight"), eps),
-                       w(p + "q_b_proj.weight"))
-        else:
-            q = linear(x, w(p + "q_proj.weight"))
-        ckv = linear(x, w(p + "kv_a_proj_with_mqa.weight"))
-        latent = rms_norm(ckv[:, :R], w(p + "kv_a_layernorm.weight"), eps)
-        return q.view(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
-
-    def _mla_out(self, o: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """Output gate ``sigmoid(g_proj(x))`` (when the layer has one) and ``o_proj``."""
-        p = f"layers.{layer}.self_attn."
-        o = f32(o).reshape(x.shape[0], -1)
-        if mla_has_output_gate(self.cfg):
-            o = o * torch.sigmoid(linear(x, self.w(p + "g_proj.weight")))
-        return linear(o, self.w(p + "o_proj.weight"))
-
-    def _mla_chunks(self, x: torch.Tensor, layer: int, info: dict) -> torch.Tensor:
-        """Gated MLA on prefill chunks: write every chunk token into its paged slot, then ``mla_prefill``
-        when every chunk starts a sequence (keys/values expanded by ``kv_b_proj``), else absorbed
-        ``mla_decode`` per chunk with its queries as the last positions of the cached context."""
-        cfg, w = self.cfg, self.w
-        H, Dn, Dr, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        dev = x.device
-        q, latent, k_rope = self._mla_qkv(x, layer)
-        starts, sizes, rows = info["starts"], info["sizes"], info["block_rows"]
-        bs = self.mla.block_size
-        pos = torch.cat([torch.arange(a, a + n, device=dev) for a, n in zip(starts, sizes)])
-        which = torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev))
-        slot_mapping = rows.to(torch.int64)[which, pos // bs] * bs + pos % bs
-        self.ops["mla_cache_write"](self.mla.kv_cache[layer], slot_mapping, latent, k_rope)
-        scale = (Dn + Dr) ** -0.5
-        if all(a == 0 for a in starts):
-            cu = torch.tensor([0] + list(torch.tensor(sizes).cumsum(0).tolist()), dtype=torch.int32, device=dev)
-            kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(-1, H, Dn + Dv)
-            o = self.ops["mla_prefill"](q, kvb[..., :Dn].contiguous(), k_rope, kvb[..., Dn:].contiguous(), cu, cu,
-                                        scale)
-        else:
-            w_kc, w_vc = self._kv_split(layer)
-            outs, off = [], 0
-            for j, (a, n) in enumerate(zip(starts, sizes)):
-                ctx = torch.tensor([a + n], dtype=torch.int32, device=dev)
-                qj = q[off:off + n]
-                outs.append(self.ops["mla_decode"](qj[..., :Dn].unsqueeze(0).contiguous(),
-                                                   qj[..., Dn:].unsqueeze(0).contiguous(), self.mla.kv_cache[layer],
-                                                   rows[j:j + 1], ctx, w_kc, w_vc, scale)[0])
-                off += n
-            o = torch.cat(outs, 0)
-        return self._mla_out(o, x, layer)
-
-    def _channel(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.is_moe_layer(i):
-            return moe_block(x, self.w, i, self.cfg, self.ops, self.moe_mode)
-        return dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg)
-
-    def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None, pre_info: dict | None,
+    def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
                  sample_rows: torch.Tensor) -> torch.Tensor:
-        """Run all layers on flat ``ids [T]`` (first ``nd`` = decode rows) and return logits of ``sample_rows``.
+        """Run all layers on flat ``ids [T]`` (first ``nd`` = decode rows) and return this rank's logits slice
+        ``[len(sample_rows), V_local]`` fp32 of the sampled rows (the whole vocabulary on one rank).
 
         ``dec``: ``slot_ids [nd] int32``, ``pos [nd] int64`` (tokens cached before), ``block_rows [nd, nb]``.
-        ``pre``: the prefill chunks' :class:`Batch` (for the KDA mixer), or None; ``pre_info``: their
-        ``block_rows [P, nb]``, ``starts`` and ``sizes`` (for the MLA chunk path).
+        ``pre``: the prefill chunks' :class:`Batch` over the paged view, or None.
         Runs inside ``matmul_dtype(self.matmul_dtype)`` (eager steps, graph warm-up and capture alike).
         """
         with matmul_dtype(self.matmul_dtype):
-            return self._forward_layers(ids, nd, dec, pre, pre_info, sample_rows)
+            st = self.dec.embed(ids, None)
+            self.dec.layers(st, self._mix(nd, dec, pre))
+            return self.dec.local_logits(self.dec.hidden_out(st, sample_rows))
 
-    def _forward_layers(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
-                        pre_info: dict | None, sample_rows: torch.Tensor) -> torch.Tensor:
-        cfg, w = self.cfg, self.w
-        eps = cfg.rms_norm_eps
-        x = f32(w("embed_tokens.weight")[ids])
-        res = AttnResState([], x) if self.attn_res else None
-        hidden = None if self.attn_res else x
-        for i in range(cfg.num_hidden_layers):
-            p = f"layers.{i}."
-            h = attn_side(res, i, self._res_attn[i], cfg, self.ops) if self.attn_res else hidden
-            xn = rms_norm(h, w(p + "input_layernorm.weight"), eps)
-            parts = []
-            if nd:
-                xd = xn[:nd]
-                if cfg.layer_type(i) == "kda":
-                    if cfg.family == "k3":
-                        parts.append(self._kda_decode_rows(xd, i, dec["slot_ids"]))
-                    else:
-                        parts.append(kda_mixer(xd, w, i, cfg, self.ops, dec["batch"]))
-                else:
-                    parts.append(self._mla_decode_rows(xd, i, dec["slot_ids"], dec["pos"], dec["block_rows"]))
-            if pre is not None:
-                if cfg.layer_type(i) == "kda":
-                    parts.append(kda_mixer(xn[nd:], w, i, cfg, self.ops, pre))
-                else:
-                    parts.append(self._mla_chunks(xn[nd:], i, pre_info))
-            a = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
-            if self.attn_res:
-                res.prefix = res.prefix + a
-                h = mlp_side(res, self._res_mlp[i], cfg, self.ops)
-            else:
-                hidden = hidden + a
-                h = hidden
-            m = self._channel(i, rms_norm(h, w(p + "post_attention_layernorm.weight"), eps))
-            if self.attn_res:
-                res.prefix = res.prefix + m
-            else:
-                hidden = hidden + m
-        if self.attn_res:
-            sub = AttnResState([b[sample_rows] for b in res.bank], res.prefix[sample_rows])
-            h = final_aggregate(sub, self._res_out, cfg, self.ops)
-        else:
-            h = hidden[sample_rows]
-        h = rms_norm(h, w("norm.weight"), eps)
-        head = w("embed_tokens.weight") if cfg.tie_word_embeddings else w.head()
-        return linear(h, head)
-
+    # ------------------------------------------------------------------ step
     def _slot_block_table(self) -> torch.Tensor:
         """``[num_slots, max_blocks_per_seq]`` int32: row = block table of the sequence in that slot."""
         t = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32)
         for sid, slot in self.kda.slots.items():
             blocks = self.mla.block_tables.get(sid, [])
             t[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        return t.to(self.device)
+        return t
 
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self) -> list[TokenEvent]:
-        """Plan and run one step; returns the tokens sampled in it (greedy)."""
+    def plan_step(self) -> tuple[SchedulerOutput, "StepBatch | None"]:
+        """Ask the scheduler for the next mixed batch and describe it for every rank (None when idle)."""
         plan: SchedulerOutput = self.scheduler.schedule()
         if plan.empty:
-            return []
-        t0 = time.perf_counter()
+            return plan, None
+        table = self._slot_block_table()
+        ids: list[int] = []
+        rows = []
+        for s in plan.scheduled:
+            ids.extend(s.seq.tokens[s.start:s.start + s.num_tokens])
+            slot = self.kda.slot_of(s.seq.seq_id)
+            rows.append((slot, s.start, s.num_tokens, int(bool(s.sample))))
+        nd = sum(1 for s in plan.scheduled if s.is_decode)
+        slots = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+        return plan, StepBatch(nd, torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
+                               table[slots])
+
+    @torch.no_grad()
+    def execute(self, sb: "StepBatch") -> tuple[list[int], bool]:
+        """Run one described step on this rank's shard (every rank of a layout runs the same step): returns the
+        greedy tokens of the sampled rows (same on every rank) and whether a captured graph ran."""
         dev = self.device
+        nd, rows = sb.num_decode, sb.rows.tolist()
+        block_rows = sb.block_rows.to(dev)
+        for slot, start, _, _ in rows[nd:]:
+            if start == 0:  # a fresh sequence's slot starts from zero state on every rank
+                for i in self.kda.layers:
+                    self.kda.state[i][slot].zero_()
+                    self.kda.conv[i][slot].zero_()
+        sample_rows, off = [], 0
+        for _, _, n, sample in rows:
+            off += n
+            if sample:
+                sample_rows.append(off - 1)
+        dec = pre = None
+        if nd:
+            slots = sb.rows[:nd, 0]
+            dec = {"slot_ids": slots.to(torch.int32).to(dev), "pos": sb.rows[:nd, 1].to(dev),
+                   "block_rows": block_rows[:nd]}
+            if self.cfg.family != "k3":
+                table = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+                table[slots.to(dev)] = block_rows[:nd]
+                dec["batch"] = Batch(torch.arange(nd + 1, dtype=torch.int32, device=dev),
+                                     _PagedCacheView(self.mla, self.kda, table), slots, sb.rows[:nd, 1].clone())
+        if len(rows) > nd:
+            p = sb.rows[nd:]
+            table = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
+            table[p[:, 0].to(dev)] = block_rows[nd:]
+            cu = torch.zeros(p.shape[0] + 1, dtype=torch.int32)
+            cu[1:] = p[:, 2].cumsum(0)
+            pre = Batch(cu.to(dev), _PagedCacheView(self.mla, self.kda, table), p[:, 0].clone(), p[:, 1].clone())
+        ids = sb.ids.to(dev)
+        logits = None
+        if nd and pre is None and self.cuda_graphs:
+            logits = self._graph_decode(ids, dec)
+        used_graph = logits is not None
+        if logits is None:
+            logits = self._forward(ids, nd, dec, pre, torch.tensor(sample_rows, dtype=torch.int64, device=dev))
+        toks = self.par.greedy(logits).tolist() if sample_rows else []
+        return toks, used_graph
+
+    @torch.no_grad()
+    def step(self) -> list[TokenEvent]:
+        """Plan and run one step; returns the tokens sampled in it (greedy). On rank 0 of a layout the step's
+        description is first sent to the other ranks (``self.channel``, see :mod:`k3rocm.runtime.serve`)."""
+        t0 = time.perf_counter()
+        plan, sb = self.plan_step()
+        if sb is None:
+            return []
+        if self.channel is not None:
+            self.channel.send_step(sb)
+        toks, used_graph = self.execute(sb)
+        now = time.perf_counter()
         sched = plan.scheduled
         decs = [s for s in sched if s.is_decode]
         pres = [s for s in sched if not s.is_decode]
-        nd = len(decs)
-        table = self._slot_block_table()
-        ids, sample_rows, sample_seqs = [], [], []
-        off = 0
-        for s in sched:
-            ids.extend(s.seq.tokens[s.start:s.start + s.num_tokens])
-            off += s.num_tokens
-            if s.sample:
-                sample_rows.append(off - 1)
-                sample_seqs.append(s.seq)
-        dec = None
-        if nd:
-            slots = torch.tensor([self.kda.slot_of(s.seq.seq_id) for s in decs], dtype=torch.int64)
-            dec = {"slot_ids": slots.to(torch.int32).to(dev),
-                   "pos": torch.tensor([s.start for s in decs], dtype=torch.int64, device=dev),
-                   "block_rows": table[slots.to(dev)]}
-            if self.cfg.family != "k3":
-                dec["batch"] = Batch(torch.arange(nd + 1, dtype=torch.int32, device=dev),
-                                     _PagedCacheView(self.mla, self.kda, table),
-                                     slots, torch.tensor([s.start for s in decs]), decode=False)
-        pre = pre_info = None
-        view = _PagedCacheView(self.mla, self.kda, table)
-        if pres:
-            pslots = torch.tensor([self.kda.slot_of(s.seq.seq_id) for s in pres], dtype=torch.int64, device=dev)
-            pre_info = {"block_rows": table[pslots], "starts": [s.start for s in pres],
-                        "sizes": [s.num_tokens for s in pres]}
-            cu = [0]
-            for s in pres:
-                cu.append(cu[-1] + s.num_tokens)
-            pre = Batch(torch.tensor(cu, dtype=torch.int32, device=dev), view,
-                        torch.tensor([self.kda.slot_of(s.seq.seq_id) for s in pres], dtype=torch.int64),
-                        torch.tensor([s.start for s in pres], dtype=torch.int64), decode=False)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        rows_t = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        used_graph = False
-        if nd and not pres and self.cuda_graphs:
-            logits = self._graph_decode(ids_t, dec)
-            used_graph = logits is not None
-        if not used_graph:
-            logits = self._forward(ids_t, nd, dec, pre, pre_info, rows_t)
-        toks = logits.argmax(-1).tolist() if sample_rows else []
-        now = time.perf_counter()
+        sample_seqs = [s.seq for s in sched if s.sample]
         sampled = {s.seq_id: int(t) for s, t in zip(sample_seqs, toks)}
         done = {s.seq_id for s in self.scheduler.update(plan, sampled)}
-        self.step_log.append(StepStats(nd, sum(s.num_tokens for s in pres),
+        self.step_log.append(StepStats(len(decs), sum(s.num_tokens for s in pres),
                                        tuple(s.start + 1 for s in decs),
                                        tuple(s.start + s.num_tokens for s in pres), now - t0, used_graph,
                                        tuple(s.num_tokens for s in pres)))
@@ -590,11 +469,11 @@ class Engine:
             s.wait_stream(torch.cuda.current_stream(dev))
             self._graph_mode = True
             with torch.cuda.stream(s):  # warm-up on padding only (writes nothing)
-                self._forward(st["ids"], size, st, None, None, rows)
+                self._forward(st["ids"], size, st, None, rows)
             torch.cuda.current_stream(dev).wait_stream(s)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                st["logits"] = self._forward(st["ids"], size, st, None, None, rows)
+                st["logits"] = self._forward(st["ids"], size, st, None, rows)
             self._graph_mode = False
         except Exception as e:  # an op synchronises with the host: stay eager and say so
             self._graph_mode = False
