@@ -413,9 +413,12 @@ class Engine:
         plan, sb = self.plan_step()
         if sb is None:
             return []
-        if self.channel is not None:
-            self.channel.send_step(sb)
-        toks, used_graph = self.execute(sb)
+        if self.channel is None:
+            toks, used_graph = self.execute(sb)
+        else:  # rank 0 of a layout: every rank runs the step; a rank's failure becomes one WorkerFailed line
+            with self.channel.guard():
+                self.channel.send_step(sb)
+                toks, used_graph = self.execute(sb)
         now = time.perf_counter()
         sched = plan.scheduled
         decs = [s for s in sched if s.is_decode]
