@@ -27,7 +27,7 @@ from typing import Any
 
 from k3rocm.errors import ConfigError
 
-PRESETS = ("k3", "k3-tiny", "k3-prefix-N", "kimi-linear-48b-a3b")
+PRESETS = ("k3", "k3-tiny", "k3-tiny-tp8", "k3-prefix-N", "kimi-linear-48b-a3b")
 # far above any real model; a larger count is a typo that would only exhaust memory listing the tensors
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 65_536
@@ -499,6 +499,16 @@ def _tiny_doc() -> dict:
     }
 
 
+def _tiny_tp8_doc() -> dict:
+    """``k3-tiny-tp8``: k3-tiny with 8 KDA and 8 MLA heads and 32 routed experts, the smallest K3-format model
+    that splits at TP8/EP8 (one head and 4 experts per rank) — the layout of K3 on 8 GPUs, testable on a CPU."""
+    doc = _tiny_doc()
+    t = doc["text_config"]
+    t.update(num_attention_heads=8, num_key_value_heads=8, num_experts=32)
+    t["linear_attn_config"].update(num_heads=8)
+    return doc
+
+
 def _prefix_doc(n: int) -> dict:
     """``k3-prefix-N``: the first N official layers (layer types kept) + official embedding/head/norms."""
     doc = _official_doc()
@@ -542,6 +552,8 @@ def identify(doc: Any) -> str | None:
         return "k3"
     if doc == _tiny_doc():
         return "k3-tiny"
+    if doc == _tiny_tp8_doc():
+        return "k3-tiny-tp8"
     text = doc.get("text_config")
     n = text.get("num_hidden_layers") if isinstance(text, dict) else None
     if isinstance(n, int) and 1 <= n < 93:
@@ -554,7 +566,8 @@ def identify(doc: Any) -> str | None:
 
 
 def preset(name: str) -> K3Config:
-    """Build a preset config by name: ``k3``, ``k3-tiny``, ``k3-prefix-N`` (N = 1..93), ``kimi-linear-48b-a3b``.
+    """Build a preset config by name: ``k3``, ``k3-tiny``, ``k3-tiny-tp8``, ``k3-prefix-N`` (N = 1..93),
+    ``kimi-linear-48b-a3b``.
 
     Raises:
         ConfigError: unknown name (the message lists the known ones).
@@ -564,6 +577,8 @@ def preset(name: str) -> K3Config:
         doc = _official_doc()
     elif name == "k3-tiny":
         doc = _tiny_doc()
+    elif name == "k3-tiny-tp8":
+        doc = _tiny_tp8_doc()
     elif m:
         doc = _prefix_doc(int(m.group(1)))
     elif name == "kimi-linear-48b-a3b":

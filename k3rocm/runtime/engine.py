@@ -131,6 +131,9 @@ class Engine:
         par: the parallel context of this rank (default one rank; a :class:`k3rocm.runtime.dist.TPGroup` for a
             rank of a TP/EP layout: ``weights`` are then the rank's slices, the caches hold its KDA heads, and
             every rank runs each step's :class:`StepBatch`, see :mod:`k3rocm.runtime.serve`).
+        record_logits: keep the whole-vocabulary logits ``[N, V]`` fp32 (CPU) of each step's sampled rows in
+            :attr:`last_logits` (gathered over the ranks' vocabulary slices; for validation — serving never
+            gathers logits whole).
 
     Raises:
         ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU), or a ``matmul_dtype`` other
@@ -143,7 +146,8 @@ class Engine:
                  max_model_len: int = 2048, cache_budget_bytes: int | None = None, dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
                  graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None,
-                 matmul_dtype: torch.dtype | str | None = AUTO, par: Parallel | None = None):
+                 matmul_dtype: torch.dtype | str | None = AUTO, par: Parallel | None = None,
+                 record_logits: bool = False):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
@@ -199,6 +203,8 @@ class Engine:
         self._next_id = 0
         self.seqs: dict[int, Sequence] = {}
         self.channel: Any = None  # rank 0 of a layout: sends each StepBatch to the other ranks
+        self.record_logits = bool(record_logits)
+        self.last_logits: torch.Tensor | None = None
         self.step_log: list[StepStats] = []
         # ---- graphs
         self.cuda_graphs = on_gpu if cuda_graphs is None else bool(cuda_graphs and on_gpu)
@@ -403,6 +409,8 @@ class Engine:
         if logits is None:
             logits = self._forward(ids, nd, dec, pre, torch.tensor(sample_rows, dtype=torch.int64, device=dev))
         toks = self.par.greedy(logits).tolist() if sample_rows else []
+        if self.record_logits:
+            self.last_logits = self.par.gather_vocab(logits).float().cpu()
         return toks, used_graph
 
     @torch.no_grad()
