@@ -10,7 +10,7 @@ import pytest
 from k3rocm.checkpoint import layout
 from k3rocm.config import preset
 from k3rocm.errors import PlanError
-from k3rocm.hw import load_profile
+from k3rocm.profiles import load_profile
 from k3rocm.runtime.plan import PARTS, classify, plan
 
 GB = 1e9
@@ -209,7 +209,7 @@ def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path)
     from pathlib import Path
 
     from k3rocm.errors import ConfigError, PlanError
-    from k3rocm.hw import load_profile
+    from k3rocm.profiles import load_profile
     from k3rocm.runtime.plan import plan
 
     with pytest.raises(PlanError) as ei:

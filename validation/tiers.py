@@ -711,7 +711,7 @@ def _run_profile(session: Session):
     """The profile of the hardware measurements are taken on (the profile itself on its hardware)."""
     if session.hardware_matches:
         return session.profile
-    from k3rocm.hw import match_profile
+    from k3rocm.profiles import match_profile
     return match_profile(session.detected)
 
 

@@ -48,7 +48,7 @@ from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.layout import DTYPE_BYTES, TensorSpec
 from k3rocm.config import K3Config
 from k3rocm.errors import PlanError
-from k3rocm.hw import Profile
+from k3rocm.profiles import Profile
 
 PARTS = ("experts", "attention", "shared", "dense", "embed_head", "replicated")
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
@@ -624,7 +624,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     """Place ``cfg`` on ``profile``: per-rank tensor slices, bytes, memory budget, cache capacity, roofline.
 
     Args:
-        cfg: model config. profile: hardware profile (:func:`k3rocm.hw.load_profile`).
+        cfg: model config. profile: hardware profile (:func:`k3rocm.profiles.load_profile`).
         tp: ranks (one process per GPU). Default ``profile.tp``, or — when the config's heads / experts / widths
             do not split that way (e.g. k3-tiny's 4 heads on an 8-GPU profile) — the largest divisor of it that
             works, with a note in ``Placement.notes``. An explicit ``tp`` is never changed.

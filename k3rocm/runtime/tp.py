@@ -225,7 +225,7 @@ def tp_forward_worker(ctx: DistContext, checkpoint: str, input_ids: torch.Tensor
         ``{"rank", "logits" [B, T, V] fp32, "bytes_loaded", "greedy" (optional)}``.
     """
     from k3rocm.checkpoint.reader import open_checkpoint
-    from k3rocm.hw import load_profile
+    from k3rocm.profiles import load_profile
     from k3rocm.runtime.plan import plan
 
     if ctx.device.type == "cuda":  # an fp32 oracle: no TF32 in matmuls or convolutions
