@@ -11,6 +11,7 @@ import torch
 
 from k3rocm import hw, profiles
 from k3rocm.errors import ConfigError
+from k3rocm.validation.evidence import reproduction_block
 
 EXPECTED = {"mi355x-8", "mi350x-8", "mi325x-8", "mi300x-8", "h200-8", "h200-1", "h100-8", "b200-8", "cpu"}
 
@@ -280,13 +281,22 @@ def test_detect_on_this_machine():
     assert dd["count"] == d.count and isinstance(dd["env"], dict)
 
 
-def test_relevant_env_filters():
+def test_relevant_env_filters(monkeypatch):
+    """The one filter, and a report's reproduction block records exactly what it keeps."""
     env = {"HIP_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "INFO", "RCCL_MSCCL_ENABLE": "0", "TRITON_INTERPRET": "1",
-           "HSA_XNACK": "0", "PYTORCH_TUNABLEOP_ENABLED": "1", "CUDA_VISIBLE_DEVICES": "3", "HOME": "/root",
-           "PATH": "/bin", "SECRET_TOKEN": "x"}
+           "HSA_XNACK": "0", "PYTORCH_TUNABLEOP_ENABLED": "1", "CUDA_VISIBLE_DEVICES": "3", "ROCR_VISIBLE_DEVICES": "1",
+           "ROCM_PATH": "/opt/rocm", "TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_COMPILE_DEBUG": "0", "AITER_LOG_MORE": "1",
+           "K3ROCM_KERNELS": "oracle", "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "MASTER_ADDR": "h0",
+           "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0",
+           "HOME": "/root", "PATH": "/bin", "SECRET_TOKEN": "x", "RANKING": "x", "MY_CUDA_HOME": "x"}
     got = hw.relevant_env(env)
-    assert set(got) == {"HIP_VISIBLE_DEVICES", "NCCL_DEBUG", "RCCL_MSCCL_ENABLE", "TRITON_INTERPRET", "HSA_XNACK",
-                        "PYTORCH_TUNABLEOP_ENABLED", "CUDA_VISIBLE_DEVICES"}
+    assert set(got) == set(env) - {"HOME", "PATH", "SECRET_TOKEN", "RANKING", "MY_CUDA_HOME"}
+    assert list(got) == sorted(got)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    b = reproduction_block(command="k3rocm validate", checkpoint=None, config_hash=None, seed=0)
+    assert b["env"] == hw.relevant_env() and got.items() <= b["env"].items()
+    assert not {"SECRET_TOKEN", "RANKING", "MY_CUDA_HOME"} & set(b["env"])
 
 
 class _FakeProps(SimpleNamespace):
