@@ -178,7 +178,7 @@ def print_plan(pl, model_name: str, profile_name: str) -> None:
         rt.add_row(str(r.rank), str(r.ep_rank), f"{r.expert_first}..{r.expert_stop - 1}" if r.expert_stop > r.expert_first else "-",
                    f"{r.weights_bytes / GB:.3f}", str(getattr(r, "num_tensors", "")))
     c.print(rt)
-    st = pl.roofline.step(1, 1024)
+    st = pl.roofline.decode(1, 1024)
     c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
             f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
             f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3g} ms "

@@ -12,6 +12,7 @@ from k3rocm.config import preset
 from k3rocm.errors import PlanError
 from k3rocm.profiles import load_profile
 from k3rocm.runtime.plan import PARTS, classify, plan
+from k3rocm.sizing import StepRoofline
 
 GB = 1e9
 
@@ -167,8 +168,8 @@ def test_slice_byte_ranges(tiny_cfg):
 
 def test_roofline(k3, mi355):
     rf = mi355.roofline
-    s1 = rf.step(1, 1024)
-    s64 = rf.step(64, 1024)
+    s1 = rf.decode(1, 1024)
+    s64 = rf.decode(64, 1024)
     assert s1["bound"] == "memory" and s1["floor_s"] == s1["t_memory_s"]
     # batch 1: 16 experts/layer touched node-wide -> 16/8 per rank on average
     assert rf.experts_touched(1) == pytest.approx(16)
@@ -176,10 +177,13 @@ def test_roofline(k3, mi355):
     assert s64["bytes"] > s1["bytes"] and s64["flops"] == pytest.approx(64 * s1["flops"])
     one_expert = sum(s.nbytes for s in layout.expert_specs(k3, 1, 0))
     assert one_expert == 17_547_264 and rf.expert_bytes == one_expert
+    want = rf.trunk_bytes + rf.embed_row_bytes + 92 * 16 / 8 * one_expert + 1025 * 27_648 + 2 * rf.kda_slot_bytes
+    assert s1["bytes"] == int(want)
     act = layout.counts(k3)["params_activated"]
     # node-wide batch-1 weight bytes ~ activated trunk bf16 + 16 packed experts per layer
-    assert 0.1 * act < rf.active_weight_bytes_node < 2 * act
-    assert rf.to_dict()["step_b1_ctx1k"]["bytes"] == s1["bytes"]
+    node = StepRoofline.from_config(k3, rf.bandwidth, rf.peak_flops)
+    assert 0.1 * act < node.trunk_bytes + 92 * node.experts_touched(1) * node.expert_bytes < 2 * act
+    assert mi355.to_dict()["roofline"]["step_b1_ctx1k"]["bytes"] == s1["bytes"]
 
 
 def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
