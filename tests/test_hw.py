@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+import k3rocm.cli.main
 from k3rocm import hw, profiles
 from k3rocm.errors import ConfigError
 from k3rocm.validation.evidence import reproduction_block
@@ -209,7 +212,6 @@ def test_every_shipped_profile_passes_the_checks_as_a_file(tmp_path, name):
     # control for the table above: an unmodified copy loads, and equals the shipped profile
     path = tmp_path / f"{name}.toml"
     path.write_text((PROFILE_DIR / f"{name}.toml").read_text())
-    from dataclasses import replace
     got = profiles.load_profile(str(path))
     assert got.name == str(path.resolve())  # a file is named by its path, never as the shipped profile
     assert replace(got, name=name) == profiles.load_profile(name)
@@ -257,10 +259,6 @@ def test_profile_path_that_is_a_directory_or_not_toml(tmp_path):
                                               ("hbm_bandwidth =", 'hbm_bandwidth = "fast"', "device.hbm_bandwidth"),
                                               ("mxfp4 =", 'mxfp4 = "nope"', "peak_flops.mxfp4")])
 def test_cli_plan_bad_profile_exits_2_with_one_line(tmp_path, prefix, new, field):
-    from click.testing import CliRunner
-
-    import k3rocm.cli.main
-
     path = _variant(tmp_path, MI, prefix, new)
     result = CliRunner().invoke(k3rocm.cli.main.cli, ["plan", "--profile", str(path)])
     assert result.exit_code == 2, result.output

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from k3rocm.checkpoint import layout
+from k3rocm.cli.main import cli
 from k3rocm.config import preset
-from k3rocm.errors import PlanError
+from k3rocm.errors import ConfigError, PlanError
 from k3rocm.profiles import load_profile
-from k3rocm.runtime.plan import PARTS, classify, plan
+from k3rocm.runtime.plan import PARTS, classify, plan, valid_layouts
 from k3rocm.sizing import StepRoofline
 
 GB = 1e9
@@ -195,9 +199,6 @@ def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
 
 def test_layout_hint_lists_only_layouts_that_work():
     """A refused tp names the (tp, ep) layouts that pass every layout check on that profile, and no other."""
-    import re
-
-    from k3rocm.runtime.plan import valid_layouts
     cfg, prof = preset("k3"), load_profile("mi355x-8")
     with pytest.raises(PlanError) as e:
         plan(cfg, prof, tp=7, ep=7)
@@ -210,10 +211,6 @@ def test_layout_hint_lists_only_layouts_that_work():
 def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path):
     """A model that does not fit one node is refused with a tp/ep suggestion and how to plan it: a profile
     file (a shipped profile with another device count) given to --profile, which then plans that layout."""
-    from pathlib import Path
-
-    from k3rocm.errors import ConfigError, PlanError
-    from k3rocm.profiles import load_profile
     from k3rocm.runtime.plan import plan
 
     with pytest.raises(PlanError) as ei:
@@ -236,9 +233,6 @@ def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path)
 
 def test_plan_context_len_beyond_the_model_is_refused():
     """--context-len above max_position_embeddings is one line, exit 2 (it planned a cache the model cannot use)."""
-    from click.testing import CliRunner
-
-    from k3rocm.cli.main import cli
     r = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", str(10**8)])
     assert r.exit_code == 2 and "max_position_embeddings" in r.stderr and "Traceback" not in r.output
     ok = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", "4096"])

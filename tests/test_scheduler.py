@@ -7,12 +7,15 @@ model and must not change under preemption/recompute.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError, PlanError
-from k3rocm.runtime.cache import CacheExhausted, KDAStatePool, MLACache, mla_bytes_per_block, size_caches
+from k3rocm.runtime.cache import (CacheExhausted, KDAStatePool, MLACache, mla_bytes_per_block, size_caches,
+                                  size_from_capacity)
 from k3rocm.runtime.scheduler import Scheduler, Sequence, Status
 from k3rocm.sizing import kda_state_bytes_per_seq
 
@@ -243,10 +246,6 @@ def test_deterministic_and_input_errors(cfg):
 
 
 def test_size_from_plan_capacity(cfg):
-    from types import SimpleNamespace
-
-    from k3rocm.runtime.cache import size_from_capacity
-
     sb, bb = kda_state_bytes_per_seq(cfg), mla_bytes_per_block(cfg, 16, torch.float8_e4m3fn)
     cap = SimpleNamespace(budget_bytes=4 * sb + 100 * bb, kv_dtype="fp8", max_sequences=4)
     s = size_from_capacity(cfg, cap)
