@@ -121,9 +121,10 @@ def relevant_env(environ: dict[str, str] | None = None) -> dict[str, str]:
             if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 
 
-def _version(mod: str) -> str | None:
+def package_version(name: str) -> str | None:
+    """Installed version of the distribution ``name`` (``importlib.metadata``), or None when it is absent."""
     try:
-        return version(mod)
+        return version(name)
     except Exception:
         return None
 
@@ -258,7 +259,7 @@ def detect(with_smi: bool = True) -> Detected:
         except Exception:
             driver = None
 
-    triton_version = _version("triton")
+    triton_version = package_version("triton")
     triton_target = None
     if devices:
         try:
@@ -271,7 +272,7 @@ def detect(with_smi: bool = True) -> Detected:
     return Detected(
         backend=backend, devices=devices, torch_version=torch.__version__, torch_build=build,
         hip_version=hip, cuda_version=cuda, triton_version=triton_version, triton_target=triton_target,
-        aiter_version=_version("aiter") or (_module_present("aiter") and "present (version unknown)") or None,
+        aiter_version=package_version("aiter") or (_module_present("aiter") and "present (version unknown)") or None,
         driver=driver, python=platform.python_version(), host=platform.node(), cpu_count=os.cpu_count() or 1,
         env=relevant_env(), smi_source=smi_source, notes=notes,
     )

@@ -28,13 +28,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 from k3rocm.checkpoint.verify import shard_fingerprints
 from k3rocm.errors import ConfigError
-from k3rocm.hw import relevant_env
+from k3rocm.hw import package_version, relevant_env
 
 SCHEMA = "k3rocm.report/1"
 LEVELS = ("measured", "measured-fallback", "projected", "external")
@@ -287,17 +286,10 @@ def git_sha() -> str:
         return "unknown"
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return version(name)
-    except Exception:
-        return None
-
-
 def software_versions() -> dict:
     """Versions and builds of python, torch (CUDA/HIP build), triton, aiter, safetensors, k3rocm."""
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
-                           "k3rocm": _dist_version("k3rocm") or "unknown", "git_sha": git_sha()}
+                           "k3rocm": package_version("k3rocm") or "unknown", "git_sha": git_sha()}
     try:
         import torch  # measured 1.3 s to import: reading, merging and rendering reports need no torch
         out["torch"] = torch.__version__
@@ -306,7 +298,7 @@ def software_versions() -> dict:
     except Exception as e:  # pragma: no cover
         out["torch"] = f"unavailable ({e.__class__.__name__})"
     for mod in ("triton", "aiter", "safetensors", "compressed-tensors"):
-        out[mod.replace("-", "_")] = _dist_version(mod)
+        out[mod.replace("-", "_")] = package_version(mod)
     return out
 
 
