@@ -99,7 +99,7 @@ def inspect_cmd(checkpoint, as_json, debug):
     from rich.table import Table
 
     from k3rocm.checkpoint import layout
-    from k3rocm.validation.evidence import shard_fingerprints
+    from k3rocm.checkpoint.verify import shard_fingerprints
     from k3rocm.validation.session import Options, Session
     s = Session(Options(checkpoint=checkpoint))
     idx = s.index

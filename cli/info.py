@@ -32,7 +32,7 @@ def profiles_cmd(as_json, debug):
     """List the shipped hardware profiles (datasheet figures, sourced in each TOML file)."""
     from rich.table import Table
 
-    from k3rocm.hw import list_profiles, load_profile
+    from k3rocm.profiles import list_profiles, load_profile
     profs = [load_profile(n) for n in list_profiles()]
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in profs], indent=2))
@@ -65,7 +65,8 @@ def env_cmd(profile, as_json, debug):
     from rich.table import Table
 
     from k3rocm.errors import HardwareError
-    from k3rocm.hw import detect, load_profile, match_profile
+    from k3rocm.hw import detect
+    from k3rocm.profiles import load_profile, match_profile
     det = detect()
     prof = load_profile(profile) if profile else match_profile(det)
     matches = prof.backend == "cpu" or (det.backend == prof.backend and det.arch == prof.arch
@@ -122,7 +123,8 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     Exit 2 with the numbers when the checkpoint does not fit the profile.
     """
     from k3rocm.config import preset as make_preset
-    from k3rocm.hw import detect, load_profile, match_profile
+    from k3rocm.hw import detect
+    from k3rocm.profiles import load_profile, match_profile
     from k3rocm.runtime.plan import plan
     if preset and checkpoint:
         raise ConfigError("plan: give --preset or --checkpoint, not both")
@@ -176,7 +178,7 @@ def print_plan(pl, model_name: str, profile_name: str) -> None:
         rt.add_row(str(r.rank), str(r.ep_rank), f"{r.expert_first}..{r.expert_stop - 1}" if r.expert_stop > r.expert_first else "-",
                    f"{r.weights_bytes / GB:.3f}", str(getattr(r, "num_tensors", "")))
     c.print(rt)
-    st = pl.roofline.step(1, 1024)
+    st = pl.roofline.decode(1, 1024)
     c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
             f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
             f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3g} ms "

@@ -265,7 +265,7 @@ def _endpoint_gpus(endpoint_gpus: int | None, profile: str | None) -> tuple[int,
     if not profile:
         raise ConfigError("--endpoint: the number of GPUs serving it is unknown, so tok/s/GPU cannot be computed; "
                           "pass --endpoint-gpus N (or --profile NAME of the serving hardware)")
-    from k3rocm.hw import load_profile
+    from k3rocm.profiles import load_profile
     p = load_profile(profile)
     if p.backend == "cpu" or int(p.device_count) < 1:
         raise ConfigError(f"--profile {profile} describes no GPU, so it cannot tell how many GPUs serve --endpoint; "

@@ -17,9 +17,10 @@ from k3rocm.bench import run_bench, sweep
 from k3rocm.bench.client import OpenAIClient
 from k3rocm.bench.loadgen import length_bounds, make_requests, plan_load
 from k3rocm.bench.metrics import RequestRecord, aggregate
-from k3rocm.bench.roofline import StepRoofline, fraction_of_roofline
+from k3rocm.bench.roofline import fraction_of_roofline
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError
+from k3rocm.sizing import StepRoofline
 
 
 # ------------------------------------------------------------------------------------------------ metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -245,12 +246,20 @@ def test_manifest_roundtrip_and_mismatches(tiny_ckpt, tmp_path):
         verify_manifest(tiny_ckpt)
 
 
-def test_shard_fingerprints(tiny_ckpt):
+def test_shard_fingerprints(tiny_ckpt, tmp_path):
     fp = shard_fingerprints(tiny_ckpt)
-    assert sorted(fp) == ["model-00001-of-000002.safetensors", "model-00002-of-000002.safetensors"]
-    for name, rec in fp.items():
-        hdr, start, size = read_shard_header(tiny_ckpt / name)
-        assert rec["size"] == size and rec["header_bytes"] == start and len(rec["header_sha256"]) == 64
+    assert [r["file"] for r in fp] == ["model-00001-of-000002.safetensors", "model-00002-of-000002.safetensors"]
+    for rec in fp:
+        hdr, start, size = read_shard_header(tiny_ckpt / rec["file"])
+        raw = (tiny_ckpt / rec["file"]).read_bytes()
+        assert rec["bytes"] == size and rec["header_sha256"] == hashlib.sha256(raw[:start]).hexdigest()
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    first = bad / fp[0]["file"]
+    os.chmod(first, 0o644)
+    first.write_bytes(first.read_bytes()[:20])  # the header length now runs past the end
+    got = shard_fingerprints(bad)
+    assert "truncated" in got[0]["error"] and got[1] == fp[1]
 
 
 # ----------------------------------------------------------------------------------- Weights

@@ -110,7 +110,7 @@ def test_init_without_env_is_clear(monkeypatch):
 def _wrong_order_worker(ctx, checkpoint, ids):
     """The K3 trap on purpose: routed_expert_norm applied to each rank's partial sum, then reduced."""
     from k3rocm.checkpoint.reader import open_checkpoint
-    from k3rocm.hw import load_profile
+    from k3rocm.profiles import load_profile
     from k3rocm.model.common import f32, linear, rms_norm
     from k3rocm.runtime.plan import plan
     from k3rocm.model.model import K3Model
@@ -196,7 +196,7 @@ def test_wrong_norm_order_is_detected(any_ckpt, golden_ref):
 def _teacher_forced_worker(ctx, checkpoint, ids):
     """Run every layer of the TP model on the oracle's own input state: per-layer error without amplification."""
     from k3rocm.checkpoint.reader import open_checkpoint
-    from k3rocm.hw import load_profile
+    from k3rocm.profiles import load_profile
     from k3rocm.model.layer import AttnResState, Batch
     from k3rocm.model.model import K3Model, LayerState, _cu
     from k3rocm.runtime.plan import plan

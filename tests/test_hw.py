@@ -1,27 +1,31 @@
-"""Hardware detection and profiles (k3rocm.hw)."""
+"""Hardware detection (k3rocm.hw) and hardware profiles (k3rocm.profiles)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from k3rocm import hw
+import k3rocm.cli.main
+from k3rocm import hw, profiles
 from k3rocm.errors import ConfigError
+from k3rocm.validation.evidence import reproduction_block
 
 EXPECTED = {"mi355x-8", "mi350x-8", "mi325x-8", "mi300x-8", "h200-8", "h200-1", "h100-8", "b200-8", "cpu"}
 
 
 def test_list_profiles_has_every_shipped_profile():
-    assert EXPECTED <= set(hw.list_profiles())
+    assert EXPECTED <= set(profiles.list_profiles())
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_profile_fields_and_sources(name):
-    p = hw.load_profile(name)
+    p = profiles.load_profile(name)
     assert p.name == name
     assert p.device_count >= 1 and p.memory_bytes > 0 and p.hbm_bandwidth > 0
     assert 0.5 < p.usable_fraction < 1.0
@@ -42,7 +46,7 @@ def test_profile_fields_and_sources(name):
 
 
 def test_profile_facts():
-    mi = hw.load_profile("mi355x-8")
+    mi = profiles.load_profile("mi355x-8")
     assert (mi.backend, mi.arch, mi.device_count) == ("rocm", "gfx950", 8)
     assert mi.memory_bytes == 288 * 2**30 and mi.hbm_bandwidth == 8e12
     assert mi.has_fp4 and mi.link_kind == "xGMI" and mi.fp8_format == "e4m3fn"
@@ -51,16 +55,16 @@ def test_profile_facts():
     assert tg["sglang-8k1k-c2-tpot"].value == 20.9 and tg["sglang-8k1k-c2-tpot"].metric == "mean_tpot_ms"
     assert tg["atom-1k1k-c64-output"].value == 1073.5
     for n in ("mi300x-8", "mi325x-8"):
-        p = hw.load_profile(n)
+        p = profiles.load_profile(n)
         assert p.arch == "gfx942" and not p.has_fp4 and p.fp8_format == "e4m3fnuz"
-    h = hw.load_profile("h200-8")
+    h = profiles.load_profile("h200-8")
     assert h.arch == "sm_90" and not h.has_fp4 and h.link_kind == "NVLink"
     assert h.peak("mxfp4") == h.peak_flops["bf16"]  # no FP4 hardware: falls back to the bf16 rate
 
 
 def test_unknown_profile_lists_known():
     with pytest.raises(ConfigError) as ei:
-        hw.load_profile("mi999x-8")
+        profiles.load_profile("mi999x-8")
     msg = str(ei.value)
     assert "\n" not in msg and "mi999x-8" in msg
     for n in EXPECTED:
@@ -69,7 +73,7 @@ def test_unknown_profile_lists_known():
 
 def test_malformed_profile_names_missing_field():
     with pytest.raises(ConfigError, match="device.arch"):
-        hw.parse_profile({"backend": "rocm", "device": {"name": "x"}, "memory": {}, "peak_flops": {},
+        profiles.parse_profile({"backend": "rocm", "device": {"name": "x"}, "memory": {}, "peak_flops": {},
                           "link": {}, "parallel": {}}, "broken", "broken.toml")
 
 
@@ -151,7 +155,7 @@ BAD_CASES = [
 def test_bad_profile_field_is_refused_naming_it(tmp_path, base, prefix, new, field):
     path = _variant(tmp_path, base, prefix, new)
     with pytest.raises(ConfigError) as ei:
-        hw.load_profile(str(path))
+        profiles.load_profile(str(path))
     msg = str(ei.value)
     assert "\n" not in msg, msg
     assert msg.startswith(f"{path}: "), msg  # which file
@@ -161,7 +165,7 @@ def test_bad_profile_field_is_refused_naming_it(tmp_path, base, prefix, new, fie
 def test_bad_profile_messages_say_value_rule_and_fix(tmp_path):
     def msg(base, prefix, new):
         with pytest.raises(ConfigError) as ei:
-            hw.load_profile(str(_variant(tmp_path, base, prefix, new, stem=f"m{len(seen)}")))
+            profiles.load_profile(str(_variant(tmp_path, base, prefix, new, stem=f"m{len(seen)}")))
         seen.append(1)
         return str(ei.value)
 
@@ -199,7 +203,7 @@ def test_bad_profile_messages_say_value_rule_and_fix(tmp_path):
     path.write_text(text.replace('backend = "rocm"\n', 'backend = "rocm"\npeak_flops = 5\n', 1)
                     .replace(block.group(0), "\n"))
     with pytest.raises(ConfigError) as ei:
-        hw.load_profile(str(path))
+        profiles.load_profile(str(path))
     assert "peak_flops = 5 must be a table" in str(ei.value) and "missing" not in str(ei.value)
 
 
@@ -208,10 +212,9 @@ def test_every_shipped_profile_passes_the_checks_as_a_file(tmp_path, name):
     # control for the table above: an unmodified copy loads, and equals the shipped profile
     path = tmp_path / f"{name}.toml"
     path.write_text((PROFILE_DIR / f"{name}.toml").read_text())
-    from dataclasses import replace
-    got = hw.load_profile(str(path))
+    got = profiles.load_profile(str(path))
     assert got.name == str(path.resolve())  # a file is named by its path, never as the shipped profile
-    assert replace(got, name=name) == hw.load_profile(name)
+    assert replace(got, name=name) == profiles.load_profile(name)
 
 
 @pytest.mark.parametrize("base,prefix,new", [
@@ -227,7 +230,7 @@ def test_every_shipped_profile_passes_the_checks_as_a_file(tmp_path, name):
     (CPU, "bandwidth =", "bandwidth = 0.0"),
 ])
 def test_edge_values_that_are_valid_load(tmp_path, base, prefix, new):
-    p = hw.load_profile(str(_variant(tmp_path, base, prefix, new)))
+    p = profiles.load_profile(str(_variant(tmp_path, base, prefix, new)))
     key = new.split("=")[0].strip()
     got = {"usable_fraction": p.usable_fraction, "workspace_reserve_bytes": p.workspace_reserve_bytes,
            "count": p.device_count, "mxfp4": p.peak_flops["mxfp4"], "arch": p.arch,
@@ -240,26 +243,22 @@ def test_profile_path_that_is_a_directory_or_not_toml(tmp_path):
     d = tmp_path / "dir.toml"
     d.mkdir()
     with pytest.raises(ConfigError, match="is a directory") as ei:
-        hw.load_profile(str(d))
+        profiles.load_profile(str(d))
     assert str(d) in str(ei.value) and "\n" not in str(ei.value)
     j = tmp_path / "prof.json"
     j.write_text((PROFILE_DIR / f"{MI}.toml").read_text())
     with pytest.raises(ConfigError, match=r"not a \.toml file"):
-        hw.load_profile(str(j))
+        profiles.load_profile(str(j))
     b = tmp_path / "binary.toml"
     b.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        hw.load_profile(str(b))
+        profiles.load_profile(str(b))
 
 
 @pytest.mark.parametrize("prefix,new,field", [("count =", "count = 8.5", "device.count"),
                                               ("hbm_bandwidth =", 'hbm_bandwidth = "fast"', "device.hbm_bandwidth"),
                                               ("mxfp4 =", 'mxfp4 = "nope"', "peak_flops.mxfp4")])
 def test_cli_plan_bad_profile_exits_2_with_one_line(tmp_path, prefix, new, field):
-    from click.testing import CliRunner
-
-    import k3rocm.cli.main
-
     path = _variant(tmp_path, MI, prefix, new)
     result = CliRunner().invoke(k3rocm.cli.main.cli, ["plan", "--profile", str(path)])
     assert result.exit_code == 2, result.output
@@ -275,18 +274,27 @@ def test_detect_on_this_machine():
         assert d.torch_build.startswith("ROCm")
     if not torch.cuda.is_available():
         assert d.backend == "cpu" and d.devices == [] and d.arch is None
-        assert hw.match_profile(d).name == "cpu"
+        assert profiles.match_profile(d).name == "cpu"
     dd = d.to_dict()
     assert dd["count"] == d.count and isinstance(dd["env"], dict)
 
 
-def test_relevant_env_filters():
+def test_relevant_env_filters(monkeypatch):
+    """The one filter, and a report's reproduction block records exactly what it keeps."""
     env = {"HIP_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "INFO", "RCCL_MSCCL_ENABLE": "0", "TRITON_INTERPRET": "1",
-           "HSA_XNACK": "0", "PYTORCH_TUNABLEOP_ENABLED": "1", "CUDA_VISIBLE_DEVICES": "3", "HOME": "/root",
-           "PATH": "/bin", "SECRET_TOKEN": "x"}
+           "HSA_XNACK": "0", "PYTORCH_TUNABLEOP_ENABLED": "1", "CUDA_VISIBLE_DEVICES": "3", "ROCR_VISIBLE_DEVICES": "1",
+           "ROCM_PATH": "/opt/rocm", "TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_COMPILE_DEBUG": "0", "AITER_LOG_MORE": "1",
+           "K3ROCM_KERNELS": "oracle", "OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "MASTER_ADDR": "h0",
+           "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0",
+           "HOME": "/root", "PATH": "/bin", "SECRET_TOKEN": "x", "RANKING": "x", "MY_CUDA_HOME": "x"}
     got = hw.relevant_env(env)
-    assert set(got) == {"HIP_VISIBLE_DEVICES", "NCCL_DEBUG", "RCCL_MSCCL_ENABLE", "TRITON_INTERPRET", "HSA_XNACK",
-                        "PYTORCH_TUNABLEOP_ENABLED", "CUDA_VISIBLE_DEVICES"}
+    assert set(got) == set(env) - {"HOME", "PATH", "SECRET_TOKEN", "RANKING", "MY_CUDA_HOME"}
+    assert list(got) == sorted(got)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    b = reproduction_block(command="k3rocm validate", checkpoint=None, config_hash=None, seed=0)
+    assert b["env"] == hw.relevant_env() and got.items() <= b["env"].items()
+    assert not {"SECRET_TOKEN", "RANKING", "MY_CUDA_HOME"} & set(b["env"])
 
 
 class _FakeProps(SimpleNamespace):
@@ -309,14 +317,14 @@ def test_detect_rocm_uses_gcn_arch_not_capability(monkeypatch):
     d = hw.detect(with_smi=False)
     assert d.backend == "rocm" and d.count == 8 and d.torch_build == "ROCm 7.0.1"
     assert d.devices[0].arch == "gfx950:sramecc+:xnack-" and d.arch == "gfx950"
-    assert hw.match_profile(d).name == "mi355x-8"
+    assert profiles.match_profile(d).name == "mi355x-8"
     # fewer visible devices -> the largest profile not above the count, same arch
     _fake_torch(monkeypatch, "7.0.1", None, props[:1])
-    assert hw.match_profile(hw.detect(with_smi=False)).arch == "gfx950"
+    assert profiles.match_profile(hw.detect(with_smi=False)).arch == "gfx950"
     props3 = [_FakeProps(name="AMD Instinct MI300X", gcnArchName="gfx942:sramecc+:xnack-", major=9, minor=4,
                          total_memory=192 * 2**30, multi_processor_count=304) for _ in range(8)]
     _fake_torch(monkeypatch, "6.4.0", None, props3)
-    assert hw.match_profile(hw.detect(with_smi=False)).name == "mi300x-8"
+    assert profiles.match_profile(hw.detect(with_smi=False)).name == "mi300x-8"
 
 
 def test_detect_cuda_arch_from_capability(monkeypatch):
@@ -324,10 +332,10 @@ def test_detect_cuda_arch_from_capability(monkeypatch):
     _fake_torch(monkeypatch, None, "13.0", props)
     d = hw.detect(with_smi=False)
     assert d.backend == "cuda" and d.arch == "sm_90" and d.torch_build == "CUDA 13.0"
-    assert hw.match_profile(d).name == "h200-1"
+    assert profiles.match_profile(d).name == "h200-1"
     props8 = props * 8
     _fake_torch(monkeypatch, None, "13.0", props8)
-    assert hw.match_profile(hw.detect(with_smi=False)).name == "h200-8"
+    assert profiles.match_profile(hw.detect(with_smi=False)).name == "h200-8"
 
 
 def test_gpu_build_without_device_is_cpu(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.errors import ValidationFailed
-from k3rocm.hw import load_profile
+from k3rocm.profiles import load_profile
 from k3rocm.runtime import load as loadmod
 from k3rocm.runtime.load import checksum, load, verify_loaded
 from k3rocm.runtime.plan import plan

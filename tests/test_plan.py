@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from k3rocm.checkpoint import layout
+from k3rocm.cli.main import cli
 from k3rocm.config import preset
-from k3rocm.errors import PlanError
-from k3rocm.hw import load_profile
-from k3rocm.runtime.plan import PARTS, classify, plan
+from k3rocm.errors import ConfigError, PlanError
+from k3rocm.profiles import load_profile
+from k3rocm.runtime.plan import PARTS, classify, plan, valid_layouts
+from k3rocm.sizing import StepRoofline
 
 GB = 1e9
 
@@ -167,8 +172,8 @@ def test_slice_byte_ranges(tiny_cfg):
 
 def test_roofline(k3, mi355):
     rf = mi355.roofline
-    s1 = rf.step(1, 1024)
-    s64 = rf.step(64, 1024)
+    s1 = rf.decode(1, 1024)
+    s64 = rf.decode(64, 1024)
     assert s1["bound"] == "memory" and s1["floor_s"] == s1["t_memory_s"]
     # batch 1: 16 experts/layer touched node-wide -> 16/8 per rank on average
     assert rf.experts_touched(1) == pytest.approx(16)
@@ -176,10 +181,13 @@ def test_roofline(k3, mi355):
     assert s64["bytes"] > s1["bytes"] and s64["flops"] == pytest.approx(64 * s1["flops"])
     one_expert = sum(s.nbytes for s in layout.expert_specs(k3, 1, 0))
     assert one_expert == 17_547_264 and rf.expert_bytes == one_expert
+    want = rf.trunk_bytes + rf.embed_row_bytes + 92 * 16 / 8 * one_expert + 1025 * 27_648 + 2 * rf.kda_slot_bytes
+    assert s1["bytes"] == int(want)
     act = layout.counts(k3)["params_activated"]
     # node-wide batch-1 weight bytes ~ activated trunk bf16 + 16 packed experts per layer
-    assert 0.1 * act < rf.active_weight_bytes_node < 2 * act
-    assert rf.to_dict()["step_b1_ctx1k"]["bytes"] == s1["bytes"]
+    node = StepRoofline.from_config(k3, rf.bandwidth, rf.peak_flops)
+    assert 0.1 * act < node.trunk_bytes + 92 * node.experts_touched(1) * node.expert_bytes < 2 * act
+    assert mi355.to_dict()["roofline"]["step_b1_ctx1k"]["bytes"] == s1["bytes"]
 
 
 def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
@@ -191,9 +199,6 @@ def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
 
 def test_layout_hint_lists_only_layouts_that_work():
     """A refused tp names the (tp, ep) layouts that pass every layout check on that profile, and no other."""
-    import re
-
-    from k3rocm.runtime.plan import valid_layouts
     cfg, prof = preset("k3"), load_profile("mi355x-8")
     with pytest.raises(PlanError) as e:
         plan(cfg, prof, tp=7, ep=7)
@@ -206,10 +211,6 @@ def test_layout_hint_lists_only_layouts_that_work():
 def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path):
     """A model that does not fit one node is refused with a tp/ep suggestion and how to plan it: a profile
     file (a shipped profile with another device count) given to --profile, which then plans that layout."""
-    from pathlib import Path
-
-    from k3rocm.errors import ConfigError, PlanError
-    from k3rocm.hw import load_profile
     from k3rocm.runtime.plan import plan
 
     with pytest.raises(PlanError) as ei:
@@ -232,9 +233,6 @@ def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path)
 
 def test_plan_context_len_beyond_the_model_is_refused():
     """--context-len above max_position_embeddings is one line, exit 2 (it planned a cache the model cannot use)."""
-    from click.testing import CliRunner
-
-    from k3rocm.cli.main import cli
     r = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", str(10**8)])
     assert r.exit_code == 2 and "max_position_embeddings" in r.stderr and "Traceback" not in r.output
     ok = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", "4096"])

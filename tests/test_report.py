@@ -9,9 +9,10 @@ import re
 
 import pytest
 
+from k3rocm.checkpoint.verify import shard_fingerprints
 from k3rocm.errors import ConfigError
 from k3rocm.validation.evidence import (LEVELS, SCHEMA, Evidence, Report, Stage, atomic_write, check, info,
-                                        load_report, reproduction_block, shard_fingerprints)
+                                        load_report, reproduction_block)
 from k3rocm.validation.render import render_html, render_json, render_markdown, write_report
 
 

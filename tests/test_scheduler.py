@@ -7,14 +7,17 @@ model and must not change under preemption/recompute.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError, PlanError
-from k3rocm.runtime.cache import (CacheExhausted, KDAStatePool, MLACache, kda_bytes_per_slot, mla_bytes_per_block,
-                                  size_caches)
+from k3rocm.runtime.cache import (CacheExhausted, KDAStatePool, MLACache, mla_bytes_per_block, size_caches,
+                                  size_from_capacity)
 from k3rocm.runtime.scheduler import Scheduler, Sequence, Status
+from k3rocm.sizing import kda_state_bytes_per_seq
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +30,15 @@ def test_byte_sizes_match_k3_facts():
     k3 = preset("k3")
     # K3_FACTS §7: 24 MLA layers x 576 values x 2 B = 27,648 B per token; KDA ~434 MB per sequence.
     assert mla_bytes_per_block(k3, 1, torch.bfloat16) == 24 * 576 * 2
-    assert kda_bytes_per_slot(k3) == 69 * (96 * 128 * 128 + 3 * 12288 * 3) * 4
+    assert kda_state_bytes_per_seq(k3) == 69 * (96 * 128 * 128 + 3 * 12288 * 3) * 4
     # the recurrent-state part alone is K3_FACTS's "~434 MB per sequence"; conv state adds ~30.5 MB
     assert 69 * 96 * 128 * 128 * 4 == 434_110_464
     # TP8: heads per rank 12 -> an eighth of the state
-    assert kda_bytes_per_slot(k3, num_heads=12) * 8 == kda_bytes_per_slot(k3)
+    assert kda_state_bytes_per_seq(k3, num_heads=12) * 8 == kda_state_bytes_per_seq(k3)
 
 
 def test_size_caches_split_and_errors(cfg):
-    sb, bb = kda_bytes_per_slot(cfg), mla_bytes_per_block(cfg, 16, torch.bfloat16)
+    sb, bb = kda_state_bytes_per_seq(cfg), mla_bytes_per_block(cfg, 16, torch.bfloat16)
     budget = 3 * sb + 40 * bb + 7
     s = size_caches(cfg, budget, max_seqs=3, block_size=16)
     assert (s.num_slots, s.num_blocks) == (3, 40)
@@ -243,11 +246,7 @@ def test_deterministic_and_input_errors(cfg):
 
 
 def test_size_from_plan_capacity(cfg):
-    from types import SimpleNamespace
-
-    from k3rocm.runtime.cache import size_from_capacity
-
-    sb, bb = kda_bytes_per_slot(cfg), mla_bytes_per_block(cfg, 16, torch.float8_e4m3fn)
+    sb, bb = kda_state_bytes_per_seq(cfg), mla_bytes_per_block(cfg, 16, torch.float8_e4m3fn)
     cap = SimpleNamespace(budget_bytes=4 * sb + 100 * bb, kv_dtype="fp8", max_sequences=4)
     s = size_from_capacity(cfg, cap)
     assert (s.num_slots, s.num_blocks) == (4, 100) and s.block_bytes == bb

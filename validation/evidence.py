@@ -16,12 +16,12 @@ same checkpoint (same config hash) replaces only the stages it ran and keeps the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import platform
-import struct
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,7 +31,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from k3rocm.checkpoint.verify import shard_fingerprints
 from k3rocm.errors import ConfigError
+from k3rocm.hw import package_version, relevant_env
 
 SCHEMA = "k3rocm.report/1"
 LEVELS = ("measured", "measured-fallback", "projected", "external")
@@ -39,9 +41,6 @@ TIERS = ("env", "load", "forward", "correctness", "performance")
 STAGE_ORDER = TIERS + ("bench",)
 STATUSES = ("passed", "failed", "error", "skipped")
 
-# Environment variables that change what runs (device selection, kernels, threading, allocators).
-ENV_PREFIXES = ("HIP_", "ROCR_", "HSA_", "CUDA_", "NCCL_", "RCCL_", "TRITON_", "PYTORCH_", "TORCH_",
-                "AITER_", "K3ROCM_", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _jsonable(v: Any) -> Any:
@@ -287,53 +286,19 @@ def git_sha() -> str:
         return "unknown"
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        from importlib.metadata import version
-        return version(name)
-    except Exception:
-        return None
-
-
 def software_versions() -> dict:
     """Versions and builds of python, torch (CUDA/HIP build), triton, aiter, safetensors, k3rocm."""
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
-                           "k3rocm": _dist_version("k3rocm") or "unknown", "git_sha": git_sha()}
+                           "k3rocm": package_version("k3rocm") or "unknown", "git_sha": git_sha()}
     try:
-        import torch
+        import torch  # measured 1.3 s to import: reading, merging and rendering reports need no torch
         out["torch"] = torch.__version__
         out["torch_build"] = ("hip " + torch.version.hip) if getattr(torch.version, "hip", None) else (
             ("cuda " + torch.version.cuda) if torch.version.cuda else "cpu")
     except Exception as e:  # pragma: no cover
         out["torch"] = f"unavailable ({e.__class__.__name__})"
     for mod in ("triton", "aiter", "safetensors", "compressed-tensors"):
-        out[mod.replace("-", "_")] = _dist_version(mod)
-    return out
-
-
-def relevant_env() -> dict[str, str]:
-    """Environment variables that change device selection, kernels or threading (see ``ENV_PREFIXES``)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-
-
-def shard_fingerprints(ckpt_dir: str | Path) -> list[dict]:
-    """Per-shard ``{file, bytes, header_sha256}`` for every ``*.safetensors`` in ``ckpt_dir``.
-
-    The header hash covers the 8-byte length and the JSON header (names, dtypes, shapes, offsets), so
-    it identifies a shard's layout in O(header) time even for a 16 GB shard; the byte size completes
-    the fingerprint. (Full-content sha256 is ``k3rocm checkpoint verify``'s job.)
-    """
-    out = []
-    for p in sorted(Path(ckpt_dir).glob("*.safetensors")):
-        try:
-            with open(p, "rb") as f:
-                head = f.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-                body = f.read(min(n, 1 << 28))
-            out.append({"file": p.name, "bytes": p.stat().st_size,
-                        "header_sha256": hashlib.sha256(head + body).hexdigest()})
-        except OSError as e:
-            out.append({"file": p.name, "error": str(e)})
+        out[mod.replace("-", "_")] = package_version(mod)
     return out
 
 
@@ -361,7 +326,6 @@ def reproduction_block(*, command: str, checkpoint: str | None, config_hash: str
 
 def command_line(argv: list[str] | None = None) -> str:
     """The command line as a shell would show it (``k3rocm ...``)."""
-    import shlex
     argv = list(sys.argv if argv is None else argv)
     if argv:
         argv[0] = "k3rocm" if argv[0].endswith(("k3rocm", "main.py", "__main__.py")) else argv[0]
@@ -421,9 +385,6 @@ def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint:
 
 
 def _fresh(p: Path, why: str) -> Report:
-    import shutil
-    import sys
-
     stamp = time.strftime("%Y%m%dT%H%M%S")
     keep = p.with_name(f"report.previous-{stamp}.json")
     n = 1

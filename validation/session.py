@@ -150,7 +150,7 @@ class Session:
     def profile(self):
         """``--profile`` (ConfigError for an unknown name) or the shipped profile matching the hardware."""
         def build():
-            hw = need("k3rocm.hw")
+            hw = need("k3rocm.profiles")
             if self.opts.profile is not None and not str(self.opts.profile).strip():
                 raise ConfigError("--profile is empty; pass a profile name (see `k3rocm profiles`), or omit it to "
                                   "use the one matching this machine")
@@ -200,7 +200,7 @@ class Session:
         def build():
             if self.hardware_matches:
                 return self.placement
-            hw = need("k3rocm.hw")
+            hw = need("k3rocm.profiles")
             plan = need("k3rocm.runtime.plan", "plan")
             return plan(self.config, hw.match_profile(self.detected))
         return self._memo("run_placement", build)

@@ -679,14 +679,14 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
                     progress: Callable | None = None) -> dict:
     """One benchmark point through :func:`k3rocm.bench.run_bench` on an engine sized for it.
 
-    The roofline model is :class:`k3rocm.bench.roofline.StepRoofline` with the ceilings of the hardware
+    The roofline model is :class:`k3rocm.sizing.StepRoofline` with the ceilings of the hardware
     the run is on (the run profile's datasheet bandwidth and bf16 peak) and the engine's weight and cache
     dtypes; ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
     fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,
     ``fraction``) when the ceilings are known.
     """
     from k3rocm.bench import run_bench
-    from k3rocm.bench.roofline import StepRoofline
+    from k3rocm.sizing import StepRoofline
     eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1)
     prof = _run_profile(session)
     roof = None
@@ -711,7 +711,7 @@ def _run_profile(session: Session):
     """The profile of the hardware measurements are taken on (the profile itself on its hardware)."""
     if session.hardware_matches:
         return session.profile
-    from k3rocm.hw import match_profile
+    from k3rocm.profiles import match_profile
     return match_profile(session.detected)
 
 

@@ -1,17 +1,6 @@
-"""Roofline of one engine step: the time floor from bytes moved and FLOPs done, and a step's fraction of it.
-
-For a step with decode rows at context lengths ``c_n`` and prefill chunks (``n_j`` new tokens ending at
-context ``e_j``), on one device (HARDWARE.md "Measuring"; DeepSeek/vLLM decode roofline practice):
-
-* **bytes** = trunk weights read once (every non-expert tensor except the input embedding, of which only
-  the step's rows are read) + routed experts touched (expected distinct experts per MoE layer for T routed
-  tokens under uniform routing, ``E * (1 - (1 - k/E)^T)``, times one expert's bytes, times MoE layers)
-  + MLA cache read (``sum_n c_n + sum_j e_j`` tokens x ``layers x (R+Dr) x kv bytes``) and written (T tokens)
-  + KDA state read and written once per sequence in the step (``2 x`` slot bytes);
-* **FLOPs** = ``2 x activated parameters`` per token (K3_FACTS §2 definition: lm_head counted, embedding not)
-  + absorbed-MLA attention ``2 x H x (2R + Dr)`` per (query, context position) per MLA layer
-  + KDA ``8 x H x K x V`` per token per KDA layer (decay, ``S^T k``, rank-1 update, ``S^T q``);
-* **floor** = ``max(bytes / bandwidth, FLOPs / peak)``; ``fraction = floor / measured`` (1.0 = at the roofline).
+"""Fraction of roofline of measured engine steps: each step's floor (:class:`k3rocm.sizing.StepRoofline`, from
+the bytes it moves and the FLOPs it does) over its measured time, per step, in total, and split into the
+pure decode steps and the steps that carried prefill chunks.
 
 Ceilings come from the hardware profile (datasheet, ``projected``) or from measured copy bandwidth and
 GEMM rate (HARDWARE.md: H200 ~4.2 TB/s, ~682 TFLOP/s bf16).
@@ -19,119 +8,9 @@ GEMM rate (HARDWARE.md: H200 ~4.2 TB/s, ~682 TFLOP/s bf16).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from k3rocm.checkpoint.layout import counts, expert_specs, model_specs
-from k3rocm.config import K3Config
-from k3rocm.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Floor of one step. ``bytes`` B, ``flops`` FLOP, times in seconds, ``bound`` "memory" / "compute"."""
-
-    bytes: float
-    flops: float
-    t_memory_s: float
-    t_compute_s: float
-    floor_s: float
-    bound: str
-
-
-@dataclass(frozen=True)
-class StepRoofline:
-    """Per-device roofline parameters (bytes, FLOPs, ceilings) of a model for engine steps.
-
-    Attributes:
-        trunk_bytes: non-expert weight bytes read per step (embedding excluded).
-        embed_row_bytes: bytes of one input-embedding row.
-        expert_bytes: bytes of one routed expert (w1, w2, w3; packed MXFP4 + scales as stored).
-        num_moe_layers, num_experts, top_k: routing shape.
-        mla_bytes_per_token: cache bytes of one token over all MLA layers.
-        kda_slot_bytes: KDA state + conv bytes of one sequence over all KDA layers.
-        flops_per_token: 2 x activated parameters.
-        mla_flops_per_pair: FLOPs per (query, context position) over all MLA layers.
-        kda_flops_per_token: FLOPs of the KDA recurrences per token over all KDA layers.
-        bandwidth: bytes/s; peak_flops: FLOP/s.
-    """
-
-    trunk_bytes: float
-    embed_row_bytes: float
-    expert_bytes: float
-    num_moe_layers: int
-    num_experts: int
-    top_k: int
-    mla_bytes_per_token: float
-    kda_slot_bytes: float
-    flops_per_token: float
-    mla_flops_per_pair: float
-    kda_flops_per_token: float
-    bandwidth: float
-    peak_flops: float
-
-    @classmethod
-    def from_config(cls, cfg: K3Config, bandwidth: float, peak_flops: float, kv_bytes: int = 2,
-                    trunk_dtype_bytes: int | None = None) -> "StepRoofline":
-        """Single-device roofline from the checkpoint layout of ``cfg``.
-
-        Args:
-            bandwidth: memory bandwidth, bytes/s (> 0). peak_flops: FLOP/s (> 0).
-            kv_bytes: bytes per MLA cache value (2 bf16, 1 fp8, 4 fp32).
-            trunk_dtype_bytes: bytes per trunk weight as held in memory (None = as stored: 2 for BF16; 4 for an
-                fp32 engine on CPU).
-        Raises:
-            ConfigError: non-positive ceilings.
-        """
-        if bandwidth <= 0 or peak_flops <= 0:
-            raise ConfigError(f"roofline needs bandwidth > 0 and peak FLOP/s > 0 (got {bandwidth}, {peak_flops})")
-        c = counts(cfg)
-        embed = next(s for s in model_specs(cfg) if s.name.endswith("embed_tokens.weight"))
-        trunk_params = c["params"] - c["params_expert"]
-        if trunk_dtype_bytes is None:
-            trunk = c["bytes_trunk"] - embed.nbytes
-            row = embed.nbytes / embed.shape[0]
-        else:
-            trunk = (trunk_params - embed.params) * trunk_dtype_bytes
-            row = embed.shape[1] * trunk_dtype_bytes
-        moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-        eb = sum(s.nbytes for s in expert_specs(cfg, moe[0], 0)) if moe else 0
-        H, R, Dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        Hk, K = cfg.kda_num_heads, cfg.kda_head_dim
-        kda_slot = cfg.num_kda_layers * (Hk * K * K + 3 * Hk * K * (cfg.short_conv_kernel_size - 1)) * 4
-        return cls(trunk_bytes=float(trunk), embed_row_bytes=float(row), expert_bytes=float(eb),
-                   num_moe_layers=len(moe), num_experts=cfg.num_experts, top_k=cfg.num_experts_per_token,
-                   mla_bytes_per_token=float(cfg.num_mla_layers * (R + Dr) * kv_bytes),
-                   kda_slot_bytes=float(kda_slot), flops_per_token=2.0 * c["params_activated"],
-                   mla_flops_per_pair=float(cfg.num_mla_layers * 2 * H * (2 * R + Dr)),
-                   kda_flops_per_token=float(cfg.num_kda_layers * 8 * Hk * K * K),
-                   bandwidth=float(bandwidth), peak_flops=float(peak_flops))
-
-    def experts_touched(self, tokens: int) -> float:
-        """Expected distinct experts per MoE layer for ``tokens`` routed tokens (uniform routing)."""
-        E, k = self.num_experts, self.top_k
-        return E * (1.0 - (1.0 - k / E) ** tokens) if E and tokens > 0 else 0.0
-
-    def step(self, decode_contexts: Sequence[int] = (), prefill_chunks: Sequence[tuple[int, int]] = ()) -> StepCost:
-        """Floor of one step.
-
-        Args:
-            decode_contexts: context length (tokens incl. the new one) of each decode row.
-            prefill_chunks: ``(new_tokens, context_end)`` per prefill chunk.
-        """
-        T = len(decode_contexts) + sum(n for n, _ in prefill_chunks)
-        nseq = len(decode_contexts) + len(prefill_chunks)
-        ctx_read = sum(decode_contexts) + sum(e for _, e in prefill_chunks)
-        by = (self.trunk_bytes + T * self.embed_row_bytes
-              + self.num_moe_layers * self.experts_touched(T) * self.expert_bytes
-              + (ctx_read + T) * self.mla_bytes_per_token + 2 * nseq * self.kda_slot_bytes)
-        pairs = sum(decode_contexts) + sum(n * (e - n) + n * (n + 1) / 2 for n, e in prefill_chunks)
-        fl = T * (self.flops_per_token + self.kda_flops_per_token) + pairs * self.mla_flops_per_pair
-        tm, tc = by / self.bandwidth, fl / self.peak_flops
-        return StepCost(by, fl, tm, tc, max(tm, tc), "memory" if tm >= tc else "compute")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from k3rocm.sizing import StepRoofline
 
 
 def fraction_of_roofline(roof: StepRoofline, steps: Sequence) -> dict:

@@ -125,26 +125,32 @@ def verify_manifest(path: str | Path, progress: Progress | None = None) -> list[
     return problems
 
 
-def shard_fingerprints(path: str | Path) -> dict[str, dict]:
-    """Size and header hash of each ``*.safetensors`` file in ``path`` (sorted by name).
+def shard_fingerprints(path: str | Path) -> list[dict]:
+    """Size and header hash of each ``*.safetensors`` file in ``path``, sorted by file name. Never raises for a
+    bad shard: a report (its reproduction block) and ``checkpoint inspect`` record what they find.
 
     Returns:
-        ``{shard: {"size": bytes, "header_bytes": 8 + header length, "header_sha256": hex}}``; the hash
-        covers the 8-byte length and the header JSON (names, dtypes, shapes, offsets), not the data.
-    Raises:
-        CheckpointError: a shard too short for its header.
+        ``[{"file": name, "bytes": file size, "header_sha256": hex}]``: the hash covers the 8-byte header
+        length and the JSON header (names, dtypes, shapes, offsets), not the data, so it identifies a shard's
+        layout in O(header) time even for a 16 GB shard (full-content hashes: :func:`make_manifest`). A shard
+        that cannot be read, or whose header length runs past its end, gives ``{"file": name, "error": line}``.
     """
-    root = Path(path)
-    out: dict[str, dict] = {}
-    for p in sorted(root.glob("*.safetensors")):
-        size = p.stat().st_size
-        with open(p, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or 8 + n > size:
-                raise CheckpointError(f"{p}: header length past the end of the file; the shard is truncated")
-            hdr = f.read(n)
-        out[p.name] = {"size": size, "header_bytes": 8 + n, "header_sha256": hashlib.sha256(head + hdr).hexdigest()}
+    out: list[dict] = []
+    for p in sorted(Path(path).glob("*.safetensors")):
+        try:
+            size = p.stat().st_size
+            with open(p, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if n < 0 or 8 + n > size:
+                    out.append({"file": p.name, "error": f"{p}: header length past the end of the file; "
+                                                         "the shard is truncated"})
+                    continue
+                hdr = f.read(n)
+        except OSError as e:
+            out.append({"file": p.name, "error": str(e)})
+            continue
+        out.append({"file": p.name, "bytes": size, "header_sha256": hashlib.sha256(head + hdr).hexdigest()})
     return out
 
 

@@ -11,7 +11,8 @@
   of length. Kept in pools ``state [S, H, K, V]`` and ``conv [S, 3, C, W-1]`` indexed by a slot id; a slot
   is zeroed when it is handed out, so a reused slot never carries a previous sequence's state.
 
-The block free list is FIFO (freed blocks are reused last), so allocation order is deterministic.
+The block free list is FIFO (freed blocks are reused last), so allocation order is deterministic. Bytes
+per token and per sequence come from :mod:`k3rocm.sizing`; :func:`size_caches` splits a budget with them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import PlanError
+from k3rocm.sizing import kda_state_bytes_per_seq, mla_cache_bytes_per_token
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP E4M3)
 
@@ -37,22 +39,9 @@ def _elem_bytes(dtype: torch.dtype) -> int:
 
 def mla_bytes_per_block(cfg: K3Config, block_size: int, dtype: torch.dtype = torch.bfloat16,
                         num_layers: int | None = None) -> int:
-    """Bytes of one cache block over all MLA layers: ``layers * block_size * (R + Dr) * elem_bytes``."""
-    L = cfg.num_mla_layers if num_layers is None else num_layers
-    return L * block_size * cfg.mla_cache_width * _elem_bytes(dtype)
-
-
-def kda_bytes_per_slot(cfg: K3Config, num_heads: int | None = None, num_layers: int | None = None) -> int:
-    """Bytes of one KDA slot over all KDA layers: fp32 ``H*K*V`` state + ``3*C*(W-1)`` conv state.
-
-    Official K3: 69 * (96*128*128 + 3*12288*3) * 4 B = 434 MB (K3_FACTS §7). ``num_heads`` = heads on
-    this rank (tensor parallelism), default all.
-    """
-    H = cfg.kda_num_heads if num_heads is None else num_heads
-    K = V = cfg.kda_head_dim
-    L = cfg.num_kda_layers if num_layers is None else num_layers
-    conv = 3 * H * K * (cfg.short_conv_kernel_size - 1)
-    return L * (H * K * V + conv) * 4
+    """Bytes of one cache block over all MLA layers: ``block_size`` tokens of
+    :func:`k3rocm.sizing.mla_cache_bytes_per_token` at the element size of ``dtype``."""
+    return block_size * mla_cache_bytes_per_token(cfg, _elem_bytes(dtype), num_layers)
 
 
 @dataclass(frozen=True)
@@ -80,12 +69,13 @@ def size_caches(cfg: K3Config, budget_bytes: int, max_seqs: int, block_size: int
     """Split a cache budget (bytes; the plan's cache capacity per device) between KDA slots and MLA blocks.
 
     Slots: as many as ``max_seqs`` allows while each slot also keeps at least one block,
-    ``min(max_seqs, budget // (slot_bytes + block_bytes))``; blocks take the rest.
+    ``min(max_seqs, budget // (slot_bytes + block_bytes))``; blocks take the rest. A slot is one sequence's KDA
+    state (:func:`k3rocm.sizing.kda_state_bytes_per_seq` of ``num_heads`` heads, default all).
 
     Raises:
         PlanError: the budget does not hold one slot plus one block.
     """
-    sb = kda_bytes_per_slot(cfg, num_heads)
+    sb = kda_state_bytes_per_seq(cfg, num_heads)
     bb = mla_bytes_per_block(cfg, block_size, kv_dtype)
     if max_seqs < 1 or block_size < 1:
         raise PlanError(f"max_seqs {max_seqs} and block_size {block_size} must be >= 1")

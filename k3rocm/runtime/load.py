@@ -504,7 +504,7 @@ def load_checkpoint(path: str | Path | None = None, placement: Placement | None 
             raise CheckpointError("load_checkpoint needs a checkpoint directory or an opened index")
         index = open_checkpoint(path)
     if placement is None:
-        from k3rocm.hw import load_profile
+        from k3rocm.profiles import load_profile
         from k3rocm.runtime.plan import plan
         placement = plan(index.config, load_profile("cpu"), tp=1, ep=1)
     return load(index, placement, ranks=ranks, device=device, progress=progress, **kw)

@@ -25,10 +25,9 @@ replicated                  router gate + bias, latent down/up + norm,   none
 
 Memory model (per GPU, bytes): ``usable = memory_bytes * usable_fraction`` (profile; assumption, sourced);
 ``budget = usable - weights - workspace_reserve - activation_reserve``; the cache capacity is what the budget
-holds: MLA latent cache ``num_mla_layers * (kv_lora_rank + qk_rope_head_dim)`` values per token
-(576 * 24 * 2 B = 27,648 B/token for K3 in bf16; replicated on every TP rank) and KDA state
-``num_kda_layers * (H/tp) * K * V * 4`` B per sequence (+ conv state ``3 * (W-1) * (H*K/tp) * 4`` B per layer),
-independent of length (K3_FACTS §5, §7).
+holds of the MLA latent cache per token (replicated on every TP rank) and the KDA state per sequence (heads
+split by TP), both from :mod:`k3rocm.sizing` (K3 bf16: 27,648 B/token; 58.1 MB/sequence at tp=8). The decode
+floor is :class:`k3rocm.sizing.StepRoofline` for one rank.
 
 The per-rank tensor map (:attr:`RankPlan.tensors`) is lazy — built per layer on demand — so the official
 497k-tensor plan is computed in well under a second; byte totals come from one expert's specs times the
@@ -39,7 +38,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from math import prod
 from typing import Iterator
@@ -48,10 +47,10 @@ from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.layout import DTYPE_BYTES, TensorSpec
 from k3rocm.config import K3Config
 from k3rocm.errors import PlanError
-from k3rocm.hw import Profile
+from k3rocm.profiles import Profile
+from k3rocm.sizing import StepRoofline, kda_state_bytes_per_seq, kv_dtype_bytes, mla_cache_bytes_per_token
 
 PARTS = ("experts", "attention", "shared", "dense", "embed_head", "replicated")
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 GB = 1e9
 DEFAULT_CONTEXT = 9216  # 8k input + 1k output: the public SGLang 8k/1k scenario (K3_FACTS §7)
 DEFAULT_MAX_TOKENS = 8192  # tokens per forward step (prefill chunk budget) for the activation reserve
@@ -303,69 +302,6 @@ class CacheCapacity:
 
 
 @dataclass
-class Roofline:
-    """Decode-step byte and FLOP counts (per rank) and the hardware ceilings they meet.
-
-    Sources: bytes = weights read once per step + cache/state read per sequence (the usual decode roofline);
-    experts touched per MoE layer by a batch of B tokens under uniform routing = ``E * (1 - (1 - k/E)^B)``.
-
-    Attributes (per rank unless noted):
-        dense_weight_bytes: trunk weights read every step (embedding excluded: one row per token).
-        expert_bytes: bytes of one routed expert held by this rank (after the etp split).
-        num_moe_layers, num_experts, top_k, ep: routing parameters.
-        mla_bytes_per_context_token: MLA cache read per context token per sequence per step.
-        kda_state_bytes_per_seq: KDA state read + written per sequence per step (2 x state).
-        flops_per_token: rank's matmul FLOPs per token (2 x parameters touched, experts by the rank's k/ep
-            share), without attention over the context.
-        attn_flops_per_context_token: rank's MLA FLOPs per token per context position (absorbed decode:
-            2 * H/tp * (R + Dr) for scores + 2 * H/tp * R for values, per MLA layer).
-        active_weight_bytes_node: weight bytes a batch-1 decode step reads across the node.
-        hbm_bandwidth: bytes/s per device; peak_flops: FLOP/s per dtype per device.
-    """
-
-    dense_weight_bytes: int
-    expert_bytes: int
-    num_moe_layers: int
-    num_experts: int
-    top_k: int
-    ep: int
-    mla_bytes_per_context_token: int
-    kda_state_bytes_per_seq: int
-    flops_per_token: float
-    attn_flops_per_context_token: float
-    active_weight_bytes_node: int
-    hbm_bandwidth: float
-    peak_flops: dict
-
-    def experts_touched(self, batch: int) -> float:
-        """Expected distinct experts per MoE layer for ``batch`` tokens (uniform routing)."""
-        E, k = self.num_experts, self.top_k
-        return E * (1.0 - (1.0 - k / E) ** batch) if E else 0.0
-
-    def step(self, batch: int, context: int, dtype: str = "bf16") -> dict:
-        """Floor of one decode step of ``batch`` sequences at ``context`` tokens each, on one rank.
-
-        Returns a dict: ``bytes``, ``flops``, ``t_memory_s`` (bytes / bandwidth), ``t_compute_s``
-        (flops / peak[dtype], bf16 when the dtype has no hardware rate), ``floor_s`` (the larger) and
-        ``bound`` (``"memory"`` / ``"compute"``).
-        """
-        experts = self.num_moe_layers * self.experts_touched(batch) / max(self.ep, 1) * self.expert_bytes
-        by = (self.dense_weight_bytes + experts + batch * context * self.mla_bytes_per_context_token
-              + batch * self.kda_state_bytes_per_seq)
-        fl = batch * (self.flops_per_token + context * self.attn_flops_per_context_token)
-        peak = self.peak_flops.get(dtype) or self.peak_flops.get("bf16") or 0.0
-        tm = by / self.hbm_bandwidth if self.hbm_bandwidth else float("inf")
-        tc = fl / peak if peak else float("inf")
-        return {"batch": batch, "context": context, "bytes": int(by), "flops": fl, "t_memory_s": tm,
-                "t_compute_s": tc, "floor_s": max(tm, tc), "bound": "memory" if tm >= tc else "compute"}
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["step_b1_ctx1k"] = self.step(1, 1024)
-        return d
-
-
-@dataclass
 class Placement:
     """The plan for one config on one profile (see the module docstring for rules and memory model).
 
@@ -377,7 +313,7 @@ class Placement:
         cache: :class:`CacheCapacity`.
         fits: whether weights + reserves fit with room for at least one sequence of ``context_len``.
         problem: one line when it does not fit (the :class:`PlanError` message), else ``None``.
-        roofline: :class:`Roofline`.
+        roofline: :class:`k3rocm.sizing.StepRoofline` of one rank (``roofline.decode(batch, context)``).
     """
 
     config_name: str
@@ -396,7 +332,7 @@ class Placement:
     cache: CacheCapacity
     fits: bool
     problem: str | None
-    roofline: Roofline
+    roofline: StepRoofline
     experts_per_rank: int
     heads_per_rank: dict
     notes: list = field(default_factory=list)
@@ -465,7 +401,8 @@ class Placement:
             "usable_bytes": self.usable_bytes, "workspace_reserve_bytes": self.workspace_reserve_bytes,
             "activation_reserve_bytes": self.activation_reserve_bytes, "needed_bytes": self.needed_bytes,
             "cache": self.cache.to_dict(), "fits": self.fits, "problem": self.problem,
-            "ranks": [r.to_dict() for r in self.ranks], "roofline": self.roofline.to_dict(),
+            "ranks": [r.to_dict() for r in self.ranks],
+            "roofline": {**self.roofline.to_dict(), "step_b1_ctx1k": self.roofline.decode(1, 1024)},
             "notes": list(self.notes),
         }
 
@@ -574,49 +511,23 @@ def activation_reserve(cfg: K3Config, tp: int, max_tokens: int) -> int:
     return int(per_tok * max_tokens)
 
 
-def cache_sizes(cfg: K3Config, tp: int, kv_dtype: str = "bf16") -> tuple[int, int]:
-    """``(mla_bytes_per_token, kda_state_bytes_per_seq)`` per rank.
-
-    MLA: ``num_mla_layers * (kv_lora_rank + qk_rope_head_dim) * bytes(kv_dtype)`` (replicated per TP rank;
-    K3 bf16: 24 * 576 * 2 = 27,648 B). KDA: per layer ``(H/tp) * K * V * 4`` (fp32 state) +
-    ``3 * (H*K/tp) * (W-1) * 4`` (fp32 conv state of q, k, v); K3 at tp=1: 434.2 MB + 7.6 MB per sequence.
-    """
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise PlanError(f"kv_dtype {kv_dtype!r} is not supported; use one of {', '.join(KV_DTYPE_BYTES)}")
-    mla = cfg.num_mla_layers * cfg.mla_cache_width * KV_DTYPE_BYTES[kv_dtype]
-    h = cfg.kda_num_heads // tp
-    kda = cfg.num_kda_layers * (h * cfg.kda_head_dim * cfg.kda_head_dim * 4
-                                + 3 * h * cfg.kda_head_dim * (cfg.short_conv_kernel_size - 1) * 4)
-    return mla, kda
+def _roofline(cfg: K3Config, profile: Profile, lay: _Layout) -> StepRoofline:
+    """Rank 0's step roofline: its non-expert bytes and parameters (embedding excluded) from the split rules."""
+    return StepRoofline.from_config(cfg, profile.hbm_bandwidth, profile.peak("bf16"), tp=lay.tp, ep=lay.ep,
+                                    rank_trunk=_rank_trunk(cfg, lay, 0))
 
 
-def _roofline(cfg: K3Config, profile: Profile, lay: _Layout, by: dict[str, int], mla_tok: int, kda_seq: int) -> Roofline:
-    tp, etp = lay.tp, lay.etp
-    V, H = cfg.vocab_size, cfg.hidden_size
-    embed_rank = (V // tp) * H * 2  # the input embedding: only looked up, not streamed
-    dense = sum(v for k, v in by.items() if k != "experts") - embed_rank
-    if cfg.num_moe_layers:
-        one = layout.expert_specs(cfg, cfg.first_k_dense_replace, 0)
-        expert_full = sum(s.nbytes for s in one)
-        expert_params = sum(s.params for s in one)
-    else:
-        expert_full = expert_params = 0
-    expert_rank = expert_full // etp
-    # params this rank multiplies per token (bf16 trunk: 2 bytes per param; fp32 tensors are tiny)
-    trunk_params_rank = dense // 2
-    k = cfg.num_experts_per_token
-    expert_flops = 2 * cfg.num_moe_layers * k * expert_params / tp  # uniform routing: k/ep experts, 1/etp each
-    flops_tok = 2 * trunk_params_rank + expert_flops
-    hm = cfg.num_attention_heads // tp
-    attn_ctx = cfg.num_mla_layers * (2 * hm * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * hm * cfg.kv_lora_rank)
-    c = layout.counts(cfg)
-    node = (c["bytes_trunk"] - V * H * 2) + cfg.num_moe_layers * k * expert_full
-    return Roofline(
-        dense_weight_bytes=int(dense), expert_bytes=int(expert_rank), num_moe_layers=cfg.num_moe_layers,
-        num_experts=cfg.num_experts, top_k=k, ep=lay.ep, mla_bytes_per_context_token=mla_tok,
-        kda_state_bytes_per_seq=2 * kda_seq, flops_per_token=float(flops_tok),
-        attn_flops_per_context_token=float(attn_ctx), active_weight_bytes_node=int(node),
-        hbm_bandwidth=profile.hbm_bandwidth, peak_flops=dict(profile.peak_flops))
+@lru_cache(maxsize=32)
+def _rank_trunk(cfg: K3Config, lay: _Layout, rank: int) -> tuple[int, int]:
+    """``(bytes, params)`` of the non-expert slices ``rank`` holds, input embedding excluded."""
+    by = params = 0
+    specs = [s for s in layout.model_specs(cfg) if not s.name.endswith("embed_tokens.weight")]
+    specs += [s for i in range(cfg.num_hidden_layers) for s in layout.layer_specs(cfg, i, with_experts=False)]
+    for s in specs:
+        sl = _slice(s, cfg, lay, rank)
+        by += sl.nbytes
+        params += prod(sl.local_shape)
+    return by, params
 
 
 def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None = None, kv_dtype: str = "bf16",
@@ -624,7 +535,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     """Place ``cfg`` on ``profile``: per-rank tensor slices, bytes, memory budget, cache capacity, roofline.
 
     Args:
-        cfg: model config. profile: hardware profile (:func:`k3rocm.hw.load_profile`).
+        cfg: model config. profile: hardware profile (:func:`k3rocm.profiles.load_profile`).
         tp: ranks (one process per GPU). Default ``profile.tp``, or — when the config's heads / experts / widths
             do not split that way (e.g. k3-tiny's 4 heads on an 8-GPU profile) — the largest divisor of it that
             works, with a note in ``Placement.notes``. An explicit ``tp`` is never changed.
@@ -669,7 +580,8 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     lay = _Layout(tp, ep)
     max_tokens = int(max_tokens or DEFAULT_MAX_TOKENS)
     context_len = int(context_len or DEFAULT_CONTEXT)
-    mla_tok, kda_seq = cache_sizes(cfg, tp, kv_dtype)
+    mla_tok = mla_cache_bytes_per_token(cfg, kv_dtype_bytes(kv_dtype))
+    kda_seq = kda_state_bytes_per_seq(cfg, cfg.kda_num_heads // tp)
 
     ranks = []
     per = cfg.num_experts // ep if cfg.num_moe_layers else 0
@@ -692,7 +604,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                    max_tokens=max_tokens, ranks=ranks, usable_bytes=usable, memory_bytes=profile.memory_bytes,
                    usable_fraction=profile.usable_fraction, workspace_reserve_bytes=profile.workspace_reserve_bytes,
                    activation_reserve_bytes=act, cache=cache, fits=fits, problem=None,
-                   roofline=_roofline(cfg, profile, lay, ranks[0].bytes_by_part, mla_tok, kda_seq),
+                   roofline=_roofline(cfg, profile, lay),
                    experts_per_rank=per,
                    heads_per_rank={"kda": cfg.kda_num_heads // tp, "mla": cfg.num_attention_heads // tp},
                    notes=notes)
@@ -743,5 +655,4 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
 
 
 def _scaled(profile: Profile, n: int) -> Profile:
-    from dataclasses import replace
     return replace(profile, device_count=max(n, profile.device_count), tp=n, ep=n)

@@ -53,7 +53,7 @@ import torch.distributed as tdist
 
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.errors import HardwareError, K3Error
-from k3rocm.hw import load_profile
+from k3rocm.profiles import load_profile
 from k3rocm.model.model import K3Model
 from k3rocm.runtime.dist import (DistContext, TPGroup, WorkerFailed, _stop, _watch_parent, free_port, init,
                                  under_torchrun)

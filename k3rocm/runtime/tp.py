@@ -28,7 +28,7 @@ import torch
 
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.errors import CheckpointError
-from k3rocm.hw import load_profile
+from k3rocm.profiles import load_profile
 from k3rocm.model.model import K3Model
 from k3rocm.model.weights import Weights
 from k3rocm.runtime.dist import DistContext, TPGroup
