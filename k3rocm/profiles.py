@@ -127,6 +127,8 @@ BACKENDS = ("rocm", "cuda", "cpu")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 #: most devices one profile may describe (a plan builds one rank per device)
 MAX_DEVICES = 65536
+# ranks of a cpu profile: gloo processes on one host (tests and laptops run 2..8)
+MAX_CPU_RANKS = 64
 #: dtypes a profile gives dense peak FLOP/s for; bf16 must be a rate, the others a rate or "none"
 PEAK_DTYPES = ("bf16", "fp8", "mxfp4")
 #: base arch names per backend: no feature flags (``detect`` compares the base arch)
@@ -256,7 +258,7 @@ def parse_profile(doc: dict, name: str, fname: str = "<profile>") -> Profile:
     ``memory_bytes`` an integer > 0; ``hbm_bandwidth`` finite > 0; ``peak_flops.bf16`` finite > 0,
     ``fp8`` / ``mxfp4`` finite > 0 or ``"none"``; ``link.bandwidth`` finite, > 0 unless ``link.kind = "none"``
     (then 0); ``usable_fraction`` in (0, 1]; ``workspace_reserve_bytes`` an integer >= 0; ``parallel.tp``
-    1..count (1 on ``cpu``: processes there are chosen with ``--tp``), ``parallel.ep`` >= 1 dividing tp;
+    1..count (on ``cpu`` 1..:data:`MAX_CPU_RANKS` gloo processes on the host), ``parallel.ep`` >= 1 dividing tp;
     every target's value finite > 0.
 
     Raises:
@@ -313,8 +315,9 @@ def parse_profile(doc: dict, name: str, fname: str = "<profile>") -> Profile:
     usable_fraction = f.number("memory.usable_fraction", hi=1.0, what=" (fraction of memory_bytes)")
     reserve = f.integer("memory.workspace_reserve_bytes", 0, what=" (bytes per device)")
 
-    if cpu:
-        tp = f.integer("parallel.tp", 1, 1, " on the cpu backend (choose processes with --tp)")
+    if cpu:  # ranks are gloo processes sharing the host
+        tp = f.integer("parallel.tp", 1, MAX_CPU_RANKS, f" on the cpu backend (gloo processes on this host, at most "
+                       f"{MAX_CPU_RANKS})")
     else:
         tp = f.integer("parallel.tp", 1, count, f" (at most device.count = {count}: one process per device)")
     ep = f.integer("parallel.ep", 1, tp, f" (at most parallel.tp = {tp})")

@@ -144,7 +144,7 @@ BAD_CASES = [
     *_cases(CPU, "count =", "device.count", "count = 0", "count = 4"),
     *_cases(CPU, "hbm_bandwidth =", "device.hbm_bandwidth", "hbm_bandwidth = 0", "hbm_bandwidth = -5e10"),
     *_cases(CPU, "bf16 =", "peak_flops.bf16", "bf16 = -1e12"),
-    *_cases(CPU, "tp =", "parallel.tp", "tp = 2"),
+    *_cases(CPU, "tp =", "parallel.tp", "tp = 0", "tp = 65"),
     *_cases(CPU, "arch =", "device.arch", 'arch = "gfx950"'),
     *_cases(CPU, "backend =", "device.arch", 'backend = "rocm"'),  # a rocm profile whose arch is "cpu"
     *_cases(CPU, "bandwidth =", "link.bandwidth", "bandwidth = 1e9"),  # kind = "none" with a bandwidth

@@ -60,6 +60,7 @@ class Parallel:
     rank: int = 0
     vocab_start: int | None = None
     vocab_stop: int | None = None
+    stats: Any = None  # collective counts (:class:`k3rocm.runtime.dist.CommStats`); None: no collectives
 
     def reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
         """Sum of ``t`` over the ranks (``name``: which collective, for the per-step byte count)."""

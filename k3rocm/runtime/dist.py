@@ -145,27 +145,39 @@ def all_gather_cat(t: torch.Tensor, ctx: DistContext | None, dim: int = -1) -> t
 
 @dataclass
 class CommStats:
-    """Collectives one rank issued, by name (``attn``, ``mlp``, ``moe``, ``embed``, ``greedy``, ``logits``):
-    calls and bytes each rank sent into them (a ring all-reduce of B bytes moves about ``2 (w-1)/w · B`` per rank)."""
+    """Collectives one rank issued, by name (``attn``, ``mlp``, ``moe``, ``embed``, ``greedy``, ``logits``): calls,
+    bytes each rank put into them (a ring all-reduce of B bytes moves about ``2 (w-1)/w · B`` per rank over the
+    links) and, where the collective runs synchronously on the host (gloo on the CPU), its seconds; on a GPU the
+    collectives run on the device stream (and inside captured graphs), so their time is not observed here."""
 
     calls: dict[str, int]
     bytes: dict[str, int]
+    seconds: dict[str, float]
 
     @classmethod
     def empty(cls) -> "CommStats":
-        return cls({}, {})
+        return cls({}, {}, {})
 
-    def add(self, name: str, nbytes: int) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
+    def add(self, name: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        self.calls[name] = self.calls.get(name, 0) + calls
         self.bytes[name] = self.bytes.get(name, 0) + int(nbytes)
+        self.seconds[name] = self.seconds.get(name, 0.0) + float(seconds)
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """``{name: {"calls": n, "bytes": b}}`` (a copy)."""
-        return {k: {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{name: {"calls": n, "bytes": b, "seconds": s}}`` (a copy)."""
+        return {k: {"calls": self.calls[k], "bytes": self.bytes[k], "seconds": self.seconds.get(k, 0.0)}
+                for k in sorted(self.calls)}
 
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
+    @staticmethod
+    def delta(after: dict, before: dict) -> dict[str, dict[str, float]]:
+        """What was issued between two :meth:`snapshot` s."""
+        out = {}
+        for k, v in after.items():
+            b = before.get(k, {"calls": 0, "bytes": 0, "seconds": 0.0})
+            d = {f: v[f] - b[f] for f in ("calls", "bytes", "seconds")}
+            if d["calls"]:
+                out[k] = d
+        return out
 
 
 class TPGroup(Parallel):
@@ -198,10 +210,18 @@ class TPGroup(Parallel):
             self.vocab_start, self.vocab_stop = emb.start, emb.stop
         self.stats = CommStats.empty()
 
+    def _timed(self, name: str, nbytes: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.ctx.device.type != "cpu":  # device-stream collective (maybe inside a graph): bytes only
+            self.stats.add(name, nbytes)
+            return fn()
+        t0 = time.perf_counter()
+        out = fn()
+        self.stats.add(name, nbytes, time.perf_counter() - t0)
+        return out
+
     def reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
         t = t.contiguous()
-        self.stats.add(name, t.numel() * t.element_size())
-        return all_reduce(t, self.ctx)
+        return self._timed(name, t.numel() * t.element_size(), lambda: all_reduce(t, self.ctx))
 
     def agree_min(self, values: list[int]) -> list[int]:
         t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.ctx.device)
@@ -209,15 +229,15 @@ class TPGroup(Parallel):
         return [int(v) for v in t.tolist()]
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
-        self.stats.add("logits", local.numel() * local.element_size())
-        return all_gather_cat(local, self.ctx, dim=-1)
+        return self._timed("logits", local.numel() * local.element_size(),
+                           lambda: all_gather_cat(local.contiguous(), self.ctx, dim=-1))
 
     def greedy(self, local: torch.Tensor) -> torch.Tensor:
         val, idx = local.float().max(-1)
         start = self.vocab_start or 0
         pair = torch.stack([val.double(), (idx + start).double()], -1)  # ids < 2^53: exact in float64
-        self.stats.add("greedy", pair.numel() * pair.element_size())
-        every = all_gather_cat(pair.unsqueeze(0), self.ctx, dim=0)  # [world, N, 2], rank order = vocab order
+        every = self._timed("greedy", pair.numel() * pair.element_size(),  # [world, N, 2], rank order = vocab order
+                            lambda: all_gather_cat(pair.unsqueeze(0), self.ctx, dim=0))
         best = every[..., 0].argmax(0)  # first (lowest-id) rank among equal maxima
         return every[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).to(torch.int64)
 

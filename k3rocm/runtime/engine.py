@@ -61,7 +61,8 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one step computed: decode rows (with their context lengths after the step), prefill tokens, seconds."""
+    """What one step computed: decode rows (with their context lengths after the step), prefill tokens, seconds,
+    and on a rank of a TP/EP layout the collectives it issued (bytes each rank put in; seconds where measured)."""
 
     num_decode: int
     num_prefill_tokens: int
@@ -70,6 +71,7 @@ class StepStats:
     seconds: float
     graph: bool
     prefill_sizes: tuple[int, ...] = ()
+    comm: tuple[tuple[str, int, int, float], ...] = ()  # (collective, calls, bytes, host seconds) this step
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}
         self.channel: Any = None  # rank 0 of a layout: sends each StepBatch to the other ranks
         self.record_logits = bool(record_logits)
+        self.last_comm: tuple = ()
         self.last_logits: torch.Tensor | None = None
         self.step_log: list[StepStats] = []
         # ---- graphs
@@ -402,6 +405,8 @@ class Engine:
             cu[1:] = p[:, 2].cumsum(0)
             pre = Batch(cu.to(dev), _PagedCacheView(self.mla, self.kda, table), p[:, 0].clone(), p[:, 1].clone())
         ids = sb.ids.to(dev)
+        stats = self.par.stats
+        before = stats.snapshot() if stats is not None else None
         logits = None
         if nd and pre is None and self.cuda_graphs:
             logits = self._graph_decode(ids, dec)
@@ -411,6 +416,9 @@ class Engine:
         toks = self.par.greedy(logits).tolist() if sample_rows else []
         if self.record_logits:
             self.last_logits = self.par.gather_vocab(logits).float().cpu()
+        if stats is not None:
+            self.last_comm = tuple((k, int(v["calls"]), int(v["bytes"]), float(v["seconds"]))
+                                   for k, v in stats.delta(stats.snapshot(), before).items())
         return toks, used_graph
 
     @torch.no_grad()
@@ -437,7 +445,7 @@ class Engine:
         self.step_log.append(StepStats(len(decs), sum(s.num_tokens for s in pres),
                                        tuple(s.start + 1 for s in decs),
                                        tuple(s.start + s.num_tokens for s in pres), now - t0, used_graph,
-                                       tuple(s.num_tokens for s in pres)))
+                                       tuple(s.num_tokens for s in pres), self.last_comm))
         return [TokenEvent(s.seq_id, sampled[s.seq_id], s.seq_id in done, s.finish_reason, now) for s in sample_seqs]
 
     # ------------------------------------------------------------------ CUDA/HIP graphs
@@ -463,6 +471,9 @@ class Engine:
         g["block_rows"].zero_()
         g["block_rows"][:n] = dec["block_rows"]
         g["graph"].replay()  # the graph-mode kwargs were baked in at capture
+        if self.par.stats is not None:
+            for name, v in g["comm"].items():
+                self.par.stats.add(name, v["bytes"], 0.0, calls=v["calls"])
         return g["logits"][:n].clone()
 
     def _capture(self, size: int) -> dict | None:
@@ -483,8 +494,12 @@ class Engine:
                 self._forward(st["ids"], size, st, None, rows)
             torch.cuda.current_stream(dev).wait_stream(s)
             graph = torch.cuda.CUDAGraph()
+            stats = self.par.stats
+            before = stats.snapshot() if stats is not None else {}
             with torch.cuda.graph(graph):
                 st["logits"] = self._forward(st["ids"], size, st, None, rows)
+            # the collectives captured into the graph: what every replay issues
+            st["comm"] = stats.delta(stats.snapshot(), before) if stats is not None else {}
             self._graph_mode = False
         except Exception as e:  # an op synchronises with the host: stay eager and say so
             self._graph_mode = False
