@@ -231,7 +231,7 @@ def test_nibble_order_known_values(tk):
 
 
 def test_registry_selects_triton(tk):
-    from k3rocm.kernels.registry import implementations, select
+    from k3rocm.runtime.registry import implementations, select
 
     impls = implementations("moe_experts")
     assert "triton" in impls and "triton" in implementations("moe_router")

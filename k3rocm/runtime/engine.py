@@ -36,7 +36,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError, PlanError
-from k3rocm.kernels import registry
+from k3rocm.runtime import registry
 from k3rocm.model.common import MATMUL_DTYPES, f32, fp32_out_supported, linear, matmul_dtype, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate,
                                 fold_res_weight, kda_mixer, mla_has_output_gate, mlp_side, moe_block)

@@ -10,24 +10,25 @@ ahead-of-time ISA check (``k3rocm kernels isa``).
 
 from __future__ import annotations
 
-from k3rocm.kernels.registry import register
-
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, kda_decode
 from .prefill import BC, BT, _akk_kernel, _gate_kernel, _state_kernel, _wu_kernel, kda_prefill
 
-__all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases"]
+__all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
 
 def _prefill_supports(**shape) -> bool:
     return shape.get("gate_form", "k3") == "k3" and shape.get("lower_bound", -5.0) >= -10.0
 
 
-register("short_conv", "triton", short_conv, note="Triton causal depthwise conv + SiLU, varlen, conv state in/out")
-register("kda_prefill", "triton", kda_prefill, supports=_prefill_supports,
-         note=f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, fp32 state")
-register("kda_decode", "triton", kda_decode, note="Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)")
+#: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
+TRITON_IMPLS = (
+    ("short_conv", short_conv, None, "Triton causal depthwise conv + SiLU, varlen, conv state in/out"),
+    ("kda_prefill", kda_prefill, _prefill_supports,
+     f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, fp32 state"),
+    ("kda_decode", kda_decode, None, "Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)"),
+)
 
 
 def _opts(name: str) -> dict:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels.mla import _tune
-from k3rocm.model.mla import FP8_MAX
+from k3rocm.numerics import FP8_MAX
 
 LOG2E = 1.4426950408889634
 

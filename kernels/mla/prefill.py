@@ -19,6 +19,7 @@ import triton.language as tl
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels.mla import _tune
+from k3rocm.numerics import gather_cache
 
 LOG2E = 1.4426950408889634
 
@@ -242,8 +243,6 @@ def expand_cached_context(kv_cache: torch.Tensor, block_table: torch.Tensor, cac
     Returns ``(k_nope [sum(cached), H, Dn], k_rope [sum(cached), Dr], v [sum(cached), H, Dv])`` in ``dtype``
     (default: ``w_kc.dtype``), sequence after sequence: k_nope = W_kc latent, v = W_vc^T latent (K3_FACTS §5).
     """
-    from k3rocm.model.mla import gather_cache
-
     H, Dn, R = w_kc.shape
     dtype = dtype or w_kc.dtype
     rows = [gather_cache(kv_cache, block_table, int(L), n, kv_scale) for n, L in enumerate(cached_lens) if L > 0]

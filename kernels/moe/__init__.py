@@ -1,13 +1,11 @@
 """Triton kernels of the Stable LatentMoE: router, dispatch, grouped MXFP4 GEMMs (A16W4 / A8W4), reduction.
 
-Importing this package registers the ``triton`` implementations of ``moe_router`` and ``moe_experts`` in
-:mod:`k3rocm.kernels.registry`. Oracle: :mod:`k3rocm.model.moe`. The activation mode of ``moe_experts`` is
+``TRITON_IMPLS`` lists the ``triton`` implementations of ``moe_router`` and ``moe_experts`` for
+:mod:`k3rocm.runtime.registry`. Oracle: :mod:`k3rocm.model.moe`. The activation mode of ``moe_experts`` is
 an explicit argument (``mode="a16w4"`` or ``"a8w4"``); no environment variable or global selects it.
 """
 
 from __future__ import annotations
-
-from k3rocm.kernels.registry import register
 
 from .configs import GEMM_CONFIGS, ROUTER_CONFIGS, GemmConfig, RouterConfig, backend_name, pick_gemm_config
 from .gemm import dq_isa_case, moe_dispatch_kernel, moe_gemm_kernel, moe_reduce_kernel
@@ -22,11 +20,14 @@ def _packed_only(quantized: bool = True, **_) -> bool:
     return bool(quantized)
 
 
-register("moe_router", "triton", moe_router,
-         note="Triton router: split-K fp32 logits, sigmoid, biased top-k (lowest-id ties), renormalised weights")
-register("moe_experts", "triton", moe_experts, supports=_packed_only,
-         note="Triton grouped GEMM on packed MXFP4 (A16W4 on CUDA: integer E2M1 decode + bf16 tl.dot; A8W4 and "
-              "HIP: tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit")
+#: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
+TRITON_IMPLS = (
+    ("moe_router", moe_router, None,
+     "Triton router: split-K fp32 logits, sigmoid, biased top-k (lowest-id ties), renormalised weights"),
+    ("moe_experts", moe_experts, _packed_only,
+     "Triton grouped GEMM on packed MXFP4 (A16W4 on CUDA: integer E2M1 decode + bf16 tl.dot; A8W4 and "
+     "HIP: tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit"),
+)
 
 
 def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
