@@ -45,8 +45,8 @@ def current_target() -> Target:
     """The target kernels launched now would run on.
 
     ``Target("interpreter", "cpu")`` under ``TRITON_INTERPRET=1``; else the active Triton driver's target
-    (``Target("cuda", "90")``, ``Target("hip", "gfx950")``). Without an active driver (no GPU, or no Triton) the
-    torch build decides: ``"hip"`` for a ROCm build (``torch.version.hip``), else ``"cuda"``, with ``arch=""``. Read at every call (tests switch ``TRITON_INTERPRET`` within one process).
+    (``Target("cuda", "90")``, ``Target("hip", "gfx950")``). Without an active driver (no GPU, or no Triton)
+    the torch build decides: ``"hip"`` for a ROCm build (``torch.version.hip``), else ``"cuda"``; ``arch=""``. Read at every call (tests switch ``TRITON_INTERPRET`` within one process).
     """
     if interpreting():
         return Target("interpreter", "cpu")
