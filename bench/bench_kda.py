@@ -114,8 +114,9 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         out = torch.empty(N, H * D, device="cuda", dtype=torch.bfloat16)
         row = dict(row=name)
         best = None
+        from k3rocm.kernels import tune
         from k3rocm.kernels.kda import configs as KC
-        for c in KC.configs("decode"):
+        for c in tune.configs(KC.DECODE):
             f = lambda c=c: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=c)  # noqa: E731
             f()
             t = tt.do_bench(f, warmup=50, rep=200)
@@ -188,18 +189,19 @@ def accuracy(with_fla=True):
 
 def warm(share: str):
     """Compile a share of the kernel variants (tiny inputs) to fill Triton's on-disk cache."""
+    from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     i, n = (int(x) for x in share.split("/"))
-    groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(KC.configs("intra")))]
+    groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(tune.configs(KC.INTRA)))]
     groups += [(torch.float32, H, 0) for H in (12, 96)]
     for dtype, H, ci in groups[i::n]:  # one intra variant per process: no duplicate compiles
-        for si in range(len(KC.configs("state")) if dtype == torch.bfloat16 else 1):
+        for si in range(len(tune.configs(KC.STATE)) if dtype == torch.bfloat16 else 1):
             for st in (True, False):
                 a = prefill_inputs(1, 64, H, dtype)
                 if st:
                     a["initial_state"] = torch.zeros(1, H, D, D, device="cuda")
-                P.kda_prefill(**a, config={"intra": KC.configs("intra")[ci], "state": KC.configs("state")[si]})
+                P.kda_prefill(**a, config={"intra": tune.configs(KC.INTRA)[ci], "state": tune.configs(KC.STATE)[si]})
     torch.cuda.synchronize()
 
 

@@ -145,7 +145,7 @@ def main():
             print(f"{part} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             rows.append(dict(bench=part, error=f"{type(e).__name__}: {e}"))
         torch.cuda.empty_cache()
-    from k3rocm.kernels.mla import _tune
+    from k3rocm.kernels import tune as _tune
     info["tuned"] = {f"{k[0]}{k[1]}": v for k, v in _tune._CACHE.items()}
     info["seconds"] = time.time() - t0
     if args.json:

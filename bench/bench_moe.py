@@ -23,7 +23,9 @@ import torch
 import triton
 from triton.testing import do_bench as _do_bench
 
-from k3rocm.kernels.moe import GEMM_CONFIGS, GemmConfig, backend_name, moe_experts, moe_router, pick_gemm_config
+from k3rocm.kernels import tune
+from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_config, gemm_name, moe_experts, moe_router
+from k3rocm.kernels.target import current_target
 from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu
 
 E_K3, D_K3, I_K3, H_K3, K_K3 = 896, 3584, 3072, 7168, 16
@@ -37,15 +39,15 @@ BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
 # around the shipped ones. Each is checked against the oracle with --check. Candidates far from a token
 # count's group size are skipped there (block_m >= 128 below 2048 tokens, block_m < 64 from 2048 tokens on)
 # to keep one sweep of 64 / 512 / 8192 tokens near two minutes on an H200, compile time included.
-CANDIDATES = [GemmConfig(32, 128, 128, 4, 4), GemmConfig(64, 128, 128, 8, 3),
-              GemmConfig(16, 64, 128, 4, 4, kind="dq"), GemmConfig(16, 128, 128, 4, 4, kind="dq"),
-              GemmConfig(16, 128, 64, 4, 6, kind="dq"), GemmConfig(32, 64, 128, 4, 4, kind="dq"),
-              GemmConfig(64, 128, 128, 8, 3, kind="dq"), GemmConfig(128, 128, 128, 8, 3, kind="dq"),
-              GemmConfig(128, 128, 64, 8, 3, kind="dqn")]
+CANDIDATES = [gemm_config(32, 128, 128, 4, 4), gemm_config(64, 128, 128, 8, 3),
+              gemm_config(16, 64, 128, 4, 4, kind="dq"), gemm_config(16, 128, 128, 4, 4, kind="dq"),
+              gemm_config(16, 128, 64, 4, 6, kind="dq"), gemm_config(32, 64, 128, 4, 4, kind="dq"),
+              gemm_config(64, 128, 128, 8, 3, kind="dq"), gemm_config(128, 128, 128, 8, 3, kind="dq"),
+              gemm_config(128, 128, 64, 8, 3, kind="dqn")]
 
 
-def _candidate_fits(cfg: GemmConfig, tokens: int) -> bool:
-    return cfg.block_m < 128 if tokens < 2048 else cfg.block_m >= 64
+def _candidate_fits(cfg: tune.Config, tokens: int) -> bool:
+    return cfg["BLOCK_M"] < 128 if tokens < 2048 else cfg["BLOCK_M"] >= 64
 
 
 def situ(g, u):
@@ -97,9 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
                  floor_flops_ms=floor_flop * 1e3)
         r["router_ms"] = do_bench(lambda: moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K))
-        cfg0 = pick_gemm_config(T * K / min(E, T * K))
-        r["dispatch_ms"] = do_bench(lambda: dispatch_gpu(ids, 0, E, cfg0.block_m))
-        r["picked_config"] = cfg0.name()
+        rows = T * K / min(E, T * K)
+        cfg0 = tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)
+        r["dispatch_ms"] = do_bench(lambda: dispatch_gpu(ids, 0, E, cfg0["BLOCK_M"]))
+        r["picked_config"] = gemm_name(cfg0)
         ref16 = None  # the a16w4 oracle output, kept for the candidates when --check computed it
         for mode in args.modes:
             ref = None
@@ -110,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                 ref = oracle(xl, ids, wts, ew, mode=mode)
                 if mode == "a16w4":
                     ref16 = ref
-            for cfg in GEMM_CONFIGS[backend_name()]:
-                key = f"{mode}_{cfg.name()}"
+            for cfg in tune.configs(GEMM_CONFIGS):
+                key = f"{mode}_{gemm_name(cfg)}"
                 try:
                     stages: dict = {}
                     out, _ = _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
@@ -135,10 +138,10 @@ def main(argv: list[str] | None = None) -> None:
                     r["a8w4_vs_a16w4_rel"] = ((out - o16).abs().max() / o16.abs().max()).item()
                 del out
             del ref
-            best = min(((r[f"{mode}_{c.name()}_experts_ms"], c.name()) for c in GEMM_CONFIGS[backend_name()]
-                        if f"{mode}_{c.name()}_experts_ms" in r), default=(None, None))
+            best = min(((r[f"{mode}_{gemm_name(c)}_experts_ms"], gemm_name(c)) for c in tune.configs(GEMM_CONFIGS)
+                        if f"{mode}_{gemm_name(c)}_experts_ms" in r), default=(None, None))
             r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
-            r[f"{mode}_picked_ms"] = r.get(f"{mode}_{cfg0.name()}_experts_ms")
+            r[f"{mode}_picked_ms"] = r.get(f"{mode}_{gemm_name(cfg0)}_experts_ms")
             pk = r[f"{mode}_picked_ms"]
             r[f"{mode}_router_plus_experts_ms"] = pk + r["router_ms"] if pk else None
         if args.candidates:
@@ -152,12 +155,12 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 try:
                     out = moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg)
-                    r[f"cand_{cfg.name()}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4",
+                    r[f"cand_{gemm_name(cfg)}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4",
                                                                               config=cfg))
                     if ref16 is not None:
-                        r[f"cand_{cfg.name()}_rel_err"] = ((out - ref16).abs().max() / ref16.abs().max()).item()
+                        r[f"cand_{gemm_name(cfg)}_rel_err"] = ((out - ref16).abs().max() / ref16.abs().max()).item()
                 except Exception as e:  # noqa: BLE001
-                    r[f"cand_{cfg.name()}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    r[f"cand_{gemm_name(cfg)}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         ref16 = None
         if w13_bf is not None:
             try:
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(r), flush=True)
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=backend_name(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,
                 commit=_commit())
     if args.json:
         with open(args.json, "w") as f:

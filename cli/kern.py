@@ -31,7 +31,7 @@ def list_cmd(kernels, debug):
     from rich.table import Table
 
     from k3rocm.errors import HardwareError
-    from k3rocm.kernels import registry
+    from k3rocm.runtime import registry
     ov = registry.parse_override(kernels)
     t = Table(title="kernel registry")
     for col in ("op", "implementations", "selected", "note"):

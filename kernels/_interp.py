@@ -9,20 +9,20 @@ duration of the call. That lets interpreter tests and AOT compiles share one pyt
 
 from __future__ import annotations
 
-import os
+import triton.language as tl
+import triton.language.core as tlc
+import triton.language.math as tlm
+import triton.language.standard as tls
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-
-def interpreting() -> bool:
-    """True when kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` at launch time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from k3rocm.kernels.target import interpreting
 
 
 def kjit(fn):
     """``@triton.jit`` that always builds a compiled-mode JITFunction, whatever ``TRITON_INTERPRET`` says at
     import time: the ISA check needs compiled-mode kernels, and :func:`launch` switches to the interpreter at
     launch time, so both can live in one process."""
-    from triton.runtime.jit import JITFunction
-
     return JITFunction(fn)
 
 
@@ -37,14 +37,6 @@ def launch(kernel, grid, *args, **kwargs):
     """
     if not interpreting():
         return kernel[grid](*args, **kwargs)
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    import triton.language as tl
-    import triton.language.core as tlc
-    import triton.language.math as tlm
-    import triton.language.standard as tls
-
     # The kernel module's helpers and Triton's own jitted standard library (tl.sum, tl.sigmoid, tl.cumsum, ...)
     # become interpreted functions for the call. The interpreter also patches triton.language modules and the
     # tensor class when it enters a nested (device) function and does not undo that; everything is restored

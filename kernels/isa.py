@@ -14,13 +14,17 @@ Each kernel family (``k3rocm.kernels.<family>``) exposes ``isa_cases()`` returni
 
 from __future__ import annotations
 
-import importlib
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
 from k3rocm.errors import HardwareError
+from k3rocm.kernels import import_families
 
 TARGETS = ("gfx950", "gfx942", "sm_90")
 
@@ -97,8 +101,6 @@ def gpu_target(target: str):
     Raises:
         HardwareError: unknown target name.
     """
-    from triton.backends.compiler import GPUTarget
-
     if re.fullmatch(r"gfx[0-9a-f]{3,4}", target):
         return GPUTarget("hip", target, 64)
     m = re.fullmatch(r"sm_(\d+)", target)
@@ -127,9 +129,6 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str
     Returns:
         IsaReport (``error`` set instead of raising when the compiler rejects the kernel).
     """
-    import triton
-    from triton.compiler import ASTSource
-
     jit = fn
     while hasattr(jit, "fn") and not hasattr(jit, "arg_names"):  # Autotuner / Heuristics wrappers
         jit = jit.fn
@@ -173,14 +172,9 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str
 
 def family_cases(families: tuple[str, ...] | None = None) -> list[tuple]:
     """Collect ``isa_cases()`` from every kernel family that defines it (normalised to 6-tuples)."""
-    from k3rocm.kernels.registry import FAMILIES
-
+    mods, _ = import_families(families)  # a family that fails to import has no cases
     cases = []
-    for fam in families or FAMILIES:
-        try:
-            mod = importlib.import_module(f"k3rocm.kernels.{fam}")
-        except ImportError:
-            continue
+    for fam, mod in mods.items():
         get = getattr(mod, "isa_cases", None)
         if get is None:
             continue

@@ -36,7 +36,7 @@ def K():
 
 
 def _configs(K):
-    return K.ATTNRES_CONFIGS["cuda" if DEV == "cuda" else "interp"]
+    return K.ATTNRES_CONFIGS["cuda" if DEV == "cuda" else "interpreter"]
 
 
 def test_oracle_matches_float64_formula():

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from k3rocm.cli.main import cli
-from k3rocm.kernels import registry
+from k3rocm.runtime import registry
 
 torch.set_num_threads(1)
 

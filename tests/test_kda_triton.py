@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from k3rocm.kernels import tune
+
 from k3rocm.kernels.kda import configs as KC
 from k3rocm.kernels.kda import conv as KCONV
 from k3rocm.kernels.kda import decode as KDEC
@@ -26,7 +28,7 @@ D = 16  # head dim K = V under the interpreter
 @pytest.fixture(autouse=True)
 def _interpreter_and_poison(monkeypatch):
     """Without a GPU, run the kernels in the Triton interpreter for the duration of each test only: the KDA
-    kernels are always built in compiled mode (``configs.kjit``) and ``configs.launch`` reads
+    kernels are always built in compiled mode (``_interp.kjit``) and ``_interp.launch`` reads
     ``TRITON_INTERPRET`` at launch time, so ahead-of-time compiles elsewhere in this process are unaffected."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -65,8 +67,8 @@ def close(got, want, tol):
 def test_prefill_grid_fp32(B, T, H, cfg):
     a = make_prefill(B, T, H, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
-    c = {"intra": KC.configs("intra")[cfg % len(KC.configs("intra"))],
-         "state": KC.configs("state")[cfg % len(KC.configs("state"))]}
+    c = {"intra": tune.configs(KC.INTRA)[cfg % len(tune.configs(KC.INTRA))],
+         "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))]}
     o, s = KPRE.kda_prefill(**a, config=c)
     close(o, want_o, 1e-5)
     close(s, want_s, 1e-5)
@@ -115,7 +117,7 @@ def test_prefill_state_continuation():
 
 @pytest.mark.parametrize("ci", range(3))
 def test_short_conv_every_config(ci):
-    cands = KC.configs("conv")
+    cands = tune.configs(KC.CONV)
     if ci >= len(cands):
         pytest.skip("fewer conv configs on this backend")
     gen = _gen()
@@ -147,7 +149,7 @@ def _decode_setup(gen, N, S, H, Dk):
 
 @pytest.mark.parametrize("ci", range(4))
 def test_decode_every_config_padding(ci):
-    cands = KC.configs("decode")
+    cands = tune.configs(KC.DECODE)
     if ci >= len(cands):
         pytest.skip("fewer decode configs on this backend")
     cfg = dict(cands[ci])

@@ -9,6 +9,7 @@ import torch
 
 from k3rocm.errors import ConfigError
 from k3rocm.model import mla as M
+from k3rocm.numerics import FP8_MAX
 
 H, DN, DR, DV, R = 3, 16, 8, 16, 32
 SCALE = (DN + DR) ** -0.5
@@ -168,7 +169,7 @@ def test_fp8_cache_cost_against_bf16(fp8):
     c16 = c32.to(torch.bfloat16)
     e16 = M.mla_decode(qn, qr, c16, bt, cl, w_kc, w_vc, SCALE)
     amax = torch.cat([lat, kr], -1).abs().max().item()
-    scale = amax / M.FP8_MAX[fp8]
+    scale = amax / FP8_MAX[fp8]
     c8 = torch.zeros(c32.shape, dtype=fp8)
     slots = torch.cat([bt[n, :math.ceil(L / 16)].long()[:, None] * 16 + torch.arange(16)[None] for n, L in
                        enumerate(lens)]).flatten()

@@ -37,7 +37,7 @@ def K():
 
 
 def _cfgs(table):
-    return table["cuda" if DEV == "cuda" else "interp"]
+    return table["cuda" if DEV == "cuda" else "interpreter"]
 
 
 def _cu(lens):

@@ -23,7 +23,7 @@ from k3rocm.kernels.isa import compile_kernel  # noqa: E402
 from k3rocm.kernels.moe import GEMM_CONFIGS, ROUTER_CONFIGS, isa_cases  # noqa: E402
 from k3rocm.kernels.moe.router import router_logits_kernel  # noqa: E402
 from k3rocm.kernels.moe import _gemm_case  # noqa: E402
-from k3rocm.kernels.moe.configs import GemmConfig  # noqa: E402
+from k3rocm.kernels.moe.configs import gemm_config  # noqa: E402
 from k3rocm.kernels.moe.gemm import dq_isa_case  # noqa: E402
 
 SCALED_MFMA = re.compile(r"v_mfma_scale_f32_\w+_f8f6f4")
@@ -56,12 +56,12 @@ def test_sm90_configs_compile(a8):
     # A16W4 the decode kernel for kind "dq"/"dqn" (bf16 wgmma on the decoded tile), else the scaled one
     for gated in (True, False):
         for cfg in GEMM_CONFIGS["cuda"]:
-            case = dq_isa_case(gated, cfg, "cuda") if (cfg.kind != "scaled" and not a8) else \
+            case = dq_isa_case(gated, cfg, "cuda") if (cfg["kind"] != "scaled" and not a8) else \
                 _gemm_case(gated, a8, cfg, "cuda")
             rep = _compile(case, "sm_90")
             assert rep.error is None, rep.error
             assert rep.matrix_ops, f"{rep.name}: no tensor-core instructions on sm_90"
-            if cfg.kind != "scaled" and not a8:
+            if cfg["kind"] != "scaled" and not a8:
                 assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), \
                     f"{rep.name}: {rep.matrix_ops}"
 
@@ -71,7 +71,7 @@ def test_decode_kernel_compiles_for_amd(target):
     # the decode path is the Hopper choice (HIP keeps dot_scaled: native scaled MFMA on gfx950), but the
     # same source must stay portable: it compiles to bf16 MFMAs without spills (transposed orientation, the
     # shipped Hopper one; the untransposed "dqn" is only a benchmark candidate)
-    for cfg in (GemmConfig(16, 64, 128, 4, 2, kind="dq"),):
+    for cfg in (gemm_config(16, 64, 128, 4, 2, kind="dq"),):
         for gated in (True, False):
             rep = _compile(dq_isa_case(gated, cfg, "hip"), target)
             assert rep.error is None, rep.error
@@ -82,9 +82,9 @@ def test_decode_kernel_compiles_for_amd(target):
 def test_sm90_router_configs_compile():
     sig = next(c for c in isa_cases() if c[0].startswith("router_logits["))[2]
     for rc in ROUTER_CONFIGS["cuda"]:
-        consts = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k, "IEEE": False}
+        consts = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False}
         rep = compile_kernel(router_logits_kernel, sig, consts, "sm_90", name="router_logits",
-                             options={"num_warps": rc.num_warps, "num_stages": rc.num_stages}, expects_matrix=True)
+                             options={"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]}, expects_matrix=True)
         assert rep.ok, rep.problems()
 
 

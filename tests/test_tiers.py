@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from k3rocm.kernels import registry
+from k3rocm.runtime import registry
 from k3rocm.validation import tiers
 from k3rocm.validation.evidence import TIERS, Stage
 from k3rocm.validation.session import Options, Session
@@ -198,7 +198,7 @@ def test_every_tier_passes_on_the_gpu(golden_dir):
     assert sel and all(v in ("triton", "aiter", "torch") for v in sel.values())
     # every op that has a GPU kernel must run it: a silent fallback to the oracle would make the
     # correctness tier compare the oracle with itself
-    from k3rocm.kernels import registry
+    from k3rocm.runtime import registry
     with_kernel = {op for op in registry.ORACLE_OPS if {"triton", "aiter"} & set(registry.implementations(op))}
     assert with_kernel and {op for op in with_kernel if sel.get(op) == "torch"} == set(), sel
     assert not s.engine.describe().get("fallbacks"), s.engine.describe().get("fallbacks")
@@ -269,7 +269,7 @@ def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
 
 
 def test_a_kernel_family_that_fails_to_import_is_reported(monkeypatch):
-    from k3rocm.kernels import registry
+    from k3rocm.runtime import registry
 
     from types import SimpleNamespace as NS
 

@@ -73,7 +73,7 @@ class Session:
     def __init__(self, opts: Options):
         self.opts = opts
         self._cache: dict[str, Any] = {}
-        self.kernel_override = need("k3rocm.kernels.registry", "parse_override")(opts.kernels)
+        self.kernel_override = need("k3rocm.runtime.registry", "parse_override")(opts.kernels)
 
     def preflight(self) -> None:
         """Resolve what bad input can break before any tier runs or anything is printed: the checkpoint (the
@@ -84,7 +84,7 @@ class Session:
         self.index
         self.config
         self.profile
-        reg = need("k3rocm.kernels.registry")
+        reg = need("k3rocm.runtime.registry")
         for op in reg.ORACLE_OPS:
             reg.select(op, self.kernel_override)
         if self.opts.golden is not None:

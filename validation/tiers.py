@@ -307,7 +307,7 @@ def tier_env(session: Session, stage: Stage) -> None:
                        detail=f"profile {prof.name} names {prof.arch} x{prof.device_count}; every measurement "
                               "in this report is measured-fallback, targets are projected"))
     stage.add(info("env", "env_vars", len(det.env), detail=", ".join(f"{k}={v}" for k, v in det.env.items())[:300]))
-    from k3rocm.kernels import registry
+    from k3rocm.runtime import registry
     errs = registry.import_errors()
     if det.count:  # on a GPU a kernel family that does not import would silently run as the torch oracle
         stage.add(check("env", "kernels.import", len(errs), eq=0, unit="families failed",

@@ -123,7 +123,7 @@ class Decoder:
     Args:
         cfg: the full model config.
         weights: a :class:`WeightView` over this rank's :class:`~k3rocm.model.weights.Weights`.
-        ops: the op table (every name of ``ORACLE_OP_NAMES``).
+        ops: the op table (every name of :data:`k3rocm.model.ops.ORACLE_OPS`).
         par: the parallel context (default: one rank).
         moe_mode: ``"a16w4"`` or ``"a8w4"`` for MXFP4 experts.
     Attributes:

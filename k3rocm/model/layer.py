@@ -2,7 +2,7 @@
 
 Every sublayer reads its weights by checkpoint name through a :class:`WeightView`, widens them to fp32
 when it uses them (no fp32 copy is kept) and calls the heavy ops through an ``ops`` mapping
-(op name -> callable, names of ``kernels/registry.py`` ``ORACLE_OPS``). By default these are the oracle
+(op name -> callable, the names of :data:`k3rocm.model.ops.ORACLE_OPS`). By default these are the oracle
 functions in :mod:`k3rocm.model`; the GPU engine passes kernels with the same signatures.
 
 Sources: K3_FACTS §5 (KDA, gated NoPE MLA, Stable LatentMoE, SiTU-GLU, Block Attention Residuals) and,
@@ -15,7 +15,6 @@ Batches: ``B = 1``, tokens of N sequences packed back to back, ``cu_seqlens`` in
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
@@ -24,46 +23,27 @@ import torch
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError, ConfigError
 from k3rocm.model.common import f32, linear, rms_norm, silu_glu, situ_glu
+from k3rocm.model.ops import ORACLE_OPS
 
 __all__ = [
-    "ORACLE_OP_NAMES", "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
+    "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
     "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
     "mla_has_output_gate", "dense_mlp", "moe_block", "attn_side", "mlp_side", "final_aggregate",
 ]
 
-ORACLE_OP_NAMES = ("short_conv", "kda_prefill", "kda_decode", "mla_prefill", "mla_decode", "mla_cache_write",
-                   "attn_res", "moe_router", "moe_experts")
-
 
 def resolve_ops(ops: Mapping[str, Callable] | None = None) -> dict[str, Callable]:
-    """The op table: ``ops`` entries override, the fp32 oracle functions fill the rest.
-
-    The oracle of each op is the function named in ``kernels/registry.py`` ``ORACLE_OPS``; it is imported
-    only when ``ops`` does not provide that op.
+    """The op table: ``ops`` entries override, the fp32 oracle functions of
+    :data:`k3rocm.model.ops.ORACLE_OPS` fill the rest.
 
     Raises:
-        ConfigError: ``ops`` names an unknown op, or an oracle module cannot be imported.
+        ConfigError: ``ops`` names an unknown op.
     """
     ops = dict(ops or {})
-    bad = sorted(set(ops) - set(ORACLE_OP_NAMES))
+    bad = sorted(set(ops) - set(ORACLE_OPS))
     if bad:
-        raise ConfigError(f"unknown op name(s) {bad} in ops; known: {', '.join(ORACLE_OP_NAMES)}")
-    try:
-        from k3rocm.kernels.registry import ORACLE_OPS
-    except ImportError:  # pragma: no cover - the registry ships with the package
-        ORACLE_OPS = {}
-    for name in ORACLE_OP_NAMES:
-        if name in ops:
-            continue
-        mod, fn = ORACLE_OPS.get(name, (None, None))
-        if mod is None:
-            raise ConfigError(f"op {name!r} has no oracle in kernels/registry.py ORACLE_OPS; pass it in ops")
-        try:
-            ops[name] = getattr(importlib.import_module(mod), fn)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"oracle {mod}.{fn} for op {name!r} cannot be imported ({e}); "
-                              f"install the package completely or pass {name!r} in ops") from None
-    return ops
+        raise ConfigError(f"unknown op name(s) {bad} in ops; known: {', '.join(ORACLE_OPS)}")
+    return {name: ops.get(name, fn) for name, fn in ORACLE_OPS.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------

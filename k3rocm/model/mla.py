@@ -21,15 +21,11 @@ from __future__ import annotations
 import torch
 
 from k3rocm.errors import ConfigError
+from k3rocm.numerics import FP8_MAX, gather_cache
 
 __all__ = [
-    "mla_prefill", "mla_cache_write", "mla_decode", "mla_gate", "split_kv_b", "gather_cache",
-    "fp8_cache_dtype", "FP8_MAX",
+    "mla_prefill", "mla_cache_write", "mla_decode", "mla_gate", "split_kv_b", "fp8_cache_dtype",
 ]
-
-#: largest finite value of each FP8 cache format (e4m3fn: OCP; e4m3fnuz: AMD CDNA3)
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
-
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
@@ -164,22 +160,6 @@ def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
         kv_cache.view(torch.uint8).view(nb * bs, W)[sm[valid]] = row.to(kv_cache.dtype).view(torch.uint8)
     else:
         kv_cache.view(nb * bs, W)[sm[valid]] = row.to(kv_cache.dtype)
-
-
-def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, seq: int,
-                 kv_scale: float | None = None) -> torch.Tensor:
-    """The first ``context_len`` cached rows of sequence ``seq`` as fp32 ``[context_len, R+Dr]`` (FP8 rows
-    multiplied by ``kv_scale``)."""
-    bs = kv_cache.shape[1]
-    pos = torch.arange(context_len, device=kv_cache.device)
-    blocks = block_table[seq].to(torch.int64)[pos // bs]
-    if kv_cache.element_size() == 1:  # FP8: gather the bytes, then reinterpret
-        rows = _f32(kv_cache.view(torch.uint8)[blocks, pos % bs].view(kv_cache.dtype))
-    else:
-        rows = _f32(kv_cache[blocks, pos % bs])
-    if kv_cache.dtype in FP8_MAX and kv_scale is not None:
-        rows = rows * float(kv_scale)
-    return rows
 
 
 def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

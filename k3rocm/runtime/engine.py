@@ -36,7 +36,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError, PlanError
-from k3rocm.kernels import registry
+from k3rocm.runtime import registry
 from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
 from k3rocm.model.decoder import Decoder, Parallel
 from k3rocm.model.layer import Batch, WeightView, kda_decode_rows, kda_mixer, mla_decode_rows, mla_mixer

@@ -1,25 +1,29 @@
 """Triton Block AttnRes kernel (aggregation + following RMSNorm, optional bank append).
 
-Importing this package registers the ``triton`` implementation of ``attn_res`` in
-:mod:`k3rocm.kernels.registry`. Oracle: :mod:`k3rocm.model.attnres`.
+``TRITON_IMPLS`` lists the ``triton`` implementation of ``attn_res`` for :mod:`k3rocm.runtime.registry`.
+Oracle: :mod:`k3rocm.model.attnres`.
 """
 
 from __future__ import annotations
 
-from k3rocm.kernels.registry import register
+from .attnres import ATTNRES_CONFIGS, MAX_SOURCES, _attn_res_kernel, attn_res, attn_res_norm, isa_signature
 
-from .attnres import ATTNRES_CONFIGS, MAX_SOURCES, _attn_res_kernel, attn_res, attn_res_norm
+__all__ = ["attn_res", "attn_res_norm", "ATTNRES_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
-__all__ = ["attn_res", "attn_res_norm", "ATTNRES_CONFIGS", "isa_cases"]
 
-register("attn_res", "triton", attn_res, supports=lambda num_sources=1, **_: num_sources <= MAX_SOURCES,
-         note="Triton one-pass-per-token AttnRes (scores, fp32 softmax, mix; fused RMSNorm/append variant)")
+def _fits_sources(num_sources: int = 1, **_) -> bool:
+    return num_sources <= MAX_SOURCES
+
+
+#: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
+TRITON_IMPLS = (
+    ("attn_res", attn_res, _fits_sources,
+     "Triton one-pass-per-token AttnRes (scores, fp32 softmax, mix; fused RMSNorm/append variant)"),
+)
 
 
 def isa_cases() -> list[tuple]:
     """The AttnRes kernel (write-layer variant, bf16 bank) for ``kernels isa``; no matrix instructions expected."""
-    from .attnres import isa_signature
-
     sig, consts, opts = isa_signature("bf16", append=True)
     sig2, consts2, opts2 = isa_signature("fp32", append=False)
     return [("attn_res_norm_append_bf16", _attn_res_kernel, sig, consts, False, opts),

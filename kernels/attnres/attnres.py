@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
-from k3rocm.kernels.mla import _tune
+from k3rocm.kernels import _interp, tune
+from k3rocm.kernels.target import current_target
 
 #: per-backend configs
 ATTNRES_CONFIGS: dict[str, list[dict]] = {
@@ -39,13 +40,13 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1, waves_per_eu=0),
     ],
     # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
-    "interp": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0), dict(BLOCK_D=32, PROGS_PER_SM=2)],
+    "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0), dict(BLOCK_D=32, PROGS_PER_SM=2)],
 }
 
 MAX_SOURCES = 16
 
 
-@_tune.kjit
+@_interp.kjit
 def _attn_res_kernel(
     BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT,
     num_rows, T, D, nprog, n_iter, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
@@ -131,14 +132,13 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     if T == 0:
         return
 
-    back = _tune.backend()[0]
-    n_sm = 1 if back == "interp" else torch.cuda.get_device_properties(prefix.device).multi_processor_count
+    n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(prefix.device).multi_processor_count
 
     def launch(cfg):
-        meta, opts = _tune.split(cfg)
+        meta, opts = tune.split(cfg)
         per_sm = meta.pop("PROGS_PER_SM", 0)
         nprog = T if per_sm == 0 else min(T, per_sm * n_sm)
-        _tune.launch(_attn_res_kernel, (nprog,),
+        _interp.launch(_attn_res_kernel, (nprog,),
             bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
             num_rows, T, D, nprog, triton.cdiv(T, nprog), bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
             (hn if hn is not None else h).stride(0), float(eps), float(norm_eps),
@@ -147,12 +147,9 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
 
     if config is None:
         # timing must not append twice into a live bank: tune on the non-appending variant's shape
-        configs = _tune.config_list(ATTNRES_CONFIGS)
-        key = (D, _tune.pow2(T), bank.dtype, prefix.dtype, norm_weight is not None)
-        if append:
-            config = _tune._CACHE.get(("attn_res", key), configs[0])
-        else:
-            config = _tune.pick("attn_res", key, configs, launch)
+        configs = tune.configs(ATTNRES_CONFIGS)
+        key = (D, tune.pow2(T), bank.dtype, prefix.dtype, norm_weight is not None)
+        config = tune.pick("attn_res", key, configs, launch, can_time=not append)
     launch(config)
 
 

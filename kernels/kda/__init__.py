@@ -10,29 +10,32 @@ ahead-of-time ISA check (``k3rocm kernels isa``).
 
 from __future__ import annotations
 
-from k3rocm.kernels.registry import register
+from k3rocm.kernels import tune
 
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, kda_decode
 from .prefill import BC, BT, _akk_kernel, _gate_kernel, _state_kernel, _wu_kernel, kda_prefill
 
-__all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases"]
+__all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
 
 def _prefill_supports(**shape) -> bool:
     return shape.get("gate_form", "k3") == "k3" and shape.get("lower_bound", -5.0) >= -10.0
 
 
-register("short_conv", "triton", short_conv, note="Triton causal depthwise conv + SiLU, varlen, conv state in/out")
-register("kda_prefill", "triton", kda_prefill, supports=_prefill_supports,
-         note=f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, fp32 state")
-register("kda_decode", "triton", kda_decode, note="Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)")
+#: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
+TRITON_IMPLS = (
+    ("short_conv", short_conv, None, "Triton causal depthwise conv + SiLU, varlen, conv state in/out"),
+    ("kda_prefill", kda_prefill, _prefill_supports,
+     f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, fp32 state"),
+    ("kda_decode", kda_decode, None, "Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)"),
+)
 
 
-def _opts(name: str) -> dict:
-    """Compile options per backend for a kernel: the first config of each list, launch options only."""
-    return {be: configs.split(configs.configs(name, be)[0], interp=False)[1] for be in ("hip", "cuda")}
+def _opts(table: dict) -> dict:
+    """Compile options per backend for a kernel table: the first config of each backend list, launch options only."""
+    return {be: tune.split(table[be][0], interp=False)[1] for be in ("hip", "cuda")}
 
 
 def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
@@ -61,17 +64,17 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
                    slot_ids="*i32", out=p, H="i32", scale="fp32", lower_bound="fp32", eps="fp32",
                    K="constexpr", V="constexpr", W="constexpr", BV="constexpr")
-    cc = configs.configs("conv", "cuda")[0]
-    st = configs.configs("state", "cuda")[0]
+    cc = configs.CONV["cuda"][0]
+    st = configs.STATE["cuda"][0]
     return [
         ("short_conv", _conv_fwd_kernel, conv_sig,
-         dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts("conv")),
+         dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts("intra")),
-        ("prefill_akk", _akk_kernel, akk_sig, dict(K=K, BT=BT, BC=BC, PREC=None), True, _opts("intra")),
-        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None), True, _opts("intra")),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.INTRA)),
+        ("prefill_akk", _akk_kernel, akk_sig, dict(K=K, BT=BT, BC=BC, PREC=None), True, _opts(configs.INTRA)),
+        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None), True, _opts(configs.INTRA)),
         ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], PREC=None), True,
-         _opts("state")),
-        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=configs.configs("decode", "hip")[0]["BV"]), False,
-         _opts("decode")),
+         _opts(configs.STATE)),
+        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=configs.DECODE["hip"][0]["BV"]), False,
+         _opts(configs.DECODE)),
     ]

@@ -1,4 +1,4 @@
-"""Per-backend launch configurations of the KDA kernels, and the small tuner that picks among them.
+"""Per-backend launch configurations of the KDA kernels (picked by :func:`k3rocm.kernels.tune.pick`).
 
 The kernels have one source for HIP and CUDA; only these lists differ (DESIGN.md §5):
 
@@ -8,17 +8,14 @@ The kernels have one source for HIP and CUDA; only these lists differ (DESIGN.md
   fp32 dot operands run on the fp32 MFMA (HIP's default, ``"ieee"``; HIP has no TF32 in Triton).
 
 When the inputs are fp32 the wrappers force ``PREC = "ieee"`` so the kernels match the fp32 oracle to ~1e-5.
-Every list is exposed (:func:`configs`) so tests can run every configuration, not only the tuner's pick.
+The interpreter runs the CUDA lists. Every table is public (:data:`CONV`, :data:`INTRA`, :data:`STATE`,
+:data:`DECODE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every configuration, not only
+the tuner's pick.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
-from k3rocm.kernels._interp import interpreting, kjit, launch  # noqa: F401  (re-exported)
-
-# constexpr names per kernel (the rest of a config dict are launch options)
-META_KEYS = {"BLOCK_T", "BLOCK_C", "BV", "PREC"}
+import torch
 
 _CUDA = {
     "conv": [dict(BLOCK_T=32, BLOCK_C=128, num_warps=4, num_stages=1),
@@ -48,74 +45,12 @@ _HIP = {
 }
 
 
-def backend() -> str:
-    """``"hip"`` or ``"cuda"`` for the active Triton driver (``"cuda"`` under the interpreter / without a GPU)."""
-    if interpreting():
-        return "cuda"
-    try:
-        import triton
-        return triton.runtime.driver.active.get_current_target().backend
-    except Exception:  # no driver (CPU-only machine): the CUDA list is the neutral default
-        return "cuda"
+def _table(kernel: str) -> dict[str, list[dict]]:
+    return {"cuda": _CUDA[kernel], "hip": _HIP[kernel], "interpreter": _CUDA[kernel]}
 
 
-
-
-def configs(kernel: str, target_backend: str | None = None) -> list[dict]:
-    """Configuration list of ``kernel`` (``conv``, ``intra``, ``state``, ``decode``) for a backend (default: active)."""
-    table = _HIP if (target_backend or backend()) == "hip" else _CUDA
-    return [dict(c) for c in table[kernel]]
-
-
-def split(cfg: dict, interp: bool | None = None) -> tuple[dict, dict]:
-    """Split a config into (constexpr kwargs, launch options); launch options are dropped under the interpreter."""
-    meta = {k: v for k, v in cfg.items() if k in META_KEYS}
-    opts = {k: v for k, v in cfg.items() if k not in META_KEYS}
-    if interpreting() if interp is None else interp:
-        opts = {}
-    return meta, opts
-
-
-_BEST: dict[tuple, dict] = {}
-
-
-def tuned(name: str, key: tuple, cands: list[dict], launch: Callable[[dict], None], can_time: bool = True) -> dict:
-    """Launch with the best config of ``cands`` for ``key`` (timed once per key with ``do_bench``).
-
-    Falls back to the first candidate under the interpreter, without a GPU, during CUDA/HIP graph capture,
-    or when ``can_time`` is False. ``launch(cfg)`` must be safe to repeat (no in-place side effects).
-    Returns the config used.
-    """
-    full = (name,) + key
-    if full in _BEST:
-        launch(_BEST[full])
-        return _BEST[full]
-    if len(cands) == 1 or interpreting() or not can_time or _capturing():
-        launch(cands[0])
-        return cands[0]
-    import triton.testing
-
-    best, best_t = None, float("inf")
-    for c in cands:
-        try:
-            t = triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=20)
-        except Exception:  # a config the compiler rejects (resources) is skipped
-            continue
-        if t < best_t:
-            best, best_t = c, t
-    if best is None:
-        best = cands[0]
-    _BEST[full] = best
-    launch(best)
-    return best
-
-
-def _capturing() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    except Exception:
-        return False
+#: per-backend tables of the short conv, the prefill gate / A_kk / W,U kernels, the prefill state pass and decode
+CONV, INTRA, STATE, DECODE = (_table(k) for k in ("conv", "intra", "state", "decode"))
 
 
 POISON = False  # tests set True: every output buffer starts as NaN, so an unwritten element cannot pass
@@ -123,8 +58,6 @@ POISON = False  # tests set True: every output buffer starts as NaN, so an unwri
 
 def empty(*shape, dtype, device):
     """``torch.empty`` for kernel outputs; NaN-filled when :data:`POISON` is set (tests)."""
-    import torch
-
     t = torch.empty(*shape, dtype=dtype, device=device)
     if POISON and t.is_floating_point():
         t.fill_(float("nan"))

@@ -12,11 +12,12 @@ import triton
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
+from k3rocm.kernels import _interp, tune
 
 from . import configs as C
 
 
-@C.kjit
+@_interp.kjit
 def _conv_fwd_kernel(x, w, y, state_in, cu, tok_seq, TT, NCH,
                      HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """y[t, c] = SiLU(sum_i w[c, i] * x[t - (W-1) + i, c]), inputs before a sequence start from state_in."""
@@ -47,7 +48,7 @@ def _conv_fwd_kernel(x, w, y, state_in, cu, tok_seq, TT, NCH,
              mask=mt[:, None] & mc[None, :])
 
 
-@C.kjit
+@_interp.kjit
 def _conv_state_kernel(x, state_in, state_out, cu, NCH,
                        HAS_STATE: tl.constexpr, W: tl.constexpr, BLOCK_C: tl.constexpr):
     """state_out[n, c, j] = the input at position end-(W-1)+j of sequence n (from state_in before its start)."""
@@ -111,16 +112,16 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor |
     TT = B * T
 
     def launch(cfg):
-        meta, opts = C.split(cfg)
+        meta, opts = tune.split(cfg)
         if TT > 0:
             grid = (triton.cdiv(TT, meta["BLOCK_T"]), triton.cdiv(NCH, meta["BLOCK_C"]))
-            C.launch(_conv_fwd_kernel, grid, xc, wc, y, st, cu, tok_seq, TT, NCH, HAS_STATE=conv_state is not None, W=W,
+            _interp.launch(_conv_fwd_kernel, grid, xc, wc, y, st, cu, tok_seq, TT, NCH, HAS_STATE=conv_state is not None, W=W,
                                    **meta, **opts)
 
-    cands = [config] if config is not None else C.configs("conv")
-    C.tuned("conv", (TT, NCH, W, x.dtype, conv_state is not None), cands, launch)
+    cands = [config] if config is not None else tune.configs(C.CONV)
+    launch(tune.pick("kda_conv", (TT, NCH, W, x.dtype, conv_state is not None), cands, launch))
     if N > 0:
         bc = 128
-        C.launch(_conv_state_kernel, (N, triton.cdiv(NCH, bc)), xc, st, fin, cu, NCH, HAS_STATE=conv_state is not None, W=W,
+        _interp.launch(_conv_state_kernel, (N, triton.cdiv(NCH, bc)), xc, st, fin, cu, NCH, HAS_STATE=conv_state is not None, W=W,
                                                      BLOCK_C=bc)
     return y, fin

@@ -16,11 +16,12 @@ import torch
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
+from k3rocm.kernels import _interp, tune
 
 from . import configs as C
 
 
-@C.kjit
+@_interp.kjit
 def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr):
     """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state.
 
@@ -45,7 +46,7 @@ def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl
     return acc * tl.sigmoid(acc)
 
 
-@C.kjit
+@_interp.kjit
 def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
                    conv_pool, state_pool, slot_ids, out, H, scale, lower_bound, eps,
                    K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BV: tl.constexpr):
@@ -138,11 +139,11 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         out = C.empty(N, H * V, dtype=out_dtype, device=q_raw.device)
     ws = [w.reshape(-1, W) if w.is_contiguous() and w.dtype == torch.float32 else w.reshape(-1, W).float().contiguous()
           for w in conv_weights]
-    cfg = dict(config or C.configs("decode")[0])
-    meta, opts = C.split(cfg)
+    cfg = dict(config or tune.configs(C.DECODE)[0])
+    meta, opts = tune.split(cfg)
     bv = min(meta.get("BV", V), V)
     if N:
-        C.launch(_decode_kernel, (N, H), q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
+        _interp.launch(_decode_kernel, (N, H), q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
                                beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias,
                                o_norm_weight, conv_pool, state_pool, slot_ids, out, H, scale, float(lower_bound),
                                float(eps), K=K, V=V, W=W, BV=bv, **opts)

@@ -28,6 +28,7 @@ import torch
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
+from k3rocm.kernels import _interp, tune
 
 from . import configs as C
 
@@ -35,7 +36,7 @@ BT = 64  # tokens per chunk
 BC = 16  # rows per sub-block
 
 
-@C.kjit
+@_interp.kjit
 def _rows(ptr, t0, L, hh, H, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """Rows j*BC .. j*BC+BC-1 of a chunk of a [tokens, H, D] tensor, head hh, as fp32 (zeros past L)."""
     r = j * BC + tl.arange(0, BC)
@@ -44,19 +45,19 @@ def _rows(ptr, t0, L, hh, H, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr)
                    other=0.0).to(tl.float32)
 
 
-@C.kjit
+@_interp.kjit
 def _l2n(x):
     return x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
 
 
-@C.kjit
+@_interp.kjit
 def _beta(braw, t0, L, hh, H, j: tl.constexpr, BC: tl.constexpr):
     r = j * BC + tl.arange(0, BC)
     b = tl.load(braw + (t0 + r).to(tl.int64) * H + hh, mask=r < L, other=0.0).to(tl.float32)
     return tl.where(r < L, tl.sigmoid(b), 0.0)
 
 
-@C.kjit
+@_interp.kjit
 def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """Store a [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer."""
     r = i * BC + tl.arange(0, BC)
@@ -65,7 +66,7 @@ def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.con
     tl.store(ptr + (tok[:, None] * H + hh) * D + c[None, :], x, mask=(r < L)[:, None])
 
 
-@C.kjit
+@_interp.kjit
 def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka, qa,
           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Block (i, j) of A (strictly lower overall), returned; block (i, j) of Aqk (lower incl. diagonal),
@@ -85,7 +86,7 @@ def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka
     return a
 
 
-@C.kjit
+@_interp.kjit
 def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
     """(ka_i, qa_i, Gref_i): beta k and scaled q of block i, decayed relative to the block's middle row."""
     rref = tl.minimum(i * BC + BC // 2, L - 1)
@@ -102,7 +103,7 @@ def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i: tl.constexpr, K: tl.cons
     return ka, qa, Gref
 
 
-@C.kjit
+@_interp.kjit
 def _inv_diag(a, BC: tl.constexpr):
     """(I + a)^-1 for a strictly lower [BC, BC] block, by forward substitution."""
     r = tl.arange(0, BC)
@@ -114,14 +115,14 @@ def _inv_diag(a, BC: tl.constexpr):
     return nm + (r[:, None] == r[None, :]).to(tl.float32)
 
 
-@C.kjit
+@_interp.kjit
 def _store_rows(ptr, x, t0, L, hh, H, i: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     r = i * BC + tl.arange(0, BC)
     tok = (t0 + r).to(tl.int64)
     tl.store(ptr + (tok[:, None] * H + hh) * D + tl.arange(0, D)[None, :], x, mask=(r < L)[:, None])
 
 
-@C.kjit
+@_interp.kjit
 def _bkv(k, v, gbuf, braw, t0, L, hh, H, j: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
     """beta k e^G and beta v of block j."""
     r = j * BC + tl.arange(0, BC)
@@ -134,7 +135,7 @@ def _bkv(k, v, gbuf, braw, t0, L, hh, H, j: tl.constexpr, K: tl.constexpr, V: tl
     return bk, bv
 
 
-@C.kjit
+@_interp.kjit
 def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, i: tl.constexpr, m0, m1, m2, m3,
         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """w_i = sum_{j<=i} M_ij (beta k e^G)_j, u_i = sum_{j<=i} M_ij (beta v)_j; stored."""
@@ -157,7 +158,7 @@ def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, i: tl.constexpr, m0, m1, m2, m3,
     _store_rows(u, ua, t0, L, hh, H, i, V, BC)
 
 
-@C.kjit
+@_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
                  K: tl.constexpr, BT: tl.constexpr):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G, ``qg = q e^G``, ``kg = k e^(G_L - G)``, ``e^G_L``."""
@@ -187,7 +188,7 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     tl.store(kg + ptr_hk, tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0), mask=mr)
 
 
-@C.kjit
+@_interp.kjit
 def _akk_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H,
                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Phases 2-3 of a chunk: A and Aqk in 16 x 16 blocks (Aqk stored), ``M = (I + A)^-1`` (stored)."""
@@ -234,7 +235,7 @@ def _akk_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H,
     _store_blk(mbuf, m33, t0, L, hh, H, 3, 3, BT, BC)
 
 
-@C.kjit
+@_interp.kjit
 def _load_blk(ptr, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """Load the [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer (zeros past L)."""
     r = i * BC + tl.arange(0, BC)
@@ -243,7 +244,7 @@ def _load_blk(ptr, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constex
     return tl.load(ptr + (tok[:, None] * H + hh) * D + cc[None, :], mask=(r < L)[:, None], other=0.0)
 
 
-@C.kjit
+@_interp.kjit
 def _wu_kernel(k, v, braw, chunk_tok, chunk_len, gbuf, mbuf, w, u, H,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Phase 4 of a chunk: ``w_i = sum_j M_ij (beta k e^G)_j``, ``u_i = sum_j M_ij (beta v)_j`` per row block i."""
@@ -267,7 +268,7 @@ def _wu_kernel(k, v, braw, chunk_tok, chunk_len, gbuf, mbuf, w, u, H,
     _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 3, m0, m1, m2, m3, K, V, BC, PREC)
 
 
-@C.kjit
+@_interp.kjit
 def _state_kernel(qg, kg, w, u, aqk, glast, h0, o, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                   PREC: tl.constexpr):
@@ -332,7 +333,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         ``[B, T, H*K]``, beta_raw ``[B, T, H]``, A_log ``[>= H]``, dt_bias ``[H*K]``, initial_state
         ``[N, H, K, V]`` fp32 or None, cu_seqlens ``[N+1]`` int32 with B = 1), plus
         ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"intra": cfg, "state": cfg}`` entries
-        of :func:`configs.configs` to force (tests); default: tuned.
+        of the :mod:`configs` tables to force (tests); default: :func:`k3rocm.kernels.tune.pick`.
     Returns:
         ``(o [B, T, H, V] out_dtype, final_state [N, H, K, V] fp32)``.
     Raises:
@@ -397,23 +398,23 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         return c
 
     def launch_intra(c):
-        meta, opts = C.split(fix(c))
+        meta, opts = tune.split(fix(c))
         if NC:
-            C.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale,
+            _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale,
                      float(lower_bound), H, K=K, BT=BT, **opts)
-            C.launch(_akk_kernel, (NC, H), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H, K=K, BT=BT,
+            _interp.launch(_akk_kernel, (NC, H), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H, K=K, BT=BT,
                      BC=BC, **meta, **opts)
-            C.launch(_wu_kernel, (NC, H), kc, vc, br, chunk_tok, chunk_len, gbuf, mbuf, w, u, H, K=K, V=V, BT=BT,
+            _interp.launch(_wu_kernel, (NC, H), kc, vc, br, chunk_tok, chunk_len, gbuf, mbuf, w, u, H, K=K, V=V, BT=BT,
                      BC=BC, **meta, **opts)
 
     def launch_state(c):
-        meta, opts = C.split(fix(c))
+        meta, opts = tune.split(fix(c))
         bv = min(meta.pop("BV"), V)
         if N:
-            C.launch(_state_kernel, (N, H, V // bv), qg, kg, w, u, aqk, glast, h0, o, ht, seq_chunk, chunk_tok, chunk_len, H,
+            _interp.launch(_state_kernel, (N, H, V // bv), qg, kg, w, u, aqk, glast, h0, o, ht, seq_chunk, chunk_tok, chunk_len, H,
                                            HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv, **meta, **opts)
 
     key = (TT // 1024, N, H, K, V, q.dtype)
-    C.tuned("intra", key, [cfg["intra"]] if "intra" in cfg else C.configs("intra"), launch_intra)
-    C.tuned("state", key, [cfg["state"]] if "state" in cfg else C.configs("state"), launch_state)
+    launch_intra(tune.pick("kda_intra", key, [cfg["intra"]] if "intra" in cfg else tune.configs(C.INTRA), launch_intra))
+    launch_state(tune.pick("kda_state", key, [cfg["state"]] if "state" in cfg else tune.configs(C.STATE), launch_state))
     return o, ht

@@ -1,29 +1,31 @@
 """Triton MLA kernels: prefill (flash attention, shared k_rope), paged latent-cache write, absorbed split-K decode.
 
-Importing this package registers the ``triton`` implementations of ``mla_prefill``, ``mla_decode`` and
-``mla_cache_write`` in :mod:`k3rocm.kernels.registry`. Oracles: :mod:`k3rocm.model.mla`.
+``TRITON_IMPLS`` lists the ``triton`` implementations of ``mla_prefill``, ``mla_decode`` and
+``mla_cache_write`` for :mod:`k3rocm.runtime.registry`. Oracles: :mod:`k3rocm.model.mla`.
 """
 
 from __future__ import annotations
 
-from k3rocm.kernels.registry import register
-
 from .decode import (CACHE_WRITE_CONFIGS, DECODE_CONFIGS, REDUCE_CONFIGS, _mla_cache_write_kernel,
                      _mla_decode_merge_kernel, _mla_decode_split_kernel, mla_cache_write, mla_decode)
-from .prefill import PREFILL_CONFIGS, _mla_prefill_kernel, expand_cached_context, mla_prefill, mla_prefill_chunked
+from .prefill import (PREFILL_CONFIGS, _mla_prefill_kernel, expand_cached_context, isa_signature, mla_prefill,
+                      mla_prefill_chunked)
 
 __all__ = ["mla_prefill", "mla_prefill_chunked", "expand_cached_context", "mla_decode", "mla_cache_write", "PREFILL_CONFIGS", "DECODE_CONFIGS", "REDUCE_CONFIGS",
-           "CACHE_WRITE_CONFIGS", "isa_cases"]
+           "CACHE_WRITE_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
 
 def _pow2_rank(kv_lora_rank: int = 512, **_) -> bool:
     return kv_lora_rank > 0 and kv_lora_rank & (kv_lora_rank - 1) == 0
 
 
-register("mla_prefill", "triton", mla_prefill, note="Triton flash attention, shared k_rope, fused gate")
-register("mla_decode", "triton", mla_decode, supports=_pow2_rank,
-         note="Triton absorbed split-K decode over the paged 576-wide cache + merge/W_vc/gate kernel")
-register("mla_cache_write", "triton", mla_cache_write, note="Triton paged slot write (bf16 / FP8 + scale)")
+#: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
+TRITON_IMPLS = (
+    ("mla_prefill", mla_prefill, None, "Triton flash attention, shared k_rope, fused gate"),
+    ("mla_decode", mla_decode, _pow2_rank,
+     "Triton absorbed split-K decode over the paged 576-wide cache + merge/W_vc/gate kernel"),
+    ("mla_cache_write", mla_cache_write, None, "Triton paged slot write (bf16 / FP8 + scale)"),
+)
 
 
 def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int):
@@ -43,8 +45,6 @@ def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int):
 
 def isa_cases() -> list[tuple]:
     """Every MLA kernel at K3 dims for ``kernels isa``: ``(name, fn, signature, constexprs, expects_matrix, options)``."""
-    from .prefill import isa_signature
-
     cases = []
     sig, consts, opts = isa_signature("bf16", has_gate=True)
     cases.append(("mla_prefill_bf16_gate", _mla_prefill_kernel, sig, consts, True, opts))

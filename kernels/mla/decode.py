@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
-from k3rocm.kernels.mla import _tune
-from k3rocm.model.mla import FP8_MAX
+from k3rocm.kernels import _interp, tune
+from k3rocm.kernels.target import current_target
+from k3rocm.numerics import FP8_MAX
 
 LOG2E = 1.4426950408889634
 
@@ -41,7 +42,7 @@ DECODE_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
     ],
-    "interp": [
+    "interpreter": [
         dict(BLOCK_H=16, BLOCK_N=16),
         dict(BLOCK_H=32, BLOCK_N=32),
     ],
@@ -51,11 +52,11 @@ DECODE_CONFIGS: dict[str, list[dict]] = {
 REDUCE_CONFIGS: dict[str, list[dict]] = {
     "cuda": [dict(BLOCK_M=16, BLOCK_R=64, num_warps=4, num_stages=2)],
     "hip": [dict(BLOCK_M=16, BLOCK_R=64, num_warps=4, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1)],
-    "interp": [dict(BLOCK_M=16, BLOCK_R=16)],
+    "interpreter": [dict(BLOCK_M=16, BLOCK_R=16)],
 }
 
 CACHE_WRITE_CONFIGS: dict[str, list[dict]] = {
-    "cuda": [dict(num_warps=4)], "hip": [dict(num_warps=4)], "interp": [dict()],
+    "cuda": [dict(num_warps=4)], "hip": [dict(num_warps=4)], "interpreter": [dict()],
 }
 
 #: a context slice shorter than this is not split further
@@ -64,7 +65,7 @@ MIN_SPLIT_TOKENS = 256
 PARTIAL_BUDGET = 256 << 20
 
 
-@_tune.kjit
+@_interp.kjit
 def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_lt, stride_kt, block_size, inv_scale,
                             R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
                             IS_FP8: tl.constexpr, FP8_LIM: tl.constexpr):
@@ -84,7 +85,7 @@ def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_l
     tl.store(base + R + d, kr.to(CACHE.dtype.element_ty), mask=d < DR)
 
 
-@_tune.kjit
+@_interp.kjit
 def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
@@ -152,7 +153,7 @@ def _mla_decode_split_kernel(
     tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
-@_tune.kjit
+@_interp.kjit
 def _mla_decode_merge_kernel(
     PART, LSE, WVC, G, O,
     H, TQ, ROWS, NSEQ, num_splits,
@@ -223,11 +224,11 @@ def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
         return
     fp8 = _tl_fp8_ok(kv_cache.dtype)
     inv = 1.0 / float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
-    meta, opts = _tune.split(_tune.config_list(CACHE_WRITE_CONFIGS)[0])
-    _tune.launch(_mla_cache_write_kernel, (T,),
+    meta, opts = tune.split(tune.configs(CACHE_WRITE_CONFIGS)[0])
+    _interp.launch(_mla_cache_write_kernel, (T,),
         kv_cache, slot_mapping.to(torch.int64), latent, k_rope, kv_cache.stride(0), kv_cache.stride(1),
         latent.stride(0), k_rope.stride(0), bs, inv,
-        R=R, DR=Dr, BR=_tune.pow2(R), BDR=_tune.pow2(Dr), IS_FP8=fp8, FP8_LIM=FP8_MAX.get(kv_cache.dtype, 0.0),
+        R=R, DR=Dr, BR=tune.pow2(R), BDR=tune.pow2(Dr), IS_FP8=fp8, FP8_LIM=FP8_MAX.get(kv_cache.dtype, 0.0),
         **meta, **opts)
 
 
@@ -309,8 +310,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
         if gate.stride(-1) != 1:
             gate = gate.contiguous()
     gt = gate if gate is not None else out.view(N, Tq, H * Dv)
-    back = _tune.backend()[0]
-    n_sm = 1 if back == "interp" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
+    n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
     splits, chunk = num_splits_for(max_context_len, total, N, rows, R, n_sm)
     if num_splits is not None:
         splits = max(1, int(num_splits))
@@ -321,9 +321,9 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     qk_scale = float(scale) * LOG2E * fold
 
     def launch(cfg: dict) -> None:
-        meta, opts = _tune.split(cfg)
+        meta, opts = tune.split(cfg)
         grid = (triton.cdiv(rows, meta["BLOCK_H"]), splits, N)
-        _tune.launch(_mla_decode_split_kernel, grid,
+        _interp.launch(_mla_decode_split_kernel, grid,
             q_lat, q_r, kv_cache, bt, cl, part, lse,
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
@@ -331,13 +331,13 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             R=R, DR=Dr, PAGE=page, IS_FP8=fp8, **meta, **opts)
 
     if config is None:
-        key = (rows, R, Dr, page, kv_cache.dtype, splits, _tune.pow2(chunk), _tune.pow2(N))
-        config = _tune.pick("mla_decode", key, _tune.config_list(DECODE_CONFIGS), launch)
+        key = (rows, R, Dr, page, kv_cache.dtype, splits, tune.pow2(chunk), tune.pow2(N))
+        config = tune.pick("mla_decode", key, tune.configs(DECODE_CONFIGS), launch)
     launch(config)
-    meta, opts = _tune.split(_tune.config_list(REDUCE_CONFIGS)[0])
+    meta, opts = tune.split(tune.configs(REDUCE_CONFIGS)[0])
     meta["BLOCK_R"] = min(meta["BLOCK_R"], R)
-    _tune.launch(_mla_decode_merge_kernel, (H, triton.cdiv(N * Tq, meta["BLOCK_M"])),
+    _interp.launch(_mla_decode_merge_kernel, (H, triton.cdiv(N * Tq, meta["BLOCK_M"])),
         part, lse, wv, gt, out, H, Tq, rows, N, splits,
         wv.stride(0), wv.stride(1), gt.stride(0), gt.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        R=R, DV=Dv, BDV=_tune.pow2(Dv), HAS_GATE=gate is not None, **meta, **opts)
+        R=R, DV=Dv, BDV=tune.pow2(Dv), HAS_GATE=gate is not None, **meta, **opts)
     return out

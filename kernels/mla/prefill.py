@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from k3rocm.errors import ConfigError
-from k3rocm.kernels.mla import _tune
+from k3rocm.kernels import _interp, tune
+from k3rocm.numerics import gather_cache
 
 LOG2E = 1.4426950408889634
 
@@ -40,14 +41,14 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
     ],
-    "interp": [
+    "interpreter": [
         dict(BLOCK_M=16, BLOCK_N=16),
         dict(BLOCK_M=32, BLOCK_N=16),
     ],
 }
 
 
-@_tune.kjit
+@_interp.kjit
 def _mla_prefill_kernel(
     Q, KN, KR, V, O, G, CUQ, CUK,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_krt, stride_vt, stride_vh,
@@ -188,9 +189,9 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     big = max(k_nope.stride(0) * Tk, v.stride(0) * Tk, k_rope.stride(0) * Tk) >= 2 ** 31
 
     def launch(cfg: dict) -> None:
-        meta, opts = _tune.split(cfg)
+        meta, opts = tune.split(cfg)
         nmb = triton.cdiv(max(max_seqlen_q, 1), meta["BLOCK_M"])
-        _tune.launch(_mla_prefill_kernel, (nmb, N, H),
+        _interp.launch(_mla_prefill_kernel, (nmb, N, H),
             q, k_nope, k_rope, v, out, g, cuq, cuk,
             q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), g.stride(0), g.stride(1),
@@ -199,9 +200,9 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
             HAS_GATE=gate is not None, I64=big, **meta, **opts)
 
     if config is None:
-        configs = _tune.config_list(PREFILL_CONFIGS)
-        key = (H, Dn, Dr, Dv, q.dtype, _tune.pow2(max_seqlen_q), gate is not None)
-        config = _tune.pick("mla_prefill", key, configs, launch)
+        configs = tune.configs(PREFILL_CONFIGS)
+        key = (H, Dn, Dr, Dv, q.dtype, tune.pow2(max_seqlen_q), gate is not None)
+        config = tune.pick("mla_prefill", key, configs, launch)
     launch(config)
     return out
 
@@ -226,7 +227,7 @@ def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None 
         sig[k] = "constexpr"
     hip = dict(PREFILL_CONFIGS["hip"][0])  # same tile as the default cfg
     opts = {"cuda": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
-            "hip": {k: hip[k] for k in _tune.LAUNCH_KEYS if k in hip} | {"num_warps": cfg["num_warps"]}}
+            "hip": {k: hip[k] for k in tune.LAUNCH_KEYS if k in hip} | {"num_warps": cfg["num_warps"]}}
     return sig, consts, opts
 
 
@@ -242,8 +243,6 @@ def expand_cached_context(kv_cache: torch.Tensor, block_table: torch.Tensor, cac
     Returns ``(k_nope [sum(cached), H, Dn], k_rope [sum(cached), Dr], v [sum(cached), H, Dv])`` in ``dtype``
     (default: ``w_kc.dtype``), sequence after sequence: k_nope = W_kc latent, v = W_vc^T latent (K3_FACTS §5).
     """
-    from k3rocm.model.mla import gather_cache
-
     H, Dn, R = w_kc.shape
     dtype = dtype or w_kc.dtype
     rows = [gather_cache(kv_cache, block_table, int(L), n, kv_scale) for n, L in enumerate(cached_lens) if L > 0]

@@ -1,35 +1,38 @@
 """Triton kernels of the Stable LatentMoE: router, dispatch, grouped MXFP4 GEMMs (A16W4 / A8W4), reduction.
 
-Importing this package registers the ``triton`` implementations of ``moe_router`` and ``moe_experts`` in
-:mod:`k3rocm.kernels.registry`. Oracle: :mod:`k3rocm.model.moe`. The activation mode of ``moe_experts`` is
+``TRITON_IMPLS`` lists the ``triton`` implementations of ``moe_router`` and ``moe_experts`` for
+:mod:`k3rocm.runtime.registry`. Oracle: :mod:`k3rocm.model.moe`. The activation mode of ``moe_experts`` is
 an explicit argument (``mode="a16w4"`` or ``"a8w4"``); no environment variable or global selects it.
 """
 
 from __future__ import annotations
 
-from k3rocm.kernels.registry import register
+from k3rocm.kernels import tune
 
-from .configs import GEMM_CONFIGS, ROUTER_CONFIGS, GemmConfig, RouterConfig, backend_name, pick_gemm_config
-from .gemm import dq_isa_case, moe_dispatch_kernel, moe_gemm_kernel, moe_reduce_kernel
+from .configs import GEMM_CONFIGS, ROUTER_CONFIGS, gemm_config, gemm_name, router_config
+from .gemm import dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_reduce_kernel
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
 from .router import router_logits_kernel, router_topk_kernel
 
 __all__ = ["moe_router", "moe_experts", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
-           "GemmConfig", "RouterConfig", "pick_gemm_config", "backend_name", "isa_cases"]
+           "gemm_config", "gemm_name", "router_config", "isa_cases", "TRITON_IMPLS"]
 
 
 def _packed_only(quantized: bool = True, **_) -> bool:
     return bool(quantized)
 
 
-register("moe_router", "triton", moe_router,
-         note="Triton router: split-K fp32 logits, sigmoid, biased top-k (lowest-id ties), renormalised weights")
-register("moe_experts", "triton", moe_experts, supports=_packed_only,
-         note="Triton grouped GEMM on packed MXFP4 (A16W4 on CUDA: integer E2M1 decode + bf16 tl.dot; A8W4 and "
-              "HIP: tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit")
+#: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
+TRITON_IMPLS = (
+    ("moe_router", moe_router, None,
+     "Triton router: split-K fp32 logits, sigmoid, biased top-k (lowest-id ties), renormalised weights"),
+    ("moe_experts", moe_experts, _packed_only,
+     "Triton grouped GEMM on packed MXFP4 (A16W4 on CUDA: integer E2M1 decode + bf16 tl.dot; A8W4 and "
+     "HIP: tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit"),
+)
 
 
-def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
+def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str) -> tuple:
     sig = {
         "a_ptr": "*fp8e4nv" if a8 else "*bf16", "as_ptr": "*u8" if a8 else "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8",
         "out_ptr": ("*fp8e4nv" if a8 else "*bf16") if gated else "*fp32",
@@ -40,11 +43,11 @@ def _gemm_case(gated: bool, a8: bool, cfg: GemmConfig, backend: str) -> tuple:
         "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
     }
     consts = {"TOPK": 16, "GATED": gated, "A8": a8, "ACT_FMT": "e4m3" if a8 else "bf16", "ACT": "situ",
-              "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+              "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
     for c in consts:
         sig[c] = "constexpr"
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **(cfg.extra if backend == "hip" else {})}
-    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{cfg.name()}]"
+    opts = isa_options(cfg, backend)
+    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(cfg)}]"
     return name, moe_gemm_kernel, sig, consts, True, opts
 
 
@@ -61,13 +64,13 @@ def isa_cases() -> list[tuple]:
             for i in (0, len(GEMM_CONFIGS["hip"]) - 1):
                 cfg = GEMM_CONFIGS["hip"][i]
                 name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, a8, cfg, "hip")
-                cuda_opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+                cuda_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                 cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
     # the A16W4 decode-path GEMM (the CUDA list's kind "dq"; it also compiles spill-free for gfx950/gfx942)
     for gated in (True, False):
         for cfg in (GEMM_CONFIGS["cuda"][0], GEMM_CONFIGS["cuda"][-1]):
             name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda")
-            hip_opts = {"num_warps": cfg.num_warps, "num_stages": 2}
+            hip_opts = {"num_warps": cfg["num_warps"], "num_stages": 2}
             cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
     # the one-program dispatch at K3 size (896 local experts, up to 8192 pairs), as ops.dispatch_gpu launches it
     dpsig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
@@ -81,14 +84,14 @@ def isa_cases() -> list[tuple]:
             "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
             "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr"}
     for rc in ROUTER_CONFIGS["hip"]:
-        rconst = {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k, "IEEE": False}
-        ropts = {"num_warps": rc.num_warps, "num_stages": rc.num_stages}
-        cases.append((f"router_logits[t{rc.block_t}e{rc.block_e}k{rc.block_k}]", router_logits_kernel,
+        rconst = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False}
+        ropts = {"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]}
+        cases.append((f"router_logits[t{rc['BLOCK_T']}e{rc['BLOCK_E']}k{rc['BLOCK_K']}]", router_logits_kernel,
                       rsig, rconst, True, {"hip": ropts, "cuda": ropts}))
     # the fp32 validation path (IEEE fp32 products): compiles everywhere; FMA on sm_90, so no matrix expectation
     rc = ROUTER_CONFIGS["hip"][0]
     cases.append(("router_logits_fp32_ieee", router_logits_kernel, {**rsig, "x_ptr": "*fp32", "w_ptr": "*fp32"},
-                  {"BLOCK_T": rc.block_t, "BLOCK_E": rc.block_e, "BLOCK_K": rc.block_k, "IEEE": True}, False,
+                  {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": True}, False,
                   {"hip": {"num_warps": 4, "num_stages": 2}, "cuda": {"num_warps": 4, "num_stages": 2}}))
     tsig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
             "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "SPLITS": "constexpr", "TOPK": "constexpr",

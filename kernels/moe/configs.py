@@ -1,23 +1,28 @@
 """Launch configurations of the MoE kernels, per backend. The only place where tile sizes, warps and stages live.
 
-``GEMM_CONFIGS[backend]`` is an ordered list; :func:`pick_gemm_config` takes the first whose ``max_rows``
-(average rows per expert group it is meant for) covers the problem. Tests run every entry of every list
-(interpreter: small tiles only), so every shipped config is checked against the oracle.
+``GEMM_CONFIGS[backend]`` is an ordered list of :data:`k3rocm.kernels.tune.Config`; ``tune.pick(...,
+rows=mean rows per expert group)`` takes the first whose ``max_rows`` covers the problem (``ROUTER_CONFIGS``
+the same with rows = tokens). Tests run every entry of every list (interpreter: small tiles only), so every
+shipped config is checked against the oracle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 
 from k3rocm.errors import ConfigError
+from k3rocm.kernels.tune import Config
+
+GEMM_KINDS = ("scaled", "dq", "dqn")
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    """One grouped-GEMM launch: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
+def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                max_rows: float = math.inf, kind: str = "scaled", **launch) -> Config:
+    """One grouped-GEMM launch config: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
 
+    Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``.
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
-    ``extra``: backend-only compile options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
+    ``launch``: backend-only launch options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
     ``kind``: which A16W4 kernel runs — ``"scaled"`` (``moe_gemm_kernel``: ``tl.dot_scaled`` with the
     weights as ``e2m1``; native scaled MFMA on gfx950), ``"dq"`` (``moe_gemm_dq_kernel``: integer decode
     of the nibbles to bf16, then ``tl.dot`` with the decoded weights as the register operand and the tokens as
@@ -25,31 +30,31 @@ class GemmConfig:
     with the decoded weights staged in shared memory; for large groups). A8W4 always runs the
     scaled kernel with E4M3 activations (the decode path has no A8 mode), and so do fp16 activations (the
     decode path produces bf16 weights); the tiles are the config's in every case.
+
+    Raises:
+        ConfigError: ``kind`` is not one of :data:`GEMM_KINDS`.
     """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    max_rows: float = float("inf")
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
-    kind: str = "scaled"
-
-    def __post_init__(self):
-        if self.kind not in GEMM_KINDS:
-            raise ConfigError(f"GemmConfig kind {self.kind!r} is not one of {', '.join(GEMM_KINDS)}; "
-                              "fix kernels/moe/configs.py")
-
-    def name(self) -> str:
-        pre = "" if self.kind == "scaled" else f"{self.kind}-"
-        return f"{pre}m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+    if kind not in GEMM_KINDS:
+        raise ConfigError(f"GEMM config kind {kind!r} is not one of {', '.join(GEMM_KINDS)}; fix kernels/moe/configs.py")
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+                max_rows=max_rows, kind=kind, **launch)
 
 
-GEMM_KINDS = ("scaled", "dq", "dqn")
+def gemm_name(cfg: Config) -> str:
+    """Short name of a GEMM config for reports: ``[kind-]m{M}n{N}k{K}w{warps}s{stages}`` (no prefix for scaled)."""
+    pre = "" if cfg["kind"] == "scaled" else f"{cfg['kind']}-"
+    return f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
 
 
-GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
+def router_config(block_t: int, block_e: int, block_k: int, num_warps: int, num_stages: int,
+                  max_rows: float = math.inf) -> Config:
+    """One router-logits launch config: tile tokens x experts x hidden, warps, stages; used while tokens <=
+    ``max_rows``. Returns ``{"BLOCK_T", "BLOCK_E", "BLOCK_K", "num_warps", "num_stages", "max_rows"}``."""
+    return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+                max_rows=max_rows)
+
+
+GEMM_CONFIGS: dict[str, list[Config]] = {
     # Hopper (no FP4 hardware): the decode path. In sm_90 SASS of the w1|w3 loop (Triton 3.9, K3 strides)
     # dot_scaled's generic FP4 upcast costs ~6.3 instructions per weight element and spills (255 registers,
     # m32n128k128w4s4); the decode path costs 4.3-4.9 with no spills (m16n128k128w8s4: 111 registers, so
@@ -60,65 +65,32 @@ GEMM_CONFIGS: dict[str, list[GemmConfig]] = {
     # H200 2026-11-30, decode kernel: 5.03 ms at 64 tokens, 9.00 at 512 (m16n128k128w8s4); at 8192 tokens
     # m64n128k128w8s3 39.3 ms beat m64n128k64w8s3 47.0 and m128n128k64w8s3 46.3 (bench/results/moe.md).
     "cuda": [
-        GemmConfig(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
-        GemmConfig(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
+        gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
         # 8192 tokens = 146 rows per expert: 64-row tiles waste 24% of the MMA rows on the last block of a group,
         # 128-row tiles 43% (2 blocks for 146 rows); 128 rows pay off from ~256 rows per expert
-        GemmConfig(64, 128, 128, 8, 3, max_rows=192, kind="dq"),
-        GemmConfig(128, 128, 64, 8, 3, kind="dq"),
+        gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dq"),
+        gemm_config(128, 128, 64, 8, 3, kind="dq"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
         # (zero VGPR/SGPR spills on gfx950 and gfx942 for both GEMMs and both modes: tests/test_moe_isa.py)
-        GemmConfig(16, 64, 128, 4, 2, max_rows=16),
-        GemmConfig(32, 128, 64, 4, 2, max_rows=48),
-        GemmConfig(64, 128, 64, 8, 2),
+        gemm_config(16, 64, 128, 4, 2, max_rows=16),
+        gemm_config(32, 128, 64, 4, 2, max_rows=48),
+        gemm_config(64, 128, 64, 8, 2),
     ],
     # Triton interpreter (CPU tests): small tiles so the grid runs in seconds; semantics are the same.
     "interpreter": [
-        GemmConfig(16, 32, 64, 4, 1, max_rows=4),
-        GemmConfig(16, 32, 64, 4, 1, max_rows=4, kind="dq"),
-        GemmConfig(32, 64, 32, 4, 1, kind="dq"),
-        GemmConfig(32, 64, 64, 4, 1),
+        gemm_config(16, 32, 64, 4, 1, max_rows=4),
+        gemm_config(16, 32, 64, 4, 1, max_rows=4, kind="dq"),
+        gemm_config(32, 64, 32, 4, 1, kind="dq"),
+        gemm_config(32, 64, 64, 4, 1),
     ],
 }
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    block_t: int
-    block_e: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-ROUTER_CONFIGS: dict[str, list[RouterConfig]] = {
-    "cuda": [RouterConfig(16, 128, 128, 4, 4), RouterConfig(64, 128, 64, 4, 3)],
-    "hip": [RouterConfig(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
-    "interpreter": [RouterConfig(16, 32, 32, 4, 1)],
+ROUTER_CONFIGS: dict[str, list[Config]] = {
+    "cuda": [router_config(16, 128, 128, 4, 4, max_rows=256), router_config(64, 128, 64, 4, 3)],
+    "hip": [router_config(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
+    "interpreter": [router_config(16, 32, 32, 4, 1)],
 }
-
-
-def backend_name() -> str:
-    """``"interpreter"`` under ``TRITON_INTERPRET=1``, else ``"hip"`` on ROCm, else ``"cuda"``."""
-    import os
-
-    import torch
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "interpreter"
-    return "hip" if getattr(torch.version, "hip", None) else "cuda"
-
-
-def pick_gemm_config(mean_rows: float, backend: str | None = None) -> GemmConfig:
-    """First config of the backend's list whose ``max_rows`` covers ``mean_rows`` pairs per active expert."""
-    for c in GEMM_CONFIGS[backend or backend_name()]:
-        if mean_rows <= c.max_rows:
-            return c
-    return GEMM_CONFIGS[backend or backend_name()][-1]
-
-
-def pick_router_config(tokens: int, backend: str | None = None) -> RouterConfig:
-    lst = ROUTER_CONFIGS[backend or backend_name()]
-    return lst[0] if tokens <= 256 or len(lst) == 1 else lst[1]

@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from k3rocm.kernels import tune
+from k3rocm.kernels.moe.configs import gemm_name
 from k3rocm.kernels.mx.quant import mxfp8_quantize_tile
 
 
@@ -152,7 +154,7 @@ def moe_reduce_kernel(y_ptr, pos_ptr, out_ptr, norm_w_ptr, normed_ptr, D, stride
 
 
 # ----------------------------------------------------------------------------------------------------------
-# A16W4 "decode" path (``GemmConfig.kind == "dq"``): MXFP4 decoded to bf16 with integer ops, then a plain
+# A16W4 "decode" path (config ``kind == "dq"``): MXFP4 decoded to bf16 with integer ops, then a plain
 # bf16 ``tl.dot``. Hopper has no FP4 hardware, so ``tl.dot_scaled`` lowers to a generic upcast there; this
 # path decodes two elements per 32-bit operation instead and feeds the tensor cores directly.
 
@@ -351,7 +353,14 @@ def moe_gemm_dq_kernel(
             tl.store(o_ptrs, acc_g * wt[:, None], mask=omask)
 
 
-def dq_isa_case(gated: bool, cfg, backend: str) -> tuple:
+def isa_options(cfg: tune.Config, backend: str) -> dict:
+    """Compile options of a GEMM config for ``backend``: its launch options on ``"hip"``, only ``num_warps`` and
+    ``num_stages`` on ``"cuda"``."""
+    opts = tune.split(cfg, interp=False)[1]
+    return opts if backend == "hip" else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def dq_isa_case(gated: bool, cfg: tune.Config, backend: str) -> tuple:
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
     ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU)."""
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16" if gated else "*fp32",
@@ -360,13 +369,12 @@ def dq_isa_case(gated: bool, cfg, backend: str) -> tuple:
            "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64", "stride_wsn": "i32",
            "stride_om": "i32"}
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
-              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-              "SWAP": cfg.kind == "dq", "F32": False}
+              "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+              "SWAP": cfg["kind"] == "dq", "F32": False}
     for c in consts:
         sig[c] = "constexpr"
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            **(getattr(cfg, "extra", {}) if backend == "hip" else {})}
-    return f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{cfg.name()}]", moe_gemm_dq_kernel, sig, consts, True, opts
+    opts = isa_options(cfg, backend)
+    return f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(cfg)}]", moe_gemm_dq_kernel, sig, consts, True, opts
 
 
 @triton.jit

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,23 +19,18 @@ import torch
 import triton
 
 from k3rocm.errors import ConfigError, HardwareError
-from k3rocm.kernels.moe.configs import GemmConfig, backend_name, pick_gemm_config, pick_router_config
+from k3rocm.kernels import tune
+from k3rocm.kernels.moe.configs import GEMM_CONFIGS, ROUTER_CONFIGS
 from k3rocm.kernels.moe.gemm import moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_reduce_kernel
 from k3rocm.kernels.moe.router import router_logits_kernel, router_topk_kernel
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
+from k3rocm.kernels.target import interpreting
 
 MODES = ("a16w4", "a8w4")
 
 
 def _get(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
-
-def _launch_opts(cfg: Any) -> dict:
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if backend_name() == "hip":
-        opts.update(getattr(cfg, "extra", {}) or {})
-    return opts
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,16 +59,16 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     wts = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     if T == 0:
         return ids, wts
-    cfg = config or pick_router_config(T)
-    tiles = triton.cdiv(T, cfg.block_t) * triton.cdiv(E, cfg.block_e)
-    splits = max(1, min(8, 264 // tiles, triton.cdiv(D, cfg.block_k)))
-    k_per = triton.cdiv(triton.cdiv(D, splits), cfg.block_k) * cfg.block_k
+    cfg = config or tune.pick("moe_router", (T,), tune.configs(ROUTER_CONFIGS), rows=T)
+    tiles = triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(E, cfg["BLOCK_E"])
+    splits = max(1, min(8, 264 // tiles, triton.cdiv(D, cfg["BLOCK_K"])))
+    k_per = triton.cdiv(triton.cdiv(D, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     splits = triton.cdiv(D, k_per)
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    router_logits_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(E, cfg.block_e), splits)](
+    router_logits_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(E, cfg["BLOCK_E"]), splits)](
         x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
-        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32,
-        **_launch_opts(cfg))
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_K=cfg["BLOCK_K"], IEEE=x.dtype == torch.float32,
+        **tune.split(cfg)[1])
     b = bias.float().contiguous() if bias is not None else part
     router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                              SPLITS=splits, TOPK=top_k, HAS_BIAS=bias is not None, RENORM=bool(renormalize),
@@ -187,7 +181,7 @@ def _fit_block_k(cfg_k: int, K: int) -> int:
     return bk
 
 
-def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: GemmConfig | None,
+def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: tune.Config | None,
                   norm_weight=None, eps=1e-5, normed_dtype=torch.bfloat16, poison=False,
                   stages: dict | None = None):
     if mode not in MODES:
@@ -223,8 +217,9 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         a = a.contiguous()
         a_s = a  # unused placeholder pointer
     fmt = "e4m3" if a8 else _act_format(a.dtype)
-    cfg = config or pick_gemm_config(P / max(1, min(E_loc, P)))
-    d = dispatch_gpu(topk_ids, first, E_loc, cfg.block_m)
+    rows = P / max(1, min(E_loc, P))  # mean pairs per active expert
+    cfg = config or tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)
+    d = dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"])
     ub = d.block_expert.numel()
     wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     # h: [P, I] per sorted pair (bf16, or fp8 + scales)
@@ -234,7 +229,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     else:
         h = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
         hs = h
-    opts = _launch_opts(cfg)
+    opts = tune.split(cfg)[1]
     if poison:  # testing aid: NaN (0xFF for fp8) wherever a kernel should write, so an unwritten element shows
         if a8:
             h.view(torch.uint8).fill_(0xFF)
@@ -244,49 +239,49 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         out.fill_(float("nan"))
         if normed is not None:
             normed.fill_(float("nan"))
-    bk1 = _fit_block_k(cfg.block_k, D)
+    bk1 = _fit_block_k(cfg["BLOCK_K"], D)
 
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
-    dq = cfg.kind in ("dq", "dqn") and not a8 and a.dtype == torch.bfloat16
-    interp = backend_name() == "interpreter"
+    dq = cfg["kind"] in ("dq", "dqn") and not a8 and a.dtype == torch.bfloat16
+    interp = interpreting()
 
     def run_w13():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg.block_n))](
+            moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
                 a, w13p, w13s, h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 inter, D, inter,
                 a.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), h.stride(0),
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk1, SWAP=cfg.kind == "dq", F32=interp, **opts)
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=cfg["kind"] == "dq", F32=interp, **opts)
             return
-        moe_gemm_kernel[(ub, triton.cdiv(inter, cfg.block_n))](
+        moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
             a, a_s, w13p, w13s, h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
             inter, D, inter,
             a.stride(0), a_s.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1),
             h.stride(0), hs.stride(0),
             TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk1, **opts)
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, **opts)
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     if poison:
         y.fill_(float("nan"))
-    bk2 = _fit_block_k(cfg.block_k, inter)
+    bk2 = _fit_block_k(cfg["BLOCK_K"], inter)
 
     def run_w2():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg.block_n))](
+            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
                 h, w2p, w2s, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 D, inter, 0,
                 h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk2, SWAP=cfg.kind == "dq", F32=interp, **opts)
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=cfg["kind"] == "dq", F32=interp, **opts)
             return
-        moe_gemm_kernel[(ub, triton.cdiv(D, cfg.block_n))](
+        moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
             h, hs, w2p, w2s, y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
             D, inter, 0,
             h.stride(0), hs.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1),
             y.stride(0), y.stride(0),
             TOPK=k, GATED=False, A8=a8, ACT_FMT="e4m3" if a8 else "bf16", ACT=act, BETA=float(beta),
-            BETA_LIN=float(beta_lin), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk2, **opts)
+            BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, **opts)
     nw = norm_weight.contiguous() if norm_weight is not None else out
     nd = normed if normed is not None else out
 
@@ -299,15 +294,15 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     run_reduce()
     if stages is not None:  # benchmarking aid: each launch alone, on the same buffers
         stages.update(w13=run_w13, w2=run_w2, reduce=run_reduce,
-                      dispatch=lambda: dispatch_gpu(topk_ids, first, E_loc, cfg.block_m),
+                      dispatch=lambda: dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"]),
                       quantize=(lambda: quantize_mxfp8_rows(x)) if a8 else None, config=cfg,
-                      kernel=cfg.kind if dq else "scaled")
+                      kernel=cfg["kind"] if dq else "scaled")
     return out, normed
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Any,
                 act: str = "situ", mode: str = "a16w4", beta: float = 4.0, beta_lin: float = 25.0,
-                config: GemmConfig | None = None, poison: bool = False) -> torch.Tensor:
+                config: tune.Config | None = None, poison: bool = False) -> torch.Tensor:
     """Routed experts on packed MXFP4 in Triton; contract of ``k3rocm.model.moe.moe_experts``.
 
     Args:
@@ -319,7 +314,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             ``"dq"``/``"dqn"``, ``tl.dot_scaled`` for kind ``"scaled"``) or ``"a8w4"`` (MXFP8 E4M3 activations,
             quantized on the fly, x MXFP4 through ``tl.dot_scaled`` whatever the kind); explicit, no global
             switch.
-        config: one entry of ``GEMM_CONFIGS`` (default: :func:`pick_gemm_config`).
+        config: one entry of ``GEMM_CONFIGS`` (default: :func:`k3rocm.kernels.tune.pick` by mean rows per expert).
         poison: testing aid — fill every intermediate and the output with NaN before the kernels run.
     Returns:
         ``[T, D]`` fp32. Raises ConfigError on bad mode / act / shapes / unquantized experts.
@@ -340,7 +335,7 @@ def latent_moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     experts 6144 wide) are bf16 GEMMs with fp32 accumulation through torch, SiTU of the shared experts in fp32.
     Returns ``[T, H]`` fp32.
     """
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not x.is_cuda and not interpreting():
         raise HardwareError("latent_moe (triton) needs a GPU tensor; use k3rocm.model.moe.latent_moe on CPU")
     def mm(a, b):  # bf16 GEMM with fp32 accumulation (cuBLAS); fp32 on the CPU (interpreter tests)
         return (a @ b.t()).float() if a.is_cuda else a.float() @ b.float().t()

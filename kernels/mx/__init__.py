@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from .quant import _mxfp8_rows_kernel, mxfp8_quantize_tile, quantize_mxfp8_rows
 
-__all__ = ["quantize_mxfp8_rows", "mxfp8_quantize_tile", "isa_cases"]
+__all__ = ["quantize_mxfp8_rows", "mxfp8_quantize_tile", "isa_cases", "TRITON_IMPLS"]
+
+#: no op of the registry: these kernels serve the MoE family's A8W4 path
+TRITON_IMPLS = ()
 
 
 def isa_cases() -> list[tuple]:

@@ -67,6 +67,7 @@ def _warm_compile_cache():
 
 @pytest.fixture(autouse=True)
 def _poison():
+    from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     KC.POISON = True
     yield
@@ -103,6 +104,7 @@ def _decode_inputs(N, S, H, dtype, g):
 
 
 def test_every_config_20_runs_identical():
+    from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import conv as CV
     from k3rocm.kernels.kda import decode as DE
@@ -111,8 +113,8 @@ def test_every_config_20_runs_identical():
     a = inputs(1, 1000, 12, torch.bfloat16, state=True)
     want_o, want_s = oracle(a)
     for kind in ("intra", "state"):
-        for i, c in enumerate(KC.configs(kind)):
-            cfg = {"intra": KC.configs("intra")[0], "state": KC.configs("state")[0], kind: c}
+        for i, c in enumerate(tune.configs(getattr(KC, kind.upper()))):
+            cfg = {"intra": tune.configs(KC.INTRA)[0], "state": tune.configs(KC.STATE)[0], kind: c}
             o0, s0 = P.kda_prefill(**a, config=cfg)
             e = rel_rms(o0, want_o)
             _log(test="config_prefill", kind=kind, cfg=c, rel_rms_o=e)
@@ -125,7 +127,7 @@ def test_every_config_20_runs_identical():
     st = torch.randn(3, 12 * D, 3, device="cuda")
     cu = torch.tensor([0, 1, 300, 777], dtype=torch.int32, device="cuda")
     y_ref, f_ref = O.short_conv(x, w, st, cu)
-    for c in KC.configs("conv"):
+    for c in tune.configs(KC.CONV):
         y0, f0 = CV.short_conv(x, w, st, cu, config=c)
         assert max_rel(y0, y_ref) <= 1e-5 and torch.equal(f0, f_ref)
         for _ in range(19):
@@ -137,7 +139,7 @@ def test_every_config_20_runs_identical():
     sid[5] = -1
     cpr, spr = cp.clone(), sp.clone()
     want = O.kda_decode(*xs, ws, A_log, dt, onw, cpr, spr, sid, 1e-5)
-    for c in KC.configs("decode"):
+    for c in tune.configs(KC.DECODE):
         outs = []
         for _ in range(20):
             cp1, sp1 = cp.clone(), sp.clone()
@@ -202,9 +204,10 @@ def test_prefill_then_decode_and_graph_capture():
 
 
 def test_mixed_varlen_and_packing_invariance():
+    from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
-    cfg = {"intra": KC.configs("intra")[0], "state": KC.configs("state")[0]}  # same config packed and alone
+    cfg = {"intra": tune.configs(KC.INTRA)[0], "state": tune.configs(KC.STATE)[0]}  # same config packed and alone
     for lens in ([1000] + [1] * 7, [5, 64, 300]):
         T = sum(lens)
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -257,6 +260,7 @@ GRID = [(1, T, 12) for T in (1, 2, 63, 64, 65, 127, 1000, 4097)] + [
 
 @pytest.mark.parametrize("B,T,H", GRID)
 def test_prefill_grid(B, T, H):
+    from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     a = inputs(B, T, H, torch.bfloat16, state=True)
@@ -268,7 +272,7 @@ def test_prefill_grid(B, T, H):
     if T in (1, 64, 65, 1000) and H == 12:
         a32 = {k: (v.float() if v.is_floating_point() else v) for k, v in a.items()}
         want_o, want_s = oracle(a32)
-        cfg = {"intra": KC.configs("intra")[0], "state": KC.configs("state")[0]}
+        cfg = {"intra": tune.configs(KC.INTRA)[0], "state": tune.configs(KC.STATE)[0]}
         o, s = P.kda_prefill(**a32, config=cfg)
         e = (max_rel(o, want_o), max_rel(s, want_s))
         _log(test="prefill_fp32", B=B, T=T, H=H, max_rel_o=e[0], max_rel_state=e[1])

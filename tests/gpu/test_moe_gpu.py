@@ -20,7 +20,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("no GPU", allow_module_level=True)
 
-from k3rocm.kernels.moe import GEMM_CONFIGS, backend_name, moe_experts, moe_router  # noqa: E402
+from k3rocm.kernels import tune  # noqa: E402
+from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_name, moe_experts, moe_router  # noqa: E402
 from k3rocm.model import moe as M  # noqa: E402
 from k3rocm.mx import dequantize_mxfp4  # noqa: E402
 
@@ -132,13 +133,13 @@ def test_every_config_20_runs_identical(weights, E, T, mode):
     k = 16 if E == 896 else 4
     x, ids, wts = _inputs(T, E, D, k, seed=5)
     ref = M.moe_experts(x, ids, wts, dense, mode=mode)
-    for cfg in GEMM_CONFIGS[backend_name()]:
+    for cfg in tune.configs(GEMM_CONFIGS):
         first = moe_experts(x, ids, wts, ew, mode=mode, config=cfg, poison=True)
         err = _rel(first, ref)
-        _log(test="config", E=E, T=T, mode=mode, config=cfg.name(), rel_err=err)
-        assert err < TOL[mode], f"{cfg.name()}: {err:.3g}"
+        _log(test="config", E=E, T=T, mode=mode, config=gemm_name(cfg), rel_err=err)
+        assert err < TOL[mode], f"{gemm_name(cfg)}: {err:.3g}"
         for _ in range(19):
-            assert torch.equal(moe_experts(x, ids, wts, ew, mode=mode, config=cfg), first), cfg.name()
+            assert torch.equal(moe_experts(x, ids, wts, ew, mode=mode, config=cfg), first), gemm_name(cfg)
 
 
 def test_situ_extremes_k3(weights):
@@ -208,18 +209,15 @@ def test_one_program_dispatch_k3(T, ranks):
 def test_decode_kernel_matches_scaled_kernel_k3(weights, T):
     # A16W4 decode path vs tl.dot_scaled on the same tiles: both use the exact weights with fp32 accumulation,
     # so they differ only by summation order (and the bf16 rounding of h that follows); both against the oracle
-    import dataclasses
-
-    from k3rocm.kernels.moe import pick_gemm_config
-
     ew, dense = weights[896]
     x, ids, wts = _inputs(T, 896, 3584, 16, seed=T + 1)
     ref = M.moe_experts(x, ids, wts, dense)
-    for cfg in [pick_gemm_config(T * 16 / min(896, T * 16))]:  # the config this size runs (compile time)
-        if cfg.kind == "scaled":
-            pytest.skip(f"{cfg.name()} is not a decode-path config")
+    rows = T * 16 / min(896, T * 16)
+    for cfg in [tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)]:  # the config this size runs
+        if cfg["kind"] == "scaled":
+            pytest.skip(f"{gemm_name(cfg)} is not a decode-path config")
         dq = moe_experts(x, ids, wts, ew, config=cfg, poison=True)
-        sc = moe_experts(x, ids, wts, ew, config=dataclasses.replace(cfg, kind="scaled"), poison=True)
+        sc = moe_experts(x, ids, wts, ew, config=dict(cfg, kind="scaled"), poison=True)
         d, e = _rel(dq, sc), _rel(dq, ref)
-        _log(test="dq_vs_scaled", T=T, config=cfg.name(), rel_diff=d, rel_err=e)
-        assert d < 5e-3 and e < TOL["a16w4"], f"{cfg.name()} T={T}: vs scaled {d:.3g}, vs oracle {e:.3g}"
+        _log(test="dq_vs_scaled", T=T, config=gemm_name(cfg), rel_diff=d, rel_err=e)
+        assert d < 5e-3 and e < TOL["a16w4"], f"{gemm_name(cfg)} T={T}: vs scaled {d:.3g}, vs oracle {e:.3g}"

@@ -1,8 +1,9 @@
 """Kernel registry: op name -> implementations ``{"aiter", "triton", "torch"}``, and the choice between them.
 
-Every op has a ``torch`` implementation, which is the fp32 oracle in :mod:`k3rocm.model`. Kernel
-families register their ``triton`` (and, on ROCm, ``aiter``) implementations at import time of
-``k3rocm.kernels.<family>``. :func:`select` picks, per op (DESIGN.md §5):
+Every op has a ``torch`` implementation, which is the fp32 oracle function of
+:data:`k3rocm.model.ops.ORACLE_OPS`. The ``triton`` implementations are those each kernel family lists in
+``k3rocm.kernels.<family>.TRITON_IMPLS``, registered here on first use. :func:`select` picks, per op
+(DESIGN.md §5):
 
 1. the explicit override (``--kernels triton`` / ``torch`` / ``aiter`` or ``op=impl,...``);
 2. ``aiter`` where it is registered, we are on ROCm and its ``supports(**shape)`` says yes;
@@ -15,30 +16,17 @@ kernel is checked exactly like ours.
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from k3rocm.errors import ConfigError, HardwareError
+from k3rocm.kernels import import_families
+from k3rocm.kernels.target import current_target, interpreting
+from k3rocm.model.ops import ORACLE_OPS
 
 IMPLS = ("aiter", "triton", "torch")
-
-# op name -> (module, function) of the oracle implementation. The signatures are documented there.
-ORACLE_OPS: dict[str, tuple[str, str]] = {
-    "short_conv": ("k3rocm.model.kda", "short_conv"),
-    "kda_prefill": ("k3rocm.model.kda", "kda_prefill"),
-    "kda_decode": ("k3rocm.model.kda", "kda_decode"),
-    "mla_prefill": ("k3rocm.model.mla", "mla_prefill"),
-    "mla_decode": ("k3rocm.model.mla", "mla_decode"),
-    "mla_cache_write": ("k3rocm.model.mla", "mla_cache_write"),
-    "attn_res": ("k3rocm.model.attnres", "attn_res"),
-    "moe_router": ("k3rocm.model.moe", "moe_router"),
-    "moe_experts": ("k3rocm.model.moe", "moe_experts"),
-}
-
-FAMILIES = ("kda", "mla", "attnres", "moe", "mx")
-
 
 @dataclass
 class Impl:
@@ -70,15 +58,18 @@ def register(op: str, impl: str, fn: Callable, supports: Callable[..., bool] | N
 
 
 def _load_families() -> None:
+    """Import the kernel families once and register their ``TRITON_IMPLS``. A family that fails to import
+    (Triton missing, a broken family) leaves its ops on the torch oracle and is listed by :func:`import_errors`.
+    On first use, not at import: Triton and the five families cost ~0.25 s to import (measured)."""
     global _loaded_families
     if _loaded_families:
         return
     _loaded_families = True
-    for fam in FAMILIES:
-        try:
-            importlib.import_module(f"k3rocm.kernels.{fam}")
-        except ImportError as e:  # triton missing or a broken family: torch still serves, but say why
-            _IMPORT_ERRORS[fam] = f"{type(e).__name__}: {e}"
+    mods, errors = import_families()
+    _IMPORT_ERRORS.update(errors)
+    for mod in mods.values():
+        for op, fn, supports, note in mod.TRITON_IMPLS:
+            register(op, "triton", fn, supports=supports, note=note)
 
 
 def import_errors() -> dict[str, str]:
@@ -95,23 +86,13 @@ def implementations(op: str) -> dict[str, Impl]:
         raise ConfigError(f"unknown op {op!r}; known: {', '.join(ORACLE_OPS)}")
     impls = dict(_REGISTRY.get(op, {}))
     if "torch" not in impls:
-        mod, name = ORACLE_OPS[op]
-        fn = getattr(importlib.import_module(mod), name)
-        impls["torch"] = Impl(fn, note="fp32 oracle (k3rocm.model)")
+        impls["torch"] = Impl(ORACLE_OPS[op], note="fp32 oracle (k3rocm.model)")
     return impls
 
 
 def gpu_available() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch import problems are reported by the env tier
-        return False
-
-
-def is_rocm() -> bool:
-    import torch
-    return getattr(torch.version, "hip", None) is not None
+    """True when torch sees a CUDA or ROCm device."""
+    return torch.cuda.is_available()
 
 
 def parse_override(spec: str | None) -> dict[str, str]:
@@ -159,7 +140,7 @@ def select(op: str, override: dict[str, str] | None = None, allow_interpreter: b
     impls = implementations(op)
     override = override or {}
     want = override.get(op, override.get("*"))
-    interp = allow_interpreter and os.environ.get("TRITON_INTERPRET") == "1"
+    interp = allow_interpreter and interpreting()
     if want:
         if want not in impls:
             hint = (" (aiter kernels are not wired into k3rocm yet)" if want == "aiter" else "")
@@ -168,7 +149,7 @@ def select(op: str, override: dict[str, str] | None = None, allow_interpreter: b
         if want in ("triton", "aiter") and not (gpu_available() or interp):
             raise HardwareError(f"--kernels {want} for {op} needs a GPU (none visible); use --kernels torch")
         return want, impls[want]
-    if "aiter" in impls and gpu_available() and is_rocm() and impls["aiter"].supports(**shape):
+    if "aiter" in impls and gpu_available() and current_target().backend == "hip" and impls["aiter"].supports(**shape):
         return "aiter", impls["aiter"]
     if "triton" in impls and (gpu_available() or interp) and impls["triton"].supports(**shape):
         return "triton", impls["triton"]

@@ -1,0 +1,57 @@
+"""Which Triton target the kernels run on: the one place that answers it.
+
+:func:`current_target` says the backend — ``"cuda"`` (NVIDIA), ``"hip"`` (AMD ROCm) or ``"interpreter"``
+(``TRITON_INTERPRET=1``: Triton's CPU interpreter) — and the architecture. Config tables
+(:mod:`k3rocm.kernels.tune`) are keyed by these backend names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+except ImportError:  # the registry asks for the target where Triton may be missing (the torch oracle then serves)
+    triton = None
+
+__all__ = ["BACKENDS", "Target", "current_target", "interpreting"]
+
+BACKENDS = ("cuda", "hip", "interpreter")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A Triton target.
+
+    Attributes:
+        backend: ``"cuda"``, ``"hip"`` or ``"interpreter"``.
+        arch: the driver's architecture: ``"90"`` (sm_90), ``"gfx950"``, ``"gfx942"``; ``"cpu"`` under the
+            interpreter; ``""`` when no GPU driver is active.
+    """
+
+    backend: str
+    arch: str
+
+
+def interpreting() -> bool:
+    """True when kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` at launch time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def current_target() -> Target:
+    """The target kernels launched now would run on.
+
+    ``Target("interpreter", "cpu")`` under ``TRITON_INTERPRET=1``; else the active Triton driver's target
+    (``Target("cuda", "90")``, ``Target("hip", "gfx950")``). Without an active driver (no GPU, or no Triton)
+    the torch build decides: ``"hip"`` for a ROCm build (``torch.version.hip``), else ``"cuda"``; ``arch=""``. Read at every call (tests switch ``TRITON_INTERPRET`` within one process).
+    """
+    if interpreting():
+        return Target("interpreter", "cpu")
+    try:
+        t = triton.runtime.driver.active.get_current_target()
+    except Exception:  # no GPU driver on this machine (or no Triton)
+        return Target("hip" if getattr(torch.version, "hip", None) else "cuda", "")
+    return Target(t.backend, str(t.arch))

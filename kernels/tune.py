@@ -1,0 +1,103 @@
+"""The one tuner of every kernel family: the config type, per-backend tables, and pick-by-shape.
+
+A config (:data:`Config`) is a plain dict with three kinds of keys:
+
+* kernel meta-parameters: the kernel's constexpr names, upper case (``BLOCK_M``, ``BV``, ``PREC``);
+* launch options, :data:`LAUNCH_KEYS`: ``num_warps``, ``num_stages``; on HIP also ``waves_per_eu``,
+  ``matrix_instr_nonkdim``, ``kpack`` (dropped under the interpreter);
+* selection keys, :data:`SELECT_KEYS`: ``max_rows`` (use this config while the shape's row count is at most
+  this; default unbounded) and ``kind`` (which kernel variant runs; the MoE GEMMs).
+
+Each family keeps, per kernel, one table ``{"cuda": [...], "hip": [...], "interpreter": [...]}`` keyed by
+the backend names of :func:`k3rocm.kernels.target.current_target`; these tables are the only place vendor
+knobs live (DESIGN.md §5). The lists are public, so tests run every config. :func:`pick` chooses one config
+of a list for a shape; ``K3ROCM_TUNE=0`` turns its timing off (each list's first fitting config).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable
+
+import torch
+import triton.testing
+
+from k3rocm.errors import ConfigError
+from k3rocm.kernels.target import current_target, interpreting
+
+__all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "configs", "split", "pick", "pow2"]
+
+#: a launch configuration (see the module docstring for its keys)
+Config = dict[str, Any]
+
+LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+SELECT_KEYS = ("max_rows", "kind")
+
+_CACHE: dict[tuple, Config] = {}
+
+
+def configs(table: dict[str, list[Config]], backend: str | None = None) -> list[Config]:
+    """Copies of the configs of ``backend`` (default: the current target's) from a per-backend table."""
+    return [dict(c) for c in table[backend or current_target().backend]]
+
+
+def split(cfg: Config, interp: bool | None = None) -> tuple[dict, dict]:
+    """``cfg`` -> ``(meta-parameters, launch options)`` for ``kernel[grid](..., **meta, **opts)``.
+
+    Launch options are dropped under the interpreter (``interp``; default: :func:`interpreting`).
+
+    Raises:
+        ConfigError: a lower-case key that is neither a launch option nor a selection key (a typo).
+    """
+    bad = [k for k in cfg if not k.isupper() and k not in LAUNCH_KEYS and k not in SELECT_KEYS]
+    if bad:
+        raise ConfigError(f"config {cfg} has unknown key(s) {bad}; meta-parameters are upper case, launch options "
+                          f"are {', '.join(LAUNCH_KEYS)}")
+    meta = {k: v for k, v in cfg.items() if k.isupper()}
+    opts = {k: v for k, v in cfg.items() if k in LAUNCH_KEYS}
+    if interpreting() if interp is None else interp:
+        opts = {}
+    return meta, opts
+
+
+def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config], None] | None = None,
+         rows: float | None = None, can_time: bool = True) -> Config:
+    """Choose the config of ``candidates`` for kernel ``name`` at the shape ``key``.
+
+    1. ``rows`` given: the first candidate whose ``max_rows`` (default unbounded) is >= ``rows``, else the
+       last one, is the only candidate.
+    2. A choice already timed for ``(name, key)`` in this process is returned.
+    3. Without ``run``, with one candidate, under the interpreter, with ``K3ROCM_TUNE=0``, during CUDA/HIP
+       graph capture or when ``can_time`` is False: the first candidate (not cached).
+    4. Else each candidate is timed by ``run(cfg)`` (median of ``triton.testing.do_bench``; configs that fail
+       to compile or launch are skipped) and the fastest is cached for ``(name, key)``. ``run`` must be safe to
+       repeat (no in-place side effects).
+    """
+    if rows is not None:
+        candidates = [next((c for c in candidates if rows <= c.get("max_rows", math.inf)), candidates[-1])]
+    ck = (name, key)
+    if ck in _CACHE:
+        return _CACHE[ck]
+    if (run is None or len(candidates) == 1 or not can_time or interpreting()
+            or os.environ.get("K3ROCM_TUNE") == "0" or _capturing()):
+        return candidates[0]
+    best, best_t = None, math.inf
+    for cfg in candidates:
+        try:
+            t = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
+        except Exception:  # an out-of-resources config on this device: try the next one
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    _CACHE[ck] = best if best is not None else candidates[0]
+    return _CACHE[ck]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
