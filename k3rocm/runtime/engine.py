@@ -15,7 +15,7 @@ decoder layer by layer on flat tokens (``B = 1``, ``cu_seqlens``):
   ``kda_prefill`` from the slot's saved state; ``mla_prefill`` for fresh sequences, or ``mla_cache_write``
   + per-sequence ``mla_decode`` when a chunk continues a cached context).
 
-Ops come from :func:`k3rocm.kernels.registry.select` (``torch`` oracle on CPU, ``triton`` on a GPU when
+Ops come from :func:`k3rocm.runtime.registry.select` (``torch`` oracle on CPU, ``triton`` on a GPU when
 registered, ``--kernels`` override). Weights: bf16 on a GPU, fp32 on CPU by default (FP32 checkpoint
 tensors and packed MXFP4 experts are kept as stored). Dense projections (attention projections, dense and
 shared MLPs, the LatentMoE down/up projections, lm_head) multiply in the weight dtype with fp32

@@ -247,19 +247,7 @@ def _engine_model(worker: RankWorker, eid: int) -> K3Model:
                    par=worker.par)
 
 
-def _teacher_forced(worker: RankWorker, eid: int, ids: list) -> dict:
-    """Every sublayer of engine ``eid``'s model on the TP/EP oracle's own input (see validation's
-    ``model_forward``): logits of both and each sublayer's output, identical on every rank."""
-    from k3rocm.validation.tiers import model_forward  # validation sits above the runtime: imported per call
-    orc = _oracle_model(worker)
-    model = _engine_model(worker, eid)
-    t = torch.tensor(ids, dtype=torch.int64)
-    ol, olay = model_forward(orc, t, worker.cfg.num_hidden_layers, shadow=model)
-    el, elay = model_forward(model, t, worker.cfg.num_hidden_layers)
-    return {"oracle": (ol, olay), "engine": (el, elay)}
-
-
-SPMD: dict[str, Callable[..., Any]] = {"teacher_forced": _teacher_forced}
+SPMD: dict[str, Callable[..., Any]] = {}
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
