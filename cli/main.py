@@ -85,6 +85,7 @@ def main(argv=None) -> None:
     ``--help``, exit 2, as every other expected failure does. SIGTERM (a job scheduler, ``timeout``) ends
     the run like Ctrl-C, so temporary directories are removed on the way out.
     """
+    import os
     import signal
     import sys
 
@@ -95,6 +96,13 @@ def main(argv=None) -> None:
         signal.signal(signal.SIGTERM, _term)
     except ValueError:  # not the main thread (embedded use): leave the handler alone
         pass
+    if "RANK" in os.environ and os.environ.get("RANK") != "0":
+        # a torchrun rank other than 0 runs no command: it follows rank 0 (k3rocm.runtime.serve). Imported only
+        # here: it pulls in torch (~1.3 s), which commands like `plan --help` never need
+        from k3rocm.runtime.serve import follow, torchrun_follower
+        if torchrun_follower():
+            follow()
+            sys.exit(0)
     if not isinstance(sys.stdout, _PipeSafeStdout):
         sys.stdout = _PipeSafeStdout(sys.stdout)
     if not isinstance(sys.stderr, _PipeSafeStdout):  # `2>&1 | head`: progress lines go to a closed pipe too
