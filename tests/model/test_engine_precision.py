@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from k3rocm.errors import ConfigError
 from k3rocm.model.common import current_matmul_dtype, fp32_out_supported, linear, matmul_dtype
 
+from tests.helpers import load_ckpt
+
 BF16 = torch.bfloat16
 
 
@@ -155,8 +157,6 @@ def test_scope_does_not_leak_between_threads():
 # ---------------------------------------------------------------------------------------------- model / engine
 @pytest.fixture(scope="module")
 def tiny(golden_ckpt):
-    from test_engine import load_ckpt
-
     return load_ckpt(golden_ckpt)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import DEFAULT_GOLDEN
+from tests.helpers import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.checkpoint.reader import open_checkpoint

@@ -6,7 +6,7 @@ import os
 import time
 
 import pytest
-from conftest import DEFAULT_GOLDEN
+from tests.helpers import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.runtime import dist

@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ import torch
 from k3rocm.model import moe as M
 from k3rocm.model.common import situ_glu
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_moe_oracle import latent_layer_inputs, near_tie_router_inputs, random_experts  # noqa: E402
+from tests.helpers import REPO, latent_layer_inputs, near_tie_router_inputs, random_experts, script_module
+
 
 GPU = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -38,7 +37,7 @@ def test_in_interpreter_child_process():
         pytest.skip("kernels run in this process (GPU present or TRITON_INTERPRET=1 already)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-                         env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
+                         env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
 
 
@@ -339,8 +338,7 @@ def test_every_cuda_config_code_path_small(tk):
     # plus the untransposed decode variant ("dqn", a benchmark candidate) and the benchmark's candidates
     import k3rocm.kernels.moe.configs as C
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-    from bench_moe import CANDIDATES
+    CANDIDATES = script_module("bench_moe").CANDIDATES
 
     x, ids, wts, ew = _case(7, 16, 128, 128, 4, seed=61)
     ref = _ref_a16w4(x, ids, wts, ew)

@@ -13,6 +13,8 @@ from k3rocm.model import moe as M
 from k3rocm.model.common import situ_glu
 from k3rocm.mx import pack_fp4, quantize_mxfp4, quantize_mxfp8
 
+from tests.helpers import latent_layer_inputs, near_tie_router_inputs, random_experts
+
 
 def _ref_router(x, w, bias, k, renorm=True, scaling=1.0):
     """float64 numpy reference: order by (-biased score, id)."""
@@ -24,31 +26,6 @@ def _ref_router(x, w, bias, k, renorm=True, scaling=1.0):
     if renorm:
         wts = wts / (wts.sum(1, keepdims=True) + 1e-20)
     return ids, wts * scaling
-
-
-def random_experts(E, D, inter, seed=0, scale_lo=119, scale_hi=122, first=0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(
-        w13_packed=torch.randint(0, 256, (E, 2 * inter, D // 2), dtype=torch.uint8, generator=g),
-        w13_scale=torch.randint(scale_lo, scale_hi + 1, (E, 2 * inter, D // 32), dtype=torch.uint8, generator=g),
-        w2_packed=torch.randint(0, 256, (E, D, inter // 2), dtype=torch.uint8, generator=g),
-        w2_scale=torch.randint(scale_lo, scale_hi + 1, (E, D, inter // 32), dtype=torch.uint8, generator=g),
-        num_experts=E, first_expert=first)
-
-
-def near_tie_router_inputs(T, E, D, k, seed=0):
-    """Router inputs where pairs of experts have biased scores closer than bf16 resolution (and one exact tie).
-
-    Experts 2j and 2j+1 share a gate row; the bias of the higher id is larger by ~2^-14 (bf16 resolution at
-    scores ~1 is 2^-8), so the higher id must win; experts E-2 and E-1 tie exactly (the lower id must win).
-    """
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g).bfloat16()
-    w = (torch.randn(E // 2, D, generator=g) * D ** -0.5).bfloat16().repeat_interleave(2, 0)
-    bias = (torch.rand(E // 2, generator=g) * 0.01).repeat_interleave(2, 0)
-    bias[1::2] += 2.0 ** -14
-    bias[-1] = bias[-2]
-    return x, w, bias.float()
 
 
 def test_router_matches_float64_reference():
@@ -262,22 +239,6 @@ def test_errors_and_unquantized_experts():
     torch.testing.assert_close(M.moe_experts(x, ids, w, dense), M.moe_experts(x, ids, w, ew), rtol=1e-5, atol=1e-5)
     silu = M.moe_experts(x, ids, w, dense, act="silu")
     assert not torch.allclose(silu, M.moe_experts(x, ids, w, dense))
-
-
-def latent_layer_inputs(seed: int, T: int, expert_seed: int):
-    """A small Stable LatentMoE layer (hidden 96, latent 64, 16 experts top-4, shared width 128), bf16
-    weights with realistic scales: ``(x, gate, bias, down, normw, up, sg, su, sd, ew, k)``."""
-    g = torch.Generator().manual_seed(seed)
-    H, L, inter, S, E, k = 96, 64, 64, 128, 16, 4
-    x = torch.randn(T, H, generator=g).bfloat16()
-    gate = (torch.randn(E, H, generator=g) * 0.1).bfloat16()
-    bias = torch.randn(E, generator=g) * 0.01
-    down = (torch.randn(L, H, generator=g) * H ** -0.5).bfloat16()
-    normw = (1 + 0.1 * torch.randn(L, generator=g)).bfloat16()
-    up = (torch.randn(H, L, generator=g) * L ** -0.5).bfloat16()
-    sg, su = ((torch.randn(S, H, generator=g) * H ** -0.5).bfloat16() for _ in range(2))
-    sd = (torch.randn(H, S, generator=g) * S ** -0.5).bfloat16()
-    return x, gate, bias, down, normw, up, sg, su, sd, random_experts(E, L, inter, seed=expert_seed), k
 
 
 def test_latent_moe_composition():

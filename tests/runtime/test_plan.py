@@ -216,7 +216,7 @@ def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path)
         plan(preset("k3"), load_profile("mi300x-8"))
     msg = str(ei.value)
     assert "tp=16/ep=16" in msg and "--profile FILE.toml" in msg and "count = 16" in msg
-    src = Path(__file__).resolve().parents[1] / "hwprofiles" / "mi300x-8.toml"
+    src = Path(__file__).resolve().parents[2] / "hwprofiles" / "mi300x-8.toml"
     f = tmp_path / "mi300x-16.toml"
     f.write_text(src.read_text().replace("\ncount = 8", "\ncount = 16", 1))
     prof = load_profile(str(f))

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 from k3rocm.cli.main import cli
 from k3rocm.kernels import registry
 
+from tests.helpers import FakeCompletions
+
 torch.set_num_threads(1)
 
 COMMANDS = [["load"], ["validate"], ["bench"], ["profiles"], ["env"], ["plan"], ["checkpoint", "make"],
@@ -181,27 +183,15 @@ def test_wrong_kernel_fails_validate_with_exit_1(golden_ckpt, tmp_path, monkeypa
     assert rep["status"] == "failed" and rep["stages"]["correctness"]["status"] == "failed"
 
 
-def test_bench_against_an_openai_endpoint(cache, tmp_path):
+def test_bench_against_an_openai_endpoint(cache, tmp_path, fake_server):
     """`bench --endpoint` drives another server with the same load and labels its figures `external`."""
-    import threading
-    from http.server import ThreadingHTTPServer
-
-    from test_bench import _Fake
-
-    _Fake.seen, _Fake.stall_after = [], None
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-        out = tmp_path / "r"
-        run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--model", "k3", "--concurrency", "2", "--num-prompts", "4",
-             "--warmups", "1", "--input-len", "16", "--output-len", "5", "--out", out])
-    finally:
-        srv.shutdown()
-        srv.server_close()
-    assert len(_Fake.seen) == 5 and all(p == "/v1/completions" for p, _ in _Fake.seen)
-    body = _Fake.seen[-1][1]
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    out = tmp_path / "r"
+    run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--model", "k3", "--concurrency", "2", "--num-prompts", "4",
+         "--warmups", "1", "--input-len", "16", "--output-len", "5", "--out", out])
+    seen = FakeCompletions.seen
+    assert len(seen) == 5 and all(p == "/v1/completions" for p, _ in seen)
+    body = seen[-1][1]
     assert body["model"] == "k3" and body["stream"] and 4 <= body["max_tokens"] <= 5
     assert all(0 <= t < 163840 for t in body["prompt"]) and 12 <= len(body["prompt"]) <= 16
     rep = json.loads((out / "report.json").read_text())

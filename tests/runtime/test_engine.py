@@ -13,17 +13,7 @@ import torch
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError, HardwareError, PlanError
 
-
-def load_ckpt(ckpt: Path):
-    """``(cfg, {full name: tensor})`` of a checkpoint directory (all shards of its index)."""
-    from safetensors.torch import load_file
-
-    cfg = K3Config.from_file(ckpt / "config.json")
-    idx = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    w = {}
-    for shard in sorted(set(idx["weight_map"].values())):
-        w.update(load_file(str(ckpt / shard)))
-    return cfg, w
+from tests.helpers import load_ckpt
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -20,6 +18,8 @@ from k3rocm.bench.metrics import RequestRecord, aggregate
 from k3rocm.bench.roofline import StepRoofline, fraction_of_roofline
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError
+
+from tests.helpers import FakeCompletions, load_ckpt
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -219,7 +219,6 @@ def one_thread():
 
 
 def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
-    from test_engine import load_ckpt
     from k3rocm.runtime.engine import Engine
 
     cfg, w = load_ckpt(golden_ckpt)
@@ -244,44 +243,6 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
 
 
 # ------------------------------------------------------------------------------------------------ client
-class _Fake(BaseHTTPRequestHandler):
-    seen: list = []
-    stall_after = None
-
-    def log_message(self, *a):
-        pass
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        _Fake.seen.append((self.path, body))
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        n = body["max_tokens"]
-        for i in range(n):
-            if _Fake.stall_after is not None and body["prompt"] == _Fake.stall_after and i == 1:
-                time.sleep(3.0)
-                return
-            time.sleep(0.003)
-            self.wfile.write(b"data: " + json.dumps({"choices": [{"text": f"t{i}"}]}).encode() + b"\n\n")
-            self.wfile.flush()
-        self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}).encode() + b"\n\n")
-        self.wfile.write(b"data: [DONE]\n\n")
-
-
-@pytest.fixture
-def fake_server():
-    _Fake.seen = []
-    _Fake.stall_after = None
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
-    srv.daemon_threads = True
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
 def test_client_against_fake_endpoint(fake_server):
     url = f"http://127.0.0.1:{fake_server.server_address[1]}"
     cl = OpenAIClient(url, model="k3", vocab_size=300, special_ids=(0, 1, 2), timeout=5)
@@ -291,8 +252,8 @@ def test_client_against_fake_endpoint(fake_server):
     assert m["total_output_tokens"] == sum(r.output_len_target for r in res.records)
     assert all(len(r.token_times) == r.output_len_target for r in res.records)
     assert m["mean_ttft_ms"] > 0 and m["mean_itl_ms"] >= 2.0  # the server spaces tokens >= 3 ms apart
-    assert len(_Fake.seen) == 6  # 1 warm-up + 5 measured, bounded
-    path, body = _Fake.seen[-1]
+    assert len(FakeCompletions.seen) == 6  # 1 warm-up + 5 measured, bounded
+    path, body = FakeCompletions.seen[-1]
     assert path == "/v1/completions" and body["stream"] is True and body["ignore_eos"] is True
     assert body["model"] == "k3" and all(3 <= t < 300 for t in body["prompt"])
     with pytest.raises(ConfigError):
@@ -304,7 +265,7 @@ def test_client_watchdog_on_stalled_stream(fake_server):
     cl = OpenAIClient(url, vocab_size=300, special_ids=(0, 1, 2), timeout=5)
     reqs = plan_load(1, 12, 3, 300, num_prompts=8, warmups=2, seed=9, special_ids=(0, 1, 2))
     target = 4
-    _Fake.stall_after = list(reqs.requests[target].prompt_ids)  # stall that request after its first token
+    FakeCompletions.stall_after = list(reqs.requests[target].prompt_ids)  # stall that request after its first token
     t0 = time.perf_counter()
     res = run_bench(cl, concurrency=1, input_len=12, output_len=3, num_prompts=8, warmups=2, seed=9,
                     watchdog_factor=10)
