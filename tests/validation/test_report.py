@@ -11,7 +11,7 @@ import pytest
 
 from k3rocm.errors import ConfigError
 from k3rocm.validation.evidence import (LEVELS, SCHEMA, Evidence, Report, Stage, atomic_write, check, info,
-                                        load_report, reproduction_block, shard_fingerprints)
+                                        load_report, relevant_env, reproduction_block, shard_fingerprints)
 from k3rocm.validation.render import render_html, render_json, render_markdown, write_report
 
 
@@ -154,6 +154,19 @@ def test_reproduction_block_contents(tmp_path, golden_ckpt, monkeypatch):
     raw[20] ^= 0x01
     p.write_bytes(bytes(raw))
     assert shard_fingerprints(d)[0]["header_sha256"] != shards[0]["header_sha256"]
+
+
+def test_relevant_env_filters(monkeypatch):
+    """The environment a report records (``reproduction_block``'s ``env``): the variables that change device
+    selection, collectives, kernels or threading, with their values, and nothing else."""
+    keep = {"HIP_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "INFO", "RCCL_MSCCL_ENABLE": "0", "TRITON_INTERPRET": "1",
+            "HSA_XNACK": "0", "PYTORCH_TUNABLEOP_ENABLED": "1", "CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "1"}
+    for k in list(os.environ):
+        monkeypatch.delenv(k)
+    for k, v in {**keep, "HOME": "/root", "PATH": "/bin", "SECRET_TOKEN": "x"}.items():
+        monkeypatch.setenv(k, v)
+    assert relevant_env() == keep
+    assert reproduction_block(command="k3rocm validate", checkpoint=None, config_hash=None, seed=0)["env"] == keep
 
 
 def test_renderers(tmp_path):
