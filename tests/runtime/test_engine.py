@@ -12,6 +12,8 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import ConfigError, HardwareError, PlanError
+from k3rocm.model.weights import load_weights
+from k3rocm.runtime.engine import Engine
 
 from tests.helpers import load_ckpt
 
@@ -44,8 +46,6 @@ def prompts_and_ref(tiny):
 
 
 def _engine(tiny, **kw):
-    from k3rocm.runtime.engine import Engine
-
     cfg, w = tiny
     base = dict(max_batch=4, max_num_batched_tokens=8, block_size=4, max_model_len=32, device="cpu")
     base.update(kw)
@@ -148,9 +148,9 @@ def test_engine_errors(tiny):
 
 @pytest.mark.gpu
 def test_engine_gpu_matches_oracle(tiny, prompts_and_ref):
-    """On a GPU: the engine with torch ops gives the oracle's tokens exactly (device paths right, graphs on or
-    off with the reason recorded); with the auto-selected kernels (Triton, bf16 activations in the MoE GEMMs)
-    the first token of every prompt agrees and the run completes."""
+    """On a GPU: the engine with torch ops gives the oracle's tokens exactly, eager and through captured graphs
+    (asked for graphs, the decode steps replay them: a capture that fell back to eager fails here); with the
+    auto-selected kernels (Triton, bf16 activations in the MoE GEMMs) the run completes with in-range tokens."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA or ROCm GPU")
     prompts, ref, n = prompts_and_ref
@@ -159,7 +159,11 @@ def test_engine_gpu_matches_oracle(tiny, prompts_and_ref):
                     cuda_graphs=graphs)
         assert e.generate(prompts, n) == ref, e.describe()["cuda_graphs"]
         d = e.describe()["cuda_graphs"]
-        assert d == "on" or d.startswith("off")
+        used = [s.graph for s in e.step_log]
+        if graphs:
+            assert d == "on" and any(used), e.graph_error or (d, used)
+        else:
+            assert d == "off (disabled)" and not any(used), (d, used)
     # auto-selected kernels: Triton kernels differ from the fp32 oracle by their own rounding (bf16 activations in
     # the MoE GEMMs, tf32/bf16 dots), which flips near-tied greedy picks on random tiny weights; the kernels' numeric
     # agreement is checked per op against the oracle by their own tests and the correctness tier. Here: it runs.
@@ -229,13 +233,7 @@ def test_engine_gpu_graphs_equal_eager_bf16(tiny):
 
 def test_engine_takes_a_weights_object(golden_ckpt, tiny, prompts_and_ref):
     """The checkpoint loader's ``Weights`` (stacked experts of its own) drives the engine to the same tokens."""
-    try:
-        from k3rocm.model.weights import load_weights
-    except ImportError:
-        pytest.skip("k3rocm.model.weights not available")
     prompts, ref, n = prompts_and_ref
-    from k3rocm.runtime.engine import Engine
-
     eng = Engine(tiny[0], load_weights(golden_ckpt), max_batch=4, max_num_batched_tokens=64, block_size=4,
                  max_model_len=32, device="cpu")
     assert eng.generate(prompts[:2], n) == ref[:2]
