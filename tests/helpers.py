@@ -1,6 +1,6 @@
 """Code shared by several test modules (fixtures live in ``tests/conftest.py``).
 
-* :data:`REPO` — the repository root (the scripts in ``bench/``, ``hwprofiles/``, the Makefile).
+* :data:`REPO` — the repository root (the scripts in ``gpu-runs/``, ``hwprofiles/``, the Makefile).
 * :data:`SHARED`, :data:`DEFAULT_GOLDEN`, :data:`OFFICIAL_CONFIG` — the external data beside the checkout
   (``$K3ROCM_SHARED`` overrides where it is; ``$K3ROCM_GOLDEN``, read by ``conftest.golden_dir``, the golden data).
 * :func:`load_ckpt` — a checkpoint directory as ``(cfg, {full name: tensor})``.
@@ -8,7 +8,7 @@
   serves it on a local port).
 * :func:`random_experts`, :func:`near_tie_router_inputs`, :func:`latent_layer_inputs` — MoE inputs that the
   oracle tests and the Triton kernel tests both use.
-* :func:`script_module` — one of the ``bench/*.py`` scripts imported as a module (by its file path).
+* :func:`script_module` — one of the ``gpu-runs/*.py`` scripts imported as a module (by its file path).
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def latent_layer_inputs(seed: int, T: int, expert_seed: int):
 
 # ------------------------------------------------------------------------------------------------ scripts
 def script_module(name: str) -> ModuleType:
-    """``bench/<name>.py`` imported as a module from its file (the folder is scripts, not a package)."""
-    path = REPO / "bench" / f"{name}.py"
+    """``gpu-runs/<name>.py`` imported as a module from its file (the folder is scripts, not a package)."""
+    path = REPO / "gpu-runs" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"script_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

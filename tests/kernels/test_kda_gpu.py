@@ -53,7 +53,7 @@ def _warm_compile_cache():
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_kda.py"
+    script = Path(__file__).resolve().parents[2] / "gpu-runs" / "bench_kda.py"
     n = 6
     procs = [subprocess.Popen([sys.executable, str(script), "--warm", f"{i}/{n}"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for i in range(n)] if script.is_file() else []

@@ -1,7 +1,7 @@
 """KDA Triton kernels against the fp32 oracle, in the Triton interpreter (CPU CI) or on a GPU when present.
 
 Small sizes (K = V = 16, T <= 70) keep the interpreter fast; the K3 sizes (K = V = 128) run in
-``tests/gpu/test_kda_gpu.py``. Fresh random inputs every run; outputs and kernel scratch start as NaN
+``tests/kernels/test_kda_gpu.py``. Fresh random inputs every run; outputs and kernel scratch start as NaN
 (``configs.POISON``) so an unwritten element fails. Interpreter runs use fp32 / fp16 inputs (``tl.dot`` on
 bf16 is wrong in the interpreter).
 """

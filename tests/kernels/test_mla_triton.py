@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run in the Triton interpreter with fp32 inputs (``tl.dot`` on bf16 is wrong
 there): the module fixture sets ``TRITON_INTERPRET=1`` for this module only (the kernels switch at launch). Outputs are poisoned (NaN) before each call so unwritten elements fail. Large sizes,
-bf16/FP8 and 20 repeats per config are in ``tests/gpu/test_mla_gpu.py``.
+bf16/FP8 and 20 repeats per config are in ``tests/kernels/test_mla_gpu.py``.
 """
 
 from __future__ import annotations

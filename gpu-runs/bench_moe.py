@@ -7,7 +7,7 @@ w2 x weight, reduce), and the bf16 baseline (two ``torch._grouped_mm`` on the sa
 Floors: bytes of the experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth,
 FLOPs over the measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
 
-Usage: ``python bench/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates --json out.json
+Usage: ``python gpu-runs/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates --json out.json
 --md out.md``. ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) runs every step at k3-tiny sizes on the CPU to
 check the script itself; its timings mean nothing.
 """

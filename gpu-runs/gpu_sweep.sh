@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU sweep of the kernel families: GPU correctness tests and benchmarks, logs and JSON into one directory.
 #
-#   bench/gpu_sweep.sh RESULTS_DIR [LANE_A_GPU] [LANE_B_GPU]
+#   gpu-runs/gpu_sweep.sh RESULTS_DIR [LANE_A_GPU] [LANE_B_GPU]
 #
 # Two lanes run side by side, one per GPU (give the same GPU twice on a one-GPU machine: the lanes then
 # run one after the other so timings stay clean):
@@ -14,7 +14,7 @@
 # RESULTS_DIR/steps.tsv lists each step with its exit status and seconds. Needs the package importable
 # (pip install -e . or PYTHONPATH) and a CUDA or ROCm GPU.
 set -u
-R=${1:?usage: bench/gpu_sweep.sh RESULTS_DIR [LANE_A_GPU] [LANE_B_GPU]}
+R=${1:?usage: gpu-runs/gpu_sweep.sh RESULTS_DIR [LANE_A_GPU] [LANE_B_GPU]}
 GA=${2:-0}
 GB=${3:-1}
 SCALE=${SWEEP_SCALE:-1}
@@ -32,19 +32,19 @@ step() {  # step NAME LIMIT_S GPU CMD...
 }
 
 lane_a() {
-  ( for i in 0 1 2 3 4 5; do CUDA_VISIBLE_DEVICES=$GA timeout 80 $PY bench/bench_kda.py --warm $i/6 >/dev/null 2>&1 & done; wait )
-  step kda_bench 400 "$GA" $PY bench/bench_kda.py --out "$R/kda"
-  KDA_GPU_LOG="$R/kda_gpu.jsonl" step kda_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kda_gpu.py
-  step mla_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/test_mla_triton.py tests/test_attnres.py
+  ( for i in 0 1 2 3 4 5; do CUDA_VISIBLE_DEVICES=$GA timeout 80 $PY gpu-runs/bench_kda.py --warm $i/6 >/dev/null 2>&1 & done; wait )
+  step kda_bench 400 "$GA" $PY gpu-runs/bench_kda.py --out "$R/kda"
+  KDA_GPU_LOG="$R/kda_gpu.jsonl" step kda_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kda_gpu.py
+  step mla_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py tests/kernels/test_mla_triton.py tests/kernels/test_attnres.py
 }
 
 lane_b() {
-  step moe_bench 200 "$GB" $PY bench/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates \
+  step moe_bench 200 "$GB" $PY gpu-runs/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates \
        --json "$R/moe_bench.json" --md "$R/moe_bench.md"
   K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step moe_tests 150 "$GB" $PY -m pytest -q -p no:cacheprovider \
-       tests/gpu/test_moe_gpu.py tests/test_moe_triton.py
-  step mla_bench 100 "$GB" $PY bench/bench_mla.py --json "$R/mla_bench.json"
-  step engine_tests 180 "$GB" $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_engine.py tests/test_load.py
+       tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py
+  step mla_bench 100 "$GB" $PY gpu-runs/bench_mla.py --json "$R/mla_bench.json"
+  step engine_tests 180 "$GB" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py tests/runtime/test_load.py
 }
 
 { git rev-parse --short HEAD 2>/dev/null; date -u +%FT%TZ; nvidia-smi --query-gpu=name,clocks.max.sm,memory.total \

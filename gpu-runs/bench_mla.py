@@ -12,7 +12,7 @@ figures measured on the device machine (4.2 TB/s, 682 TFLOP/s); override with --
 * AttnRes: 8 bank rows + prefix (the worst case), D 7168, T 8192 and decode batch 256, write-layer
   variant too. Floor: sources read once + h (fp32) + h_normed written (+ the appended row).
 
-Usage: python bench/bench_mla.py [--json out.json] [--quick]
+Usage: python gpu-runs/bench_mla.py [--json out.json] [--quick]
 Timing: triton.testing.do_bench median after warm-up, fresh random data.
 """
 

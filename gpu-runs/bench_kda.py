@@ -5,7 +5,7 @@ decode B64 H12; B64 H96; B256 H12. Times: ``triton.testing.do_bench`` median aft
 Floors: bytes / 4.2 TB/s (measured H200 copy) and FLOPs / 682 TFLOP/s (measured bf16 GEMM); fraction = floor / time.
 Also the accuracy of both against the fp32 oracle on a smaller prefill (relative RMS error).
 
-Usage: ``python bench/bench_kda.py --out DIR`` (writes ``kda_bench.json`` and ``kda_bench.md``);
+Usage: ``python gpu-runs/bench_kda.py --out DIR`` (writes ``kda_bench.json`` and ``kda_bench.md``);
 ``--warm I/N`` only compiles (share I of N of the kernel variants) to fill Triton's cache in parallel.
 """
 
@@ -205,7 +205,7 @@ def warm(share: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="gpu-runs/results")
     ap.add_argument("--warm", default=None)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--only", default="decode,prefill,accuracy",

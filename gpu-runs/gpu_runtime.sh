@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The three jobs on a GPU node with a generated full-width checkpoint: make it, load, validate, bench.
 #
-#   bench/gpu_runtime.sh RESULTS_DIR [PRESET] [CKPT_DIR]
+#   gpu-runs/gpu_runtime.sh RESULTS_DIR [PRESET] [CKPT_DIR]
 #
 # PRESET defaults to k3-prefix-4 (layers 0-3 of K3 at full width: the dense layer, two KDA + LatentMoE
 # layers and the first MLA layer; 57.6 GB), written with --expert-init codes (disk-bound) unless CKPT_DIR
@@ -16,7 +16,7 @@
 # A full-width validate outran 240 s on an H200 (load + verification of 24 GB, cold compiles, the oracle
 # passes), so the limits here are generous; the log shows `k3rocm: tier ...` lines as it goes.
 set -u
-R=${1:?usage: bench/gpu_runtime.sh RESULTS_DIR [PRESET] [CKPT_DIR]}
+R=${1:?usage: gpu-runs/gpu_runtime.sh RESULTS_DIR [PRESET] [CKPT_DIR]}
 P=${2:-k3-prefix-4}
 CK=${3:-/tmp/$P}
 SCALE=${SWEEP_SCALE:-1}
@@ -43,6 +43,6 @@ step bench64 600 $K3 bench --checkpoint "$CK" --concurrency 64 --input-len 256 -
 step bench1_8 300 $K3 bench --checkpoint "$CK" --concurrency 1,8 --input-len 256 --output-len 64 \
      --num-prompts 16 --warmups 2 --out "$R/report-c1-8"
 if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" -ge 2 ] 2>/dev/null; then
-  step dist 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_dist.py
+  step dist 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_dist.py
 fi
 cat "$R/steps.tsv"
