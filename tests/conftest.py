@@ -7,21 +7,24 @@
 * ``tiny_cfg`` — the ``k3-tiny`` preset config.
 * ``tiny_ckpt`` — a k3-tiny checkpoint written once per session by our writer (seed 0) into a temp dir.
   Treat it as read-only: copy it (``shutil.copytree``) before damaging it.
+* ``fake_server`` — :class:`tests.helpers.FakeCompletions` on a local port (its ``seen`` list emptied first).
+
+Code shared between test modules (not fixtures) is in ``tests/helpers.py``; test modules import nothing
+from each other.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 import torch
 
-# ``shared/`` lies beside the checkpoint of this repository (CI clones next to a copy of it).
-SHARED = Path(os.environ.get("K3ROCM_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
-DEFAULT_GOLDEN = SHARED / "data" / "k3-tiny-golden"
-OFFICIAL_CONFIG = SHARED / "data" / "kimi-k3" / "config.json"
+from tests.helpers import DEFAULT_GOLDEN, FakeCompletions
+
 
 # The CI machine has 2 cores and runs 2 pytest workers: one intra-op thread per worker avoids
 # threads spinning against each other (a tiny test went from 55 s to 3 s).
@@ -66,3 +69,17 @@ def tiny_ckpt(tmp_path_factory, tiny_cfg) -> Path:
 
     out = tmp_path_factory.mktemp("k3-tiny") / "checkpoint"
     return write_checkpoint(tiny_cfg, out, seed=0)
+
+
+@pytest.fixture
+def fake_server():
+    """A :class:`ThreadingHTTPServer` serving :class:`FakeCompletions` on 127.0.0.1 (``server_address[1]``: port)."""
+    FakeCompletions.seen = []
+    FakeCompletions.stall_after = None
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
+    srv.daemon_threads = True
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import OFFICIAL_CONFIG
+from tests.helpers import OFFICIAL_CONFIG
 
 from k3rocm.checkpoint import layout
 from k3rocm.config import K3Config, preset

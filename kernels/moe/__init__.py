@@ -56,7 +56,7 @@ def isa_cases() -> list[tuple]:
     and last HIP configs (spill-free on gfx950/gfx942; the same tiles compile for sm_90), the router logits
     GEMM (bf16 serving path; fp32 IEEE validation path), the A16W4 decode-path GEMM with the first and last
     CUDA tiles, the one-program dispatch, the top-k and reduce kernels (no matrix work).
-    Every CUDA config is compiled for sm_90 by tests/test_moe_isa.py.
+    Every CUDA config is compiled for sm_90 by tests/kernels/test_moe_isa.py.
     """
     cases = []
     for gated in (True, False):

@@ -63,7 +63,7 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
     # on the same tiles. H200 2026-11-30 (scaled kernel only): m32n128k128w4s4 beat m16n128k256w4s4 at 64
     # and 512 tokens (12.5 vs 17.5 ms, 19.0 vs 27.2 ms); m64n128k128w8s3 was best at 8192 (68.3 ms).
     # H200 2026-11-30, decode kernel: 5.03 ms at 64 tokens, 9.00 at 512 (m16n128k128w8s4); at 8192 tokens
-    # m64n128k128w8s3 39.3 ms beat m64n128k64w8s3 47.0 and m128n128k64w8s3 46.3 (bench/results/moe.md).
+    # m64n128k128w8s3 39.3 ms beat m64n128k64w8s3 47.0 and m128n128k64w8s3 46.3 (gpu-runs/results/moe.md).
     "cuda": [
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
         gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
@@ -74,7 +74,7 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
-        # (zero VGPR/SGPR spills on gfx950 and gfx942 for both GEMMs and both modes: tests/test_moe_isa.py)
+        # (zero VGPR/SGPR spills on gfx950 and gfx942 for both GEMMs and both modes: tests/kernels/test_moe_isa.py)
         gemm_config(16, 64, 128, 4, 2, max_rows=16),
         gemm_config(32, 128, 64, 4, 2, max_rows=48),
         gemm_config(64, 128, 64, 8, 2),

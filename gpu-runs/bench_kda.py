@@ -1,0 +1,255 @@
+"""Benchmark the KDA Triton kernels against fla-core (chunk_kda / fused_recurrent_kda) on one GPU.
+
+Rows (bf16, K = V = 128), issue 3: prefill B1 T8192 H96; B1 T32768 H12; B4 T8192 H12; B1 T131072 H12;
+decode B64 H12; B64 H96; B256 H12. Times: ``triton.testing.do_bench`` median after warm-up, fresh random data.
+Floors: bytes / 4.2 TB/s (measured H200 copy) and FLOPs / 682 TFLOP/s (measured bf16 GEMM); fraction = floor / time.
+Also the accuracy of both against the fp32 oracle on a smaller prefill (relative RMS error).
+
+Usage: ``python gpu-runs/bench_kda.py --out DIR`` (writes ``kda_bench.json`` and ``kda_bench.md``);
+``--warm I/N`` only compiles (share I of N of the kernel variants) to fill Triton's cache in parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+BW = 4.2e12
+PEAK = 682e12
+D = 128
+PREFILL_ROWS = [(1, 8192, 96), (1, 32768, 12), (4, 8192, 12), (1, 131072, 12)]
+DECODE_ROWS = [(64, 12), (64, 96), (256, 12)]
+FLA_REF_MS = {"prefill B1 T8192 H96": 2.75, "prefill B1 T32768 H12": 1.95, "prefill B4 T8192 H12": 1.58,
+              "prefill B1 T131072 H12": 7.63, "decode B64 H12": 0.049, "decode B64 H96": 0.209,
+              "decode B256 H12": 0.110}
+
+
+def prefill_inputs(B, T, H, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    return dict(q=r(B, T, H, D).to(dtype), k=r(B, T, H, D).to(dtype), v=r(B, T, H, D).to(dtype),
+                decay_raw=(r(B, T, H * D) * 2).to(dtype), beta_raw=r(B, T, H).to(dtype),
+                A_log=r(H) * 0.5, dt_bias=r(H * D) * 0.5)
+
+
+def fla_prefill_fn(a, precomputed: bool):
+    from fla.ops.kda import chunk_kda
+    B, T, H, _ = a["q"].shape
+    if precomputed:
+        from k3rocm.model.kda import kda_gate
+        g = kda_gate(a["decay_raw"], a["A_log"], a["dt_bias"], H)  # fp32 [B,T,H,K]
+        beta = torch.sigmoid(a["beta_raw"].float()).to(a["q"].dtype)
+        return lambda: chunk_kda(a["q"], a["k"], a["v"], g, beta, scale=D ** -0.5, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+    return lambda: chunk_kda(a["q"], a["k"], a["v"], a["decay_raw"].view(B, T, H, D), a["beta_raw"], scale=D ** -0.5,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=a["A_log"],
+                             dt_bias=a["dt_bias"])
+
+
+def prefill_cost(B, T, H):
+    th = B * T * H
+    byts = th * D * 2 * 5 + th * 2 + B * H * D * D * 4  # q,k,v,decay_raw in, o out (bf16), beta, final state
+    flops = th * (11.5e6 / 64)  # chunked WY form per 64-token chunk and head: A, Aqk, w, u, w h, q h, A v', k^T v'
+    return byts, flops
+
+
+def decode_cost(N, H):
+    state = N * H * D * D * 4 * 2
+    other = N * H * D * (2 * 6 + 3 * 3 * 4 * 2)  # 6 bf16 inputs per channel, conv state r/w
+    return state, state + other
+
+
+def decode_inputs(N, H, S=None, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    C = H * D
+    S = S or N
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    b = torch.bfloat16
+    xs = [r(N, C).to(b), r(N, C).to(b), r(N, C).to(b), (r(N, C) * 2).to(b), r(N, H).to(b), r(N, C).to(b)]
+    ws = tuple(r(C, 1, 4) * 0.5 for _ in range(3))
+    return xs, ws, r(H) * 0.5, r(C) * 0.5, torch.rand(D, device="cuda", generator=g) + 0.5, r(S, 3, C, 3), \
+        r(S, H, D, D) * 0.1, torch.randperm(S, device="cuda")[:N].to(torch.int32)
+
+
+def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None):
+    import triton.testing as tt
+
+    from k3rocm.kernels.kda import decode as DE
+    from k3rocm.kernels.kda import prefill as P
+    rows = []
+    for B, T, H in ((prefill_rows or PREFILL_ROWS) if "prefill" in only else []):
+        name = f"prefill B{B} T{T} H{H}"
+        a = prefill_inputs(B, T, H)
+        ours = lambda: P.kda_prefill(**a, out_dtype=torch.bfloat16)  # noqa: E731
+        ours()
+        t_ours = tt.do_bench(ours, warmup=50, rep=200)
+        row = dict(row=name, ours_ms=t_ours)
+        byts, flops = prefill_cost(B, T, H)
+        floor = max(byts / BW, flops / PEAK) * 1e3
+        row.update(floor_ms=floor, frac_of_floor=floor / t_ours)
+        if with_fla:
+            for tag, pre in (("fla_fused_gate_ms", False), ("fla_precomputed_gate_ms", True)):
+                try:
+                    f = fla_prefill_fn(a, pre)
+                    f()
+                    row[tag] = tt.do_bench(f, warmup=50, rep=200)
+                except Exception as e:  # report, keep going
+                    row[tag + "_error"] = f"{type(e).__name__}: {e}"[:200]
+            ref = row.get("fla_fused_gate_ms") or row.get("fla_precomputed_gate_ms")
+            if ref:
+                row["ratio_ours_over_fla"] = t_ours / ref
+        row["fla_ref_brief_ms"] = FLA_REF_MS.get(name)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del a
+        torch.cuda.empty_cache()
+    for N, H in (DECODE_ROWS if "decode" in only else []):
+        name = f"decode B{N} H{H}"
+        xs, ws, A_log, dt, onw, cp, sp, sid = decode_inputs(N, H)
+        out = torch.empty(N, H * D, device="cuda", dtype=torch.bfloat16)
+        row = dict(row=name)
+        best = None
+        from k3rocm.kernels import tune
+        from k3rocm.kernels.kda import configs as KC
+        for c in tune.configs(KC.DECODE):
+            f = lambda c=c: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=c)  # noqa: E731
+            f()
+            t = tt.do_bench(f, warmup=50, rep=200)
+            row[f"ours_ms[BV={c.get('BV')},w={c.get('num_warps')}]"] = t
+            if best is None or t < best[0]:
+                best = (t, c)
+        row["ours_ms"] = best[0]
+        # the same call captured in a CUDA graph (what a serving engine replays)
+        try:
+            f = lambda: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=best[1])  # noqa
+            row["ours_graph_ms"] = tt.do_bench_cudagraph(f, rep=200)
+        except Exception as e:
+            row["ours_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+        st_bytes, all_bytes = decode_cost(N, H)
+        row.update(state_floor_ms=st_bytes / BW * 1e3, all_bytes_floor_ms=all_bytes / BW * 1e3)
+        row["frac_of_state_floor"] = row["state_floor_ms"] / min(row["ours_ms"], row.get("ours_graph_ms", 1e9))
+        if with_fla:
+            try:
+                from fla.ops.kda import fused_recurrent_kda
+                from k3rocm.model.kda import kda_gate
+                q = xs[0].view(N, 1, H, D)
+                k = xs[1].view(N, 1, H, D)
+                v = xs[2].view(N, 1, H, D)
+                g = kda_gate(xs[3], A_log, dt, H).view(N, 1, H, D)
+                beta = torch.sigmoid(xs[4].float()).to(torch.bfloat16).view(N, 1, H)
+                h0 = sp[sid.long()].contiguous()
+                f = lambda: fused_recurrent_kda(q, k, v, g, beta, scale=D ** -0.5, initial_state=h0,  # noqa: E731
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+                f()
+                row["fla_recurrent_precomputed_gate_ms"] = tt.do_bench(f, warmup=50, rep=200)
+                row["ratio_ours_over_fla"] = row["ours_ms"] / row["fla_recurrent_precomputed_gate_ms"]
+            except Exception as e:
+                row["fla_error"] = f"{type(e).__name__}: {e}"[:200]
+        row["fla_ref_brief_ms"] = FLA_REF_MS.get(name)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def accuracy(with_fla=True):
+    """Relative RMS error of ours and fla's against the fp32 oracle (bf16 inputs, B1 T4096 H12)."""
+    from k3rocm.kernels.kda import prefill as P
+    from k3rocm.model import kda as O
+    a = prefill_inputs(1, 4096, 12, seed=7)
+    a["initial_state"] = torch.randn(1, 12, D, D, device="cuda") * 0.1
+    want_o, want_s = O.kda_prefill(**a)
+    rr = lambda x, y: ((x.float() - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt()).item()  # noqa: E731
+    o, s = P.kda_prefill(**a)
+    res = dict(ours_o=rr(o, want_o), ours_state=rr(s, want_s))
+    if with_fla:
+        try:
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+            B, T, H, _ = a["q"].shape
+            fo, fs = chunk_kda(a["q"], a["k"], a["v"], a["decay_raw"].view(B, T, H, D), a["beta_raw"], scale=D ** -0.5,
+                               initial_state=a["initial_state"].clone(), output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                               safe_gate=True, lower_bound=-5.0, A_log=a["A_log"], dt_bias=a["dt_bias"])
+            res.update(fla_chunk_o=rr(fo, want_o), fla_chunk_state=rr(fs, want_s))
+            g = O.kda_gate(a["decay_raw"], a["A_log"], a["dt_bias"], H)
+            beta = torch.sigmoid(a["beta_raw"].float())
+            fo, fs = fused_recurrent_kda(a["q"], a["k"], a["v"], g, beta.to(a["q"].dtype), scale=D ** -0.5,
+                                         initial_state=a["initial_state"].clone(), output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+            res.update(fla_recurrent_o=rr(fo, want_o), fla_recurrent_state=rr(fs, want_s))
+        except Exception as e:
+            res["fla_error"] = f"{type(e).__name__}: {e}"[:300]
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def warm(share: str):
+    """Compile a share of the kernel variants (tiny inputs) to fill Triton's on-disk cache."""
+    from k3rocm.kernels import tune
+    from k3rocm.kernels.kda import configs as KC
+    from k3rocm.kernels.kda import prefill as P
+    i, n = (int(x) for x in share.split("/"))
+    groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(tune.configs(KC.INTRA)))]
+    groups += [(torch.float32, H, 0) for H in (12, 96)]
+    for dtype, H, ci in groups[i::n]:  # one intra variant per process: no duplicate compiles
+        for si in range(len(tune.configs(KC.STATE)) if dtype == torch.bfloat16 else 1):
+            for st in (True, False):
+                a = prefill_inputs(1, 64, H, dtype)
+                if st:
+                    a["initial_state"] = torch.zeros(1, H, D, D, device="cuda")
+                P.kda_prefill(**a, config={"intra": tune.configs(KC.INTRA)[ci], "state": tune.configs(KC.STATE)[si]})
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu-runs/results")
+    ap.add_argument("--warm", default=None)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--only", default="decode,prefill,accuracy",
+                    help="comma list of parts, run in this order (decode first: fla's prefill autotuning is slow)")
+    ap.add_argument("--prefill", default=None, metavar="BxTxH,...",
+                    help="prefill rows to run instead of the default four, e.g. 1x32768x12,4x8192x12")
+    args = ap.parse_args()
+    try:
+        sel = [tuple(int(v) for v in r.split("x")) for r in args.prefill.split(",")] if args.prefill else None
+    except ValueError:
+        ap.error(f"--prefill {args.prefill!r}: rows are BxTxH separated by commas, e.g. 1x32768x12")
+    if sel and any(len(r) != 3 or min(r) < 1 for r in sel):
+        ap.error(f"--prefill {args.prefill!r}: each row needs three positive numbers B x T x H")
+    if args.warm:
+        warm(args.warm)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    parts = args.only.split(",")
+    rows = []
+    for part in parts:
+        if part in ("decode", "prefill"):
+            rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel)
+    acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
+    info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                seconds=time.time() - t0)
+    with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
+        json.dump(dict(info=info, accuracy=acc, rows=rows), f, indent=1)
+    lines = [f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, {info['date']}", "",
+             "| row | ours ms | fla ms (fused gate) | fla ms (precomputed gate) | ours/fla | floor ms | frac of floor |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fl = r.get("fla_fused_gate_ms") or r.get("fla_recurrent_precomputed_gate_ms")
+        lines.append(f"| {r['row']} | {r['ours_ms']:.4f} | {fl if fl is None else round(fl, 4)} | "
+                     f"{r.get('fla_precomputed_gate_ms', '-')} | {r.get('ratio_ours_over_fla', float('nan')):.3f} | "
+                     f"{r.get('floor_ms', r.get('state_floor_ms')):.4f} | "
+                     f"{r.get('frac_of_floor', r.get('frac_of_state_floor')):.3f} |")
+    with open(os.path.join(args.out, "kda_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Benchmark one K3 MoE layer's routed experts on packed MXFP4 (Triton) against bf16 ``torch._grouped_mm``.
+
+Problem (K3_FACTS §2-§5): 896 experts, latent 3584, intermediate 3072, top-16, router over hidden 7168.
+For each token count: router time, dispatch time, the whole ``moe_experts`` call for every config of the backend's
+list, each kernel of the expert path alone for the config the size picks (quantize for A8W4, w1|w3 + SiTU,
+w2 x weight, reduce), and the bf16 baseline (two ``torch._grouped_mm`` on the same routing, SiTU in between).
+Floors: bytes of the experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth,
+FLOPs over the measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
+
+Usage: ``python gpu-runs/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates --json out.json
+--md out.md``. ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) runs every step at k3-tiny sizes on the CPU to
+check the script itself; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import torch
+import triton
+from triton.testing import do_bench as _do_bench
+
+from k3rocm.kernels import tune
+from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_config, gemm_name, moe_experts, moe_router
+from k3rocm.kernels.target import current_target
+from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu
+
+E_K3, D_K3, I_K3, H_K3, K_K3 = 896, 3584, 3072, 7168, 16
+EXPERT_BYTES = 3 * 3584 * 3072 // 2 + 3 * 3584 * 3072 // 32  # 17,547,264
+COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
+BF16_RATE = 682e12  # FLOP/s, measured bf16 matrix rate (H200)
+
+
+# variants tried by --candidates (A16W4; not shipped until they join GEMM_CONFIGS and its tests): the two
+# best dot_scaled configs of the first H200 run (reference points) and decode-path (kind "dq"/"dqn") tiles
+# around the shipped ones. Each is checked against the oracle with --check. Candidates far from a token
+# count's group size are skipped there (block_m >= 128 below 2048 tokens, block_m < 64 from 2048 tokens on)
+# to keep one sweep of 64 / 512 / 8192 tokens near two minutes on an H200, compile time included.
+CANDIDATES = [gemm_config(32, 128, 128, 4, 4), gemm_config(64, 128, 128, 8, 3),
+              gemm_config(16, 64, 128, 4, 4, kind="dq"), gemm_config(16, 128, 128, 4, 4, kind="dq"),
+              gemm_config(16, 128, 64, 4, 6, kind="dq"), gemm_config(32, 64, 128, 4, 4, kind="dq"),
+              gemm_config(64, 128, 128, 8, 3, kind="dq"), gemm_config(128, 128, 128, 8, 3, kind="dq"),
+              gemm_config(128, 128, 64, 8, 3, kind="dqn")]
+
+
+def _candidate_fits(cfg: tune.Config, tokens: int) -> bool:
+    return cfg["BLOCK_M"] < 128 if tokens < 2048 else cfg["BLOCK_M"] >= 64
+
+
+def situ(g, u):
+    return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 8192])
+    ap.add_argument("--modes", nargs="+", default=["a16w4"])
+    ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--check", action="store_true", help="compare each mode with the fp32 oracle (rel. max error)")
+    ap.add_argument("--candidates", action="store_true", help="also time CANDIDATES (A16W4 only, total time)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    ap.add_argument("--small", action="store_true",
+                    help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
+    ap.add_argument("--device", default="cuda", help="cuda (timed with do_bench) or cpu (Triton interpreter, "
+                    "TRITON_INTERPRET=1; wall-clock, for checking this script, not for figures)")
+    args = ap.parse_args(argv)
+    dev = args.device
+    E, D, I, H, K = (16, 64, 64, 128, 4) if args.small else (E_K3, D_K3, I_K3, H_K3, K_K3)
+    expert_bytes = 3 * D * I // 2 + 3 * D * I // 32
+    do_bench = _do_bench if dev == "cuda" else _wall_ms
+    torch.manual_seed(0)
+    ew = dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev),
+              w13_scale=torch.randint(119, 122, (E, 2 * I, D // 32), dtype=torch.uint8, device=dev),
+              w2_packed=torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device=dev),
+              w2_scale=torch.randint(119, 122, (E, D, I // 32), dtype=torch.uint8, device=dev),
+              num_experts=E, first_expert=0)
+    gate = (torch.randn(E, H, device=dev) * H ** -0.5).bfloat16()
+    bias = torch.randn(E, device=dev) * 0.01
+    w13_bf = w2_bf = None
+    if not args.no_bf16:
+        w13_bf = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16).mul_(0.02)
+        w2_bf = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16).mul_(0.02)
+    rows = []
+    for T in args.tokens:
+        xh = torch.randn(T, H, device=dev).bfloat16()
+        xl = torch.randn(T, D, device=dev).bfloat16()
+        ids, wts = moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        used = int((torch.bincount(ids.flatten().long(), minlength=E) > 0).sum())
+        bytes_fp4 = used * expert_bytes + T * D * 2 + T * D * 4
+        flops = 2 * T * K * (D * 2 * I + I * D)
+        floor_fp4 = bytes_fp4 / COPY_BW
+        floor_flop = flops / BF16_RATE
+        r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
+                 floor_flops_ms=floor_flop * 1e3)
+        r["router_ms"] = do_bench(lambda: moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K))
+        rows = T * K / min(E, T * K)
+        cfg0 = tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)
+        r["dispatch_ms"] = do_bench(lambda: dispatch_gpu(ids, 0, E, cfg0["BLOCK_M"]))
+        r["picked_config"] = gemm_name(cfg0)
+        ref16 = None  # the a16w4 oracle output, kept for the candidates when --check computed it
+        for mode in args.modes:
+            ref = None
+            if args.check:
+                from k3rocm.model.moe import moe_experts as oracle
+
+                torch.backends.cuda.matmul.allow_tf32 = False
+                ref = oracle(xl, ids, wts, ew, mode=mode)
+                if mode == "a16w4":
+                    ref16 = ref
+            for cfg in tune.configs(GEMM_CONFIGS):
+                key = f"{mode}_{gemm_name(cfg)}"
+                try:
+                    stages: dict = {}
+                    out, _ = _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
+                    if ref is not None:
+                        r[f"{key}_rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
+                    t_all = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode=mode, config=cfg))
+                    r[f"{key}_experts_ms"] = t_all
+                    r[f"{key}_kernel"] = stages.get("kernel")
+                    if cfg == cfg0:  # each launch alone for the config this size picks (sweep time)
+                        for st in ("w13", "w2", "reduce", "quantize"):
+                            if stages.get(st) is not None:
+                                r[f"{key}_{st}_ms"] = do_bench(stages[st])
+                    r[f"{key}_frac_of_floor"] = max(floor_fp4, floor_flop) * 1e3 / t_all
+                except Exception as e:  # noqa: BLE001 - a failing config is a result to report
+                    r[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if args.check:
+                out = moe_experts(xl, ids, wts, ew, mode=mode)
+                r[f"{mode}_rel_err_vs_oracle"] = ((out - ref).abs().max() / ref.abs().max()).item()
+                if mode == "a8w4" and "a16w4" in args.modes:
+                    o16 = moe_experts(xl, ids, wts, ew, mode="a16w4")
+                    r["a8w4_vs_a16w4_rel"] = ((out - o16).abs().max() / o16.abs().max()).item()
+                del out
+            del ref
+            best = min(((r[f"{mode}_{gemm_name(c)}_experts_ms"], gemm_name(c)) for c in tune.configs(GEMM_CONFIGS)
+                        if f"{mode}_{gemm_name(c)}_experts_ms" in r), default=(None, None))
+            r[f"{mode}_best_ms"], r[f"{mode}_best_config"] = best
+            r[f"{mode}_picked_ms"] = r.get(f"{mode}_{gemm_name(cfg0)}_experts_ms")
+            pk = r[f"{mode}_picked_ms"]
+            r[f"{mode}_router_plus_experts_ms"] = pk + r["router_ms"] if pk else None
+        if args.candidates:
+            if args.check and ref16 is None:
+                from k3rocm.model.moe import moe_experts as oracle
+
+                torch.backends.cuda.matmul.allow_tf32 = False
+                ref16 = oracle(xl, ids, wts, ew, mode="a16w4")
+            for cfg in CANDIDATES:
+                if not _candidate_fits(cfg, T):
+                    continue
+                try:
+                    out = moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg)
+                    r[f"cand_{gemm_name(cfg)}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4",
+                                                                              config=cfg))
+                    if ref16 is not None:
+                        r[f"cand_{gemm_name(cfg)}_rel_err"] = ((out - ref16).abs().max() / ref16.abs().max()).item()
+                except Exception as e:  # noqa: BLE001
+                    r[f"cand_{gemm_name(cfg)}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        ref16 = None
+        if w13_bf is not None:
+            try:
+                counts = torch.bincount(ids.flatten().long(), minlength=E)
+                order = torch.argsort(ids.flatten().long(), stable=True)
+                xs = xl[order // K].contiguous()
+                offs = torch.cumsum(counts, 0).to(torch.int32)
+                b13 = w13_bf.transpose(1, 2)
+                b2 = w2_bf.transpose(1, 2)
+
+                def bf16_path():
+                    gu = torch._grouped_mm(xs, b13, offs=offs)
+                    h = situ(gu[:, :I].float(), gu[:, I:].float()).bfloat16()
+                    return torch._grouped_mm(h, b2, offs=offs)
+
+                r["bf16_grouped_mm_ms"] = do_bench(bf16_path)
+                r["bf16_w13_only_ms"] = do_bench(lambda: torch._grouped_mm(xs, b13, offs=offs))
+            except Exception as e:  # noqa: BLE001
+                r["bf16_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
+                torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,
+                commit=_commit())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(_markdown(meta, rows, args.modes))
+
+
+def _wall_ms(fn) -> float:
+    """CPU stand-in for ``do_bench`` (one warm call, then the median of 3 wall-clock runs, ms)."""
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[1]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _markdown(meta, rows, modes) -> str:
+    out = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+           f"commit {meta['commit']}", "",
+           "| tokens | experts used | router ms | dispatch ms | mode | experts ms (picked) | best config | "
+           "w13 ms | w2 ms | reduce ms | MXFP4 floor ms | fraction | bf16 grouped_mm ms | speed-up |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for m in modes:
+            pc = r["picked_config"]
+            t = r.get(f"{m}_picked_ms")
+            bf = r.get("bf16_grouped_mm_ms")
+            out.append(
+                f"| {r['tokens']} | {r['experts_used']} | {r['router_ms']:.3f} | {r['dispatch_ms']:.3f} | {m} | "
+                f"{t if t is None else round(t, 3)} ({pc}) | {r.get(f'{m}_best_config')} "
+                f"{round(r.get(f'{m}_best_ms') or 0, 3)} | {round(r.get(f'{m}_{pc}_w13_ms', 0), 3)} | "
+                f"{round(r.get(f'{m}_{pc}_w2_ms', 0), 3)} | {round(r.get(f'{m}_{pc}_reduce_ms', 0), 3)} | "
+                f"{max(r['floor_fp4_ms'], r['floor_flops_ms']):.3f} | "
+                f"{(max(r['floor_fp4_ms'], r['floor_flops_ms']) / t) if t else 0:.2f} | "
+                f"{bf if bf is None else round(bf, 3)} | {(bf / t) if (bf and t) else 0:.2f} |")
+    cands = sorted({k[5:-3] for r in rows for k in r if k.startswith("cand_") and k.endswith("_ms")})
+    if cands:
+        out += ["", "Candidates (A16W4, whole moe_experts call, ms; rel. max error vs the oracle with --check):", "",
+                "| tokens | " + " | ".join(cands) + " |", "|---|" + "---|" * len(cands)]
+        for r in rows:
+            cells = []
+            for c in cands:
+                t, e = r.get(f"cand_{c}_ms"), r.get(f"cand_{c}_rel_err")
+                cells.append("—" if t is None else f"{t:.3f}" + (f" ({e:.1e})" if e is not None else ""))
+            out.append(f"| {r['tokens']} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""CLI integration on k3-tiny: every command runs, exit codes, one-line errors, report merging."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from k3rocm.cli.main import cli
+from k3rocm.runtime import registry
+
+from tests.helpers import FakeCompletions
+
+torch.set_num_threads(1)
+
+COMMANDS = [["load"], ["validate"], ["bench"], ["profiles"], ["env"], ["plan"], ["checkpoint", "make"],
+            ["checkpoint", "inspect"], ["checkpoint", "verify"], ["kernels", "list"], ["kernels", "isa"]]
+
+
+def run(args, code=0, env=None):
+    # a fixed width: tables must not depend on the terminal (or worker) the suite happens to run in
+    r = CliRunner().invoke(cli, [str(a) for a in args], env={"COLUMNS": "200", **(env or {})})
+    assert r.exit_code == code, (args, r.exit_code, r.output, r.exception)
+    return r
+
+
+def one_line_error(r) -> str:
+    """The run printed exactly one ``error: ...`` line on stderr (besides the ``k3rocm: ...`` progress lines a
+    non-terminal stderr gets) and no traceback."""
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("k3rocm: ")]
+    assert len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output
+    return err[0]
+
+
+def no_gpu():
+    return not torch.cuda.is_available()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private user cache for the embedded default checkpoint."""
+    monkeypatch.setenv("K3ROCM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_help_teaches():
+    top = run(["--help"]).output
+    for word in ("load", "validate", "bench", "Exit codes", "--profile mi355x-8"):
+        assert word in top
+    for cmd in COMMANDS:
+        out = run(cmd + ["--help"]).output
+        assert "Examples:" in out and "k3rocm " + cmd[0] in out, cmd
+
+
+def test_profiles_env_and_kernels_list():
+    assert "mi355x-8" in run(["profiles"]).output
+    prof = json.loads(run(["profiles", "--json"]).output)
+    assert {p["name"] for p in prof} >= {"cpu", "mi355x-8", "h200-1"}
+    assert "backend" in run(["env"]).output
+    out = run(["kernels", "list"]).output
+    for op in registry.ORACLE_OPS:
+        assert op in out
+    one_line_error(run(["kernels", "list", "--kernels", "bogus"], code=2))
+
+
+@pytest.mark.skipif(not no_gpu(), reason="checks the CPU-only answer")
+def test_env_profile_mismatch_is_exit_3():
+    line = one_line_error(run(["env", "--profile", "mi355x-8"], code=3))
+    assert "gfx950" in line and "cpu" in line
+
+
+def test_plan_fits_and_does_not_fit(cache):
+    out = run(["plan", "--preset", "k3", "--profile", "mi355x-8"]).output
+    assert "fits: yes" in out and "784..895" in out  # EP: 112 experts per rank
+    r = run(["plan", "--preset", "k3", "--profile", "mi300x-8"], code=2)
+    line = one_line_error(r)
+    assert "does not fit mi300x-8" in line and "GB" in line
+    assert "NO" in r.stdout  # the table with the numbers was printed first
+    d = json.loads(run(["plan", "--preset", "k3", "--profile", "mi355x-8", "--json"]).output)
+    assert d["tp"] == 8 and d["fits"] is True
+    assert "fits: yes" in run(["plan"]).output  # the embedded default, written into the private cache
+    assert (cache / "k3-tiny-v1" / "config.json").is_file()
+
+
+def test_kernels_isa_one_family():
+    out = run(["kernels", "isa", "--target", "gfx950", "--family", "mx"]).output
+    assert "gfx950" in out
+
+
+def test_checkpoint_make_inspect_verify(tmp_path):
+    d = tmp_path / "ck"
+    assert "wrote k3-tiny" in run(["checkpoint", "make", "--out", d, "--seed", "3"]).output
+    doc = json.loads(run(["checkpoint", "inspect", "--checkpoint", d, "--json"]).output)
+    assert doc["tensors"] == doc["tensors_expected"] == 1492 and doc["official"] is False
+    one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))  # no manifest yet
+    run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"])
+    assert "every file matches" in run(["checkpoint", "verify", "--checkpoint", d]).output
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shard.chmod(0o644)
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    assert shard.name in one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))
+    one_line_error(run(["checkpoint", "make", "--out", d], code=2))  # refuses a non-empty directory
+
+
+def test_expected_failures_are_one_line(golden_ckpt, tmp_path):
+    out = tmp_path / "r"
+    line = one_line_error(run(["load", "--checkpoint", tmp_path / "missing", "--out", out], code=2))
+    assert "does not exist" in line
+    line = one_line_error(run(["validate", "--profile", "nope", "--checkpoint", golden_ckpt, "--out", out], code=2))
+    assert "mi355x-8" in line  # lists the known profiles
+    one_line_error(run(["bench", "--concurrency", "0,x", "--checkpoint", golden_ckpt, "--out", out], code=2))
+    one_line_error(run(["validate", "--golden", tmp_path / "nope.safetensors", "--checkpoint", golden_ckpt,
+                        "--out", out], code=2))
+    # a broken checkpoint: a shard cut short
+    d = tmp_path / "broken"
+    shutil.copytree(golden_ckpt, d)
+    shard = sorted(d.glob("*.safetensors"))[0]
+    shard.chmod(0o644)
+    shard.write_bytes(shard.read_bytes()[:1000])
+    line = one_line_error(run(["load", "--checkpoint", d, "--out", out], code=2))
+    assert shard.name in line
+    # --debug shows the traceback of the same failure
+    r = run(["load", "--checkpoint", d, "--out", out, "--debug"], code=2)
+    assert "Traceback" in r.output
+    # bad input is refused before any tier runs: no report is written (or an existing one overwritten)
+    assert not (out / "report.json").exists()
+
+
+@pytest.mark.skipif(not no_gpu(), reason="checks the CPU-only answer")
+def test_triton_without_gpu_is_exit_3(golden_ckpt, tmp_path):
+    line = one_line_error(run(["validate", "--level", "forward", "--kernels", "triton", "--checkpoint", golden_ckpt,
+                               "--out", tmp_path], code=3))
+    assert "GPU" in line
+
+
+def test_commands_merge_into_one_report(golden_dir, tmp_path):
+    ck, out = golden_dir / "checkpoint", tmp_path / "rep"
+    run(["load", "--checkpoint", ck, "--out", out])
+    run(["validate", "--level", "correctness", "--checkpoint", ck, "--out", out,
+         "--golden", golden_dir / "golden.safetensors"])
+    r = run(["bench", "--checkpoint", ck, "--out", out, "--concurrency", "1,2", "--input-len", "8",
+             "--output-len", "4", "--num-prompts", "2", "--warmups", "1"])
+    assert "c2.median_tpot_ms" in r.output
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["schema"] == "k3rocm.report/1" and rep["status"] == "passed"
+    assert list(rep["stages"]) == ["env", "load", "forward", "correctness", "bench"]
+    assert [h["stages"] for h in rep["history"]] == [["env", "load"], ["env", "load", "forward", "correctness"],
+                                                     ["bench"]]
+    assert rep["reproduction"]["kernel_selection"]["moe_experts"] == "torch"
+    roof = rep["stages"]["bench"]["series"]["roofline"]
+    assert roof["x"] == [1, 2] and {"all steps", "decode-only steps"} <= set(roof["y"])
+    assert all(0.0 < v < 1.0 for v in roof["y"]["all steps"])
+    ev = {e["name"]: e for e in rep["stages"]["bench"]["evidence"]}
+    assert ev["c1.completed"]["value"] == 2 and ev["c2.completed"]["value"] == 2
+    levels = rep["evidence_levels"]
+    assert levels["measured"] > 0 and levels["projected"] > 0 and levels["external"] > 0
+    html = (out / "report.html").read_text()
+    assert html.count("<svg") >= 4 and "external" in html
+    assert "| bench |" in (out / "report.md").read_text()
+
+
+def test_wrong_kernel_fails_validate_with_exit_1(golden_ckpt, tmp_path, monkeypatch):
+    good = registry.implementations("attn_res")["torch"].fn
+    saved = registry._REGISTRY.get("attn_res", {}).get("torch")
+    # an AttnRes kernel that drops the current block's prefix weight a little: a plausible softmax bug
+    registry.register("attn_res", "torch", lambda src, w, eps, *a, **k: good(src, w * 0.5, eps, *a, **k))
+    try:
+        r = run(["validate", "--checkpoint", golden_ckpt, "--out", tmp_path], code=1)
+    finally:
+        if saved is None:
+            registry._REGISTRY["attn_res"].pop("torch")
+        else:
+            registry._REGISTRY["attn_res"]["torch"] = saved
+    line = one_line_error(r)
+    assert line.startswith("error: correctness tier failed")
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["status"] == "failed" and rep["stages"]["correctness"]["status"] == "failed"
+
+
+def test_bench_against_an_openai_endpoint(cache, tmp_path, fake_server):
+    """`bench --endpoint` drives another server with the same load and labels its figures `external`."""
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    out = tmp_path / "r"
+    run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--model", "k3", "--concurrency", "2", "--num-prompts", "4",
+         "--warmups", "1", "--input-len", "16", "--output-len", "5", "--out", out])
+    seen = FakeCompletions.seen
+    assert len(seen) == 5 and all(p == "/v1/completions" for p, _ in seen)
+    body = seen[-1][1]
+    assert body["model"] == "k3" and body["stream"] and 4 <= body["max_tokens"] <= 5
+    assert all(0 <= t < 163840 for t in body["prompt"]) and 12 <= len(body["prompt"]) <= 16
+    rep = json.loads((out / "report.json").read_text())
+    rows = rep["stages"]["bench"]["evidence"]
+    assert rows and {e["level"] for e in rows if e["name"].startswith("c2.")} == {"external"}
+    done = [e for e in rows if e["name"] == "c2.completed"]
+    assert done and done[0]["value"] == 4
+
+
+def test_bench_endpoint_failures_say_why(cache, tmp_path):
+    """A server that answers every request with HTTP 500: exit 3, and the line and the report say why."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Broken(BaseHTTPRequestHandler):
+        def do_GET(self):  # the reachability probe
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"model overloaded")
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "r"
+        r = run(["bench", "--endpoint", f"http://127.0.0.1:{srv.server_address[1]}", "--endpoint-gpus", "1",
+                 "--concurrency", "1", "--num-prompts", "2", "--warmups", "0", "--input-len", "8", "--output-len", "2",
+                 "--out", out], code=3)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    line = one_line_error(r)
+    assert "none of 2 requests" in line and "HTTP 500" in line and "model overloaded" in line
+    rows = json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]
+    assert any(e["name"] == "c1.failed" and "2 x" in e["detail"] and "HTTP 500" in e["detail"] for e in rows)
+
+
+def test_bench_endpoint_bad_url_is_one_line(cache, tmp_path):
+    one_line_error(run(["bench", "--endpoint", "ftp://nowhere", "--out", tmp_path / "r"], code=2))
+
+
+def test_bad_sizes_and_unwritable_out_fail_before_any_work(cache, tmp_path, golden_ckpt):
+    """One line, exit 2, and an existing report left as it was."""
+    out = tmp_path / "r"
+    run(["load", "--checkpoint", golden_ckpt, "--out", out])
+    before = (out / "report.json").read_text()
+    for args in (["bench", "--output-len", "-5"], ["bench", "--input-len", "0"], ["bench", "--concurrency", ""]):
+        one_line_error(run([*args, "--checkpoint", golden_ckpt, "--out", out], code=2))
+    assert (out / "report.json").read_text() == before
+    assert oct((out / "report.json").stat().st_mode & 0o777) == oct(0o644)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    line = one_line_error(run(["load", "--checkpoint", golden_ckpt, "--out", blocker / "sub"], code=2))
+    assert "--out" in line
+    one_line_error(run(["plan", "--preset", "k3", "--profile", "mi355x-8", "--context-len", "-5"], code=2))
+    one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", blocker / "ck"], code=2))
+
+
+def test_plan_of_a_broken_checkpoint_is_refused(tmp_path, golden_ckpt):
+    d = tmp_path / "broken"
+    shutil.copytree(golden_ckpt, d)
+    (d / "model-00002-of-000002.safetensors").unlink()
+    line = one_line_error(run(["plan", "--checkpoint", d, "--profile", "cpu"], code=2))
+    assert "model-00002-of-000002.safetensors" in line
+
+
+def test_load_prints_the_plan_before_loading_and_the_proof_after(golden_ckpt, tmp_path):
+    out = run(["load", "--checkpoint", golden_ckpt, "--out", tmp_path / "r"]).output
+    plan_at, tiers_at, proof_at = out.find("plan: k3-tiny"), out.find("tier"), out.find("tensors verified by checksum")
+    assert 0 <= plan_at < tiers_at < proof_at, out
+    assert "per-rank weight bytes" in out and "1,492/1,492" in out and "load / raw" in out
+
+
+@pytest.mark.parametrize("args,what", [
+    (["--input-len", "1000000000"], "max_position_embeddings"),
+    (["--concurrency", "1000000", "--num-prompts", "1000000", "--warmups", "0"], "of cache per GPU"),
+    (["--num-prompts", "1000000000000000000000"], "--num-prompts"),
+    (["--warmups", "100000000"], "--warmups"),
+])
+def test_bench_loads_the_plan_cannot_hold_are_refused_up_front(cache, tmp_path, args, what):
+    line = one_line_error(run(["bench", *args, "--out", tmp_path / "r"], code=2))
+    assert what in line
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
+    bad = tmp_path / "golden.txt"
+    bad.write_text("not safetensors")
+    one_line_error(run(["validate", "--golden", bad, "--out", tmp_path / "r"], code=2))
+    if not torch.cuda.is_available():
+        one_line_error(run(["validate", "--kernels", "triton", "--out", tmp_path / "r"], code=3))
+    assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_usage_errors_are_one_line_through_the_console_script(tmp_path):
+    """The installed entry point turns click's usage errors into one `error:` line, exit 2."""
+    import subprocess
+    import sys
+
+    def script(*args):
+        return subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    for args in (["validate", "--level", "nosuch"], ["kernels", "isa", "--target", "gfx1234"], ["--bogus"]):
+        r = script(*args)
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and "--help" in err[0], r.stderr
+    r = script("kernels")
+    assert r.returncode == 0 and "isa" in r.stdout
+
+
+def test_unreachable_endpoint_is_exit_3_one_line(cache, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bind, then close
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    line = one_line_error(run(["bench", "--endpoint", f"http://127.0.0.1:{port}", "--endpoint-gpus", "1", "--concurrency", "1",
+                               "--num-prompts", "1", "--out", tmp_path / "r"], code=3))
+    assert "cannot connect" in line and not (tmp_path / "r" / "report.json").exists()
+
+
+def test_checkpoint_make_refuses_what_the_disk_cannot_hold(tmp_path, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))  # 1 MB free
+    line = one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", tmp_path / "ck"], code=2))
+    assert "GB free" in line and not (tmp_path / "ck").exists() and not list(tmp_path.glob(".ck.tmp-*"))
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(golden_ckpt, tmp_path):
+    """A long command in a log (CI, batch job) says which tier runs and how far the load got."""
+    r = run(["validate", "--checkpoint", golden_ckpt, "--level", "load", "--out", tmp_path])
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("k3rocm: ")]
+    assert "k3rocm: tier env ..." in lines and "k3rocm: tier load ..." in lines
+    assert any(ln.startswith("k3rocm: working: ") and "(100%)" in ln for ln in lines), r.stderr
+
+
+def test_plain_progress_is_throttled():
+    from k3rocm.cli.common import Progress
+
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        with Progress(interval_s=3600) as bar:
+            cb = bar.callback("loading")
+            for i in range(1, 101):
+                cb(i, 100)
+            cb(100, 100)
+    lines = buf.getvalue().splitlines()
+    assert lines == ["k3rocm: loading: 1/100 (1%), 0 s", "k3rocm: loading: 100/100 (100%), 0 s"]
+
+
+def test_empty_or_orphan_options_are_refused(cache, tmp_path):
+    for args in (["validate", "--kernels", ""], ["validate", "--kernels", "kda_prefill=torch,,moe_experts=torch"],
+                 ["bench", "--model", "k3"]):
+        line = one_line_error(run([*args, "--out", tmp_path / "r"], code=2))
+        assert "--kernels" in line or "--model" in line
+
+
+@pytest.mark.skipif(not no_gpu(), reason="checks a fallback (CPU) load against a GPU profile")
+def test_load_for_another_profile_shows_both_plans(golden_ckpt, tmp_path):
+    """`load --profile mi355x-8` on a CPU machine prints the profile's plan as projected, then the plan it loads
+    with; the report carries both (plan.* projected, run_plan.* measured on the fallback)."""
+    r = run(["load", "--profile", "mi355x-8", "--checkpoint", golden_ckpt, "--out", tmp_path])
+    assert "projected: not this machine" in r.output and "loads with this plan" in r.output
+    assert r.output.index("projected: not this machine") < r.output.index("loads with this plan")
+    ev = {e["name"]: e for e in json.loads((tmp_path / "report.json").read_text())["stages"]["load"]["evidence"]}
+    assert ev["plan.tp"]["level"] == "projected" and ev["plan.tp"]["value"] > 1
+    assert ev["run_plan.tp"]["value"] == 1 and ev["run_plan.tp"]["level"] != "projected"
+
+
+def test_empty_options_and_kernel_specs_are_one_line(golden_ckpt, tmp_path):
+    """An empty --out / --profile / --golden never falls back to a default; --kernels mistakes say what to write;
+    a refused run leaves no report directory behind."""
+    out = tmp_path / "never" / "made"
+    for args in (["load", "--out", ""], ["plan", "--profile", " "], ["bench", "--profile", ""]):
+        r = run(args, code=2)  # click usage errors (one `error:` line through the console entry point)
+        assert "is empty" in r.stderr and "Traceback" not in r.output
+    for args, needle in ((["validate", "--golden", "", "--out", out], "--golden is empty"),
+                         (["bench", "--concurrency", "2,4,2", "--out", out], "2 given twice"),
+                         (["load", "--kernels", "triton", "--out", out], "no effect on load"),
+                         (["validate", "--kernels", "kda_prefill", "--out", out], "kda_prefill=triton"),
+                         (["validate", "--kernels", "aiter", "--out", out], "not part of k3rocm"),
+                         (["validate", "--level", "load", "--golden", golden_ckpt / "config.json", "--out", out],
+                          "correctness tier"),
+                         (["validate", "--kernels", "moe_experts=fast", "--out", out], "unknown implementation")):
+        line = one_line_error(run([*args, "--checkpoint", golden_ckpt], code=2))
+        assert needle in line, (args, line)
+    assert not (tmp_path / "never").exists()
+    # `kernels list` reports an implementation this machine cannot run instead of failing
+    if no_gpu():
+        r = run(["kernels", "list", "--kernels", "kda_prefill=triton"])
+        assert "unavailable" in r.output and "needs a GPU" in r.output
+
+
+def test_load_of_a_checkpoint_with_nan_weights_fails_the_tier_naming_the_tensor(golden_ckpt, tmp_path):
+    """NaN weights are a failed load tier (exit 1) whose one line names the tensor, not a tier that 'could not
+    run'."""
+    import struct
+
+    from k3rocm.checkpoint.reader import open_checkpoint
+    ck = tmp_path / "ck"
+    shutil.copytree(golden_ckpt, ck)
+    for f in ck.iterdir():
+        f.chmod(0o644)
+    idx = open_checkpoint(ck)
+    name = next(n for n, e in idx.entries.items() if e.dtype == "BF16" and n.endswith("q_proj.weight"))
+    e = idx.entries[name]
+    with open(ck / e.shard, "r+b") as f:
+        f.seek(e.start)
+        f.write(struct.pack("<8H", *([0xFFFF] * 8)))  # bf16 NaNs
+    line = one_line_error(run(["load", "--checkpoint", ck, "--out", tmp_path / "r"], code=1))
+    assert "load.problems" in line and name in line and "NaN" in line
+
+
+def test_a_closed_pipe_does_not_cut_the_run_short(golden_ckpt, tmp_path):
+    """`k3rocm load ... | head -1`: the reader goes away after one line; the command still finishes, writes its
+    report and exits 0 without a traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r"
+    p = subprocess.Popen([sys.executable, "-m", "k3rocm.cli.main", "load", "--checkpoint", str(golden_ckpt),
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**__import__("os").environ, "COLUMNS": "120"})
+    assert p.stdout.readline()
+    p.stdout.close()  # the reader is gone
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert (out / "report.json").is_file()

@@ -1,0 +1,201 @@
+"""KDA Triton kernels against the fp32 oracle, in the Triton interpreter (CPU CI) or on a GPU when present.
+
+Small sizes (K = V = 16, T <= 70) keep the interpreter fast; the K3 sizes (K = V = 128) run in
+``tests/kernels/test_kda_gpu.py``. Fresh random inputs every run; outputs and kernel scratch start as NaN
+(``configs.POISON``) so an unwritten element fails. Interpreter runs use fp32 / fp16 inputs (``tl.dot`` on
+bf16 is wrong in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from k3rocm.kernels import tune
+
+from k3rocm.kernels.kda import configs as KC
+from k3rocm.kernels.kda import conv as KCONV
+from k3rocm.kernels.kda import decode as KDEC
+from k3rocm.kernels.kda import prefill as KPRE
+from k3rocm.model import kda as O
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+D = 16  # head dim K = V under the interpreter
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_and_poison(monkeypatch):
+    """Without a GPU, run the kernels in the Triton interpreter for the duration of each test only: the KDA
+    kernels are always built in compiled mode (``_interp.kjit``) and ``_interp.launch`` reads
+    ``TRITON_INTERPRET`` at launch time, so ahead-of-time compiles elsewhere in this process are unaffected."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    KC.POISON = True
+    yield
+    KC.POISON = False
+
+
+def _gen():
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def make_prefill(B, T, H, Dk, gen, dtype=torch.float32, dt_shift=0.0, state=False, N=None):
+    """Random prefill inputs (q/k/v in ``dtype``, gate params fp32) on DEV."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    N = B if N is None else N
+    args = dict(q=r(B, T, H, Dk), k=r(B, T, H, Dk), v=r(B, T, H, Dk), decay_raw=r(B, T, H * Dk) * 2,
+                beta_raw=r(B, T, H), A_log=r(H + 2) * 0.5, dt_bias=r(H * Dk) * 0.5 + dt_shift)
+    if state:
+        args["initial_state"] = r(N, H, Dk, Dk) * 0.5
+    out = {}
+    for kk, vv in args.items():
+        vv = vv.to(DEV)
+        out[kk] = vv.to(dtype) if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv
+    return out
+
+
+def close(got, want, tol):
+    """Max abs error relative to max |want| (plus tol absolute floor) — every element finite."""
+    assert torch.isfinite(got).all(), "non-finite (unwritten?) elements"
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * (1.0 + want.abs().max().item()), f"max err {err:.3e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("B,T,H,cfg", [(1, 1, 2, 0), (1, 2, 2, 1), (3, 63, 2, 0), (1, 64, 1, 1), (1, 65, 3, 0)])
+def test_prefill_grid_fp32(B, T, H, cfg):
+    a = make_prefill(B, T, H, D, _gen(), state=True)
+    want_o, want_s = O.kda_recurrent(**a)
+    c = {"intra": tune.configs(KC.INTRA)[cfg % len(tune.configs(KC.INTRA))],
+         "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))]}
+    o, s = KPRE.kda_prefill(**a, config=c)
+    close(o, want_o, 1e-5)
+    close(s, want_s, 1e-5)
+
+
+def test_prefill_fp16_and_decay_bounds():
+    gen = _gen()
+    for shift in (-12.0, 12.0):  # alpha -> 1 (g -> 0) and alpha -> e^-5 (g -> -5)
+        a = make_prefill(1, 40, 2, D, gen, dtype=torch.float16, dt_shift=shift, state=True)
+        want_o, want_s = O.kda_recurrent(**a)
+        o, s = KPRE.kda_prefill(**a)
+        close(o, want_o, 2e-3)
+        close(s, want_s, 2e-3)
+
+
+def test_prefill_mixed_varlen_and_packing_invariance():
+    gen = _gen()
+    lens = [5, 1, 67, 1, 1]
+    T = sum(lens)
+    a = make_prefill(1, T, 2, D, gen, state=True, N=len(lens))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    o, s = KPRE.kda_prefill(**a, cu_seqlens=cu)
+    want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+    close(o, want_o, 1e-5)
+    close(s, want_s, 1e-5)
+    # each sequence alone gives the same outputs and final state as inside the pack
+    for n in (0, 2):
+        a0, a1 = int(cu[n]), int(cu[n + 1])
+        one = {kk: (vv[:, a0:a1] if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv) for kk, vv in a.items()}
+        one["initial_state"] = a["initial_state"][n:n + 1]
+        o1, s1 = KPRE.kda_prefill(**one)
+        torch.testing.assert_close(o1, o[:, a0:a1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s1, s[n:n + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_state_continuation():
+    a = make_prefill(1, 70, 2, D, _gen())
+    o, s = KPRE.kda_prefill(**a)
+    first = {kk: (vv[:, :30] if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv) for kk, vv in a.items()}
+    rest = {kk: (vv[:, 30:] if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv) for kk, vv in a.items()}
+    o1, s1 = KPRE.kda_prefill(**first)
+    o2, s2 = KPRE.kda_prefill(**rest, initial_state=s1)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s2, s, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ci", range(3))
+def test_short_conv_every_config(ci):
+    cands = tune.configs(KC.CONV)
+    if ci >= len(cands):
+        pytest.skip("fewer conv configs on this backend")
+    gen = _gen()
+    Cn = 40
+    x = torch.randn(1, 12, Cn, generator=gen).to(DEV)
+    w = torch.randn(Cn, 1, 4, generator=gen).to(DEV)
+    st = torch.randn(4, Cn, 3, generator=gen).to(DEV)
+    cu = torch.tensor([0, 1, 2, 9, 12], dtype=torch.int32, device=DEV)
+    y, f = KCONV.short_conv(x, w, st, cu, config=cands[ci])
+    y0, f0 = O.short_conv(x, w, st, cu)
+    close(y, y0, 1e-6)
+    assert torch.equal(f, f0)
+    y, f = KCONV.short_conv(x.reshape(3, 4, Cn).to(torch.float16), w, config=cands[ci])
+    y0, f0 = O.short_conv(x.reshape(3, 4, Cn).to(torch.float16), w)
+    close(y, y0, 1e-3)
+    assert torch.equal(f, f0)
+
+
+def _decode_setup(gen, N, S, H, Dk):
+    C = H * Dk
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    xs = [r(N, C), r(N, C), r(N, C), r(N, C) * 2, r(N, H), r(N, C)]
+    ws = tuple(r(C, 1, 4) * 0.5 for _ in range(3))
+    A_log, dt, onw = r(H) * 0.5, r(C) * 0.5, torch.rand(Dk, generator=gen).to(DEV) + 0.5
+    cp = r(S, 3, C, 3)
+    sp = r(S, H, Dk, Dk) * 0.5
+    return xs, ws, A_log, dt, onw, cp, sp
+
+
+@pytest.mark.parametrize("ci", range(4))
+def test_decode_every_config_padding(ci):
+    cands = tune.configs(KC.DECODE)
+    if ci >= len(cands):
+        pytest.skip("fewer decode configs on this backend")
+    cfg = dict(cands[ci])
+    cfg["BV"] = min(cfg.get("BV", D), D // (1 + ci % 2))
+    gen = _gen()
+    H = 2
+    xs, ws, A_log, dt, onw, cp, sp = _decode_setup(gen, 4, 6, H, D)
+    sid = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=DEV)
+    cp1, sp1 = cp.clone(), sp.clone()
+    want = O.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5)
+    got = KDEC.kda_decode(*xs, ws, A_log, dt, onw, cp1, sp1, sid, 1e-5, config=cfg)
+    close(got, want, 1e-5)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(sp1, sp, rtol=1e-5, atol=1e-5)  # untouched slots equal bit for bit
+    assert torch.equal(cp1, cp)
+
+
+def test_prefill_then_decode_equals_longer_prefill():
+    """Triton conv + prefill of T tokens, then k = 8 fused decode steps == oracle prefill of T + k."""
+    gen = _gen()
+    H, T, k_dec = 2, 21, 8
+    C = H * D
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)  # noqa: E731
+    X = [r(T + k_dec, C) for _ in range(3)]
+    dr, br, gr = r(T + k_dec, C) * 2, r(T + k_dec, H), r(T + k_dec, C)
+    ws = tuple(r(C, 1, 4) * 0.5 for _ in range(3))
+    A_log, dt, onw = r(H) * 0.5, r(C) * 0.5, torch.rand(D, generator=gen).to(DEV) + 0.5
+    # oracle: everything as one prefill
+    cv = [O.short_conv(x[None], w)[0].view(1, T + k_dec, H, D) for x, w in zip(X, ws)]
+    o_ref, s_ref = O.kda_prefill(*cv, dr[None], br[None], A_log, dt)
+    want = O.kda_gated_norm(o_ref[0, T:], gr[T:], onw, 1e-5)
+    # ours: Triton conv + prefill for T, pools in slot 1, then 8 decode steps
+    cp = torch.zeros(3, 3, C, 3, device=DEV)
+    sp = torch.zeros(3, H, D, D, device=DEV)
+    cvt = []
+    for i, (x, w) in enumerate(zip(X, ws)):
+        y, f = KCONV.short_conv(x[None, :T], w)
+        cvt.append(y.view(1, T, H, D))
+        cp[1, i] = f[0]
+    _, s_T = KPRE.kda_prefill(*cvt, dr[None, :T], br[None, :T], A_log, dt)
+    sp[1] = s_T[0]
+    sid = torch.tensor([1], dtype=torch.int32, device=DEV)
+    outs = []
+    for t in range(T, T + k_dec):
+        sl = slice(t, t + 1)
+        outs.append(KDEC.kda_decode(X[0][sl], X[1][sl], X[2][sl], dr[sl], br[sl], gr[sl], ws, A_log, dt, onw,
+                                    cp, sp, sid, 1e-5))
+    close(torch.cat(outs), want, 1e-5)
+    close(sp[1], s_ref[0], 1e-5)

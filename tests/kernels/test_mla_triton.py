@@ -1,0 +1,198 @@
+"""Triton MLA kernels against the fp32 oracle (k3rocm.model.mla) at small sizes.
+
+Without a GPU the kernels run in the Triton interpreter with fp32 inputs (``tl.dot`` on bf16 is wrong
+there): the module fixture sets ``TRITON_INTERPRET=1`` for this module only (the kernels switch at launch). Outputs are poisoned (NaN) before each call so unwritten elements fail. Large sizes,
+bf16/FP8 and 20 repeats per config are in ``tests/kernels/test_mla_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+from k3rocm.errors import ConfigError
+from k3rocm.model import mla as M
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(atol=2e-5, rtol=2e-5) if DEV == "cpu" else dict(atol=5e-3, rtol=5e-3)  # tf32 dots on GPU
+DN, DR, DV, R = 32, 16, 32, 32  # k3-tiny MLA dims (K3_FACTS: 128/64/128/512)
+
+
+@pytest.fixture(scope="module")
+def K():
+    """(prefill module, decode module). Without a GPU, ``TRITON_INTERPRET=1`` is set for this module's tests
+    only: the kernels are compiled-mode objects and switch to the interpreter at launch time."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if DEV == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield [importlib.import_module(m) for m in ("k3rocm.kernels.mla.prefill", "k3rocm.kernels.mla.decode")]
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def _cfgs(table):
+    return table["cuda" if DEV == "cuda" else "interpreter"]
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def _prefill_inputs(lq, lk, H, g):
+    q = torch.randn(sum(lq), H, DN + DR, generator=g)
+    return (q, torch.randn(sum(lk), H, DN, generator=g), torch.randn(sum(lk), DR, generator=g),
+            torch.randn(sum(lk), H, DV, generator=g), torch.randn(sum(lq), H * DV, generator=g))
+
+
+@pytest.mark.parametrize("lq,lk", [
+    ([1, 15, 16, 17], [1, 15, 16, 17]),        # around the 16-row block boundary
+    ([31, 32, 33], [31, 32, 33]),              # around the 32-row block boundary
+    ([5, 16, 1], [21, 48, 33]),                # chunked prefill: a chunk after cached context
+    ([0, 7], [4, 7]),                          # a sequence with no queries in the batch
+])
+def test_prefill_every_config(K, lq, lk):
+    P, _ = K
+    g = torch.Generator().manual_seed(sum(lq) * 7 + sum(lk))
+    H = 2
+    q, kn, kr, v, gate = _prefill_inputs(lq, lk, H, g)
+    scale = (DN + DR) ** -0.5
+    for use_gate in (False, True):
+        ref = M.mla_prefill(q, kn, kr, v, _cu(lq), _cu(lk), scale, gate=gate if use_gate else None)
+        for cfg in _cfgs(P.PREFILL_CONFIGS):
+            out = torch.full((sum(lq), H, DV), float("nan"), device=DEV)
+            o = P.mla_prefill(q.to(DEV), kn.to(DEV), kr.to(DEV), v.to(DEV), _cu(lq).to(DEV), _cu(lk).to(DEV), scale,
+                              gate=gate.to(DEV) if use_gate else None, out=out, config=cfg)
+            torch.testing.assert_close(o.cpu(), ref, **TOL)
+
+
+def test_prefill_deterministic_and_errors(K):
+    P, _ = K
+    g = torch.Generator().manual_seed(3)
+    q, kn, kr, v, _ = _prefill_inputs([20], [20], 1, g)
+    args = [t.to(DEV) for t in (q, kn, kr, v)] + [_cu([20]).to(DEV), _cu([20]).to(DEV), 0.1]
+    for cfg in _cfgs(P.PREFILL_CONFIGS):
+        a = P.mla_prefill(*args, config=cfg)
+        b = P.mla_prefill(*args, config=cfg)
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError):
+        P.mla_prefill(q[..., :-1].to(DEV), *args[1:])
+    with pytest.raises(ConfigError):  # head dims must be powers of two for the kernel
+        P.mla_prefill(torch.zeros(4, 1, 24 + 16, device=DEV), torch.zeros(4, 1, 24, device=DEV),
+                      torch.zeros(4, 16, device=DEV), torch.zeros(4, 1, 32, device=DEV), _cu([4]).to(DEV),
+                      _cu([4]).to(DEV), 0.1)
+
+
+def _paged(lens, page, g):
+    nblk = sum(math.ceil(L / page) for L in lens) + 2
+    perm = torch.randperm(nblk, generator=g)
+    bt = torch.zeros(len(lens), max(1, max(math.ceil(L / page) for L in lens)), dtype=torch.int32)
+    i, slots = 0, []
+    for n, L in enumerate(lens):
+        for b in range(math.ceil(L / page)):
+            bt[n, b] = perm[i]
+            i += 1
+        slots += [int(bt[n, p // page]) * page + p % page for p in range(L)]
+    return nblk, bt, torch.tensor(slots, dtype=torch.int64)
+
+
+def test_cache_write_matches_oracle(K):
+    _, D = K
+    g = torch.Generator().manual_seed(4)
+    nblk, bt, slots = _paged([5, 19], 8, g)
+    sm = torch.cat([slots, torch.tensor([-1])])[torch.randperm(slots.numel() + 1, generator=g)]
+    lat, kr = torch.randn(sm.numel(), R, generator=g), torch.randn(sm.numel(), DR, generator=g)
+    ref = torch.full((nblk, 8, R + DR), float("nan"))
+    M.mla_cache_write(ref, sm, lat, kr)
+    got = torch.full((nblk, 8, R + DR), float("nan"), device=DEV)
+    D.mla_cache_write(got, sm.to(DEV), lat.to(DEV), kr.to(DEV))
+    assert torch.equal(got.cpu().nan_to_num(123.0), ref.nan_to_num(123.0))
+
+
+@pytest.mark.parametrize("H", [8, 12, 24, 96])
+@pytest.mark.parametrize("Tq", [1, 2])
+def test_decode_heads_and_lengths(K, H, Tq):
+    """Heads per rank {8,12,24,96}; mixed contexts (1, 23, 70, a padding row) in one batch; forced splits."""
+    _, D = K
+    g = torch.Generator().manual_seed(H * 10 + Tq)
+    lens = [max(1, Tq), 23, 70, 0]
+    page = 16
+    nblk, bt, slots = _paged(lens, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    lat, kr = torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g)
+    M.mla_cache_write(cache, slots, lat, kr)
+    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
+    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    qn, qr = torch.randn(4, Tq, H, DN, generator=g), torch.randn(4, Tq, H, DR, generator=g)
+    gate = torch.randn(4, Tq, H * DV, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    scale = (DN + DR) ** -0.5
+    ref = M.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, scale, gate=gate)
+    cfgs = _cfgs(D.DECODE_CONFIGS)
+    for cfg, splits in ((cfgs[0], None), (cfgs[-1], 3)):
+        out = torch.full((4, Tq, H, DV), float("nan"), device=DEV)
+        o = D.mla_decode(qn.to(DEV), qr.to(DEV), cache.to(DEV), bt.to(DEV), cl.to(DEV), w_kc.to(DEV), w_vc.to(DEV),
+                         scale, gate=gate.to(DEV), out=out, config=cfg, num_splits=splits)
+        torch.testing.assert_close(o.cpu(), ref, **TOL)
+        assert torch.equal(o[3].cpu(), torch.zeros_like(o[3].cpu()))  # padding row (context 0)
+
+
+def test_decode_after_prefill_equals_prefill_of_longer_sequence(K):
+    """Prefill L tokens (kernel), write their latents (kernel), decode token L+1 (kernel) == prefill of L+1."""
+    P, D = K
+    g = torch.Generator().manual_seed(11)
+    H, L, page = 4, 37, 16
+    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
+    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    lat, kr = torch.randn(L + 1, R, generator=g), torch.randn(L + 1, DR, generator=g)
+    q = torch.randn(L + 1, H, DN + DR, generator=g)
+    kn = torch.einsum("hdr,tr->thd", w_kc, lat)
+    v = torch.einsum("hrv,tr->thv", w_vc, lat)
+    scale = (DN + DR) ** -0.5
+    full = P.mla_prefill(q.to(DEV), kn.to(DEV), kr.to(DEV), v.to(DEV), _cu([L + 1]).to(DEV), _cu([L + 1]).to(DEV),
+                         scale)
+    nblk, bt, slots = _paged([L + 1], page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"), device=DEV)
+    D.mla_cache_write(cache, slots.to(DEV), lat.to(DEV), kr.to(DEV))
+    o = D.mla_decode(q[L:, None, :, :DN].to(DEV), q[L:, None, :, DN:].to(DEV), cache, bt.to(DEV),
+                     torch.tensor([L + 1], dtype=torch.int32, device=DEV), w_kc.to(DEV), w_vc.to(DEV), scale)
+    torch.testing.assert_close(o[0, 0].cpu(), full[L].cpu(), **TOL)
+
+
+def test_split_plan_bounds(K):
+    _, D = K
+    s, c = D.num_splits_for(131072, 131072 + 255, 256, 96, 512, 132)
+    assert s * c >= 131072 and c % 64 == 0
+    assert s * 256 * 96 * 512 * 4 <= D.PARTIAL_BUDGET
+    s1, c1 = D.num_splits_for(1, 1, 1, 12, 512, 132)
+    assert s1 == 1 and c1 >= 1
+
+
+def test_chunked_prefill_from_latent_cache(K):
+    """Chunks after context in the paged cache (expanded through kv_b) == prefill of the whole sequences."""
+    P, D = K
+    g = torch.Generator().manual_seed(12)
+    H, page = 2, 16
+    cached, chunk = [17, 0, 32], [16, 9, 1]
+    total = [a + b for a, b in zip(cached, chunk)]
+    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
+    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    lat, kr = torch.randn(sum(total), R, generator=g), torch.randn(sum(total), DR, generator=g)
+    q = torch.randn(sum(total), H, DN + DR, generator=g)
+    kn = torch.einsum("hdr,tr->thd", w_kc, lat)
+    v = torch.einsum("hrv,tr->thv", w_vc, lat)
+    scale = (DN + DR) ** -0.5
+    full = M.mla_prefill(q, kn, kr, v, _cu(total), _cu(total), scale)
+    nblk, bt, slots = _paged(total, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    M.mla_cache_write(cache, slots, lat, kr)  # the whole sequences; only the first `cached` rows are read
+    starts = _cu(total).tolist()
+    sel = torch.cat([torch.arange(s + c, s + c + k) for s, c, k in zip(starts, cached, chunk)])
+    o = P.mla_prefill_chunked(q[sel].to(DEV), kn[sel].to(DEV), kr[sel].to(DEV), v[sel].to(DEV), _cu(chunk).to(DEV),
+                              cache.to(DEV), bt.to(DEV), cached, w_kc.to(DEV), w_vc.to(DEV), scale)
+    torch.testing.assert_close(o.cpu(), full[sel], **TOL)

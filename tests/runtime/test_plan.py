@@ -1,0 +1,239 @@
+"""Placement plan (k3rocm.runtime.plan): official K3 numbers, refusals, per-rank slices."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from k3rocm.checkpoint import layout
+from k3rocm.cli.main import cli
+from k3rocm.config import preset
+from k3rocm.errors import ConfigError, PlanError
+from k3rocm.profiles import load_profile
+from k3rocm.runtime.plan import PARTS, classify, plan, valid_layouts
+from k3rocm.sizing import StepRoofline
+
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return preset("k3")
+
+
+@pytest.fixture(scope="module")
+def mi355(k3):
+    return plan(k3, load_profile("mi355x-8"))
+
+
+def test_official_k3_fits_mi355x_tp8(k3, mi355):
+    p = mi355
+    assert (p.tp, p.ep, p.world, p.experts_per_rank) == (8, 8, 8, 112)
+    assert p.heads_per_rank == {"kda": 12, "mla": 12}
+    assert p.fits and p.problem is None
+    # K3_FACTS section 7: ~195 GB/GPU of weights (packed MXFP4) = checkpoint / 8. Ours replicates the router
+    # and the latent down/up projections on every rank (as the engines do): at least 92 x 2 x 3584 x 7168 x 2 B.
+    latent = 92 * 2 * 3584 * 7168 * 2
+    router = 92 * (896 * 7168 * 2 + 896 * 4)
+    assert p.ranks[0].bytes_by_part["replicated"] >= latent + router
+    sharded = (layout.counts(k3)["bytes"] - p.ranks[0].bytes_by_part["replicated"]) / 8
+    assert abs(p.weights_bytes - sharded - p.ranks[0].bytes_by_part["replicated"]) < 0.01 * GB
+    assert 195 * GB < p.weights_bytes < 206 * GB
+    c = layout.counts(k3)
+    # experts exactly 1/8 of the routed-expert bytes on every rank
+    assert p.bytes_by_part["experts"] * 8 == c["bytes_expert"]
+    # split parts sum to the trunk: sum over ranks of split parts + one copy of replicated == trunk bytes
+    split = sum(sum(r.bytes_by_part[k] for k in PARTS if k not in ("experts", "replicated")) for r in p.ranks)
+    # (A_log is stored [128] but only its first 96 entries — one per head — are placed)
+    unused_alog = k3.num_kda_layers * (k3.kda_head_dim - k3.kda_num_heads) * 4
+    assert split + p.ranks[0].bytes_by_part["replicated"] + unused_alog == c["bytes_trunk"]
+    # cache: 24 MLA layers x 576 values x 2 B = 27,648 B/token; KDA 69 x 12 heads x 128 x 128 x 4 B + conv
+    assert p.cache.mla_bytes_per_token == 24 * 576 * 2 == 27648
+    assert p.cache.kda_state_bytes_per_seq == 69 * (12 * 128 * 128 * 4 + 3 * 12 * 128 * 3 * 4)
+    assert p.cache.budget_bytes == (p.usable_bytes - p.weights_bytes - p.workspace_reserve_bytes
+                                    - p.activation_reserve_bytes)
+    assert p.cache.budget_bytes > 30 * GB
+    assert p.cache.max_tokens == p.cache.budget_bytes // 27648
+    per_seq = p.cache.context_len * 27648 + p.cache.kda_state_bytes_per_seq
+    assert p.cache.max_sequences == p.cache.budget_bytes // per_seq > 64
+    d = p.to_dict()
+    assert d["fits"] and d["weights_bytes_per_gpu"] == p.weights_bytes and len(d["ranks"]) == 8
+    rows = p.summary()
+    assert any(r["item"] == "weights per GPU" and r["bytes"] == p.weights_bytes for r in rows)
+
+
+def test_official_plan_is_fast(k3):
+    t = time.perf_counter()
+    p = plan(k3, load_profile("mi355x-8"), max_tokens=4096)
+    assert time.perf_counter() - t < 10
+    assert p.activation_reserve_bytes > 0
+
+
+@pytest.mark.parametrize("name", ["h200-8", "mi300x-8", "h100-8"])
+def test_official_k3_does_not_fit(k3, name):
+    prof = load_profile(name)
+    with pytest.raises(PlanError) as ei:
+        plan(k3, prof)
+    msg = str(ei.value)
+    assert "\n" not in msg and "does not fit" in msg and name in msg
+    assert f"{prof.usable_bytes / GB:.1f} GB usable" in msg and "try" in msg
+    p = plan(k3, prof, strict=False)
+    assert not p.fits and p.problem == msg and p.needed_bytes > p.usable_bytes
+
+
+def test_tp4_does_not_fit(k3):
+    with pytest.raises(PlanError, match=r"tp=4/ep=4.*does not fit|does not fit.*tp=4/ep=4"):
+        plan(k3, load_profile("mi355x-8"), tp=4, ep=4)
+
+
+def test_no_fp4_hardware_is_noted(k3):
+    p = plan(k3, load_profile("mi325x-8"), strict=False)
+    assert any("no MXFP4 hardware" in n for n in p.notes)
+
+
+def test_non_divisible_heads_and_experts():
+    cfg = preset("k3-tiny")  # 4 KDA heads, 4 MLA heads, 16 experts
+    cpu = load_profile("cpu")
+    with pytest.raises(PlanError, match="KDA heads are not divisible by tp=3"):
+        plan(cfg, cpu, tp=3, ep=1)
+    big = replace(load_profile("mi355x-8"))
+    with pytest.raises(PlanError, match="MLA heads"):
+        plan(replace(cfg, kda_num_heads=6), big, tp=6, ep=6)
+    with pytest.raises(PlanError, match="routed experts are not divisible by ep=8"):
+        plan(replace(cfg, num_experts=12, kda_num_heads=8, num_attention_heads=8), big, tp=8, ep=8)
+    with pytest.raises(PlanError, match="must divide tp"):
+        plan(cfg, cpu, tp=4, ep=3)
+    with pytest.raises(PlanError, match="needs 16 GPUs"):
+        plan(preset("k3"), big, tp=16, ep=16)
+
+
+def test_mxfp4_group_split_refused():
+    cfg = preset("k3-tiny")  # expert intermediate 64: etp 2 -> 32 ok, etp 4 -> 16 splits a scale group
+    cpu = load_profile("cpu")
+    p = plan(cfg, cpu, tp=2, ep=1)
+    assert p.etp == 2
+    with pytest.raises(PlanError, match="MXFP4 scale groups"):
+        plan(cfg, cpu, tp=4, ep=1)
+
+
+def test_tiny_slices_cover_every_tensor_exactly(tiny_cfg):
+    """Every checkpoint tensor is covered by the ranks: split ones exactly once, replicated on all."""
+    cpu = load_profile("cpu")
+    for tp, ep in ((1, 1), (2, 2), (2, 1), (4, 4)):
+        p = plan(tiny_cfg, cpu, tp=tp, ep=ep)
+        cover: dict[str, list] = {}
+        for r in p.ranks:
+            total = 0
+            for name, sl in r.tensors.items():
+                cover.setdefault(name, []).append(sl)
+                total += sl.nbytes
+            assert total == r.weights_bytes and len(r.tensors) == r.num_tensors
+        specs = {s.name: s for s in layout.iter_specs(tiny_cfg)}
+        assert set(cover) == set(specs)
+        for name, sls in cover.items():
+            part, dim, group = classify(name)
+            if sls[0].dim is None:
+                n_expected = tp if part != "experts" else tp // ep
+                assert len(sls) == n_expected, name
+                continue
+            # the pieces tile the split dimension without gaps or overlaps (within one EP group for experts)
+            groups = {}
+            for sl in sls:
+                groups.setdefault((sl.start, sl.stop), 0)
+                groups[(sl.start, sl.stop)] += 1
+            ivs = sorted(groups)
+            size = sls[0].shape[sls[0].dim] if not name.endswith("A_log") else tiny_cfg.kda_num_heads
+            assert ivs[0][0] == 0 and ivs[-1][1] == size, name
+            assert all(a[1] == b[0] for a, b in zip(ivs, ivs[1:])), name
+
+
+def test_slice_byte_ranges(tiny_cfg):
+    p = plan(tiny_cfg, load_profile("cpu"), tp=2, ep=2)
+    r1 = p.ranks[1]
+    o = r1.tensors["language_model.model.layers.0.self_attn.o_proj.weight"]  # [128, 128] bf16, column split
+    assert (o.dim, o.start, o.stop, o.local_shape) == (1, 64, 128, (128, 64))
+    rng = o.byte_ranges(1000)
+    assert len(rng) == 128 and rng[0] == (1000 + 128, 1000 + 256) and rng[1][0] - rng[0][0] == 256
+    q = r1.tensors["language_model.model.layers.0.self_attn.q_proj.weight"]  # row split: one run
+    assert q.byte_ranges(0) == [(64 * 128 * 2, 128 * 128 * 2)]
+    a = r1.tensors["language_model.model.layers.0.self_attn.A_log"]  # [32] stored, 4 heads used
+    assert (a.start, a.stop) == (2, 4)
+    assert r1.expert_first == 8 and r1.expert_stop == 16
+    names = list(r1.tensors.layer(1))
+    assert any(".experts.8." in n for n in names) and not any(".experts.7." in n for n in names)
+    with pytest.raises(PlanError):
+        r1.expert_slices(1, 3)
+
+
+def test_roofline(k3, mi355):
+    rf = mi355.roofline
+    s1 = rf.decode(1, 1024)
+    s64 = rf.decode(64, 1024)
+    assert s1["bound"] == "memory" and s1["floor_s"] == s1["t_memory_s"]
+    # batch 1: 16 experts/layer touched node-wide -> 16/8 per rank on average
+    assert rf.experts_touched(1) == pytest.approx(16)
+    assert rf.experts_touched(10**6) == pytest.approx(896)
+    assert s64["bytes"] > s1["bytes"] and s64["flops"] == pytest.approx(64 * s1["flops"])
+    one_expert = sum(s.nbytes for s in layout.expert_specs(k3, 1, 0))
+    assert one_expert == 17_547_264 and rf.expert_bytes == one_expert
+    want = rf.trunk_bytes + rf.embed_row_bytes + 92 * 16 / 8 * one_expert + 1025 * 27_648 + 2 * rf.kda_slot_bytes
+    assert s1["bytes"] == int(want)
+    act = layout.counts(k3)["params_activated"]
+    # node-wide batch-1 weight bytes ~ activated trunk bf16 + 16 packed experts per layer
+    node = StepRoofline.from_config(k3, rf.bandwidth, rf.peak_flops)
+    assert 0.1 * act < node.trunk_bytes + 92 * node.experts_touched(1) * node.expert_bytes < 2 * act
+    assert mi355.to_dict()["roofline"]["step_b1_ctx1k"]["bytes"] == s1["bytes"]
+
+
+def test_default_tp_falls_back_to_a_divisor(tiny_cfg):
+    p = plan(tiny_cfg, load_profile("mi355x-8"))  # 4 heads cannot split 8 ways
+    assert (p.tp, p.ep) == (4, 4) and any("tp reduced" in n for n in p.notes)
+    with pytest.raises(PlanError, match="not divisible by tp=8"):
+        plan(tiny_cfg, load_profile("mi355x-8"), tp=8)
+
+
+def test_layout_hint_lists_only_layouts_that_work():
+    """A refused tp names the (tp, ep) layouts that pass every layout check on that profile, and no other."""
+    cfg, prof = preset("k3"), load_profile("mi355x-8")
+    with pytest.raises(PlanError) as e:
+        plan(cfg, prof, tp=7, ep=7)
+    named = [(int(t), int(p)) for t, p in re.findall(r"tp=(\d+)/ep=(\d+)", str(e.value))]
+    assert named == valid_layouts(cfg, prof) and (8, 8) in named and all(t in (1, 2, 4, 8) for t, _ in named)
+    for t, p in named:
+        plan(cfg, prof, tp=t, ep=p, strict=False)  # each one plans (fit aside)
+
+
+def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path):
+    """A model that does not fit one node is refused with a tp/ep suggestion and how to plan it: a profile
+    file (a shipped profile with another device count) given to --profile, which then plans that layout."""
+    from k3rocm.runtime.plan import plan
+
+    with pytest.raises(PlanError) as ei:
+        plan(preset("k3"), load_profile("mi300x-8"))
+    msg = str(ei.value)
+    assert "tp=16/ep=16" in msg and "--profile FILE.toml" in msg and "count = 16" in msg
+    src = Path(__file__).resolve().parents[2] / "hwprofiles" / "mi300x-8.toml"
+    f = tmp_path / "mi300x-16.toml"
+    f.write_text(src.read_text().replace("\ncount = 8", "\ncount = 16", 1))
+    prof = load_profile(str(f))
+    assert prof.device_count == 16 and prof.name == str(f.resolve())  # a file is named by its path
+    p = plan(preset("k3"), prof, tp=16, ep=16)
+    assert p.fits and p.experts_per_rank == 896 // 16
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(str(tmp_path / "nope.toml"))
+    (tmp_path / "bad.toml").write_text("[device\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_profile(str(tmp_path / "bad.toml"))
+
+
+def test_plan_context_len_beyond_the_model_is_refused():
+    """--context-len above max_position_embeddings is one line, exit 2 (it planned a cache the model cannot use)."""
+    r = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", str(10**8)])
+    assert r.exit_code == 2 and "max_position_embeddings" in r.stderr and "Traceback" not in r.output
+    ok = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", "4096"])
+    assert ok.exit_code == 0, ok.output
