@@ -188,7 +188,7 @@ def write_stages(session, stages) -> Path:
     from k3rocm.validation.evidence import load_report, reproduction_block
     from k3rocm.validation.render import write_report
     from k3rocm.validation.session import require_dir_for_output
-    from k3rocm.validation.tiers import THRESHOLDS
+    from k3rocm.validation.tiers.thresholds import THRESHOLDS
 
     out = require_dir_for_output(session.opts.out)
     cfg_hash = ckpt = dev = prof = None

@@ -167,7 +167,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     throughput against concurrency.
     """
     from k3rocm.validation.evidence import Stage
-    from k3rocm.validation.tiers import bench_rows, run_bench_point
+    from k3rocm.validation.tiers.performance import bench_rows, run_bench_point
     # every refusal that needs no checkpoint comes first: a run that cannot happen creates nothing
     cs_given = parse_concurrency(concurrency) if concurrency is not None else None
     _check_bench_options(input_len, output_len, num_prompts, range_ratio, warmups, endpoint, model_name,
@@ -292,7 +292,7 @@ def _bench_endpoint(s, endpoint, model_name, checkpoint, cs, il, ol, num_prompts
     from k3rocm.config import preset
     from k3rocm.errors import HardwareError
     from k3rocm.validation.evidence import Stage, info
-    from k3rocm.validation.tiers import bench_rows
+    from k3rocm.validation.tiers.performance import bench_rows
     n_gpus, source = gpus
     cfg = s.config if checkpoint else preset("k3")
     client = OpenAIClient(endpoint, model=model_name, vocab_size=cfg.vocab_size,
