@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,25 @@ from k3rocm.runtime.load import load_checkpoint
 from k3rocm.runtime.plan import plan
 
 
+@dataclass(frozen=True)
+class EndpointTarget:
+    """The OpenAI-compatible server a ``bench --endpoint`` run measured, as the report's header names it.
+
+    Attributes:
+        url: the ``--endpoint`` URL.
+        gpus: GPUs serving it (the divisor of its tok/s/GPU figures).
+        gpus_source: where ``gpus`` comes from (``--endpoint-gpus`` or the device count of ``--profile``).
+    """
+
+    url: str
+    gpus: int
+    gpus_source: str
+
+    def to_dict(self) -> dict:
+        """``{"url", "gpus", "gpus_source"}`` (the report's ``endpoint`` block)."""
+        return {"url": self.url, "gpus": self.gpus, "gpus_source": self.gpus_source}
+
+
 @dataclass
 class Options:
     """Options common to every command (see ``k3rocm --help``).
@@ -48,6 +67,8 @@ class Options:
         golden: optional external golden file (safetensors) for the correctness tier.
         debug: show tracebacks.
         command: the command line, for the report.
+        endpoint: the server a ``bench --endpoint`` run measured, set by that run once its points ran (the
+            report's header then says what was measured: the server, not this machine or the checkpoint).
     """
 
     checkpoint: str | None = None
@@ -58,7 +79,7 @@ class Options:
     golden: str | None = None
     debug: bool = False
     command: str = ""
-    extra: dict = field(default_factory=dict)
+    endpoint: EndpointTarget | None = None
 
 
 class Session:
@@ -181,7 +202,7 @@ class Session:
     def placement(self):
         """``k3rocm.runtime.plan.plan(config, profile)`` (PlanError when it does not fit)."""
         def build():
-            return plan(self.config, self.profile, **self.opts.extra.get("plan_kwargs", {}))
+            return plan(self.config, self.profile)
         return self._memo("placement", build)
 
     @property
