@@ -136,8 +136,8 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.enabled and self.tty:
-            self._p = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                         console=console(stderr=True), transient=True)
+            self._p = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), console=console(stderr=True), transient=True)
             self._p.__enter__()
         return self
 
