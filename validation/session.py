@@ -212,8 +212,16 @@ class Session:
         def build():
             if self.hardware_matches:
                 return self.placement
-            return plan(self.config, match_profile(self.detected))
+            return plan(self.config, self.run_profile)
         return self._memo("run_placement", build)
+
+    @property
+    def run_profile(self):
+        """The profile of the hardware measurements are taken on: the profile itself on its hardware, else the
+        shipped profile matching the hardware detected here."""
+        if self.hardware_matches:
+            return self.profile
+        return self._memo("run_profile", lambda: match_profile(self.detected))
 
     def load(self, progress=None):
         """Stream the checkpoint with :func:`k3rocm.runtime.load.load_checkpoint` onto :attr:`device` with the

@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 
 from k3rocm.bench import run_bench
+from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.bench.roofline import StepRoofline
-from k3rocm.hw import match_profile
 from k3rocm.validation.evidence import Stage, check, info
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.env import figure_kind
@@ -24,8 +24,8 @@ def tier_performance(session: Session, stage: Stage, progress: Callable | None =
 
 
 def run_bench_point(session: Session, *, concurrency: int, input_len: int, output_len: int,
-                    num_prompts: int | None = None, range_ratio: float = 0.8, warmups: int | None = None,
-                    progress: Callable | None = None) -> dict:
+                    num_prompts: int | None = None, range_ratio: float = DEFAULT_RANGE_RATIO,
+                    warmups: int | None = None, progress: Callable | None = None) -> dict:
     """One benchmark point through :func:`k3rocm.bench.run_bench` on an engine sized for it.
 
     The roofline model is :class:`k3rocm.bench.roofline.StepRoofline` with the ceilings of the hardware
@@ -35,7 +35,7 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     ``fraction``) when the ceilings are known.
     """
     eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1)
-    prof = _run_profile(session)
+    prof = session.run_profile
     roof = None
     bw, peak = float(prof.hbm_bandwidth or 0), float(prof.peak("bf16") or 0)
     if bw > 0 and peak > 0:
@@ -52,13 +52,6 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
                               "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
     return d
-
-
-def _run_profile(session: Session):
-    """The profile of the hardware measurements are taken on (the profile itself on its hardware)."""
-    if session.hardware_matches:
-        return session.profile
-    return match_profile(session.detected)
 
 
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
