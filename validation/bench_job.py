@@ -186,9 +186,9 @@ def resolve_points(session: Session, bench: BenchOptions) -> BenchPoints:
     return BenchPoints(cs, il, ol)
 
 
-def check_capacity(session: Session, concurrencies: list[int], input_len: int, output_len: int,
-                   num_prompts: int | None) -> None:
-    """Refuse, before any memory is taken, a load the plan's cache cannot hold.
+def check_capacity(session: Session, concurrencies: list[int], input_len: int, output_len: int) -> None:
+    """Refuse, before any memory is taken, a load the plan's cache cannot hold (the counts were checked by
+    :func:`check_options`).
 
     Per sequence the engine keeps ``(input_len + output_len)`` tokens of MLA latent cache plus one KDA state
     (``Placement.cache``: ``mla_bytes_per_token``, ``kda_state_bytes_per_seq``); ``concurrency`` sequences must
@@ -197,8 +197,6 @@ def check_capacity(session: Session, concurrencies: list[int], input_len: int, o
     Raises:
         ConfigError: the numbers, and what to lower.
     """
-    if num_prompts is not None and num_prompts > MAX_PROMPTS:
-        raise ConfigError(f"--num-prompts {num_prompts} is more than {MAX_PROMPTS:,}; run several benchmarks")
     text = session.config.raw.get("text_config", session.config.raw)
     max_pos = int(text.get("max_position_embeddings") or 0)
     L = input_len + output_len
@@ -227,7 +225,7 @@ def run_bench_job(session: Session, bench: BenchOptions, gpus: tuple[int, str] |
     """
     pts = resolve_points(session, bench)
     if bench.endpoint is None:
-        check_capacity(session, pts.concurrencies, pts.input_len, pts.output_len, bench.num_prompts)
+        check_capacity(session, pts.concurrencies, pts.input_len, pts.output_len)
         body = _engine_body(session, bench, pts, bar)
     else:
         body = _endpoint_body(session, bench, pts, gpus, bar)
