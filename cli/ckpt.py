@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import click
+from rich.table import Table
 
+from k3rocm.checkpoint import layout
+from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, verify_manifest
+from k3rocm.checkpoint.writer import write_checkpoint
 from k3rocm.cli.common import Progress, console, debug_option, handle_errors
+from k3rocm.config import preset as make_preset
 from k3rocm.errors import CheckpointError
+from k3rocm.validation.evidence import shard_fingerprints
+from k3rocm.validation.session import Options, Session
 
 GB = 1e9
 
@@ -38,14 +47,11 @@ Examples:
 @handle_errors
 def make_cmd(preset, out, seed, shards, manifest, expert_init, debug):
     """Write a deterministic random-weight checkpoint in the released on-disk layout."""
-    from k3rocm.config import preset as make_preset
     _check_out_dir(out)
     cfg = make_preset(preset)
-    from k3rocm.checkpoint.verify import make_manifest
-    from k3rocm.checkpoint.writer import write_checkpoint as write
     with Progress() as bar:
         cb = bar.callback(f"writing {preset}")
-        path = write(cfg, out, seed=seed, num_shards=shards, progress=lambda done, total, *_: cb(done, total),
+        path = write_checkpoint(cfg, out, seed=seed, num_shards=shards, progress=lambda done, total, *_: cb(done, total),
                      expert_init=expert_init)
     if manifest:
         make_manifest(path)
@@ -67,9 +73,6 @@ def _check_out_dir(out: str) -> None:
         CheckpointError: ``out`` is empty/blank, or that location refuses a new directory (one line naming it
             and the system's reason).
     """
-    import os
-    import tempfile
-
     if not out.strip():
         raise CheckpointError("--out is empty; pass the new directory to write, e.g. --out ./k3-tiny")
     probe = Path(out).absolute().parent
@@ -96,11 +99,6 @@ Examples:
 @handle_errors
 def inspect_cmd(checkpoint, as_json, debug):
     """Validate the index and every shard header against the config's layout, and summarise it."""
-    from rich.table import Table
-
-    from k3rocm.checkpoint import layout
-    from k3rocm.checkpoint.verify import shard_fingerprints
-    from k3rocm.validation.session import Options, Session
     s = Session(Options(checkpoint=checkpoint))
     idx = s.index
     cfg = s.config
@@ -145,11 +143,8 @@ Examples:
 @handle_errors
 def verify_cmd(checkpoint, write_manifest, debug):
     """Check every file's sha256 against k3rocm-manifest.json (exit 2 naming the first mismatch)."""
-    from k3rocm.checkpoint.verify import make_manifest, verify_manifest
-    from k3rocm.validation.session import Options, Session
     s = Session(Options(checkpoint=checkpoint))
     d = s.checkpoint_dir
-    from k3rocm.checkpoint.verify import MANIFEST_NAME
     if write_manifest:
         had = (d / MANIFEST_NAME).is_file()
         mf = make_manifest(d)

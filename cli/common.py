@@ -8,23 +8,29 @@ traceback, unless ``--debug``.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
 import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from k3rocm.errors import K3Error
+from k3rocm.validation.evidence import command_line, load_report, reproduction_block
+from k3rocm.validation.render import write_report
+from k3rocm.validation.session import Options, Session, require_dir_for_output
+from k3rocm.validation.tiers.thresholds import THRESHOLDS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
 
 def console(stderr: bool = False):
     """A rich console bound to the current stdout/stderr at call time (works under click's test runner)."""
-    import os
-
-    from rich.console import Console
     stream = sys.stderr if stderr else sys.stdout
     tty = hasattr(stream, "isatty") and stream.isatty()
     # into a file or pipe: wide enough that tables are not cut (COLUMNS still wins when set)
@@ -105,12 +111,11 @@ def common_options(f):
     return f
 
 
-def make_session(checkpoint, profile, out, kernels, seed, debug, **extra):
-    """Build a :class:`k3rocm.validation.session.Session` from the common options."""
-    from k3rocm.validation.evidence import command_line
-    from k3rocm.validation.session import Options, Session
+def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None) -> Session:
+    """Build a :class:`k3rocm.validation.session.Session` from the common options (and ``validate``'s
+    ``--golden``)."""
     opts = Options(checkpoint=checkpoint, profile=profile, out=out, kernels=kernels, seed=seed, debug=debug,
-                   command=command_line(), golden=extra.pop("golden", None), extra=extra)
+                   command=command_line(), golden=golden)
     return Session(opts)
 
 
@@ -131,9 +136,8 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.enabled and self.tty:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RP, TextColumn, TimeElapsedColumn
-            self._p = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                         console=console(stderr=True), transient=True)
+            self._p = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), console=console(stderr=True), transient=True)
             self._p.__enter__()
         return self
 
@@ -161,7 +165,6 @@ class Progress:
             print(f"k3rocm: {name} ...", file=sys.stderr, flush=True)
 
     def _plain(self, description: str) -> Callable:
-        import time
         t0 = time.monotonic()
         state = {"last": -1e9, "total": None, "finished": False}
 
@@ -185,11 +188,6 @@ class Progress:
 
 def write_stages(session, stages) -> Path:
     """Merge ``stages`` into ``--out``'s report (same checkpoint config) and write json/md/html."""
-    from k3rocm.validation.evidence import load_report, reproduction_block
-    from k3rocm.validation.render import write_report
-    from k3rocm.validation.session import require_dir_for_output
-    from k3rocm.validation.tiers import THRESHOLDS
-
     out = require_dir_for_output(session.opts.out)
     cfg_hash = ckpt = dev = prof = None
     try:
@@ -216,8 +214,8 @@ def write_stages(session, stages) -> Path:
         extra["engine"] = d if isinstance(d, dict) else str(d)
     if session.opts.golden:
         extra["golden"] = str(Path(session.opts.golden).resolve())
-    if session.opts.extra.get("endpoint"):
-        extra["endpoint"] = session.opts.extra["endpoint"]
+    if session.opts.endpoint is not None:
+        extra["endpoint"] = session.opts.endpoint.to_dict()
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)
@@ -228,7 +226,6 @@ def write_stages(session, stages) -> Path:
 
 def print_stages(stages) -> None:
     """A rich table of the stages just run, then the failing rows."""
-    from rich.table import Table
     c = console()
     t = Table(title=None, show_lines=False)
     for col in ("tier", "status", "seconds", "evidence", "failures"):

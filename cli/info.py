@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 
 import click
+from rich.table import Table
 
+from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, not_empty, profile_option
-from k3rocm.errors import ConfigError, PlanError
+from k3rocm.config import preset as make_preset
+from k3rocm.errors import ConfigError, HardwareError, PlanError
+from k3rocm.hw import detect
+from k3rocm.profiles import list_profiles, load_profile, match_profile
+from k3rocm.runtime.plan import plan
+from k3rocm.validation.session import Options, Session
 
 GB = 1e9
 
@@ -30,9 +37,6 @@ Examples:
 @handle_errors
 def profiles_cmd(as_json, debug):
     """List the shipped hardware profiles (datasheet figures, sourced in each TOML file)."""
-    from rich.table import Table
-
-    from k3rocm.profiles import list_profiles, load_profile
     profs = [load_profile(n) for n in list_profiles()]
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in profs], indent=2))
@@ -62,11 +66,6 @@ def env_cmd(profile, as_json, debug):
 
     Exit 3 when --profile names hardware that is not here (the one-line error says what differs).
     """
-    from rich.table import Table
-
-    from k3rocm.errors import HardwareError
-    from k3rocm.hw import detect
-    from k3rocm.profiles import load_profile, match_profile
     det = detect()
     prof = load_profile(profile) if profile else match_profile(det)
     matches = prof.backend == "cpu" or (det.backend == prof.backend and det.arch == prof.arch
@@ -122,10 +121,6 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
 
     Exit 2 with the numbers when the checkpoint does not fit the profile.
     """
-    from k3rocm.config import preset as make_preset
-    from k3rocm.hw import detect
-    from k3rocm.profiles import load_profile, match_profile
-    from k3rocm.runtime.plan import plan
     if preset and checkpoint:
         raise ConfigError("plan: give --preset or --checkpoint, not both")
     if context_len is not None and context_len < 1:
@@ -133,8 +128,6 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     if preset:
         cfg = make_preset(preset)
     else:
-        from k3rocm.checkpoint.reader import open_checkpoint
-        from k3rocm.validation.session import Options, Session
         # the whole structural check (index, shards, headers, tensor set) — a plan of a checkpoint that cannot
         # load is no plan; the E8M0 scale scan is left to `load` (it reads ~85 GB on the real release)
         cfg = open_checkpoint(Session(Options(checkpoint=checkpoint)).checkpoint_dir, check_scales=False).config
@@ -158,8 +151,6 @@ def print_plan(pl, model_name: str, profile_name: str) -> None:
 
     Used by ``plan`` and, before anything loads, by ``load``.
     """
-    from rich.table import Table
-
     c = console()
     t = Table(title=f"plan: {model_name} on {profile_name} (tp={pl.tp}, ep={pl.ep}, {pl.experts_per_rank} "
                     f"experts/rank)")

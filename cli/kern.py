@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 
 import click
+from rich.markup import escape
+from rich.table import Table
 
 from k3rocm.cli.common import console, debug_option, handle_errors, kernels_option
+from k3rocm.errors import HardwareError
+from k3rocm.runtime import registry
+from k3rocm.kernels.isa import TARGETS, run_isa
 
 
 @click.group("kernels")
@@ -28,10 +33,6 @@ def list_cmd(kernels, debug):
     An implementation --kernels asks for that cannot run on this machine (triton without a GPU) is listed as
     unavailable with the reason, instead of failing: this command only reports (validate / bench refuse it).
     """
-    from rich.table import Table
-
-    from k3rocm.errors import HardwareError
-    from k3rocm.runtime import registry
     ov = registry.parse_override(kernels)
     t = Table(title="kernel registry")
     for col in ("op", "implementations", "selected", "note"):
@@ -62,11 +63,6 @@ def isa_cmd(targets, families, as_json, debug):
     """Compile every Triton kernel ahead of time for gfx950 / gfx942 / sm_90 (no GPU needed) and report
     matrix instructions, registers, spills and LDS. Exit 1 when a kernel fails to compile, lacks the
     expected matrix instructions or spills on AMD."""
-    from rich.table import Table
-
-    from rich.markup import escape
-
-    from k3rocm.kernels.isa import TARGETS, run_isa
     reps = run_isa(tuple(targets) or TARGETS, tuple(families) or None)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reps], indent=2))

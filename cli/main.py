@@ -7,6 +7,10 @@ in their own modules (:mod:`.run`: load/validate/bench; :mod:`.info`: profiles/e
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 import click
 
 from k3rocm.cli import ckpt, info, kern, run
@@ -50,7 +54,6 @@ class _PipeSafeStdout:
         self._dead = False
 
     def _die(self) -> None:
-        import os
         self._dead = True
         try:
             fd = os.open(os.devnull, os.O_WRONLY)
@@ -85,10 +88,6 @@ def main(argv=None) -> None:
     ``--help``, exit 2, as every other expected failure does. SIGTERM (a job scheduler, ``timeout``) ends
     the run like Ctrl-C, so temporary directories are removed on the way out.
     """
-    import os
-    import signal
-    import sys
-
     def _term(signum, frame):  # raise in the main thread: the writers' cleanup handlers run
         raise SystemExit(143)
 

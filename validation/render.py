@@ -14,6 +14,8 @@ import io
 import json
 import math
 import os
+import re
+import tempfile
 from pathlib import Path
 
 from k3rocm.validation.evidence import LEVELS, Report, atomic_write
@@ -90,10 +92,9 @@ def _svg(fig) -> str:
     figures inlined in one page would repeat ids (invalid HTML, and a clip path could resolve to another
     figure's), so each figure's ids and references get their own prefix.
     """
-    import re
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # loaded by _series_svg already (see there why it is imported late)
     plt.close(fig)
     s = buf.getvalue()
     i = s.find("<svg")
@@ -112,9 +113,10 @@ def _series_svg(name: str, spec: dict) -> str | None:
     a bare environment) the plot becomes a one-line note instead of failing the report."""
     if "MPLCONFIGDIR" not in os.environ and not os.access(os.path.expanduser("~"), os.W_OK):
         # a read-only HOME (service accounts): keep matplotlib's font cache quiet and out of the output
-        import tempfile
         os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="k3rocm-mpl-")
     try:
+        # imported only when a plot is drawn: it costs ~1.1 s (measured, matplotlib + pyplot) that no other
+        # command needs, MPLCONFIGDIR must be set before it, and without it the plot becomes a note
         import matplotlib
     except ImportError:
         return (f"<p class=\"fail\">plot {html.escape(name)} omitted: matplotlib is not installed "

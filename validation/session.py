@@ -12,32 +12,47 @@ Whether measurements are ``measured`` or ``measured-fallback`` is decided here
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3rocm.errors import CheckpointError, ConfigError, HardwareError
+import torch
+from safetensors import safe_open
+
+from k3rocm.checkpoint import layout
+from k3rocm.checkpoint.reader import open_checkpoint
+from k3rocm.config import K3Config
+from k3rocm.embedded import default_checkpoint
+from k3rocm.errors import CheckpointError, ConfigError, ValidationFailed
+from k3rocm.hw import detect
+from k3rocm.profiles import load_profile, match_profile
+from k3rocm.runtime import registry
+from k3rocm.model.model import K3Model
+from k3rocm.runtime.engine import Engine
+from k3rocm.runtime.load import load_checkpoint
+from k3rocm.runtime.plan import plan
 
 
-class Unavailable(HardwareError):
-    """A toolkit component this command needs is not importable in this installation (exit 3)."""
+@dataclass(frozen=True)
+class EndpointTarget:
+    """The OpenAI-compatible server a ``bench --endpoint`` run measured, as the report's header names it.
 
+    Attributes:
+        url: the ``--endpoint`` URL.
+        gpus: GPUs serving it (the divisor of its tok/s/GPU figures).
+        gpus_source: where ``gpus`` comes from (``--endpoint-gpus`` or the device count of ``--profile``).
+    """
 
-def need(module: str, attr: str | None = None) -> Any:
-    """Import ``module`` (and return ``attr`` of it). Raises :class:`Unavailable` with one line."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise Unavailable(f"{module} cannot be imported ({e}); reinstall k3rocm (pip install -e .)") from None
-    if attr is None:
-        return mod
-    try:
-        return getattr(mod, attr)
-    except AttributeError:
-        raise Unavailable(f"{module}.{attr} is missing; reinstall k3rocm (pip install -e .)") from None
+    url: str
+    gpus: int
+    gpus_source: str
+
+    def to_dict(self) -> dict:
+        """``{"url", "gpus", "gpus_source"}`` (the report's ``endpoint`` block)."""
+        return {"url": self.url, "gpus": self.gpus, "gpus_source": self.gpus_source}
 
 
 @dataclass
@@ -53,6 +68,8 @@ class Options:
         golden: optional external golden file (safetensors) for the correctness tier.
         debug: show tracebacks.
         command: the command line, for the report.
+        endpoint: the server a ``bench --endpoint`` run measured, set by that run once its points ran (the
+            report's header then says what was measured: the server, not this machine or the checkpoint).
     """
 
     checkpoint: str | None = None
@@ -63,7 +80,7 @@ class Options:
     golden: str | None = None
     debug: bool = False
     command: str = ""
-    extra: dict = field(default_factory=dict)
+    endpoint: EndpointTarget | None = None
 
 
 class Session:
@@ -73,7 +90,7 @@ class Session:
     def __init__(self, opts: Options):
         self.opts = opts
         self._cache: dict[str, Any] = {}
-        self.kernel_override = need("k3rocm.runtime.registry", "parse_override")(opts.kernels)
+        self.kernel_override = registry.parse_override(opts.kernels)
 
     def preflight(self) -> None:
         """Resolve what bad input can break before any tier runs or anything is printed: the checkpoint (the
@@ -84,9 +101,8 @@ class Session:
         self.index
         self.config
         self.profile
-        reg = need("k3rocm.runtime.registry")
-        for op in reg.ORACLE_OPS:
-            reg.select(op, self.kernel_override)
+        for op in registry.ORACLE_OPS:
+            registry.select(op, self.kernel_override)
         if self.opts.golden is not None:
             check_golden_file(self.opts.golden, self.config)
         require_dir_for_output(self.opts.out, keep=False)
@@ -102,7 +118,7 @@ class Session:
         """Absolute checkpoint directory; the embedded default is written on first use."""
         def build() -> Path:
             if self.opts.checkpoint is None:
-                return Path(need("k3rocm.embedded", "default_checkpoint")()).resolve()
+                return Path(default_checkpoint()).resolve()
             if not str(self.opts.checkpoint).strip():
                 raise CheckpointError("--checkpoint is empty; pass a checkpoint directory, or omit it for the "
                                       "embedded k3-tiny")
@@ -121,7 +137,7 @@ class Session:
     def index(self):
         """The validated checkpoint index (:func:`k3rocm.checkpoint.open_checkpoint`: directory, index,
         shard headers, tensor set vs the config's layout, E8M0 scales)."""
-        return self._memo("index", lambda: need("k3rocm.checkpoint.reader", "open_checkpoint")(self.checkpoint_dir))
+        return self._memo("index", lambda: open_checkpoint(self.checkpoint_dir))
 
     @property
     def config(self):
@@ -130,7 +146,6 @@ class Session:
             idx = self._cache.get("index")
             cfg = getattr(idx, "config", None) if idx is not None else None
             if cfg is None:
-                from k3rocm.config import K3Config
                 cfg = K3Config.from_file(self.checkpoint_dir / "config.json")
             return cfg
         return self._memo("config", build)
@@ -144,19 +159,18 @@ class Session:
     # ------------------------------------------------------------------ hardware
     @property
     def detected(self):
-        return self._memo("detected", lambda: need("k3rocm.hw", "detect")(with_smi=True))
+        return self._memo("detected", lambda: detect(with_smi=True))
 
     @property
     def profile(self):
         """``--profile`` (ConfigError for an unknown name) or the shipped profile matching the hardware."""
         def build():
-            hw = need("k3rocm.profiles")
             if self.opts.profile is not None and not str(self.opts.profile).strip():
                 raise ConfigError("--profile is empty; pass a profile name (see `k3rocm profiles`), or omit it to "
                                   "use the one matching this machine")
             if self.opts.profile:
-                return hw.load_profile(self.opts.profile)
-            return hw.match_profile(self.detected)
+                return load_profile(self.opts.profile)
+            return match_profile(self.detected)
         return self._memo("profile", build)
 
     @property
@@ -189,8 +203,7 @@ class Session:
     def placement(self):
         """``k3rocm.runtime.plan.plan(config, profile)`` (PlanError when it does not fit)."""
         def build():
-            plan = need("k3rocm.runtime.plan", "plan")
-            return plan(self.config, self.profile, **self.opts.extra.get("plan_kwargs", {}))
+            return plan(self.config, self.profile)
         return self._memo("placement", build)
 
     @property
@@ -200,10 +213,16 @@ class Session:
         def build():
             if self.hardware_matches:
                 return self.placement
-            hw = need("k3rocm.profiles")
-            plan = need("k3rocm.runtime.plan", "plan")
-            return plan(self.config, hw.match_profile(self.detected))
+            return plan(self.config, self.run_profile)
         return self._memo("run_placement", build)
+
+    @property
+    def run_profile(self):
+        """The profile of the hardware measurements are taken on: the profile itself on its hardware, else the
+        shipped profile matching the hardware detected here."""
+        if self.hardware_matches:
+            return self.profile
+        return self._memo("run_profile", lambda: match_profile(self.detected))
 
     def load(self, progress=None):
         """Stream the checkpoint with :func:`k3rocm.runtime.load.load_checkpoint` onto :attr:`device` with the
@@ -211,7 +230,6 @@ class Session:
         ``progress(done_bytes, total_bytes, text)`` is called as bytes land."""
         def build():
             self._small_cpu_threads()
-            load_checkpoint = need("k3rocm.runtime.load", "load_checkpoint")
             # not strict: the load tier reports every problem as evidence (load.problems) and fails; users of
             # the weights (:attr:`weights`) refuse a load with problems
             return load_checkpoint(self.checkpoint_dir, placement=self.run_placement, index=self.index,
@@ -222,16 +240,13 @@ class Session:
         """On the CPU, run a small checkpoint (< 1 GB) on one thread unless OMP_NUM_THREADS says otherwise:
         its tensors are too small to gain from threads, and on a shared machine threads oversubscribe
         the cores (measured: a k3-tiny decode step 20x slower with 2 threads on 2 busy cores)."""
-        import os
         if self.device != "cpu" or "OMP_NUM_THREADS" in os.environ:
             return
         try:
-            from k3rocm.checkpoint import layout
             small = layout.counts(self.config)["bytes"] < 1e9
         except Exception:
             small = False
         if small:
-            import torch
             torch.set_num_threads(1)
             self._cache["threads"] = 1
 
@@ -244,7 +259,6 @@ class Session:
         """
         res = self.load()
         if res.report.problems:
-            from k3rocm.errors import ValidationFailed
             p = res.report.problems
             raise ValidationFailed(f"load of {self.checkpoint_dir}: {len(p)} problem(s), first: {p[0]}")
         return res.weights
@@ -257,7 +271,7 @@ class Session:
     @property
     def oracle(self):
         """The fp32 reference model (``k3rocm.model.model.K3Model``) over the same Weights."""
-        return self._memo("oracle", lambda: need("k3rocm.model.model", "K3Model")(self.config, self.weights))
+        return self._memo("oracle", lambda: K3Model(self.config, self.weights))
 
     @property
     def engine(self):
@@ -271,7 +285,6 @@ class Session:
         key = f"engine:{max_batch}:{max_model_len}"
 
         def build():
-            Engine = need("k3rocm.runtime.engine", "Engine")
             return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
                           max_batch=max_batch, max_model_len=max_model_len)
         eng = self._memo(key, build)
@@ -283,7 +296,6 @@ class Session:
         device as the engine holds them) with the engine's dense-projection math (``matmul_dtype``: bf16
         operands with fp32 accumulation on a GPU): the path the correctness tier compares with the fp32 oracle."""
         eng = engine or self.engine
-        K3Model = need("k3rocm.model.model", "K3Model")
         return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"),
                        matmul_dtype=getattr(eng, "matmul_dtype", None))
 
@@ -316,7 +328,6 @@ def check_golden_file(path: str | Path, config=None) -> None:
     if not p.is_file():
         raise CheckpointError(f"--golden {p}: file not found; pass a safetensors file with input_ids and logits")
     try:
-        from safetensors import safe_open
         with safe_open(str(p), framework="pt") as f:
             meta = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
             ids = f.get_tensor("input_ids") if "input_ids" in meta else None
@@ -405,8 +416,6 @@ def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
         ConfigError: ``out`` exists and is not a directory, or cannot be created / written (permissions,
             a read-only or pseudo file system); the message names the path and the OS reason.
     """
-    import tempfile
-
     if not str(out).strip():
         raise ConfigError("--out is empty; pass a report directory (default: reports/latest)")
     p = Path(out)

@@ -19,12 +19,14 @@ import http.client
 import json
 import queue
 import re
+import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from k3rocm.bench import sweep
 from k3rocm.bench.loadgen import BenchRequest
 from k3rocm.bench.metrics import RequestRecord
 from k3rocm.errors import ConfigError, HardwareError
@@ -87,8 +89,6 @@ class OpenAIClient:
         Raises:
             HardwareError: the host does not resolve or the port refuses / times out (one line, exit 3).
         """
-        import socket
-
         port = self.port or (443 if self.scheme == "https" else 80)
         try:
             socket.create_connection((self.host, port), timeout=timeout).close()
@@ -253,8 +253,6 @@ class OpenAIClient:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: benchmark an endpoint; prints the :class:`~k3rocm.bench.BenchResult` as JSON."""
-    from k3rocm.bench import sweep
-
     ap = argparse.ArgumentParser(prog="python -m k3rocm.bench.client",
                                  description="InferenceX-style load against an OpenAI-compatible endpoint")
     ap.add_argument("--endpoint", required=True)

@@ -12,6 +12,9 @@ import torch
 
 from k3rocm.runtime import registry
 from k3rocm.validation import tiers
+from k3rocm.validation.tiers import adapters, correctness, known_answers
+from k3rocm.validation.tiers.env import tier_env
+from k3rocm.validation.tiers.thresholds import THRESHOLDS
 from k3rocm.validation.evidence import TIERS, Stage
 from k3rocm.validation.session import Options, Session
 
@@ -56,7 +59,7 @@ def test_evidence_content_and_levels(good_run):
     assert cor["golden.greedy_tokens"].passed and cor["golden.greedy_tokens"].level == "external"
     assert cor["golden.layers.rel_rms.max"].value < 1e-3
     # the serving path (decode kernels + caches) is compared with one forward, and agrees
-    assert cor["decode_vs_prefill.max_abs"].value < tiers.THRESHOLDS["decode_vs_prefill.max_abs"]
+    assert cor["decode_vs_prefill.max_abs"].value < THRESHOLDS["decode_vs_prefill.max_abs"]
     assert cor["decode_vs_prefill.tokens"].value == 1.0
     # on this CPU with the cpu profile measurements are "measured"
     assert s.measured_level == "measured"
@@ -102,7 +105,7 @@ def test_correctness_fails_on_a_wrong_expert_kernel(golden_ckpt, perturbed):
     bad = {e.name for e in cor.failures}
     assert "layers.rel_rms.max" in bad
     worst = _rows(stages, "correctness")["layers.rel_rms.max"].value
-    assert worst > tiers.THRESHOLDS["engine.layer_rel_rms"]
+    assert worst > THRESHOLDS["engine.layer_rel_rms"]
 
 
 def test_decode_vs_prefill_fails_on_a_wrong_decode_kernel(golden_ckpt, perturbed):
@@ -110,7 +113,7 @@ def test_decode_vs_prefill_fails_on_a_wrong_decode_kernel(golden_ckpt, perturbed
     perturbed("kda_decode", lambda f: (lambda *a, **k: f(*a, **k) * 0.9))
     s = _session(golden_ckpt)
     st = Stage("correctness")
-    tiers.tier_correctness(s, st)
+    correctness.tier_correctness(s, st)
     rows = {e.name: e for e in st.evidence}
     assert rows["layers.rel_rms.max"].passed  # the forward path does not use kda_decode
     assert rows["decode_vs_prefill.max_abs"].passed is False
@@ -125,7 +128,7 @@ def test_golden_mismatch_is_external_failure(golden_dir, tmp_path):
     save_file({k: v.contiguous() for k, v in g.items()}, str(bad))
     s = _session(golden_dir / "checkpoint", golden=str(bad))
     st = Stage("correctness")
-    tiers.golden_checks(s, st)
+    correctness.golden_checks(s, st)
     rows = {e.name: e for e in st.evidence}
     assert rows["golden.logits_max_abs"].passed is False and rows["golden.logits_max_abs"].level == "external"
     assert rows["golden.greedy_tokens"].passed  # greedy still from the real weights
@@ -151,7 +154,7 @@ def test_fallback_hardware_is_labelled(golden_ckpt, monkeypatch):
         pytest.skip("needs a machine without a GPU")
     assert s.measured_level == "measured-fallback"
     st = Stage("env")
-    tiers.tier_env(s, st)
+    tier_env(s, st)
     rows = {e.name: e for e in st.evidence}
     assert rows["hardware.fallback"].level == "measured-fallback" and st.status == "passed"
 
@@ -161,24 +164,25 @@ def test_official_known_answers_are_checked(monkeypatch, golden_ckpt):
     the real one needs 1.5 TB)."""
     s = _session(golden_ckpt)
     V = 163840
-    top, mean = tiers.OFFICIAL_TOP_LOGIT, tiers.OFFICIAL_MEAN_LOGIT
+    top, mean = known_answers.OFFICIAL_TOP_LOGIT, known_answers.OFFICIAL_MEAN_LOGIT
     rest = (mean * V - top) / (V - 1)  # so that the row's mean is the published mean
     logits = torch.full((1, 5, V), rest, dtype=torch.float64)
-    logits[0, -1, tiers.OFFICIAL_ARGMAX] = top
-    layers = [{"absmax": a} for a in tiers.OFFICIAL_FIRST_ABSMAX] + [{"absmax": tiers.OFFICIAL_LAST_ABSMAX}]
-    monkeypatch.setattr(tiers, "oracle_forward", lambda m, ids: (logits, layers))
-    monkeypatch.setattr(tiers, "_greedy", lambda m, p, n: list(tiers.OFFICIAL_GREEDY))
+    logits[0, -1, known_answers.OFFICIAL_ARGMAX] = top
+    layers = [{"absmax": a} for a in known_answers.OFFICIAL_FIRST_ABSMAX] + \
+        [{"absmax": known_answers.OFFICIAL_LAST_ABSMAX}]
+    monkeypatch.setattr(correctness, "oracle_forward", lambda m, ids: (logits, layers))
+    monkeypatch.setattr(correctness, "greedy_continuation", lambda m, p, n: list(known_answers.OFFICIAL_GREEDY))
     monkeypatch.setitem(s._cache, "oracle", object())
     st = Stage("correctness")
-    tiers.official_checks(s, st)
+    correctness.official_checks(s, st)
     rows = {e.name: e for e in st.evidence}
     assert all(e.level == "external" for e in st.evidence)
     assert rows["official.argmax"].passed and rows["official.greedy_capital_of_france"].passed
     assert rows["official.top_logit_err"].value < 1e-4 and rows["official.mean_logit_err"].value < 1e-4
     # a wrong answer fails
-    monkeypatch.setattr(tiers, "_greedy", lambda m, p, n: [1] * n)
+    monkeypatch.setattr(correctness, "greedy_continuation", lambda m, p, n: [1] * n)
     st2 = Stage("correctness")
-    tiers.official_checks(s, st2)
+    correctness.official_checks(s, st2)
     assert st2.status == "failed"
 
 
@@ -242,7 +246,7 @@ class _FakeGraphEngine:
 
 def test_serving_logits_skip_graph_capture():
     eng = _FakeGraphEngine()
-    toks, logits = tiers.serve_with_logits(eng, [1, 2, 3], 4)
+    toks, logits = adapters.serve_with_logits(eng, [1, 2, 3], 4)
     assert toks == [0, 1, 2, 3] and logits.shape == (4, 7)
     assert logits.argmax(-1).tolist() == toks
     assert "_forward" not in vars(eng) and "_graph_decode" not in vars(eng)  # spies removed
@@ -251,7 +255,7 @@ def test_serving_logits_skip_graph_capture():
 def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
     """A sweep gives one trade-off point per concurrency at (1000 / median TPOT, output tok/s/GPU)."""
     from k3rocm.validation.evidence import Stage
-    from k3rocm.validation.tiers import bench_rows
+    from k3rocm.validation.tiers.performance import bench_rows
 
     class S:  # the two attributes bench_rows reads from a session
         measured_level = "measured-fallback"
@@ -283,7 +287,7 @@ def test_a_kernel_family_that_fails_to_import_is_reported(monkeypatch):
     prof = NS(name="h200-1", device_count=1, device_name="H200", arch="sm_90", memory_bytes=150e9, backend="cuda")
     sess = NS(detected=det, profile=prof, measured_level="measured", hardware_matches=True)
     st = Stage("env")
-    tiers.tier_env(sess, st)
+    tier_env(sess, st)
     row = {e.name: e for e in st.evidence}["kernels.import"]
     assert row.passed is False and "kda: ImportError: broken" in row.detail
 
@@ -300,7 +304,7 @@ def test_teacher_forced_layers_localise_a_wrong_layer(golden_ckpt):
     w = load_weights(golden_ckpt)
     orc = K3Model(cfg, w)
     ids = torch.randint(3, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(11))
-    same = tiers.teacher_forced_layers(K3Model(cfg, w), orc, ids)
+    same = adapters.teacher_forced_layers(K3Model(cfg, w), orc, ids)
     assert len(same) == cfg.num_hidden_layers and all(v == 0.0 for d in same for v in d.values())
 
     good = resolve_ops(None)["moe_experts"]
@@ -311,12 +315,12 @@ def test_teacher_forced_layers_localise_a_wrong_layer(golden_ckpt):
         y = good(*a, **k)
         return torch.roll(y, 1, dims=-1) if calls["n"] == 3 else y
 
-    bad = tiers.teacher_forced_layers(K3Model(cfg, w, ops={"moe_experts": third_call_wrong}), orc, ids)
+    bad = adapters.teacher_forced_layers(K3Model(cfg, w, ops={"moe_experts": third_call_wrong}), orc, ids)
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     hit = moe_layers[2]
-    assert bad[hit]["mlp_out"] > tiers.THRESHOLDS["engine.layer_rel_rms"]
+    assert bad[hit]["mlp_out"] > THRESHOLDS["engine.layer_rel_rms"]
     assert all(v == 0.0 for i, d in enumerate(bad) for n, v in d.items() if (i, n) != (hit, "mlp_out"))
-    sens = tiers.oracle_sensitivity(orc, ids, tiers.oracle_forward(orc, ids)[0])
+    sens = adapters.oracle_sensitivity(orc, ids, adapters.oracle_forward(orc, ids)[0])
     assert sens["finite"] and 0.0 < sens["max_abs"] < float("inf")
 
 
@@ -339,9 +343,9 @@ def test_teacher_forcing_is_per_sublayer(golden_ckpt):
         o, s = good(*a, **k)
         return (o * 1.5, s) if calls["n"] == 2 else (o, s)
 
-    bad = tiers.teacher_forced_layers(K3Model(cfg, w, ops={"kda_prefill": second_call_wrong}), orc, ids)
+    bad = adapters.teacher_forced_layers(K3Model(cfg, w, ops={"kda_prefill": second_call_wrong}), orc, ids)
     hit = [i for i in range(cfg.num_hidden_layers) if cfg.layer_type(i) == "kda"][1]
-    assert bad[hit]["attn_out"] > tiers.THRESHOLDS["engine.layer_rel_rms"]
+    assert bad[hit]["attn_out"] > THRESHOLDS["engine.layer_rel_rms"]
     assert all(v == 0.0 for i, d in enumerate(bad) for n, v in d.items() if (i, n) != (hit, "attn_out"))
 
 
@@ -377,12 +381,12 @@ def test_golden_from_another_checkpoint_says_so(golden_dir):
     with a line that names the likely cause and what to pass."""
     sess = Session(Options(golden=str(golden_dir / "golden.safetensors")))
     st = Stage("correctness")
-    tiers.golden_checks(sess, st)
+    correctness.golden_checks(sess, st)
     row = {e.name: e for e in st.evidence}["golden.logits_max_abs"]
     assert row.passed is False and "another checkpoint" in row.detail and "--checkpoint" in row.detail
     assert row.detail.index("--checkpoint") < 200  # the advice survives the error line's cut
     ok = Stage("correctness")
-    tiers.golden_checks(_session(golden_dir / "checkpoint", golden=str(golden_dir / "golden.safetensors")), ok)
+    correctness.golden_checks(_session(golden_dir / "checkpoint", golden=str(golden_dir / "golden.safetensors")), ok)
     assert "another checkpoint" not in {e.name: e for e in ok.evidence}["golden.logits_max_abs"].detail
 
 

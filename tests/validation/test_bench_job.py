@@ -1,0 +1,52 @@
+"""The bench job as a library (k3rocm.validation.bench_job): option checks, defaults and the report's endpoint
+block, without the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3rocm.errors import ConfigError
+from k3rocm.validation.bench_job import (BenchOptions, check_options, endpoint_gpus, parse_concurrency,
+                                         resolve_points)
+from k3rocm.validation.session import EndpointTarget, Options, Session
+
+
+def test_parse_concurrency():
+    assert parse_concurrency("1,8,64") == [1, 8, 64]
+    for bad, why in (("1,,8", "empty entry"), ("a", "positive integers"), ("0", "positive integers"),
+                     ("4,4", "given twice")):
+        with pytest.raises(ConfigError, match=why):
+            parse_concurrency(bad)
+
+
+def test_check_options_says_who_serves_an_endpoint():
+    assert check_options(BenchOptions(), "auto", None) is None
+    url = "http://127.0.0.1:9"
+    assert check_options(BenchOptions(endpoint=url, endpoint_gpus=2), "auto", None) == (2, "from --endpoint-gpus")
+    assert endpoint_gpus(None, "mi355x-8") == (8, "the device count of --profile mi355x-8")
+    with pytest.raises(ConfigError, match="--endpoint-gpus N"):
+        check_options(BenchOptions(endpoint=url), "auto", None)
+    with pytest.raises(ConfigError, match="describes no GPU"):
+        check_options(BenchOptions(endpoint=url), "auto", "cpu")
+    with pytest.raises(ConfigError, match="no effect on an --endpoint run"):
+        check_options(BenchOptions(endpoint=url, endpoint_gpus=1), "torch", None)
+    with pytest.raises(ConfigError, match="fewer than --concurrency 8"):
+        check_options(BenchOptions(concurrency=[1, 8], num_prompts=4), "auto", None)
+
+
+def test_defaults_follow_the_checkpoint_and_the_target(golden_ckpt):
+    s = Session(Options(checkpoint=str(golden_ckpt), profile="cpu"))
+    small = resolve_points(s, BenchOptions())
+    assert (small.concurrencies, small.input_len, small.output_len) == ([4], 64, 16)
+    big = resolve_points(s, BenchOptions(endpoint="http://127.0.0.1:9"))
+    assert (big.concurrencies, big.input_len, big.output_len) == ([64], 1024, 1024)
+    given = resolve_points(s, BenchOptions(concurrency=[2], input_len=8, output_len=4))
+    assert (given.concurrencies, given.input_len, given.output_len) == ([2], 8, 4)
+    with pytest.raises(ConfigError, match="fewer than the default --concurrency 4"):
+        resolve_points(s, BenchOptions(num_prompts=2))
+
+
+def test_endpoint_target_is_the_reports_endpoint_block():
+    assert EndpointTarget("http://h:8000", 8, "from --endpoint-gpus").to_dict() == \
+        {"url": "http://h:8000", "gpus": 8, "gpus_source": "from --endpoint-gpus"}
+    assert Options().endpoint is None

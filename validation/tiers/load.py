@@ -1,0 +1,111 @@
+"""Tier ``load``: did every byte land where the plan said? Index complete, headers valid, scales sane,
+bytes per rank, GB/s."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from k3rocm.checkpoint import layout
+from k3rocm.checkpoint.verify import MANIFEST_NAME, verify_manifest
+from k3rocm.validation.evidence import Stage, Timer, check, info
+from k3rocm.validation.session import Session
+
+
+def tier_load(session: Session, stage: Stage, progress: Callable | None = None) -> None:
+    """Did every byte land where the plan said? Index complete, headers valid, scales sane, bytes, GB/s."""
+    with Timer() as t:
+        idx = session.index
+    stage.add(info("load", "index.open", round(t.seconds * 1e3, 2), "ms",
+                   detail="directory, index, every shard header, tensor set and E8M0 scales validated"),
+              check("load", "index.tensors", len(idx), eq=layout.counts(session.config)["tensors"],
+                    detail="text tensors in the index vs the layout of the config"))
+    stage.add(info("load", "checkpoint.official", session.is_official,
+                   detail="config and tensor set equal the official release's (K3_FACTS §2); when true the "
+                          "correctness tier checks the release's known answers"))
+    manifest = session.checkpoint_dir / MANIFEST_NAME
+    if manifest.is_file():
+        with Timer() as tv:
+            res = verify_manifest(session.checkpoint_dir)
+        bad = list(res)
+        stage.add(check("load", "manifest.sha256", len(bad), eq=0, unit="files",
+                        detail=(f"files whose sha256 differs from {manifest.name}: none" if not bad
+                                else "; ".join(bad)[:200])),
+                  info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
+    plc = session.placement
+    _placement_rows(stage, plc, "load")
+    run = session.run_placement
+    if run is not plc:
+        # a fallback run loads with this machine's plan; the profile's plan above stays the projected one
+        stage.add(info("load", "run_plan.tp", run.tp, level=session.measured_level,
+                       detail=f"the plan the weights were loaded with: {run.profile_name} (this machine), not "
+                              f"{plc.profile_name}"),
+                  info("load", "run_plan.ep", run.ep, level=session.measured_level),
+                  info("load", "run_plan.weights_bytes_per_gpu", run.ranks[0].weights_bytes if run.ranks else 0,
+                       "B", level=session.measured_level))
+    with Timer() as tl:
+        rep = session.load(progress=progress).report
+    lv = session.measured_level
+    r = rep.to_dict()
+    # the problems row first: a failed load's one error line then names the tensor and what is wrong with it
+    stage.add(info("load", "load.seconds", round(tl.seconds, 3), "s", level=lv,
+                   detail=f"{r['world']} rank(s) onto {r['device']}, {r['threads']} reader threads, "
+                          "verification included"),
+              check("load", "load.problems", len(r["problems"]), eq=0, level=lv,
+                    detail="; ".join(map(str, r["problems"]))[:300] or "none"),
+              check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=int(r["tensors_planned"]), level=lv,
+                    detail="tensors the plan names for the loaded ranks"),
+              check("load", "load.tensors_verified", int(r["tensors_verified"]), eq=int(r["tensors_planned"]),
+                    level=lv, detail="checksum of each loaded slice equals the same slice read independently"))
+    planned, used = _per_rank(r["bytes_planned"]), _per_rank(r["bytes_loaded"])
+    keys = sorted(set(planned) | set(used), key=lambda k: (len(k), k))
+    for k in keys:
+        stage.add(check("load", f"bytes[rank {k}]", used.get(k, 0), eq=planned.get(k, 0), unit="B", level=lv,
+                        detail="bytes loaded vs planned for this rank"))
+    if keys:
+        stage.series["bytes_per_device"] = {"title": "weight bytes per rank: planned vs loaded", "kind": "bar",
+                                            "x": keys, "xlabel": "rank", "ylabel": "MB",
+                                            "y": {"planned": [planned.get(k, 0) / 1e6 for k in keys],
+                                                  "loaded": [used.get(k, 0) / 1e6 for k in keys]}}
+    stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
+    for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks (reads and device copies; verification not included)"),
+                         ("raw_read_gbps", "GB/s", "sequential read of the same shard files"
+                          + (" (page cache dropped first)" if r.get("page_cache_dropped") else "")),
+                         ("load_vs_raw", "", "load throughput / raw read throughput"),
+                         ("verify_seconds", "s", "time to verify every tensor")):
+        if r.get(key) is not None:
+            stage.add(info("load", f"load.{key}", round(float(r[key]), 4), unit, level=lv, detail=d))
+
+
+def _per_rank(d) -> dict:
+    """``{rank: bytes}`` with string keys (the report's JSON form)."""
+    if not d:
+        return {}
+    return {str(k): int(v) for k, v in dict(d).items()}
+
+
+def _as_dict(obj) -> dict:
+    """A placement as a dict (its ``to_dict()``, or its attributes); ``{}`` for None."""
+    if obj is None:
+        return {}
+    if isinstance(obj, dict):
+        return obj
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    return dict(vars(obj))
+
+
+def _placement_rows(stage: Stage, plc, tier: str) -> None:
+    """Projected rows of a placement: layout, per-GPU bytes, fits, cache capacity."""
+    d = _as_dict(plc)
+    where = f"plan of {d.get('config', '?')} on {d.get('profile', '?')}"
+    if "fits" in d:
+        stage.add(check(tier, "plan.fits", bool(d["fits"]), eq=True, level="projected",
+                        detail=d.get("problem") or f"{where}: weights + reserves + one sequence of cache fit"))
+    for k, unit in (("tp", ""), ("ep", ""), ("experts_per_rank", ""), ("weights_bytes_per_gpu", "B"),
+                    ("needed_bytes", "B"), ("usable_bytes", "B")):
+        if k in d:
+            stage.add(info(tier, f"plan.{k}", d[k], unit, level="projected", detail=where))
+    cache = d.get("cache") or {}
+    for k in ("max_tokens", "max_sequences", "context_len"):
+        if k in cache:
+            stage.add(info(tier, f"plan.cache.{k}", cache[k], level="projected", detail=where))

@@ -1,0 +1,153 @@
+"""Tier ``performance``: a short benchmark and the fraction of the roofline it reaches; and the benchmark
+points and evidence rows that ``k3rocm bench`` (:mod:`k3rocm.validation.bench_job`) shares with it."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from k3rocm.bench import run_bench
+from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
+from k3rocm.sizing import StepRoofline
+from k3rocm.validation.evidence import Stage, check, info
+from k3rocm.validation.session import Session
+from k3rocm.validation.tiers.env import figure_kind
+
+
+def tier_performance(session: Session, stage: Stage, progress: Callable | None = None) -> None:
+    """A short benchmark (concurrency 2) and the fraction of the roofline it reaches."""
+    res = run_bench_point(session, concurrency=2, input_len=32, output_len=8, num_prompts=4, warmups=1,
+                          progress=progress)
+    bench_rows(session, stage, [res], tier="performance")
+
+
+def run_bench_point(session: Session, *, concurrency: int, input_len: int, output_len: int,
+                    num_prompts: int | None = None, range_ratio: float = DEFAULT_RANGE_RATIO,
+                    warmups: int | None = None, progress: Callable | None = None) -> dict:
+    """One benchmark point through :func:`k3rocm.bench.run_bench` on an engine sized for it.
+
+    The roofline model is :class:`k3rocm.sizing.StepRoofline` with the ceilings of the hardware
+    the run is on (the run profile's datasheet bandwidth and bf16 peak) and the engine's weight and cache
+    dtypes; ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
+    fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,
+    ``fraction``) when the ceilings are known.
+    """
+    eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1)
+    prof = session.run_profile
+    roof = None
+    bw, peak = float(prof.hbm_bandwidth or 0), float(prof.peak("bf16") or 0)
+    if bw > 0 and peak > 0:
+        wbytes = torch.tensor([], dtype=eng.dtype).element_size()
+        kvbytes = torch.tensor([], dtype=eng.kv_dtype).element_size()
+        roof = StepRoofline.from_config(session.config, bw, peak, kv_bytes=kvbytes,
+                                        trunk_dtype_bytes=None if wbytes == 2 else wbytes)
+    ngpu = max(1, session.detected.count) if session.device != "cpu" else 1
+    res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
+                    warmups=warmups, seed=session.opts.seed,
+                    progress=(lambda phase, done, total: progress(done, total)) if progress else None,
+                    num_gpus=ngpu, roofline=roof)
+    d = res.to_dict(per_request=False)
+    d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
+                              "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
+    return d
+
+
+def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
+    """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction).
+
+    ``level`` overrides the session's measurement level (``external`` for a benchmark of another server).
+    """
+    lv = level or session.measured_level
+    for r in results:
+        c = r.get("concurrency")
+        tag = f"c{c}"
+        n = r.get("completed", 0)
+        errs = r.get("errors") or []
+        why = "; ".join(f"{e['count']} x {e['error']}" for e in errs)[:300]
+        stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv,
+                        detail=f"failed requests: {why}" if why else "failed requests"),
+                  check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
+        if r.get("short_outputs"):
+            stage.add(info(tier, f"{tag}.short_outputs", int(r["short_outputs"]), "requests", level=lv,
+                           detail=f"of {n} completed requests returned fewer output tokens than requested (the "
+                                  "server stopped early: EOS or a length limit); the load was lighter than asked "
+                                  "and requests with one token define no TPOT / ITL"))
+        for k, unit in (("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
+                        ("output_throughput_per_gpu", "tok/s/GPU"), ("median_ttft_ms", "ms"), ("p99_ttft_ms", "ms"),
+                        ("median_tpot_ms", "ms"), ("p99_tpot_ms", "ms"), ("median_itl_ms", "ms"), ("p99_itl_ms", "ms"),
+                        ("median_e2el_ms", "ms"), ("p99_e2el_ms", "ms")):
+            if k in r:
+                stage.add(info(tier, f"{tag}.{k}", round(float(r[k]), 4), unit, level=lv))
+        stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
+                        detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
+        roof = r.get("roofline") or {}
+        if roof.get("total_floor_s"):
+            ceil = r.get("roofline_ceilings", {})
+            stage.add(info(tier, f"{tag}.roofline.floor_s", round(float(roof["total_floor_s"]), 6), "s",
+                           level="projected",
+                           detail=f"sum over measured engine steps of max(bytes/bandwidth, FLOPs/peak); "
+                                  f"ceilings of {ceil.get('profile')} ({ceil.get('kind', 'datasheet')})"),
+                      info(tier, f"{tag}.roofline.measured_s", round(float(roof.get("total_measured_s", 0)), 6), "s",
+                           level=lv, detail="sum of the same steps' measured times"),
+                      info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
+                           level=lv, detail="projected floor / measured time (1.0 = at the roofline), all steps"))
+            dec = roof.get("decode_only") or {}
+            if dec.get("steps"):
+                stage.add(info(tier, f"{tag}.roofline.decode_fraction", round(float(dec["fraction"]), 6), "",
+                               level=lv, detail=f"the same over the {dec['steps']} steps that carried no prefill "
+                                                f"tokens (pure decode steps; median step "
+                                                f"{float(dec['median_fraction']):.3f})"))
+        for t in getattr(session.profile, "targets", ()):
+            if lv in ("measured", "external") and t.metric in r and c == _target_conc(t.setting):
+                ok = r[t.metric] <= t.value if t.metric.endswith("_ms") else r[t.metric] >= t.value
+                stage.add(info(tier, f"target.{t.name}", r[t.metric], t.unit, level=lv,
+                               detail=f"public figure {t.value} {t.unit} ({t.setting}; {t.source}): "
+                                      f"{'meets' if ok else 'below'}"))
+    cs = [r.get("concurrency") for r in results]
+    pct = {}
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        vals = [r.get(f"median_{m}_ms") for r in results]
+        if all(v is not None for v in vals):
+            pct[f"median {m.upper()}"] = vals
+        vals = [r.get(f"p99_{m}_ms") for r in results]
+        if all(v is not None for v in vals):
+            pct[f"p99 {m.upper()}"] = vals
+    if pct:
+        stage.series["latency"] = {"title": "latency percentiles vs concurrency", "kind": "bar",
+                                   "x": cs, "xlabel": "concurrency", "ylabel": "ms", "y": pct, "log": True}
+    thr = {k: [r.get(k) for r in results] for k in ("output_throughput", "total_token_throughput")}
+    thr = {k: v for k, v in thr.items() if all(x is not None for x in v)}
+    if thr:
+        stage.series["throughput"] = {"title": "throughput vs concurrency", "kind": "bar", "x": cs,
+                                      "xlabel": "concurrency", "ylabel": "tok/s", "y": thr}
+    # the serving trade-off (InferenceX's axes): output tok/s per GPU against tok/s per user, one point per
+    # concurrency; tok/s/user = 1000 / median TPOT (ms)
+    pts = sorted((1000.0 / r["median_tpot_ms"], r["output_throughput_per_gpu"], r.get("concurrency"))
+                 for r in results if r.get("median_tpot_ms") and r.get("output_throughput_per_gpu") is not None)
+    for u, _, c in sorted(pts, key=lambda p: p[2]):  # rows in concurrency order, the plot in x order
+        stage.add(info(tier, f"c{c}.tok_s_per_user", round(u, 4), "tok/s/user", level=lv,
+                       detail="1000 / median TPOT (ms): decode speed one user sees"))
+    # fraction of roofline per concurrency: all steps, pure decode steps, steps carrying prefill chunks
+    roofs = [r.get("roofline") or {} for r in results]
+    if any(x.get("total_floor_s") for x in roofs):
+        y = {"all steps": [float(x.get("fraction", 0.0)) for x in roofs]}
+        for key, label in (("decode_only", "decode-only steps"), ("with_prefill", "steps with prefill")):
+            vals = [float((x.get(key) or {}).get("fraction", 0.0)) for x in roofs]
+            if any(vals):
+                y[label] = vals
+        stage.series["roofline"] = {"title": "fraction of the roofline vs concurrency (1.0 = at the floor)",
+                                    "kind": "bar", "x": cs, "xlabel": "concurrency", "ylabel": "floor / measured",
+                                    "y": y}
+    if pts:
+        stage.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)",
+                                    "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",
+                                    "ylabel": "output tok/s/GPU", "y": {"output tok/s/GPU": [p[1] for p in pts]},
+                                    "labels": [f"c={p[2]}" for p in pts]}
+
+
+def _target_conc(setting: str) -> int | None:
+    """The concurrency a public target's setting names (``"... concurrency 64 ..."``), or None."""
+    m = re.search(r"concurrency\s*(\d+)", setting or "")
+    return int(m.group(1)) if m else None
