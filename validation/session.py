@@ -26,14 +26,16 @@ from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.config import K3Config
 from k3rocm.embedded import default_checkpoint
-from k3rocm.errors import CheckpointError, ConfigError, ValidationFailed
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
 from k3rocm.runtime import registry
 from k3rocm.model.model import K3Model
+from k3rocm.runtime.dist import under_torchrun
 from k3rocm.runtime.engine import Engine
-from k3rocm.runtime.load import load_checkpoint
+from k3rocm.runtime.load import LoadReport, LoadResult, load_checkpoint
 from k3rocm.runtime.plan import plan
+from k3rocm.runtime.serve import Cluster, RankSpec, RemoteModel
 
 
 @dataclass(frozen=True)
@@ -224,12 +226,51 @@ class Session:
             return self.profile
         return self._memo("run_profile", lambda: match_profile(self.detected))
 
+    @property
+    def world(self) -> int:
+        """Ranks of the layout this run loads and serves with (:attr:`run_placement`; 1 = one process)."""
+        return self.run_placement.world
+
+    @property
+    def cluster(self) -> Cluster:
+        """The ranks of a multi-rank :attr:`run_placement` (:mod:`k3rocm.runtime.serve`): this process is rank 0;
+        the others are spawned on this host, or were started by torchrun (then their count must match).
+
+        Raises:
+            HardwareError: under torchrun with another world size than the plan's.
+        """
+        def build() -> Cluster:
+            pl = self.run_placement
+            prof = self.opts.profile if self.hardware_matches and self.opts.profile else self.run_profile.name
+            spec = RankSpec(str(self.checkpoint_dir), str(prof), pl.tp, pl.ep, dict(self.kernel_override),
+                            self.device, float(os.environ.get("K3ROCM_DIST_TIMEOUT", "300")))
+            if under_torchrun():
+                n = int(os.environ.get("WORLD_SIZE", "1"))
+                if n != pl.world:
+                    raise HardwareError(f"torchrun started {n} processes but the plan has {pl.world} ranks "
+                                        f"(tp={pl.tp}, ep={pl.ep}); start --nnodes x --nproc-per-node = {pl.world}")
+                return Cluster.attach(spec)
+            return Cluster.start(spec, pl.world)
+        return self._memo("cluster", build)
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-rank run (no-op for one process)."""
+        cl = self._cache.pop("cluster", None)
+        if cl is not None:
+            cl.close()
+
     def load(self, progress=None):
         """Stream the checkpoint with :func:`k3rocm.runtime.load.load_checkpoint` onto :attr:`device` with the
         :attr:`run_placement`, proving every tensor landed. Returns the ``LoadResult`` (cached);
-        ``progress(done_bytes, total_bytes, text)`` is called as bytes land."""
+        ``progress(done_bytes, total_bytes, text)`` is called as bytes land. With several ranks each rank loads
+        and verifies its own slice on its own device; the result holds rank 0's weights and every rank's
+        figures."""
         def build():
             self._small_cpu_threads()
+            if self.world > 1:
+                cl = self.cluster
+                rep = cl.call("load", True, local_kw={"progress": progress})
+                return LoadResult(self.config, self.run_placement, {0: cl.worker.weights}, LoadReport(**rep))
             # not strict: the load tier reports every problem as evidence (load.problems) and fails; users of
             # the weights (:attr:`weights`) refuse a load with problems
             return load_checkpoint(self.checkpoint_dir, placement=self.run_placement, index=self.index,
@@ -252,7 +293,8 @@ class Session:
 
     @property
     def weights(self):
-        """The loaded single-device Weights (all ranks re-assembled when the plan has several).
+        """The loaded Weights of this process: the one device's, or rank 0's slices of a multi-rank layout (no
+        rank ever holds another rank's weights).
 
         Raises:
             ValidationFailed: the load found problems (a tensor that differs from its source, NaN/Inf weights).
@@ -261,7 +303,7 @@ class Session:
         if res.report.problems:
             p = res.report.problems
             raise ValidationFailed(f"load of {self.checkpoint_dir}: {len(p)} problem(s), first: {p[0]}")
-        return res.weights
+        return res.rank_weights[0] if self.world > 1 else res.weights
 
     @property
     def load_report(self):
@@ -270,8 +312,15 @@ class Session:
 
     @property
     def oracle(self):
-        """The fp32 reference model (``k3rocm.model.model.K3Model``) over the same Weights."""
-        return self._memo("oracle", lambda: K3Model(self.config, self.weights))
+        """The fp32 reference model (``k3rocm.model.model.K3Model``) over the same Weights; with several ranks
+        the TP/EP oracle on every rank (:class:`~k3rocm.runtime.serve.RemoteModel`: fp32, torch ops, the same
+        collectives as the distributed engine)."""
+        def build():
+            if self.world > 1:
+                self.weights  # refuses a load with problems
+                return RemoteModel(self.cluster, "oracle", self.config)
+            return K3Model(self.config, self.weights)
+        return self._memo("oracle", build)
 
     @property
     def engine(self):
@@ -285,6 +334,9 @@ class Session:
         key = f"engine:{max_batch}:{max_model_len}"
 
         def build():
+            if self.world > 1:  # built on every rank, each on its shard; rank 0's sends each step to the others
+                self.weights  # refuses a load with problems
+                return self.cluster.engine(max_batch=max_batch, max_model_len=max_model_len)
             return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
                           max_batch=max_batch, max_model_len=max_model_len)
         eng = self._memo(key, build)
@@ -296,6 +348,8 @@ class Session:
         device as the engine holds them) with the engine's dense-projection math (``matmul_dtype``: bf16
         operands with fp32 accumulation on a GPU): the path the correctness tier compares with the fp32 oracle."""
         eng = engine or self.engine
+        if getattr(eng, "channel", None) is not None:
+            return RemoteModel(self.cluster, f"engine:{eng.channel.eid}", self.config)
         return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"),
                        matmul_dtype=getattr(eng, "matmul_dtype", None))
 

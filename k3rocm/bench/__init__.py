@@ -14,6 +14,7 @@ interrupted in-process; the endpoint client checks it while streaming).
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
 from collections import Counter, deque
@@ -40,6 +41,8 @@ class BenchResult:
         hang: None, or ``{"request_id", "elapsed_s", "threshold_s", "median_e2el_s", "where": {...}}``.
         target: the engine's ``describe()`` or the endpoint's description.
         roofline: fraction of roofline over the measured steps (engine with a roofline model), else None.
+        collectives: :func:`collective_summary` of the measured steps (a rank of a TP/EP layout), else ``{}``.
+        outputs_sha256: :func:`outputs_digest` of the measured requests (engines), else None.
     """
 
     concurrency: int
@@ -54,6 +57,8 @@ class BenchResult:
     hang: dict | None = None
     target: dict = field(default_factory=dict)
     roofline: dict | None = None
+    collectives: dict = field(default_factory=dict)
+    outputs_sha256: str | None = None
 
     @property
     def completed_cleanly(self) -> bool:
@@ -63,6 +68,10 @@ class BenchResult:
         d = {"concurrency": self.concurrency, "input_len": self.input_len, "output_len": self.output_len,
              "num_prompts": self.num_prompts, "num_warmups": self.num_warmups, "range_ratio": self.range_ratio,
              "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target}
+        if self.collectives:
+            d["collectives"] = self.collectives
+        if self.outputs_sha256 is not None:
+            d["outputs_sha256"] = self.outputs_sha256
         errs = Counter(r.error for r in self.records if not r.success and r.error)
         if errs:  # why requests failed: each distinct reason with its count, most frequent first
             d["errors"] = [{"error": e[:300], "count": n} for e, n in errs.most_common(5)]
@@ -74,6 +83,36 @@ class BenchResult:
         if per_request:
             d["requests"] = [r.to_dict() for r in self.records]
         return d
+
+
+def outputs_digest(engine: Any, records: Sequence[RequestRecord], ids: dict[int, int]) -> str:
+    """sha256 of the greedy output tokens of ``records`` (in request-id order) as ``engine`` produced them: two
+    runs of the same seeded load served the same tokens exactly when their digests are equal (e.g. a TP/EP run
+    against one process). ``ids``: load request id -> the engine's request id."""
+    h = hashlib.sha256()
+    for r in sorted(records, key=lambda r: r.request_id):
+        seq = engine.seqs.get(ids.get(r.request_id, -1)) if hasattr(engine, "seqs") else None
+        h.update(f"{r.request_id}:{','.join(map(str, seq.output)) if seq is not None else '-'};".encode())
+    return h.hexdigest()
+
+
+def collective_summary(steps: Sequence[Any]) -> dict:
+    """Per collective over engine steps (their ``comm`` field): calls and bytes per step, host seconds and their
+    share of the steps' time (measured only where collectives run on the host: gloo), and the mean step time;
+    ``{}`` without any."""
+    if not steps:
+        return {}
+    total = sum(float(st.seconds) for st in steps) or 1e-12
+    acc: dict[str, list[float]] = {}
+    for st in steps:
+        for name, calls, nbytes, secs in getattr(st, "comm", ()) or ():
+            a = acc.setdefault(name, [0, 0, 0.0])
+            a[0] += calls
+            a[1] += nbytes
+            a[2] += secs
+    n = len(steps)
+    return {name: {"calls_per_step": a[0] / n, "bytes_per_step": a[1] / n, "seconds": a[2],
+                   "share_of_step_time": a[2] / total, "mean_step_s": total / n} for name, a in sorted(acc.items())}
 
 
 class _Watchdog:
@@ -97,8 +136,9 @@ def _is_engine(target: Any) -> bool:
 
 
 def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchdog, progress: Callable | None,
-                  label: str) -> tuple[list[RequestRecord], dict | None, float, float]:
+                  label: str) -> tuple[list[RequestRecord], dict | None, float, float, dict[int, int]]:
     pending = deque(reqs)
+    engine_ids: dict[int, int] = {}  # load request id -> engine request id
     active: dict[int, RequestRecord] = {}
     done: list[RequestRecord] = []
     t_start = time.perf_counter()
@@ -110,6 +150,7 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
             now = time.perf_counter()
             rid = engine.add_request(list(r.prompt_ids), r.output_len, ignore_eos=True)
             active[rid] = RequestRecord(r.request_id, r.input_len, r.output_len, now)
+            engine_ids[r.request_id] = rid
         events = engine.step()
         for ev in events:
             rec = active.get(ev.request_id)
@@ -148,7 +189,7 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
             break
         if not events and not engine.has_unfinished() and (pending or active):
             raise ConfigError("engine made no progress with requests outstanding; check its scheduler limits")
-    return done, hang, t_start, t_end
+    return done, hang, t_start, t_end, engine_ids
 
 
 def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, num_prompts: int | None = None,
@@ -189,10 +230,10 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
                      tuple(special_ids))
     dog = _Watchdog(watchdog_factor)
     if _is_engine(target):
-        _, hang, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
+        _, hang, _, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
         step0 = len(getattr(target, "step_log", []))
-        recs, hang2, t0, t1 = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
-                               if hang is None else ([], None, 0.0, 1e-9))
+        recs, hang2, t0, t1, eids = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
+                                     if hang is None else ([], None, 0.0, 1e-9, {}))
         hang = hang or hang2
         steps = getattr(target, "step_log", [])[step0:]
         desc = target.describe() if hasattr(target, "describe") else {}
@@ -209,7 +250,8 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     metrics = aggregate(recs, t1 - t0, num_gpus)
     roof = fraction_of_roofline(roofline, steps) if (roofline is not None and steps) else None
     return BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
-                       metrics, recs, hang, desc, roof)
+                       metrics, recs, hang, desc, roof, collective_summary(steps),
+                       outputs_digest(target, recs, eids) if _is_engine(target) else None)
 
 
 def sweep(target: Any, concurrencies: Sequence[int], input_len: int, output_len: int, stop_on_hang: bool = True,

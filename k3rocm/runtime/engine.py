@@ -28,6 +28,7 @@ size of a ladder; if capture fails (an op that syncs with the host) the engine s
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -276,6 +277,23 @@ class Engine:
         self.scheduler.add(seq)
         self.seqs[rid] = seq
         return rid
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within: every step keeps the whole-vocabulary logits of its sampled rows in :attr:`last_logits`
+        (``[N, V]`` fp32, CPU), on every rank of a layout (the logits are gathered only here)."""
+        prev = self.record_logits
+        self._set_recording(True)
+        try:
+            yield self
+        finally:
+            self._set_recording(prev)
+
+    def _set_recording(self, flag: bool) -> None:
+        if self.channel is not None:
+            self.channel.set_recording(flag)  # every rank's engine, this one included
+        else:
+            self.record_logits = bool(flag)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

@@ -554,7 +554,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     notes: list[str] = []
     if tp is None:
         # the profile's layout, or the largest divisor of it that the config can be split by
-        want = profile.tp if profile.backend != "cpu" else 1
+        want = profile.tp  # cpu profiles too: [parallel] tp gloo processes on the host
         first_err = None
         for cand in [d for d in range(want, 0, -1) if want % d == 0]:
             cand_ep = ep if ep is not None else (profile.ep if profile.ep and cand % profile.ep == 0 else cand)

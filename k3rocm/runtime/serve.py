@@ -55,13 +55,14 @@ from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.errors import HardwareError, K3Error
 from k3rocm.profiles import load_profile
 from k3rocm.model.model import K3Model
+from k3rocm.model.probe import forward_layers, perturbed_logits
 from k3rocm.runtime.dist import (DistContext, TPGroup, WorkerFailed, _stop, _watch_parent, free_port, init,
                                  under_torchrun)
 from k3rocm.runtime.engine import Engine, StepBatch
 from k3rocm.runtime.load import LoadReport, load
 from k3rocm.runtime.plan import plan
 
-__all__ = ["RankSpec", "Cluster", "RankWorker", "follow", "SPMD"]
+__all__ = ["RankSpec", "Cluster", "RankWorker", "RemoteModel", "follow", "SPMD"]
 
 OP_STEP, OP_CALL, OP_STOP = 1, 2, 3
 
@@ -155,6 +156,10 @@ class RankWorker:
         self.engines[eid] = eng
         return eng
 
+    def set_record(self, eid: int, flag: bool) -> None:
+        """Engine ``eid`` keeps (or stops keeping) whole-vocabulary logits (:meth:`Engine.recording`)."""
+        self.engines[eid].record_logits = bool(flag)
+
     def spmd(self, name: str, args: list) -> Any:
         """Run the SPMD function ``SPMD[name](worker, *args)`` (every rank the same; rank 0 keeps the result)."""
         return SPMD[name](self, *args)
@@ -232,22 +237,69 @@ def merge_load_reports(reports: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- SPMD functions
-def _oracle_model(worker: RankWorker) -> K3Model:
-    """The TP/EP oracle on this rank (fp32 math, torch ops, the same collectives)."""
-    m = getattr(worker, "_oracle", None)
-    if m is None:
-        m = worker._oracle = K3Model(worker.cfg, worker.weights, par=worker.par)
-    return m
+def _model(worker: RankWorker, which: str) -> K3Model:
+    """This rank's model ``which``: ``"oracle"`` (the TP/EP oracle: fp32 math, torch ops, the layout's
+    collectives) or ``"engine:<id>"`` (exactly that engine's ops and math on its weights)."""
+    cache = worker.__dict__.setdefault("_models", {})
+    if which not in cache:
+        if which == "oracle":
+            cache[which] = K3Model(worker.cfg, worker.weights, par=worker.par)
+        else:
+            eng = worker.engines[int(which.split(":", 1)[1])]
+            cache[which] = K3Model(worker.cfg, eng.w, ops=dict(eng.ops), moe_mode=eng.moe_mode,
+                                   matmul_dtype=eng.matmul_dtype, par=worker.par)
+    return cache[which]
 
 
-def _engine_model(worker: RankWorker, eid: int) -> K3Model:
-    """A layer-by-layer model running exactly engine ``eid``'s ops and math on its weights (this rank's shard)."""
-    eng = worker.engines[eid]
-    return K3Model(worker.cfg, eng.w, ops=dict(eng.ops), moe_mode=eng.moe_mode, matmul_dtype=eng.matmul_dtype,
-                   par=worker.par)
+def _forward_layers(worker: RankWorker, which: str, ids: list, num_layers: int, shadow: str | None) -> Any:
+    return forward_layers(_model(worker, which), torch.tensor(ids, dtype=torch.int64), num_layers,
+                          _model(worker, shadow) if shadow else None)
 
 
-SPMD: dict[str, Callable[..., Any]] = {}
+def _perturbed_logits(worker: RankWorker, which: str, ids: list, rel: float) -> torch.Tensor:
+    return perturbed_logits(_model(worker, which), torch.tensor(ids, dtype=torch.int64), rel)
+
+
+def _generate_greedy(worker: RankWorker, which: str, prompt: list, n: int) -> torch.Tensor:
+    return _model(worker, which).generate_greedy(torch.tensor(prompt, dtype=torch.int64), n)
+
+
+#: the probes every rank runs together (:meth:`RankWorker.spmd`): the result is the same on every rank
+SPMD: dict[str, Callable[..., Any]] = {"forward_layers": _forward_layers, "perturbed_logits": _perturbed_logits,
+                                       "generate_greedy": _generate_greedy}
+
+
+class RemoteModel:
+    """Rank 0's handle on a model that lives on every rank of a layout (the TP/EP oracle, or an engine's
+    model): its probes run on every rank together (:data:`SPMD`), rank 0 returns its own result.
+
+    Args:
+        cluster: the :class:`Cluster`. which: ``"oracle"`` or ``"engine:<id>"``. cfg: the model config.
+    """
+
+    def __init__(self, cluster: "Cluster", which: str, cfg: Any):
+        self.cluster = cluster
+        self.which = which
+        self.cfg = cfg
+
+    def forward_layers(self, ids: torch.Tensor, num_layers: int, shadow: "RemoteModel | None" = None):
+        """:func:`k3rocm.model.probe.forward_layers` on every rank."""
+        return self.cluster.call("spmd", "forward_layers",
+                                 [self.which, ids.tolist(), int(num_layers), shadow.which if shadow else None])
+
+    def perturbed_logits(self, ids: torch.Tensor, rel: float) -> torch.Tensor:
+        """:func:`k3rocm.model.probe.perturbed_logits` on every rank."""
+        return self.cluster.call("spmd", "perturbed_logits", [self.which, ids.tolist(), float(rel)])
+
+    def generate_greedy(self, prompt, n: int) -> torch.Tensor:
+        """:meth:`K3Model.generate_greedy` on every rank (prompt ``[L]`` or ``[1, L]``)."""
+        return self.cluster.call("spmd", "generate_greedy", [self.which, torch.as_tensor(prompt).tolist(), int(n)])
+
+    # the layer-by-layer API exists only on the ranks; these names tell the tiers the probes can run
+    def run_layer(self, *a: Any) -> None:
+        raise HardwareError("a multi-rank model runs layer by layer only inside its probes (forward_layers)")
+
+    run_attn = run_mlp = embed = final = run_layer
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
@@ -434,6 +486,9 @@ class _EngineChannel:
 
     def send_step(self, sb: StepBatch) -> None:
         self.cluster.send_step(self.eid, sb)
+
+    def set_recording(self, flag: bool) -> None:
+        self.cluster.call("set_record", self.eid, bool(flag))
 
     def guard(self) -> _Guard:
         return self.cluster.guard()

@@ -208,48 +208,18 @@ def test_every_tier_passes_on_the_gpu(golden_dir):
     assert not s.engine.describe().get("fallbacks"), s.engine.describe().get("fallbacks")
 
 
-class _FakeGraphEngine:
-    """Engine-shaped fake: a prefill step through _forward, then decode steps through _graph_decode, which
-    captures (calling _forward in graph mode) on first use — as the runtime engine does on a GPU."""
+def test_serving_logits_are_the_engines_recorded_logits(tiny_ckpt):
+    """serve_with_logits returns, per sampled token, the whole-vocabulary logits the engine sampled it from
+    (Engine.recording), and leaves recording off again."""
+    from k3rocm.model.weights import load_weights
+    from k3rocm.runtime.engine import Engine
 
-    def __init__(self, V=7):
-        self.V, self._graph_mode, self.captured, self.seqs = V, False, False, {}
-
-    def add_request(self, prompt, n, ignore_eos=True):
-        from types import SimpleNamespace
-        self.seqs[0] = SimpleNamespace(output=[], n=n, prompt=list(prompt))
-        return 0
-
-    def has_unfinished(self):
-        return len(self.seqs[0].output) < self.seqs[0].n
-
-    def _logits(self, step):
-        return torch.full((1, self.V), float(step)).index_fill_(1, torch.tensor([step % self.V]), 100.0)
-
-    def _forward(self, step):
-        return self._logits(step)
-
-    def _graph_decode(self, step):
-        if not self.captured:
-            self._graph_mode = True
-            self._forward(-1)  # warm-up + capture: must not be observed
-            self._forward(-1)
-            self._graph_mode, self.captured = False, True
-        return self._logits(step).clone()  # replay: no _forward call
-
-    def step(self):
-        q = self.seqs[0]
-        k = len(q.output)
-        logits = self._forward(k) if k == 0 else self._graph_decode(k)
-        q.output.append(int(logits.argmax(-1)))
-
-
-def test_serving_logits_skip_graph_capture():
-    eng = _FakeGraphEngine()
-    toks, logits = adapters.serve_with_logits(eng, [1, 2, 3], 4)
-    assert toks == [0, 1, 2, 3] and logits.shape == (4, 7)
+    w = load_weights(tiny_ckpt)
+    eng = Engine(w.config, w, device="cpu", max_batch=2, max_num_batched_tokens=3, max_model_len=64)
+    toks, logits = adapters.serve_with_logits(eng, [5, 6, 7, 8, 9], 4)  # prefill in two chunks, then decode
+    assert len(toks) == 4 and logits.shape == (4, w.config.vocab_size)
     assert logits.argmax(-1).tolist() == toks
-    assert "_forward" not in vars(eng) and "_graph_decode" not in vars(eng)  # spies removed
+    assert eng.record_logits is False
 
 
 def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
@@ -257,9 +227,13 @@ def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
     from k3rocm.validation.evidence import Stage
     from k3rocm.validation.tiers.performance import bench_rows
 
-    class S:  # the two attributes bench_rows reads from a session
+    from types import SimpleNamespace as NS
+
+    class S:  # the attributes bench_rows reads from a session
         measured_level = "measured-fallback"
         profile = type("P", (), {"targets": ()})()
+        run_placement = NS(world=1, tp=1, ep=1, ranks=[NS(weights_bytes=10)])
+        world, device = 1, "cpu"
 
     res = [{"concurrency": c, "completed": 3, "failed": 0, "hang": None, "median_tpot_ms": tpot,
             "output_throughput_per_gpu": thr} for c, tpot, thr in ((1, 10.0, 100.0), (8, 20.0, 400.0), (64, 50.0, 900.0))]

@@ -9,78 +9,19 @@ from __future__ import annotations
 
 import torch
 
-from k3rocm.model.layer import Batch
+from k3rocm.model.probe import forward_layers, perturbed_logits
+from k3rocm.runtime.serve import RemoteModel
 from k3rocm.validation.session import Session
-from k3rocm.validation.tiers.numerics import logits_compare, rel_rms
-
-
-def _layers_from(outs: dict, num_layers: int) -> list[dict]:
-    """``{"layerNN.attn_out": t, ...}`` -> ``[{"attn_out": t, "mlp_out": t}, ...]`` (one dict per layer)."""
-    layers = [dict() for _ in range(num_layers)]
-    for k, v in outs.items():
-        head, _, kind = k.partition(".")
-        if head.startswith("layer") and head[5:].isdigit() and int(head[5:]) < num_layers:
-            layers[int(head[5:])][kind] = v
-    return layers
-
-
-def flat_batch(B: int, T: int):
-    """:class:`~k3rocm.model.layer.Batch` of ``B`` packed sequences of ``T`` tokens (no cache)."""
-    return Batch(torch.arange(0, (B + 1) * T, T, dtype=torch.int32))
+from k3rocm.validation.tiers.numerics import logits_compare
 
 
 def model_forward(model, ids, num_layers: int, shadow=None):
-    """One causal forward (no cache) of ``ids`` ``[B, T]`` int64 on a K3Model-like object.
-
-    Uses the layer-by-layer API (``embed`` / ``run_layer`` / ``final``) when the object has it, to also
-    record each layer's activation max |h| (the Block AttnRes prefix, or the residual stream, after the
-    layer; K3_FACTS §6 calls it |h|max). Returns ``(logits [B, T, V] fp32, layers)``, ``layers[i]`` a dict
-    with ``attn_out``, ``mlp_out`` ``[B, T, D]`` fp32 and ``absmax`` (float).
-
-    ``shadow``: another model with the layer API, run teacher-forced in the same pass: before each sublayer
-    (token mixer, then channel mixer; :meth:`~k3rocm.model.model.K3Model.run_attn` / ``run_mlp``) the state
-    (AttnRes bank and prefix, or the residual stream) is copied and ``shadow``'s sublayer runs on the copy, so
-    neither half sees the shadow's own error of the other half (a MoE router's top-k is discontinuous: an
-    attention-side rounding difference would flip near-tied experts and show up as a channel-mixer error);
-    ``layers[i]["teacher_forced"]`` = ``{"attn_out": rel_rms, "mlp_out": rel_rms}`` of its outputs against
-    ``model``'s (see :func:`teacher_forced_layers`). A shadow with only ``run_layer`` is forced per layer.
-    """
-    B, T = ids.shape
-    if all(hasattr(model, a) for a in ("embed", "run_layer", "final")):
-        halves = shadow is not None and all(hasattr(o, a) for o in (model, shadow) for a in ("run_attn", "run_mlp"))
-        with torch.no_grad():
-            st = model.embed(ids.reshape(-1), flat_batch(B, T), record=True)
-            absmax, forced = [], []
-            for i in range(num_layers):
-                if halves:
-                    se = st.clone()
-                    shadow.run_attn(i, se)
-                    model.run_attn(i, st)
-                    sm = st.clone()
-                    shadow.run_mlp(i, sm)
-                    model.run_mlp(i, st)
-                    se.outputs.update(sm.outputs)
-                elif shadow is not None:
-                    se = st.clone()
-                    shadow.run_layer(i, se)
-                    model.run_layer(i, st)
-                else:
-                    model.run_layer(i, st)
-                if shadow is not None:
-                    forced.append({n: rel_rms(se.outputs[f"layer{i:02d}.{n}"], st.outputs[f"layer{i:02d}.{n}"])
-                                   for n in ("attn_out", "mlp_out")})
-                h = st.res.prefix if getattr(st, "res", None) is not None else st.hidden
-                absmax.append(float(h.abs().max()))
-            logits = model.final(st).view(B, T, -1).float()
-        layers = _layers_from({k: v.view(B, T, -1) for k, v in st.outputs.items()}, num_layers)
-        for i, (lay, m) in enumerate(zip(layers, absmax)):
-            lay["absmax"] = m
-            if forced:
-                lay["teacher_forced"] = forced[i]
-        return logits, layers
-    out = model.forward(ids, return_layers=True)
-    logits, outs = out if isinstance(out, tuple) else (out.logits, out.layers)
-    return logits.float(), _layers_from(dict(outs), num_layers)
+    """One causal forward (no cache) of ``ids`` ``[B, T]`` int64 with per-layer records, optionally with a
+    teacher-forced ``shadow`` (:func:`k3rocm.model.probe.forward_layers`). A model of a multi-rank layout
+    (:class:`k3rocm.runtime.serve.RemoteModel`) runs it on every rank; rank 0 keeps the result."""
+    if isinstance(model, RemoteModel):
+        return model.forward_layers(ids, num_layers, shadow)
+    return forward_layers(model, ids, num_layers, shadow)
 
 
 def oracle_forward(model, ids):
@@ -113,24 +54,10 @@ def oracle_sensitivity(oracle, ids, ref_logits, rel: float = 2.0 ** -9) -> dict:
     response). Random-weight test models (k3-tiny) amplify such errors to O(1) logit changes; a trained model
     barely moves. Returns :func:`logits_compare` of the perturbed run against ``ref_logits`` ``[B, T, V]``.
     """
-    B, T = ids.shape
-    g = torch.Generator().manual_seed(0)
-
-    def jitter(x):
-        # (the stored embeddings are often bf16 already, so a literal rounding would change nothing)
-        u = torch.rand(x.shape, generator=g, dtype=torch.float32).to(x.device) * 2.0 - 1.0
-        return x * (1.0 + u * rel)
-
-    with torch.no_grad():
-        st = oracle.embed(ids.reshape(-1), flat_batch(B, T))
-        if st.res is not None:
-            st.res.prefix = jitter(st.res.prefix)
-        else:
-            st.hidden = jitter(st.hidden)
-        st.perturb = jitter
-        for i in range(oracle.cfg.num_hidden_layers):
-            oracle.run_layer(i, st)
-        logits = oracle.final(st).view(B, T, -1).float()
+    if isinstance(oracle, RemoteModel):
+        logits = oracle.perturbed_logits(ids, rel)
+    else:
+        logits = perturbed_logits(oracle, ids, rel)
     return logits_compare(logits, ref_logits)
 
 
@@ -139,35 +66,18 @@ def serve_with_logits(engine, prompt: list[int], n: int):
     chunk, then decode steps on the KDA slot pool and paged MLA cache, CUDA/HIP graphs when on) and
     capture the logits it sampled from. Returns ``(tokens [n] list, logits [n, V] fp32 cpu)``.
 
-    Works on ``k3rocm.runtime.engine.Engine`` (``add_request``/``step``; logits observed at its
-    ``_forward`` / ``_graph_decode`` return) and on K3Model-like objects (``new_cache``/``prefill``/``decode``).
+    Works on ``k3rocm.runtime.engine.Engine`` (``add_request``/``step``; logits recorded by
+    :meth:`~k3rocm.runtime.engine.Engine.recording`) and on K3Model-like objects (``new_cache``/``prefill``/
+    ``decode``).
     """
     if hasattr(engine, "add_request"):
-        seen = []
-        spies = {}
-        for name in ("_forward", "_graph_decode"):
-            orig = getattr(engine, name, None)
-            if orig is None:
-                continue
-
-            def spy(*a, _orig=orig, **k):
-                out = _orig(*a, **k)
-                # never touch the host while a CUDA/HIP graph is being captured (the engine's warm-up and
-                # capture call _forward in graph mode); the replay's logits are seen at _graph_decode
-                if out is not None and not getattr(engine, "_graph_mode", False):
-                    seen.append(out.detach().float().cpu())
-                return out
-            spies[name] = spy
-            setattr(engine, name, spy)
-        try:
+        rows = []
+        with engine.recording():  # whole-vocabulary logits of every sampled row, on every rank of a layout
             rid = engine.add_request(list(prompt), n, ignore_eos=True)
             while engine.has_unfinished():
-                engine.step()
-        finally:
-            for name in spies:
-                delattr(engine, name)  # back to the class method
+                if engine.step():
+                    rows.append(engine.last_logits[-1])
         toks = list(engine.seqs[rid].output)
-        rows = [x[-1] for x in seen if x.dim() == 2 and x.shape[0] >= 1]
         return toks, (torch.stack(rows) if rows else torch.zeros(0))
     cache = engine.new_cache(1, len(prompt) + n + 1)
     with torch.no_grad():

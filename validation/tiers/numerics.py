@@ -6,11 +6,9 @@ import math
 
 import torch
 
+from k3rocm.model.probe import rel_rms
 
-def rel_rms(a, ref) -> float:
-    """||a - ref||_2 / max(||ref||_2, tiny) in fp64 (relative RMS error); ``a``, ``ref`` tensors of one shape."""
-    a, ref = a.detach().double().cpu(), ref.detach().double().cpu()
-    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+__all__ = ["rel_rms", "logits_compare", "engine_rounding"]
 
 
 def logits_compare(test, ref) -> dict:

@@ -30,7 +30,7 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
 
     The roofline model is :class:`k3rocm.sizing.StepRoofline` with the ceilings of the hardware
     the run is on (the run profile's datasheet bandwidth and bf16 peak) and the engine's weight and cache
-    dtypes; ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
+    dtypes (with several ranks: rank 0's step under the plan's split rules, bf16 trunk); ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
     fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,
     ``fraction``) when the ceilings are known.
     """
@@ -38,12 +38,14 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     prof = session.run_profile
     roof = None
     bw, peak = float(prof.hbm_bandwidth or 0), float(prof.peak("bf16") or 0)
-    if bw > 0 and peak > 0:
+    if bw > 0 and peak > 0 and session.world > 1:
+        roof = session.run_placement.roofline  # rank 0's slices under the plan's split rules (bf16 trunk)
+    elif bw > 0 and peak > 0:
         wbytes = torch.tensor([], dtype=eng.dtype).element_size()
         kvbytes = torch.tensor([], dtype=eng.kv_dtype).element_size()
         roof = StepRoofline.from_config(session.config, bw, peak, kv_bytes=kvbytes,
                                         trunk_dtype_bytes=None if wbytes == 2 else wbytes)
-    ngpu = max(1, session.detected.count) if session.device != "cpu" else 1
+    ngpu = session.world  # the ranks (one GPU each; gloo processes on a cpu profile) that serve the load
     res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
                     warmups=warmups, seed=session.opts.seed,
                     progress=(lambda phase, done, total: progress(done, total)) if progress else None,
@@ -60,6 +62,13 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
     ``level`` overrides the session's measurement level (``external`` for a benchmark of another server).
     """
     lv = level or session.measured_level
+    if level is None:  # the built-in engine: the layout it ran
+        pl = session.run_placement
+        stage.add(info(tier, "dist.world", pl.world, "ranks", level=lv,
+                       detail=f"processes serving the load: TP{pl.tp}/EP{pl.ep}, one per "
+                              f"{'GPU' if session.device != 'cpu' else 'gloo rank on this host'}; rank 0 schedules"),
+                  info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}", level="projected",
+                       detail=f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"))
     for r in results:
         c = r.get("concurrency")
         tag = f"c{c}"
@@ -80,6 +89,11 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                         ("median_e2el_ms", "ms"), ("p99_e2el_ms", "ms")):
             if k in r:
                 stage.add(info(tier, f"{tag}.{k}", round(float(r[k]), 4), unit, level=lv))
+        if r.get("outputs_sha256"):
+            stage.add(info(tier, f"{tag}.outputs_sha256", r["outputs_sha256"], level=lv,
+                           detail="sha256 of the greedy tokens served to the measured requests (seeded load): equal "
+                                  "digests, equal tokens — e.g. a TP/EP layout against one process"))
+        _collective_rows(session, stage, tier, tag, r, lv)
         stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
                         detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
         roof = r.get("roofline") or {}
@@ -145,6 +159,28 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                     "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",
                                     "ylabel": "output tok/s/GPU", "y": {"output tok/s/GPU": [p[1] for p in pts]},
                                     "labels": [f"c={p[2]}" for p in pts]}
+
+
+def _collective_rows(session: Session, stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
+    """Per collective of a TP/EP step: bytes each rank puts in per step and its share of step time — measured
+    where collectives run on the host (gloo), else projected from the profile's link bandwidth (ring: each rank
+    moves ``2 (w-1)/w`` of the bytes) against the measured median step."""
+    coll = r.get("collectives") or {}
+    if not coll:
+        return
+    w = session.world
+    link = float(getattr(session.run_profile, "link_bandwidth", 0) or 0)
+    for name, c in coll.items():
+        stage.add(info(tier, f"{tag}.collective.{name}.bytes_per_step", round(float(c["bytes_per_step"]), 1), "B",
+                       level=lv, detail=f"{c['calls_per_step']:.1f} calls per step, bytes each rank puts in"))
+        if c.get("seconds"):
+            stage.add(info(tier, f"{tag}.collective.{name}.share", round(float(c["share_of_step_time"]), 4), "",
+                           level=lv, detail="share of the measured steps' time spent in this collective (host clock)"))
+        elif link > 0 and c.get("mean_step_s"):
+            proj = c["bytes_per_step"] * 2 * (w - 1) / w / link
+            stage.add(info(tier, f"{tag}.collective.{name}.share", round(proj / c["mean_step_s"], 4), "",
+                           level="projected", detail=f"ring all-reduce time at {link / 1e9:.0f} GB/s link bandwidth "
+                                                     "over the measured mean step time"))
 
 
 def _target_conc(setting: str) -> int | None:
