@@ -1,0 +1,178 @@
+"""The three jobs across ranks through the command line, as a user runs them: a cpu profile file whose
+[parallel] section asks for N ranks starts N gloo processes (rank 0 is the command); torchrun starts them
+across "nodes" on localhost. Each run is a real subprocess of `python -m k3rocm.cli`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3rocm.runtime.dist import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_PROFILE = ROOT / "hwprofiles" / "cpu.toml"
+
+
+def _profile(tmp_path: Path, ranks: int) -> Path:
+    text = CPU_PROFILE.read_text().replace("tp = 1", f"tp = {ranks}").replace("ep = 1", f"ep = {ranks}")
+    p = tmp_path / f"cpu-tp{ranks}.toml"
+    p.write_text(text)
+    return p
+
+
+def _env(cache: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env.update(K3ROCM_CACHE=str(cache), OMP_NUM_THREADS="1", COLUMNS="200", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _k3(args, env, timeout=300, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "k3rocm.cli", *map(str, args)], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, (args, r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    return r
+
+
+def _rows(report: Path, stage: str) -> dict:
+    rep = json.loads((report / "report.json").read_text())
+    return {e["name"]: e for e in rep["stages"][stage]["evidence"]}
+
+
+BENCH = ["bench", "--concurrency", "1,4", "--input-len", "24", "--output-len", "6", "--num-prompts", "6",
+         "--warmups", "1"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("k3rocm-cache")
+
+
+@pytest.fixture(scope="module")
+def one_process(cache, tmp_path_factory):
+    """The reference: the same benchmark load served by one process."""
+    out = tmp_path_factory.mktemp("one")
+    _k3([*BENCH, "--out", out], _env(cache))
+    rows = _rows(out, "bench")
+    return {c: rows[f"c{c}.outputs_sha256"]["value"] for c in (1, 4)}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_profile_file_with_n_ranks_runs_the_three_jobs(tmp_path, cache, one_process, ranks):
+    """load, validate --level performance and bench --concurrency 1,4 on N gloo ranks: every tier passes, each
+    rank loads only its slice, the report says world N, and the served tokens equal one process's."""
+    prof, out, env = _profile(tmp_path, ranks), tmp_path / "r", _env(cache)
+    _k3(["load", "--profile", prof, "--out", out], env)
+    load = _rows(out, "load")
+    assert {f"bytes[rank {k}]" for k in range(ranks)} <= set(load)
+    assert all(load[f"bytes[rank {k}]"]["passed"] for k in range(ranks))
+    assert "2 rank" in load["load.seconds"]["detail"] or f"{ranks} rank" in load["load.seconds"]["detail"]
+    _k3(["validate", "--level", "performance", "--profile", prof, "--out", out], env)
+    rep = json.loads((out / "report.json").read_text())
+    assert all(rep["stages"][t]["status"] == "passed" for t in ("load", "forward", "correctness", "performance"))
+    _k3([*BENCH, "--profile", prof, "--out", out], env)
+    bench = _rows(out, "bench")
+    assert bench["dist.world"]["value"] == ranks and bench["dist.layout"]["value"] == f"TP{ranks}/EP{ranks}"
+    for c in (1, 4):
+        assert bench[f"c{c}.outputs_sha256"]["value"] == one_process[c]
+    assert bench["c4.collective.moe.bytes_per_step"]["value"] > 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        f = task / "children"
+        if f.exists():
+            out += [int(x) for x in f.read_text().split()]
+    return out
+
+
+def _start_bench(tmp_path, cache, **env):
+    prof, out = _profile(tmp_path, 2), tmp_path / "r"
+    args = ["bench", "--concurrency", "4", "--input-len", "24", "--output-len", "200", "--num-prompts", "40",
+            "--warmups", "1", "--profile", prof, "--out", out]
+    p = subprocess.Popen([sys.executable, "-m", "k3rocm.cli", *map(str, args)], env=_env(cache, **env),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    follower = None
+    while time.monotonic() - t0 < 120:  # the follower exists and the measured phase has begun
+        kids = [k for k in _children(p.pid) if "k3rocm" in Path(f"/proc/{k}/cmdline").read_bytes().decode(
+            errors="replace") or "multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")]
+        follower = next((k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes().decode(
+            errors="replace")), None)
+        if follower is not None and time.monotonic() - t0 > 12:
+            break
+        time.sleep(0.5)
+    assert follower is not None and p.poll() is None
+    return p, follower, out
+
+
+def _ends_with_one_line(p, within: float):
+    try:
+        _, err = p.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"the run did not end within {within} s")
+    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
+    return p.returncode, lines
+
+
+def _no_orphans(pid: int) -> None:
+    time.sleep(1.0)
+    left = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _ppid(int(d.name)) == pid]
+    assert not left, left
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def test_a_killed_rank_mid_bench_is_one_line_and_leaves_nothing_running(tmp_path, cache):
+    p, follower, out = _start_bench(tmp_path, cache)
+    os.kill(follower, signal.SIGKILL)
+    code, lines = _ends_with_one_line(p, 60)
+    assert code == 3 and len(lines) == 1 and "rank 1" in lines[0] and "signal" in lines[0], lines
+    _no_orphans(p.pid)
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["stages"]["bench"]["status"] != "passed" and "rank 1" in (rep["stages"]["bench"]["error"] or "")
+
+
+def test_a_hung_rank_mid_bench_ends_at_the_collective_timeout(tmp_path, cache):
+    p, follower, out = _start_bench(tmp_path, cache, K3ROCM_DIST_TIMEOUT="6")
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        code, lines = _ends_with_one_line(p, 90)
+    finally:
+        try:
+            os.kill(follower, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert code == 3 and len(lines) == 1 and "hung" in lines[0], lines
+
+
+def test_torchrun_two_nodes_of_two_processes(tmp_path, cache, one_process):
+    """torchrun on localhost as 2 nodes x 2 processes: rank 0 runs the command, ranks 1-3 follow it."""
+    pytest.importorskip("torch.distributed.run")
+    prof, out, port = _profile(tmp_path, 4), tmp_path / "r", free_port()
+    env = _env(cache)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    job = ["-m", "k3rocm.cli", *BENCH, "--profile", str(prof), "--out", str(out)]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(n), *job], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-1500:] for o in outs]
+    bench = _rows(out, "bench")
+    assert bench["dist.world"]["value"] == 4
+    assert bench["c4.outputs_sha256"]["value"] == one_process[4]
