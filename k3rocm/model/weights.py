@@ -307,10 +307,16 @@ class Weights:
 
         FP32-stored tensors that the kernels read in fp32 (:data:`FP32_TENSORS`: the KDA conv weights, ``A_log``,
         ``dt_bias``, ``o_norm`` and the router bias) stay fp32; packed MXFP4 (uint8) stays packed. Tensors
-        already on ``device`` in the target dtype are shared, not copied, and so are expert stacks already
-        built (an expert's per-name tensor stays a view into its stack: memory is held once).
+        already on ``device`` in the target dtype are shared, not copied, and so are the expert stacks (built here
+        first where a MoE layer's experts are held as separate tensors; an expert's per-name tensor stays a view
+        into its stack: memory is held once).
         """
         dev = torch.device(device)
+        first = self.expert_range[0]
+        for i in range(self.config.num_hidden_layers):  # stack each MoE layer here first: its experts held once
+            if self.config.is_moe_layer(i) and (i, *self.expert_range) not in self._experts and \
+                    all(sp.name in self._t for sp in layout.expert_specs(self.config, i, first)):
+                self.experts(i)
 
         def target(name: str, t: torch.Tensor) -> torch.dtype:
             if not t.is_floating_point() or (t.dtype == torch.float32 and keep_fp32(name)):
