@@ -395,8 +395,8 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         cu = batch.cu_seqlens.tolist()
         bs = cache.block_size
         pos = []
-        for n in range(batch.num_seqs):
-            tpos = torch.arange(starts[n], starts[n] + cu[n + 1] - cu[n])
+        for n in range(batch.num_seqs):  # on the block table's device (CPU for K3Cache, the GPU for the engine's)
+            tpos = torch.arange(starts[n], starts[n] + cu[n + 1] - cu[n], device=cache.block_table.device)
             blocks = cache.block_table[slots[n]].to(torch.int64)[tpos // bs]
             pos.append(blocks * bs + tpos % bs)
         slot_mapping = (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)).to(dev)
