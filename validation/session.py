@@ -25,7 +25,7 @@ from safetensors import safe_open
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.config import K3Config
-from k3rocm.embedded import default_checkpoint
+from k3rocm.checkpoint.embedded import default_checkpoint
 from k3rocm.errors import CheckpointError, ConfigError, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile

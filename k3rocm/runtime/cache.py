@@ -12,7 +12,7 @@
   is zeroed when it is handed out, so a reused slot never carries a previous sequence's state.
 
 The block free list is FIFO (freed blocks are reused last), so allocation order is deterministic. Bytes
-per token and per sequence come from :mod:`k3rocm.sizing`; :func:`size_caches` splits a budget with them.
+per token and per sequence come from :mod:`k3rocm.runtime.sizing`; :func:`size_caches` splits a budget with them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import PlanError
-from k3rocm.sizing import kda_state_bytes_per_seq, mla_cache_bytes_per_token
+from k3rocm.runtime.sizing import kda_state_bytes_per_seq, mla_cache_bytes_per_token
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP E4M3)
 
@@ -40,7 +40,7 @@ def _elem_bytes(dtype: torch.dtype) -> int:
 def mla_bytes_per_block(cfg: K3Config, block_size: int, dtype: torch.dtype = torch.bfloat16,
                         num_layers: int | None = None) -> int:
     """Bytes of one cache block over all MLA layers: ``block_size`` tokens of
-    :func:`k3rocm.sizing.mla_cache_bytes_per_token` at the element size of ``dtype``."""
+    :func:`k3rocm.runtime.sizing.mla_cache_bytes_per_token` at the element size of ``dtype``."""
     return block_size * mla_cache_bytes_per_token(cfg, _elem_bytes(dtype), num_layers)
 
 
@@ -70,7 +70,7 @@ def size_caches(cfg: K3Config, budget_bytes: int, max_seqs: int, block_size: int
 
     Slots: as many as ``max_seqs`` allows while each slot also keeps at least one block,
     ``min(max_seqs, budget // (slot_bytes + block_bytes))``; blocks take the rest. A slot is one sequence's KDA
-    state (:func:`k3rocm.sizing.kda_state_bytes_per_seq` of ``num_heads`` heads, default all).
+    state (:func:`k3rocm.runtime.sizing.kda_state_bytes_per_seq` of ``num_heads`` heads, default all).
 
     Raises:
         PlanError: the budget does not hold one slot plus one block.

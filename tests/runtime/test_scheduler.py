@@ -17,7 +17,7 @@ from k3rocm.errors import ConfigError, PlanError
 from k3rocm.runtime.cache import (CacheExhausted, KDAStatePool, MLACache, mla_bytes_per_block, size_caches,
                                   size_from_capacity)
 from k3rocm.runtime.scheduler import Scheduler, Sequence, Status
-from k3rocm.sizing import kda_state_bytes_per_seq
+from k3rocm.runtime.sizing import kda_state_bytes_per_seq
 
 
 @pytest.fixture(scope="module")

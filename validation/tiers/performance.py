@@ -10,7 +10,7 @@ import torch
 
 from k3rocm.bench import run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
-from k3rocm.sizing import StepRoofline
+from k3rocm.runtime.sizing import StepRoofline
 from k3rocm.validation.evidence import Stage, check, info
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.env import figure_kind
