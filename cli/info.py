@@ -68,8 +68,7 @@ def env_cmd(profile, as_json, debug):
     """
     det = detect()
     prof = load_profile(profile) if profile else match_profile(det)
-    matches = prof.backend == "cpu" or (det.backend == prof.backend and det.arch == prof.arch
-                                        and det.count >= prof.device_count)
+    matches = prof.matches(det)
     if as_json:
         click.echo(json.dumps({"detected": det.to_dict(), "profile": prof.to_dict(), "matches": matches},
                               indent=2, default=str))

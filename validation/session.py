@@ -176,10 +176,7 @@ class Session:
     @property
     def hardware_matches(self) -> bool:
         """Detected backend/arch equal the profile's and at least its device count is visible."""
-        d, p = self.detected, self.profile
-        if p.backend == "cpu":
-            return True  # the engine runs on this machine's CPU, which is what a CPU profile names
-        return d.backend == p.backend and d.arch == p.arch and d.count >= p.device_count
+        return self.profile.matches(self.detected)
 
     @property
     def measured_level(self) -> str:
