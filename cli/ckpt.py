@@ -12,7 +12,7 @@ from rich.table import Table
 
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, shard_fingerprints, verify_manifest
-from k3rocm.cli.common import Progress, console, debug_option, handle_errors
+from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, handle_errors
 from k3rocm.config import preset as make_preset
 from k3rocm.errors import CheckpointError
 
@@ -98,9 +98,7 @@ Examples:
 @handle_errors
 def inspect_cmd(checkpoint, as_json, debug):
     """Validate the index and every shard header against the config's layout, and summarise it."""
-    from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
-
-    s = Session(Options(checkpoint=checkpoint))
+    s = checkpoint_session(checkpoint)
     idx = s.index
     cfg = s.config
     cnt = layout.counts(cfg)
@@ -144,9 +142,7 @@ Examples:
 @handle_errors
 def verify_cmd(checkpoint, write_manifest, debug):
     """Check every file's sha256 against k3rocm-manifest.json (exit 2 naming the first mismatch)."""
-    from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
-
-    s = Session(Options(checkpoint=checkpoint))
+    s = checkpoint_session(checkpoint)
     d = s.checkpoint_dir
     if write_manifest:
         had = (d / MANIFEST_NAME).is_file()

@@ -119,6 +119,14 @@ def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | N
     return Session(opts)
 
 
+def checkpoint_session(checkpoint: str | None):
+    """A :class:`k3rocm.validation.session.Session` of ``--checkpoint`` alone (``checkpoint inspect`` / ``verify``,
+    ``plan --checkpoint``): its ``checkpoint_dir`` resolves the directory (None: the embedded k3-tiny)."""
+    from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
+
+    return Session(Options(checkpoint=checkpoint))
+
+
 class Progress:
     """Progress of long work with a ``(done, total)`` callback: a rich bar on a terminal, plain lines otherwise.
 

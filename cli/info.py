@@ -7,7 +7,8 @@ import json
 import click
 from rich.table import Table
 
-from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, not_empty, profile_option
+from k3rocm.cli.common import (checkpoint_option, checkpoint_session, console, debug_option, handle_errors, not_empty,
+                               profile_option)
 from k3rocm.config import preset as make_preset
 from k3rocm.errors import ConfigError, HardwareError, PlanError
 from k3rocm.hw import detect
@@ -126,11 +127,10 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
         cfg = make_preset(preset)
     else:
         from k3rocm.checkpoint.reader import open_checkpoint  # torch: 1.2 s (measured); --help needs none
-        from k3rocm.validation.session import Options, Session  # torch as well
 
         # the whole structural check (index, shards, headers, tensor set) — a plan of a checkpoint that cannot
         # load is no plan; the E8M0 scale scan is left to `load` (it reads ~85 GB on the real release)
-        cfg = open_checkpoint(Session(Options(checkpoint=checkpoint)).checkpoint_dir, check_scales=False).config
+        cfg = open_checkpoint(checkpoint_session(checkpoint).checkpoint_dir, check_scales=False).config
     text = cfg.raw.get("text_config", cfg.raw) if isinstance(getattr(cfg, "raw", None), dict) else {}
     max_pos = text.get("max_position_embeddings") if isinstance(text, dict) else None
     if context_len is not None and isinstance(max_pos, int) and not isinstance(max_pos, bool) and context_len > max_pos:
