@@ -11,13 +11,10 @@ import click
 from rich.table import Table
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, verify_manifest
-from k3rocm.checkpoint.writer import write_checkpoint
-from k3rocm.cli.common import Progress, console, debug_option, handle_errors
+from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, shard_fingerprints, verify_manifest
+from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, handle_errors
 from k3rocm.config import preset as make_preset
 from k3rocm.errors import CheckpointError
-from k3rocm.validation.evidence import shard_fingerprints
-from k3rocm.validation.session import Options, Session
 
 GB = 1e9
 
@@ -47,6 +44,8 @@ Examples:
 @handle_errors
 def make_cmd(preset, out, seed, shards, manifest, expert_init, debug):
     """Write a deterministic random-weight checkpoint in the released on-disk layout."""
+    from k3rocm.checkpoint.writer import write_checkpoint  # torch: 1.2 s (measured); --help needs none
+
     _check_out_dir(out)
     cfg = make_preset(preset)
     with Progress() as bar:
@@ -99,7 +98,7 @@ Examples:
 @handle_errors
 def inspect_cmd(checkpoint, as_json, debug):
     """Validate the index and every shard header against the config's layout, and summarise it."""
-    s = Session(Options(checkpoint=checkpoint))
+    s = checkpoint_session(checkpoint)
     idx = s.index
     cfg = s.config
     cnt = layout.counts(cfg)
@@ -143,7 +142,7 @@ Examples:
 @handle_errors
 def verify_cmd(checkpoint, write_manifest, debug):
     """Check every file's sha256 against k3rocm-manifest.json (exit 2 naming the first mismatch)."""
-    s = Session(Options(checkpoint=checkpoint))
+    s = checkpoint_session(checkpoint)
     d = s.checkpoint_dir
     if write_manifest:
         had = (d / MANIFEST_NAME).is_file()

@@ -23,8 +23,6 @@ from rich.table import Table
 from k3rocm.errors import K3Error
 from k3rocm.validation.evidence import command_line, load_report, reproduction_block
 from k3rocm.validation.render import write_report
-from k3rocm.validation.session import Options, Session, require_dir_for_output
-from k3rocm.validation.tiers.thresholds import THRESHOLDS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
@@ -111,12 +109,22 @@ def common_options(f):
     return f
 
 
-def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None) -> Session:
+def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None):
     """Build a :class:`k3rocm.validation.session.Session` from the common options (and ``validate``'s
     ``--golden``)."""
+    from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
+
     opts = Options(checkpoint=checkpoint, profile=profile, out=out, kernels=kernels, seed=seed, debug=debug,
                    command=command_line(), golden=golden)
     return Session(opts)
+
+
+def checkpoint_session(checkpoint: str | None):
+    """A :class:`k3rocm.validation.session.Session` of ``--checkpoint`` alone (``checkpoint inspect`` / ``verify``,
+    ``plan --checkpoint``): its ``checkpoint_dir`` resolves the directory (None: the embedded k3-tiny)."""
+    from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
+
+    return Session(Options(checkpoint=checkpoint))
 
 
 class Progress:
@@ -188,6 +196,9 @@ class Progress:
 
 def write_stages(session, stages) -> Path:
     """Merge ``stages`` into ``--out``'s report (same checkpoint config) and write json/md/html."""
+    from k3rocm.validation.session import require_dir_for_output  # torch: 1.2 s (measured); --help needs none
+    from k3rocm.validation.tiers.thresholds import THRESHOLDS  # torch and triton, as above
+
     out = require_dir_for_output(session.opts.out)
     cfg_hash = ckpt = dev = prof = None
     try:

@@ -7,14 +7,13 @@ import json
 import click
 from rich.table import Table
 
-from k3rocm.checkpoint.reader import open_checkpoint
-from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, not_empty, profile_option
+from k3rocm.cli.common import (checkpoint_option, checkpoint_session, console, debug_option, handle_errors, not_empty,
+                               profile_option)
 from k3rocm.config import preset as make_preset
 from k3rocm.errors import ConfigError, HardwareError, PlanError
 from k3rocm.hw import detect
 from k3rocm.profiles import list_profiles, load_profile, match_profile
 from k3rocm.runtime.plan import plan
-from k3rocm.validation.session import Options, Session
 
 GB = 1e9
 
@@ -68,8 +67,7 @@ def env_cmd(profile, as_json, debug):
     """
     det = detect()
     prof = load_profile(profile) if profile else match_profile(det)
-    matches = prof.backend == "cpu" or (det.backend == prof.backend and det.arch == prof.arch
-                                        and det.count >= prof.device_count)
+    matches = prof.matches(det)
     if as_json:
         click.echo(json.dumps({"detected": det.to_dict(), "profile": prof.to_dict(), "matches": matches},
                               indent=2, default=str))
@@ -128,9 +126,11 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     if preset:
         cfg = make_preset(preset)
     else:
+        from k3rocm.checkpoint.reader import open_checkpoint  # torch: 1.2 s (measured); --help needs none
+
         # the whole structural check (index, shards, headers, tensor set) — a plan of a checkpoint that cannot
         # load is no plan; the E8M0 scale scan is left to `load` (it reads ~85 GB on the real release)
-        cfg = open_checkpoint(Session(Options(checkpoint=checkpoint)).checkpoint_dir, check_scales=False).config
+        cfg = open_checkpoint(checkpoint_session(checkpoint).checkpoint_dir, check_scales=False).config
     text = cfg.raw.get("text_config", cfg.raw) if isinstance(getattr(cfg, "raw", None), dict) else {}
     max_pos = text.get("max_position_embeddings") if isinstance(text, dict) else None
     if context_len is not None and isinstance(max_pos, int) and not isinstance(max_pos, bool) and context_len > max_pos:

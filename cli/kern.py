@@ -10,8 +10,6 @@ from rich.table import Table
 
 from k3rocm.cli.common import console, debug_option, handle_errors, kernels_option
 from k3rocm.errors import HardwareError
-from k3rocm.runtime import registry
-from k3rocm.kernels.isa import TARGETS, run_isa
 
 
 @click.group("kernels")
@@ -33,6 +31,8 @@ def list_cmd(kernels, debug):
     An implementation --kernels asks for that cannot run on this machine (triton without a GPU) is listed as
     unavailable with the reason, instead of failing: this command only reports (validate / bench refuse it).
     """
+    from k3rocm.runtime import registry  # torch: 1.2 s (measured); --help needs none
+
     ov = registry.parse_override(kernels)
     t = Table(title="kernel registry")
     for col in ("op", "implementations", "selected", "note"):
@@ -63,6 +63,8 @@ def isa_cmd(targets, families, as_json, debug):
     """Compile every Triton kernel ahead of time for gfx950 / gfx942 / sm_90 (no GPU needed) and report
     matrix instructions, registers, spills and LDS. Exit 1 when a kernel fails to compile, lacks the
     expected matrix instructions or spills on AMD."""
+    from k3rocm.kernels.isa import TARGETS, run_isa  # triton: 0.1 s (measured); --help needs none
+
     reps = run_isa(tuple(targets) or TARGETS, tuple(families) or None)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reps], indent=2))

@@ -10,8 +10,6 @@ from k3rocm.cli.common import (Progress, common_options, console, finish, handle
                                print_stages, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
-from k3rocm.validation.bench_job import BenchOptions, check_options, parse_concurrency, run_bench_job
-from k3rocm.validation.tiers import run_tiers
 
 
 @click.command("load", epilog="""\b
@@ -28,6 +26,8 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     devices of the plan (MXFP4 experts stay packed) and records bytes per device, GB/s and scale
     sanity in the report.
     """
+    from k3rocm.validation.tiers import run_tiers  # torch: 1.2 s (measured); --help needs none
+
     if kernels != "auto":
         raise ConfigError(f"--kernels {kernels!r} has no effect on load (it streams and checks weights and runs no "
                           "kernels); drop --kernels, or give it to validate / bench")
@@ -89,6 +89,8 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
     top-1 agreement, max error, decode-vs-prefill equality. With --golden, or on the official
     checkpoint (its known answers), it adds `external` evidence.
     """
+    from k3rocm.validation.tiers import run_tiers  # torch: 1.2 s (measured); --help needs none
+
     if golden is not None and level in ("env", "load", "forward"):
         raise ConfigError(f"--golden is compared in the correctness tier, which --level {level} does not reach; "
                           "use --level correctness (the default) or performance, or drop --golden")
@@ -147,6 +149,9 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     Every point's results go into the report's `bench` stage with plots of latency percentiles and
     throughput against concurrency.
     """
+    # torch: 1.2 s (measured); --help needs none
+    from k3rocm.validation.bench_job import BenchOptions, check_options, parse_concurrency, run_bench_job
+
     # every refusal that needs no checkpoint comes first: a run that cannot happen creates nothing
     bench = BenchOptions(concurrency=parse_concurrency(concurrency) if concurrency is not None else None,
                          input_len=input_len, output_len=output_len, num_prompts=num_prompts,

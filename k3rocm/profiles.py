@@ -102,6 +102,15 @@ class Profile:
         v = self.peak_flops.get(dtype)
         return float(v) if v else float(self.peak_flops.get("bf16") or 0.0)
 
+    def matches(self, detected: Detected) -> bool:
+        """True when ``detected`` is the hardware this profile names: the same backend and base arch and at
+        least ``device_count`` visible devices. A ``cpu`` profile matches any machine (the engine then runs on
+        that machine's CPU, which is what the profile names)."""
+        if self.backend == "cpu":
+            return True
+        return (detected.backend == self.backend and detected.arch == self.arch
+                and detected.count >= self.device_count)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("raw", None)

@@ -22,7 +22,9 @@ def import_families(families: tuple[str, ...] | None = None) -> tuple[dict[str, 
 
     Returns ``(modules, errors)``: ``{family: module}`` for those that imported and
     ``{family: "ImportError: ..."}`` for those that did not (Triton missing or a broken family), so one
-    failing family leaves the others usable. Imported by name in a loop for that reason.
+    failing family leaves the others usable. Imported by name in a loop for that reason, and only when asked
+    (the registry on first use, ``kernels isa`` for the families it checks): the five families cost ~0.07 s to
+    import on top of Triton (measured).
     """
     mods: dict[str, ModuleType] = {}
     errors: dict[str, str] = {}

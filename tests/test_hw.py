@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import k3rocm.cli.main
 from k3rocm import hw, profiles
 from k3rocm.errors import ConfigError
-from k3rocm.validation.evidence import reproduction_block
+from k3rocm.validation.evidence import reproduction_block, software_versions
 
 EXPECTED = {"mi355x-8", "mi350x-8", "mi325x-8", "mi300x-8", "h200-8", "h200-1", "h100-8", "b200-8", "cpu"}
 
@@ -325,6 +325,35 @@ def test_detect_rocm_uses_gcn_arch_not_capability(monkeypatch):
                          total_memory=192 * 2**30, multi_processor_count=304) for _ in range(8)]
     _fake_torch(monkeypatch, "6.4.0", None, props3)
     assert profiles.match_profile(hw.detect(with_smi=False)).name == "mi300x-8"
+
+
+@pytest.mark.parametrize("hip, cuda, toolkit, name, software", [
+    ("7.0.1", None, ("hip", "7.0.1"), "ROCm 7.0.1", "hip 7.0.1"),
+    ("7.0.1", "12.4", ("hip", "7.0.1"), "ROCm 7.0.1", "hip 7.0.1"),  # hip wins
+    (None, "13.0", ("cuda", "13.0"), "CUDA 13.0", "cuda 13.0"),
+    (None, None, ("cpu", None), "CPU", "cpu"),
+])
+def test_torch_build_is_read_once_for_detection_and_reports(monkeypatch, hip, cuda, toolkit, name, software):
+    _fake_torch(monkeypatch, hip, cuda, [])
+    tb = hw.torch_build()
+    assert (tb.version, tb.hip, tb.cuda) == (torch.__version__, hip, cuda)
+    assert tb.toolkit == toolkit and tb.name == name
+    assert hw.detect(with_smi=False).torch_build == name
+    assert software_versions()["torch_build"] == software  # the report's spelling of the same build
+
+
+def test_profile_matches_same_backend_arch_and_enough_devices():
+    mi = profiles.load_profile("mi355x-8")
+
+    def det(backend="rocm", arch="gfx950", count=8):
+        return SimpleNamespace(backend=backend, arch=arch, count=count)
+
+    assert mi.matches(det()) and mi.matches(det(count=9))  # more devices than the profile names still match
+    assert not mi.matches(det(count=7))
+    assert not mi.matches(det(arch="gfx942"))
+    assert not mi.matches(det(backend="cuda"))
+    assert not mi.matches(det(backend="cpu", arch=None, count=0))
+    assert profiles.load_profile("cpu").matches(det())  # a CPU profile runs on any machine's CPU
 
 
 def test_detect_cuda_arch_from_capability(monkeypatch):

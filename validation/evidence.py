@@ -33,7 +33,7 @@ from typing import Any
 
 from k3rocm.checkpoint.verify import shard_fingerprints
 from k3rocm.errors import ConfigError
-from k3rocm.hw import package_version, relevant_env
+from k3rocm.hw import package_version, relevant_env, torch_build
 
 SCHEMA = "k3rocm.report/1"
 LEVELS = ("measured", "measured-fallback", "projected", "external")
@@ -291,10 +291,10 @@ def software_versions() -> dict:
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
                            "k3rocm": package_version("k3rocm") or "unknown", "git_sha": git_sha()}
     try:
-        import torch  # measured 1.3 s to import: reading, merging and rendering reports need no torch
-        out["torch"] = torch.__version__
-        out["torch_build"] = ("hip " + torch.version.hip) if getattr(torch.version, "hip", None) else (
-            ("cuda " + torch.version.cuda) if torch.version.cuda else "cpu")
+        tb = torch_build()
+        kit, ver = tb.toolkit
+        out["torch"] = tb.version
+        out["torch_build"] = f"{kit} {ver}" if ver else kit  # the report's spelling: hip 6.4.x / cuda 12.x / cpu
     except Exception as e:  # pragma: no cover
         out["torch"] = f"unavailable ({e.__class__.__name__})"
     for mod in ("triton", "aiter", "safetensors", "compressed-tensors"):

@@ -94,8 +94,6 @@ def _svg(fig) -> str:
     """
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    import matplotlib.pyplot as plt  # loaded by _series_svg already (see there why it is imported late)
-    plt.close(fig)
     s = buf.getvalue()
     i = s.find("<svg")
     s = s[i:] if i >= 0 else s
@@ -153,7 +151,10 @@ def _series_svg(name: str, spec: dict) -> str | None:
     ax.grid(alpha=0.3)
     if len(labels) > 1:
         ax.legend(fontsize=8)
-    return _svg(fig)
+    try:
+        return _svg(fig)
+    finally:
+        plt.close(fig)
 
 
 _CSS = """

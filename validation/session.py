@@ -25,7 +25,7 @@ from safetensors import safe_open
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.config import K3Config
-from k3rocm.embedded import default_checkpoint
+from k3rocm.checkpoint.embedded import default_checkpoint
 from k3rocm.errors import CheckpointError, ConfigError, HardwareError, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
@@ -137,7 +137,7 @@ class Session:
 
     @property
     def index(self):
-        """The validated checkpoint index (:func:`k3rocm.checkpoint.open_checkpoint`: directory, index,
+        """The validated checkpoint index (:func:`k3rocm.checkpoint.reader.open_checkpoint`: directory, index,
         shard headers, tensor set vs the config's layout, E8M0 scales)."""
         return self._memo("index", lambda: open_checkpoint(self.checkpoint_dir))
 
@@ -178,10 +178,7 @@ class Session:
     @property
     def hardware_matches(self) -> bool:
         """Detected backend/arch equal the profile's and at least its device count is visible."""
-        d, p = self.detected, self.profile
-        if p.backend == "cpu":
-            return True  # the engine runs on this machine's CPU, which is what a CPU profile names
-        return d.backend == p.backend and d.arch == p.arch and d.count >= p.device_count
+        return self.profile.matches(self.detected)
 
     @property
     def measured_level(self) -> str:

@@ -25,7 +25,7 @@ from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, BenchRequest, plan_load
 from k3rocm.bench.metrics import RequestRecord, aggregate
 from k3rocm.bench.roofline import fraction_of_roofline
 from k3rocm.errors import ConfigError
-from k3rocm.sizing import StepRoofline
+from k3rocm.runtime.sizing import StepRoofline
 
 __all__ = ["BenchResult", "run_bench", "sweep"]
 

@@ -1,4 +1,4 @@
-"""Fraction of roofline of measured engine steps: each step's floor (:class:`k3rocm.sizing.StepRoofline`, from
+"""Fraction of roofline of measured engine steps: each step's floor (:class:`k3rocm.runtime.sizing.StepRoofline`, from
 the bytes it moves and the FLOPs it does) over its measured time, per step, in total, and split into the
 pure decode steps and the steps that carried prefill chunks.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from k3rocm.sizing import StepRoofline
+from k3rocm.runtime.sizing import StepRoofline
 
 
 def fraction_of_roofline(roof: StepRoofline, steps: Sequence) -> dict:

@@ -115,26 +115,46 @@ def layer_specs(cfg: K3Config, i: int, with_experts: bool = True) -> list[Tensor
                 _bf16(f"{p}mlp_res_proj.weight", (1, H), i)]
     a = f"{p}self_attn."
     if cfg.layer_type(i) == "kda":
-        P, Dh, Hk, W = cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
-        out += [_bf16(f"{a}q_proj.weight", (P, H), i), _bf16(f"{a}k_proj.weight", (P, H), i),
-                _bf16(f"{a}v_proj.weight", (P, H), i),
-                _f32(f"{a}q_conv1d.weight", (P, 1, W), i), _f32(f"{a}k_conv1d.weight", (P, 1, W), i),
-                _f32(f"{a}v_conv1d.weight", (P, 1, W), i),
-                _bf16(f"{a}f_a_proj.weight", (Dh, H), i), _bf16(f"{a}f_b_proj.weight", (P, Dh), i),
-                _bf16(f"{a}b_proj.weight", (Hk, H), i),
-                _f32(f"{a}A_log", (Dh,), i), _f32(f"{a}dt_bias", (P,), i), _f32(f"{a}o_norm.weight", (Dh,), i),
+        P, Dh = cfg.kda_proj_size, cfg.kda_head_dim
+        out += _kda_qkv_specs(cfg, a, i) + _kda_gate_specs(cfg, a, i)
+        out += [_f32(f"{a}A_log", (Dh,), i), _f32(f"{a}dt_bias", (P,), i), _f32(f"{a}o_norm.weight", (Dh,), i),
                 _bf16(f"{a}g_proj.weight", (P, H), i), _bf16(f"{a}o_proj.weight", (H, P), i)]
     else:
-        nh, qk, vd = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
-        qr, kr = cfg.q_lora_rank, cfg.kv_lora_rank
-        out += [_bf16(f"{a}q_a_proj.weight", (qr, H), i), _bf16(f"{a}q_a_layernorm.weight", (qr,), i),
-                _bf16(f"{a}q_b_proj.weight", (nh * qk, qr), i),
-                _bf16(f"{a}kv_a_proj_with_mqa.weight", (kr + cfg.qk_rope_head_dim, H), i),
-                _bf16(f"{a}kv_a_layernorm.weight", (kr,), i),
-                _bf16(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + vd), kr), i),
-                _bf16(f"{a}g_proj.weight", (nh * vd, H), i), _bf16(f"{a}o_proj.weight", (H, nh * vd), i)]
+        nh, vd = cfg.num_attention_heads, cfg.v_head_dim
+        out += _mla_qkv_specs(cfg, a, i)
+        out += [_bf16(f"{a}g_proj.weight", (nh * vd, H), i), _bf16(f"{a}o_proj.weight", (H, nh * vd), i)]
     out += _channel_specs(cfg, p, i, with_experts)
     return out
+
+
+def _kda_qkv_specs(cfg: K3Config, a: str, i: int) -> list[TensorSpec]:
+    """KDA q, k, v projections ``[P, H]`` and their short convolutions ``[P, 1, W]`` (prefix ``a``), both
+    families."""
+    H, P, W = cfg.hidden_size, cfg.kda_proj_size, cfg.short_conv_kernel_size
+    return ([_bf16(f"{a}{x}_proj.weight", (P, H), i) for x in "qkv"]
+            + [_f32(f"{a}{x}_conv1d.weight", (P, 1, W), i) for x in "qkv"])
+
+
+def _kda_gate_specs(cfg: K3Config, a: str, i: int) -> list[TensorSpec]:
+    """KDA forget-gate low-rank projections ``f_a`` ``[K, H]``, ``f_b`` ``[P, K]`` and the beta projection
+    ``b_proj`` ``[heads, H]`` (prefix ``a``), both families."""
+    H, P, Dh, Hk = cfg.hidden_size, cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads
+    return [_bf16(f"{a}f_a_proj.weight", (Dh, H), i), _bf16(f"{a}f_b_proj.weight", (P, Dh), i),
+            _bf16(f"{a}b_proj.weight", (Hk, H), i)]
+
+
+def _mla_qkv_specs(cfg: K3Config, a: str, i: int) -> list[TensorSpec]:
+    """MLA query (low-rank ``q_a`` / norm / ``q_b`` with ``q_lora_rank``, else a full-rank ``q_proj``) and the
+    joint latent ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj`` (prefix ``a``), both families."""
+    H, nh, qr, kr = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    if qr:
+        out = [_bf16(f"{a}q_a_proj.weight", (qr, H), i), _bf16(f"{a}q_a_layernorm.weight", (qr,), i),
+               _bf16(f"{a}q_b_proj.weight", (nh * cfg.qk_head_dim, qr), i)]
+    else:
+        out = [_bf16(f"{a}q_proj.weight", (nh * cfg.qk_head_dim, H), i)]
+    return out + [_bf16(f"{a}kv_a_proj_with_mqa.weight", (kr + cfg.qk_rope_head_dim, H), i),
+                  _bf16(f"{a}kv_a_layernorm.weight", (kr,), i),
+                  _bf16(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), kr), i)]
 
 
 def _channel_specs(cfg: K3Config, p: str, i: int, with_experts: bool) -> list[TensorSpec]:
@@ -168,28 +188,16 @@ def _kimi_linear_layer_specs(cfg: K3Config, i: int, with_experts: bool) -> list[
     a = f"{p}self_attn."
     out = [_bf16(f"{p}input_layernorm.weight", (H,), i), _bf16(f"{p}post_attention_layernorm.weight", (H,), i)]
     if cfg.layer_type(i) == "kda":
-        P, Dh, Hk, W = cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
-        out += [_bf16(f"{a}q_proj.weight", (P, H), i), _bf16(f"{a}k_proj.weight", (P, H), i),
-                _bf16(f"{a}v_proj.weight", (P, H), i),
-                _f32(f"{a}q_conv1d.weight", (P, 1, W), i), _f32(f"{a}k_conv1d.weight", (P, 1, W), i),
-                _f32(f"{a}v_conv1d.weight", (P, 1, W), i),
-                _f32(f"{a}dt_bias", (P,), i), _f32(f"{a}A_log", (1, 1, Hk, 1), i),
-                _bf16(f"{a}f_a_proj.weight", (Dh, H), i), _bf16(f"{a}f_b_proj.weight", (P, Dh), i),
-                _bf16(f"{a}b_proj.weight", (Hk, H), i),
-                _bf16(f"{a}g_a_proj.weight", (Dh, H), i), _bf16(f"{a}g_b_proj.weight", (P, Dh), i),
+        P, Dh, Hk = cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads
+        out += _kda_qkv_specs(cfg, a, i)
+        out += [_f32(f"{a}dt_bias", (P,), i), _f32(f"{a}A_log", (1, 1, Hk, 1), i)]
+        out += _kda_gate_specs(cfg, a, i)
+        out += [_bf16(f"{a}g_a_proj.weight", (Dh, H), i), _bf16(f"{a}g_b_proj.weight", (P, Dh), i),
                 _f32(f"{a}o_norm.weight", (Dh,), i), _bf16(f"{a}o_proj.weight", (H, P), i)]
     else:
-        nh, kr, vd = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.v_head_dim
-        if cfg.q_lora_rank:
-            out += [_bf16(f"{a}q_a_proj.weight", (cfg.q_lora_rank, H), i),
-                    _bf16(f"{a}q_a_layernorm.weight", (cfg.q_lora_rank,), i),
-                    _bf16(f"{a}q_b_proj.weight", (nh * cfg.qk_head_dim, cfg.q_lora_rank), i)]
-        else:
-            out.append(_bf16(f"{a}q_proj.weight", (nh * cfg.qk_head_dim, H), i))
-        out += [_bf16(f"{a}kv_a_proj_with_mqa.weight", (kr + cfg.qk_rope_head_dim, H), i),
-                _bf16(f"{a}kv_a_layernorm.weight", (kr,), i),
-                _bf16(f"{a}kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + vd), kr), i),
-                _bf16(f"{a}o_proj.weight", (H, nh * vd), i)]
+        nh, vd = cfg.num_attention_heads, cfg.v_head_dim
+        out += _mla_qkv_specs(cfg, a, i)
+        out.append(_bf16(f"{a}o_proj.weight", (H, nh * vd), i))
     out += _channel_specs(cfg, p, i, with_experts)
     return out
 

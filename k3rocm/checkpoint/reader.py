@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from k3rocm.checkpoint import layout
-from k3rocm.config import K3Config
+from k3rocm.config import K3Config, preset
 from k3rocm.errors import CheckpointError, ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -297,8 +297,6 @@ class CheckpointIndex:
     def is_official(self) -> bool:
         """True when config.json equals the official ``moonshotai/Kimi-K3`` one and the text tensor set is
         the official 497,052 (validated against the layout when opened)."""
-        from k3rocm.config import preset
-
         off = preset("k3")
         return self.config.to_dict() == off.to_dict() and len(self.entries) == layout.counts(off)["tensors"]
 

@@ -91,7 +91,7 @@ def verify_manifest(path: str | Path, progress: Progress | None = None) -> list[
     try:
         doc = json.loads(mf.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{mf}: no manifest; create one first with k3rocm.checkpoint.make_manifest") from None
+        raise CheckpointError(f"{mf}: no manifest; create one first with k3rocm.checkpoint.verify.make_manifest") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mf}: unreadable manifest ({e}); re-create it") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), dict):

@@ -1,6 +1,6 @@
 """The fp32 oracle of Kimi K3 (and the Kimi-Linear family): ops, layers and the whole model.
 
-Public entry points (imported lazily, so that importing one op module does not pull in the others):
+Public entry points:
 
 * :class:`~k3rocm.model.model.K3Model` — ``forward``, ``new_cache`` / ``prefill`` / ``decode``,
   ``generate_greedy`` and the layer-by-layer ``embed`` / ``run_layer`` / ``final``;
@@ -12,24 +12,9 @@ Public entry points (imported lazily, so that importing one op module does not p
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from k3rocm.model.decoder import LayerState
+from k3rocm.model.kimi_linear import KimiLinearModel
+from k3rocm.model.layer import Batch, K3Cache, WeightView, resolve_ops
+from k3rocm.model.model import K3Model
 
-_LAZY = {
-    "K3Model": "k3rocm.model.model",
-    "LayerState": "k3rocm.model.model",
-    "KimiLinearModel": "k3rocm.model.kimi_linear",
-    "K3Cache": "k3rocm.model.layer",
-    "Batch": "k3rocm.model.layer",
-    "WeightView": "k3rocm.model.layer",
-    "resolve_ops": "k3rocm.model.layer",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'k3rocm.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__all__ = ["Batch", "K3Cache", "K3Model", "KimiLinearModel", "LayerState", "WeightView", "resolve_ops"]

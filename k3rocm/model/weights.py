@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.reader import DTYPES
+from k3rocm.checkpoint.reader import DTYPES, open_checkpoint
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError
 
@@ -363,8 +363,6 @@ class Weights:
 
 def load_weights(path: str | Path, device: str | torch.device = "cpu", **kwargs: Any) -> Weights:
     """``Weights.from_checkpoint(open_checkpoint(path), device, **kwargs)`` (validates the directory first)."""
-    from k3rocm.checkpoint.reader import open_checkpoint
-
     return Weights.from_checkpoint(open_checkpoint(path), device=device, **kwargs)
 
 

@@ -12,7 +12,7 @@
   is zeroed when it is handed out, so a reused slot never carries a previous sequence's state.
 
 The block free list is FIFO (freed blocks are reused last), so allocation order is deterministic. Bytes
-per token and per sequence come from :mod:`k3rocm.sizing`; :func:`size_caches` splits a budget with them.
+per token and per sequence come from :mod:`k3rocm.runtime.sizing`; :func:`size_caches` splits a budget with them.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import PlanError
-from k3rocm.sizing import kda_state_bytes_per_seq, mla_cache_bytes_per_token
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value (OCP E4M3)
+from k3rocm.numerics import FP8_MAX
+from k3rocm.runtime.sizing import kda_state_bytes_per_seq, kv_dtype_bytes, mla_cache_bytes_per_token
 
 
 class CacheExhausted(PlanError):
@@ -40,7 +39,7 @@ def _elem_bytes(dtype: torch.dtype) -> int:
 def mla_bytes_per_block(cfg: K3Config, block_size: int, dtype: torch.dtype = torch.bfloat16,
                         num_layers: int | None = None) -> int:
     """Bytes of one cache block over all MLA layers: ``block_size`` tokens of
-    :func:`k3rocm.sizing.mla_cache_bytes_per_token` at the element size of ``dtype``."""
+    :func:`k3rocm.runtime.sizing.mla_cache_bytes_per_token` at the element size of ``dtype``."""
     return block_size * mla_cache_bytes_per_token(cfg, _elem_bytes(dtype), num_layers)
 
 
@@ -70,13 +69,19 @@ def size_caches(cfg: K3Config, budget_bytes: int, max_seqs: int, block_size: int
 
     Slots: as many as ``max_seqs`` allows while each slot also keeps at least one block,
     ``min(max_seqs, budget // (slot_bytes + block_bytes))``; blocks take the rest. A slot is one sequence's KDA
-    state (:func:`k3rocm.sizing.kda_state_bytes_per_seq` of ``num_heads`` heads, default all).
+    state (:func:`k3rocm.runtime.sizing.kda_state_bytes_per_seq` of ``num_heads`` heads, default all).
 
     Raises:
         PlanError: the budget does not hold one slot plus one block.
     """
+    return _split_budget(cfg, budget_bytes, max_seqs, block_size, _elem_bytes(kv_dtype), num_heads)
+
+
+def _split_budget(cfg: K3Config, budget_bytes: int, max_seqs: int, block_size: int, kv_bytes: int,
+                  num_heads: int | None) -> CacheSizing:
+    """:func:`size_caches` with the cache dtype given by its bytes per value."""
     sb = kda_state_bytes_per_seq(cfg, num_heads)
-    bb = mla_bytes_per_block(cfg, block_size, kv_dtype)
+    bb = block_size * mla_cache_bytes_per_token(cfg, kv_bytes)
     if max_seqs < 1 or block_size < 1:
         raise PlanError(f"max_seqs {max_seqs} and block_size {block_size} must be >= 1")
     slots = min(max_seqs, budget_bytes // max(1, sb + bb))
@@ -94,7 +99,8 @@ class MLACache:
         cfg: model config (``kv_lora_rank`` R, ``qk_rope_head_dim`` Dr, MLA layer indices).
         num_blocks: blocks per layer (>= 1).
         block_size: tokens per block.
-        dtype: ``torch.bfloat16``, ``torch.float32`` or ``torch.float8_e4m3fn`` (then ``kv_scale`` applies).
+        dtype: ``torch.bfloat16``, ``torch.float16``, ``torch.float32``, or ``torch.float8_e4m3fn`` /
+            ``torch.float8_e4m3fnuz`` (then ``kv_scale`` applies).
         device: where the cache tensors live.
         kv_scale: fp8 only: stored = value / kv_scale (static, per layer; same value for all layers).
         layers: 0-based MLA layer indices to hold (default: all MLA layers of ``cfg``).
@@ -129,7 +135,8 @@ class MLACache:
     # ------------------------------------------------------------------ block manager
     @property
     def is_fp8(self) -> bool:
-        return self.dtype == torch.float8_e4m3fn
+        """An FP8 cache (e4m3fn or e4m3fnuz): stored scaled by ``kv_scale`` and saturated to the format."""
+        return self.dtype in FP8_MAX
 
     @property
     def num_free_blocks(self) -> int:
@@ -194,13 +201,15 @@ class MLACache:
     def write(self, layer: int, slot_mapping: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
         """Store tokens' ``latent [T, R]`` and ``k_rope [T, Dr]`` at ``slot_mapping [T]`` (−1 = skip), in place.
 
-        fp8 caches store ``clamp(value / kv_scale, ±448)`` as E4M3.
+        fp8 caches store ``clamp(value / kv_scale, ±max)`` as E4M3, ``max`` the format's largest finite value
+        (:data:`k3rocm.numerics.FP8_MAX`: 448 for e4m3fn, 240 for e4m3fnuz).
         """
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].to(self.device)
         vals = torch.cat([latent.float(), k_rope.float()], dim=-1)[keep.to(latent.device)].to(self.device)
         if self.is_fp8:
-            vals = (vals / self.kv_scale[layer]).clamp(-FP8_MAX, FP8_MAX)
+            lim = FP8_MAX[self.dtype]
+            vals = (vals / self.kv_scale[layer]).clamp(-lim, lim)
         flat = self.kv_cache[layer].view(-1, self.width)
         flat[slots] = vals.to(self.dtype)
 
@@ -290,20 +299,15 @@ class KDAStatePool:
         return sum(t.numel() * 4 for t in self.state.values()) + sum(t.numel() * 4 for t in self.conv.values())
 
 
-KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-             "fp16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-
-
 def size_from_capacity(cfg: K3Config, capacity, block_size: int = 16, max_seqs: int | None = None,
                        num_heads: int | None = None) -> CacheSizing:
     """:func:`size_caches` from the plan's cache capacity (``Placement.cache``: ``budget_bytes``, ``kv_dtype``,
     ``max_sequences``). ``max_seqs`` defaults to the plan's ``max_sequences`` (at least 1).
 
     Raises:
-        PlanError: unknown ``kv_dtype`` or a budget that holds no sequence.
+        PlanError: unknown ``kv_dtype`` (:func:`k3rocm.runtime.sizing.kv_dtype_bytes`) or a budget that holds no
+            sequence.
     """
-    kv = KV_DTYPES.get(str(capacity.kv_dtype).lower())
-    if kv is None:
-        raise PlanError(f"cache kv_dtype {capacity.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    kv_bytes = kv_dtype_bytes(capacity.kv_dtype)
     n = max_seqs if max_seqs is not None else max(1, int(capacity.max_sequences))
-    return size_caches(cfg, int(capacity.budget_bytes), n, block_size, kv, num_heads)
+    return _split_budget(cfg, int(capacity.budget_bytes), n, block_size, kv_bytes, num_heads)

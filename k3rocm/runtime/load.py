@@ -44,7 +44,8 @@ from k3rocm.checkpoint.reader import DTYPES, CheckpointIndex, open_checkpoint
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError, ValidationFailed
 from k3rocm.model.weights import Weights
-from k3rocm.runtime.plan import Placement, ShardSlice
+from k3rocm.profiles import load_profile
+from k3rocm.runtime.plan import Placement, ShardSlice, plan
 
 __all__ = ["load", "load_checkpoint", "verify_loaded", "checksum", "LoadReport", "LoadResult", "raw_read_throughput"]
 
@@ -504,7 +505,5 @@ def load_checkpoint(path: str | Path | None = None, placement: Placement | None 
             raise CheckpointError("load_checkpoint needs a checkpoint directory or an opened index")
         index = open_checkpoint(path)
     if placement is None:
-        from k3rocm.profiles import load_profile
-        from k3rocm.runtime.plan import plan
         placement = plan(index.config, load_profile("cpu"), tp=1, ep=1)
     return load(index, placement, ranks=ranks, device=device, progress=progress, **kw)

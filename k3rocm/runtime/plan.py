@@ -26,8 +26,8 @@ replicated                  router gate + bias, latent down/up + norm,   none
 Memory model (per GPU, bytes): ``usable = memory_bytes * usable_fraction`` (profile; assumption, sourced);
 ``budget = usable - weights - workspace_reserve - activation_reserve``; the cache capacity is what the budget
 holds of the MLA latent cache per token (replicated on every TP rank) and the KDA state per sequence (heads
-split by TP), both from :mod:`k3rocm.sizing` (K3 bf16: 27,648 B/token; 58.1 MB/sequence at tp=8). The decode
-floor is :class:`k3rocm.sizing.StepRoofline` for one rank.
+split by TP), both from :mod:`k3rocm.runtime.sizing` (K3 bf16: 27,648 B/token; 58.1 MB/sequence at tp=8). The decode
+floor is :class:`k3rocm.runtime.sizing.StepRoofline` for one rank.
 
 The per-rank tensor map (:attr:`RankPlan.tensors`) is lazy — built per layer on demand — so the official
 497k-tensor plan is computed in well under a second; byte totals come from one expert's specs times the
@@ -48,7 +48,7 @@ from k3rocm.checkpoint.layout import DTYPE_BYTES, TensorSpec
 from k3rocm.config import K3Config
 from k3rocm.errors import PlanError
 from k3rocm.profiles import Profile
-from k3rocm.sizing import StepRoofline, kda_state_bytes_per_seq, kv_dtype_bytes, mla_cache_bytes_per_token
+from k3rocm.runtime.sizing import StepRoofline, kda_state_bytes_per_seq, kv_dtype_bytes, mla_cache_bytes_per_token
 
 PARTS = ("experts", "attention", "shared", "dense", "embed_head", "replicated")
 GB = 1e9
@@ -313,7 +313,7 @@ class Placement:
         cache: :class:`CacheCapacity`.
         fits: whether weights + reserves fit with room for at least one sequence of ``context_len``.
         problem: one line when it does not fit (the :class:`PlanError` message), else ``None``.
-        roofline: :class:`k3rocm.sizing.StepRoofline` of one rank (``roofline.decode(batch, context)``).
+        roofline: :class:`k3rocm.runtime.sizing.StepRoofline` of one rank (``roofline.decode(batch, context)``).
     """
 
     config_name: str

@@ -45,6 +45,28 @@ def _situ(g, u, BETA: tl.constexpr, BETA_LIN: tl.constexpr):
 
 
 @triton.jit
+def _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N,
+               TOPK: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows and columns of program (m block ``pid_m``, n tile ``pid_n``) of local expert ``e``, for both GEMM
+    kernels: sorted rows ``block_start[m] + [0, BLOCK_M)`` valid below ``offsets[e+1]``; the activation row of
+    each (its token, ``sorted_pair // TOPK``, when ``GATED``; the sorted row itself otherwise, int64); the
+    output columns ``pid_n * BLOCK_N + [0, BLOCK_N)``, those at or past ``N`` masked and clamped to 0."""
+    row0 = tl.load(block_start_ptr + pid_m)
+    row_end = tl.load(offsets_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    if GATED:
+        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
+        arow = (pair // TOPK).to(tl.int64)
+    else:
+        arow = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_n = tl.where(nmask, offs_n, 0)
+    return rows, rmask, arow, offs_n, nmask
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr,
     sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
@@ -61,18 +83,8 @@ def moe_gemm_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    row0 = tl.load(block_start_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    if GATED:
-        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
-        arow = (pair // TOPK).to(tl.int64)
-    else:
-        arow = rows.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    offs_n = tl.where(nmask, offs_n, 0)
+    rows, rmask, arow, offs_n, nmask = _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N,
+                                                  TOPK, GATED, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rk2 = tl.arange(0, BLOCK_K // 2)
     rks = tl.arange(0, BLOCK_K // 32)
@@ -280,18 +292,8 @@ def moe_gemm_dq_kernel(
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    row0 = tl.load(block_start_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + e + 1)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    if GATED:
-        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
-        arow = (pair // TOPK).to(tl.int64)
-    else:
-        arow = rows.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    offs_n = tl.where(nmask, offs_n, 0)
+    rows, rmask, arow, offs_n, nmask = _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N,
+                                                  TOPK, GATED, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rk8 = tl.arange(0, BLOCK_K // 8)
     rks = tl.arange(0, BLOCK_K // 32)

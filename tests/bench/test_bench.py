@@ -18,7 +18,7 @@ from k3rocm.bench.metrics import RequestRecord, aggregate
 from k3rocm.bench.roofline import fraction_of_roofline
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError
-from k3rocm.sizing import StepRoofline
+from k3rocm.runtime.sizing import StepRoofline
 
 from tests.helpers import FakeCompletions, load_ckpt
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3rocm import mx
-from k3rocm.checkpoint import layout, writer
+from k3rocm.checkpoint import embedded, layout, writer
 from k3rocm.checkpoint.reader import INDEX_NAME, open_checkpoint, read_shard_header
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, shard_fingerprints, verify_manifest
 from k3rocm.config import preset
@@ -334,8 +334,6 @@ def test_load_weights_dequantizes_golden_experts_like_the_oracle_would(golden_ck
 
 # ----------------------------------------------------------------------------------- embedded default
 def test_default_checkpoint_cached_atomic_and_reused(tiny_ckpt, tmp_path, monkeypatch):
-    from k3rocm import embedded
-
     monkeypatch.setenv("K3ROCM_CACHE", str(tmp_path / "cache"))
     results, errors = [], []
 

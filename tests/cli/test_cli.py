@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +56,17 @@ def test_help_teaches():
     for cmd in COMMANDS:
         out = run(cmd + ["--help"]).output
         assert "Examples:" in out and "k3rocm " + cmd[0] in out, cmd
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"], ["plan", "--preset", "k3", "--profile", "mi355x-8"]])
+def test_help_and_a_preset_plan_import_neither_torch_nor_triton(args):
+    """Help and a plan of a preset need no torch (~1.2 s to import) and no Triton: the commands import them where
+    they use them."""
+    code = ("import sys\nfrom k3rocm.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('heavy:', sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("heavy: []"), r.stdout[-300:]
 
 
 def test_profiles_env_and_kernels_list():

@@ -16,7 +16,7 @@ from k3rocm.config import preset
 from k3rocm.errors import ConfigError, PlanError
 from k3rocm.profiles import load_profile
 from k3rocm.runtime.plan import PARTS, classify, plan, valid_layouts
-from k3rocm.sizing import StepRoofline
+from k3rocm.runtime.sizing import StepRoofline
 
 GB = 1e9
 

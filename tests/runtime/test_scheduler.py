@@ -17,7 +17,7 @@ from k3rocm.errors import ConfigError, PlanError
 from k3rocm.runtime.cache import (CacheExhausted, KDAStatePool, MLACache, mla_bytes_per_block, size_caches,
                                   size_from_capacity)
 from k3rocm.runtime.scheduler import Scheduler, Sequence, Status
-from k3rocm.sizing import kda_state_bytes_per_seq
+from k3rocm.runtime.sizing import kda_state_bytes_per_seq
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +73,14 @@ def test_mla_alloc_exhaust_free_reuse(cfg):
     assert c.allocate(9, 8) == [0, 1]  # FIFO reuse of freed blocks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *FP8])
 def test_mla_write_gather_roundtrip(cfg, dtype):
     g = torch.Generator().manual_seed(3)
     R, Dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    c = MLACache(cfg, num_blocks=6, block_size=4, dtype=dtype, kv_scale=0.5 if dtype == torch.float8_e4m3fn else 1.0)
+    c = MLACache(cfg, num_blocks=6, block_size=4, dtype=dtype, kv_scale=0.5 if dtype in FP8 else 1.0)
     L = c.layers[1]
     c.allocate(1, 7)
     c.allocate(2, 3)
@@ -89,13 +92,25 @@ def test_mla_write_gather_roundtrip(cfg, dtype):
     c.write(L, sm2, other[:, :R], other[:, R:])
     got = c.gather(L, 1, 7)
     ref = torch.cat([lat, rope], -1)
-    tol = {torch.float32: 0, torch.bfloat16: 8e-3, torch.float8_e4m3fn: 0.07}[dtype]
+    tol = {torch.float32: 0, torch.bfloat16: 8e-3, torch.float8_e4m3fn: 0.07, torch.float8_e4m3fnuz: 0.07}[dtype]
     assert torch.allclose(got, ref, rtol=tol, atol=tol * 0.1 if tol else 0)
     g2 = c.gather(L, 2, 3)
     assert torch.allclose(g2[0], other[0], rtol=tol, atol=tol * 0.1 if tol else 0)
     assert torch.all(g2[1] == 0)  # -1 wrote nothing
     # other layers untouched
     assert all(torch.all(c.kv_cache[i].float() == 0) for i in c.layers if i != L)
+
+
+@pytest.mark.parametrize("dtype, limit", [(torch.float8_e4m3fn, 448.0), (torch.float8_e4m3fnuz, 240.0)])
+def test_mla_fp8_write_saturates_to_its_format(cfg, dtype, limit):
+    """A value beyond the format's range is stored as its largest finite value (NaN otherwise on e4m3fnuz)."""
+    c = MLACache(cfg, num_blocks=1, block_size=4, dtype=dtype, kv_scale=1.0)
+    L = c.layers[0]
+    c.allocate(1, 1)
+    R, Dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    c.write(L, c.slot_mapping(1, 0, 1), torch.full((1, R), 1e4), torch.full((1, Dr), -1e4))
+    got = c.gather(L, 1, 1)[0]
+    assert torch.all(got[:R] == limit) and torch.all(got[R:] == -limit)
 
 
 # ------------------------------------------------------------------------------------------- KDA pool

@@ -10,7 +10,7 @@ import torch
 
 from k3rocm.bench import run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
-from k3rocm.sizing import StepRoofline
+from k3rocm.runtime.sizing import StepRoofline
 from k3rocm.validation.evidence import Stage, check, info
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.env import figure_kind
@@ -28,7 +28,7 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
                     warmups: int | None = None, progress: Callable | None = None) -> dict:
     """One benchmark point through :func:`k3rocm.bench.run_bench` on an engine sized for it.
 
-    The roofline model is :class:`k3rocm.sizing.StepRoofline` with the ceilings of the hardware
+    The roofline model is :class:`k3rocm.runtime.sizing.StepRoofline` with the ceilings of the hardware
     the run is on (the run profile's datasheet bandwidth and bf16 peak) and the engine's weight and cache
     dtypes (with several ranks: rank 0's step under the plan's split rules, bf16 trunk); ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
     fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,

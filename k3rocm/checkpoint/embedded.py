@@ -17,6 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3rocm.checkpoint.reader import open_checkpoint
+from k3rocm.checkpoint.verify import make_manifest, verify_manifest
+from k3rocm.checkpoint.writer import write_checkpoint
 from k3rocm.config import preset
 from k3rocm.errors import CheckpointError, K3Error
 
@@ -34,9 +37,6 @@ def cache_root() -> Path:
 def _usable(path: Path, say: bool = False) -> bool:
     """The cached copy opens, is k3-tiny, and every file matches the sha256 manifest written with it
     (the oracle and the engine read the same bytes, so a flipped bit would otherwise pass validation)."""
-    from k3rocm.checkpoint.reader import open_checkpoint
-    from k3rocm.checkpoint.verify import verify_manifest
-
     if not (path / "config.json").is_file():
         return False
     try:
@@ -61,8 +61,6 @@ def default_checkpoint() -> Path:
     Raises:
         CheckpointError: the cache directory cannot be written (the message names it).
     """
-    from k3rocm.checkpoint.writer import write_checkpoint
-
     root = cache_root()
     final = root / DEFAULT_NAME
     if _usable(final, say=final.exists()):
@@ -75,7 +73,6 @@ def default_checkpoint() -> Path:
                               "directory") from None
     try:
         ck = write_checkpoint(preset("k3-tiny"), build / "checkpoint", seed=DEFAULT_SEED)
-        from k3rocm.checkpoint.verify import make_manifest
         make_manifest(ck)
         if final.exists() and not _usable(final):
             # a stale or broken copy: move it aside (atomic) and delete it

@@ -1,4 +1,4 @@
-"""Cache sizes and the step roofline (k3rocm.sizing), and that plan, cache pools and bench all use them."""
+"""Cache sizes and the step roofline (k3rocm.runtime.sizing), and that plan, cache pools and bench all use them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from k3rocm.errors import ConfigError, PlanError
 from k3rocm.profiles import load_profile
 from k3rocm.runtime.cache import mla_bytes_per_block, size_caches
 from k3rocm.runtime.plan import plan
-from k3rocm.sizing import (StepRoofline, experts_touched, kda_state_bytes_per_seq, kv_dtype_bytes,
+from k3rocm.runtime.sizing import (StepRoofline, experts_touched, kda_state_bytes_per_seq, kv_dtype_bytes,
                            mla_cache_bytes_per_token)
 
 
