@@ -136,7 +136,7 @@ class Decoder:
                  moe_mode: str = "a16w4"):
         self.cfg = cfg
         self.w = weights
-        self.ops = dict(ops)
+        self.ops = ops  # shared, not copied: the owner (an engine) may swap an op in place
         self.par = par or Parallel()
         if self.par.world > 1 and cfg.family != "k3":
             raise ConfigError("the tensor/expert-parallel decoder supports the K3 family (AttnRes + LatentMoE) only")
