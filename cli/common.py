@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from k3rocm.errors import K3Error
-from k3rocm.validation.evidence import command_line, load_report, reproduction_block
-from k3rocm.validation.render import write_report
+from k3rocm.errors import K3Error, os_error
+from k3rocm.validation.evidence import command_line, reproduction_block
+from k3rocm.validation.render import update_report
 from k3rocm.validation.session import Options, Session, require_dir_for_output
 from k3rocm.validation.tiers.thresholds import THRESHOLDS
 
@@ -45,7 +45,10 @@ def fail(msg: str, code: int) -> None:
 
 
 def handle_errors(fn: Callable) -> Callable:
-    """Turn a :class:`K3Error` into its one-line message and exit code; ``--debug`` adds the traceback."""
+    """Turn a :class:`K3Error` into its one-line message and exit code; ``--debug`` adds the traceback.
+
+    An :class:`OSError` that reaches here (no space, a path that is a directory, a symlink loop) is one line
+    too, with the exit code of its class (:func:`k3rocm.errors.os_error`: 3 environment, 2 bad input)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         debug = bool(kwargs.get("debug"))
@@ -55,6 +58,11 @@ def handle_errors(fn: Callable) -> Callable:
             if debug:
                 traceback.print_exc()
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__, e.exit_code)
+        except OSError as e:
+            if debug:
+                traceback.print_exc()
+            err = os_error(e)
+            fail(str(err), err.exit_code)
         except KeyboardInterrupt:
             fail("interrupted", 130)
     return wrapper
@@ -203,7 +211,6 @@ def write_stages(session, stages) -> Path:
         prof = session.profile.name
     except K3Error:
         pass
-    rep = load_report(out, cfg_hash, ckpt, prof)
     extra = {}
     sel = session.kernel_selection()
     if sel:
@@ -219,8 +226,7 @@ def write_stages(session, stages) -> Path:
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)
-    rep.merge_run(block, stages)
-    paths = write_report(rep, out)
+    paths = update_report(out, block, stages, config_hash=cfg_hash, checkpoint=ckpt, profile=prof)
     return paths["html"]
 
 

@@ -18,7 +18,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from k3rocm.validation.evidence import LEVELS, Report, atomic_write
+from k3rocm.errors import K3Error, os_error
+from k3rocm.validation.evidence import LEVELS, Report, Stage, atomic_write, load_report, report_lock
 
 LEVEL_COLORS = {"measured": "#1a7f37", "measured-fallback": "#9a6700", "projected": "#0969da",
                 "external": "#8250df"}
@@ -219,10 +220,61 @@ def render_html(rep: Report) -> str:
 
 
 def write_report(rep: Report, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md, report.html into ``out_dir`` atomically; returns their paths."""
+    """Write report.json, then report.md and report.html, into ``out_dir``, each atomically; returns their paths.
+
+    All three are rendered from the same document before anything is written (a renderer failing writes
+    nothing). report.json goes first: it is the record, and the merge base of the next command. When
+    report.md or report.html then cannot be written, the stale one of an earlier run is removed, so no format
+    on disk disagrees with report.json, and the OS error is raised as one line naming what was kept.
+
+    Raises:
+        K3Error: an OS error (exit 3 for no space / I/O, exit 2 otherwise, see :func:`k3rocm.errors.os_error`).
+    """
     out = Path(out_dir)
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
-    atomic_write(paths["html"], render_html(rep))
-    atomic_write(paths["md"], render_markdown(rep))
-    atomic_write(paths["json"], render_json(rep))  # last: it is the merge base of the next command
+    texts = {"json": render_json(rep), "md": render_markdown(rep), "html": render_html(rep)}
+    try:
+        atomic_write(paths["json"], texts["json"])
+    except OSError as e:
+        raise os_error(e, f"writing {paths['json']} (nothing of this run was saved)") from None
+    for k in ("md", "html"):
+        try:
+            atomic_write(paths[k], texts[k])
+        except OSError as e:
+            for j in ("md", "html"):  # an earlier run's file left in place would disagree with report.json
+                if paths[j].is_file() and not _written(paths[j], texts[j]):
+                    try:
+                        paths[j].unlink()
+                    except OSError:
+                        pass
+            raise os_error(e, f"writing {paths[k]} ({paths['json']} holds this run's results)") from None
     return paths
+
+
+def _written(path: Path, text: str) -> bool:
+    try:
+        return path.read_text(encoding="utf-8") == text
+    except OSError:
+        return False
+
+
+def update_report(out_dir: str | Path, reproduction: dict, stages: list[Stage], *, config_hash: str | None = None,
+                  checkpoint: str | None = None, profile: str | None = None) -> dict[str, Path]:
+    """Merge one command's ``stages`` into ``out_dir``'s report and write it, under :func:`report_lock`.
+
+    Reading (:func:`load_report`, same checkpoint and profile only), merging (:meth:`Report.merge_run`) and
+    writing (:func:`write_report`) happen while the lock is held, so two commands writing into one directory
+    at once both keep their stages and history entries. Returns the paths of report.json/md/html.
+
+    Raises:
+        K3Error: an OS error as one line (see :func:`write_report`), or the lock timed out.
+    """
+    try:
+        with report_lock(out_dir):
+            rep = load_report(out_dir, config_hash, checkpoint, profile)
+            rep.merge_run(reproduction, stages)
+            return write_report(rep, out_dir)
+    except K3Error:
+        raise
+    except OSError as e:
+        raise os_error(e, f"updating the report in {out_dir}") from None

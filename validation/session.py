@@ -413,14 +413,20 @@ def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
     report writer creates them for real.
 
     Raises:
-        ConfigError: ``out`` exists and is not a directory, or cannot be created / written (permissions,
-            a read-only or pseudo file system); the message names the path and the OS reason.
+        ConfigError: ``out`` exists and is not a directory, holds a report.json/md/html that is not a regular
+            file (a directory, a dangling link), or cannot be created / written (permissions, a read-only or
+            pseudo file system); the message names the path and the OS reason.
     """
     if not str(out).strip():
         raise ConfigError("--out is empty; pass a report directory (default: reports/latest)")
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {p}: exists and is not a directory; choose another report directory")
+    for name in ("report.json", "report.md", "report.html", ".report.lock"):
+        q = p / name
+        if (q.exists() and not q.is_file()) or (q.is_symlink() and not q.exists()):
+            raise ConfigError(f"--out {p}: {name} there is not a regular file; move it away or choose another "
+                              "report directory")
     created = [q for q in [p, *p.parents] if not q.exists()]
     try:
         p.mkdir(parents=True, exist_ok=True)
