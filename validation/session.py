@@ -25,7 +25,7 @@ from safetensors import safe_open
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.config import K3Config
-from k3rocm.embedded import default_checkpoint
+from k3rocm.embedded import cache_root, default_checkpoint
 from k3rocm.errors import CheckpointError, ConfigError, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
@@ -95,7 +95,8 @@ class Session:
     def preflight(self) -> None:
         """Resolve what bad input can break before any tier runs or anything is printed: the checkpoint (the
         reader's whole structural check: index, shards, headers, tensor set, scales), the hardware profile,
-        the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory.
+        the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory
+        (writable, not inside the checkpoint or the k3rocm cache).
         Raises the one-line K3Error."""
         self.checkpoint_dir
         self.index
@@ -106,6 +107,7 @@ class Session:
         if self.opts.golden is not None:
             check_golden_file(self.opts.golden, self.config)
         require_dir_for_output(self.opts.out, keep=False)
+        refuse_output_inside(self.opts.out, self.checkpoint_dir)
 
     def _memo(self, key: str, fn):
         if key not in self._cache:
@@ -444,3 +446,21 @@ def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
                 except OSError:
                     break
     return p
+
+
+def refuse_output_inside(out: str | Path, checkpoint_dir: str | Path) -> None:
+    """Refuse a report directory inside (or equal to) the checkpoint directory or the embedded checkpoint cache.
+
+    A report written into a checkpoint makes its next manifest check fail (`checkpoint verify` would say
+    "re-download"), and one inside the embedded cache (:func:`k3rocm.embedded.cache_root`) is deleted when that
+    cache is written again. Paths are compared resolved (symlinks followed).
+
+    Raises:
+        ConfigError: ``out`` lies inside one of them (one line naming both).
+    """
+    o = Path(out).expanduser().resolve()
+    for what, d in (("the checkpoint directory", Path(checkpoint_dir)), ("the k3rocm cache", cache_root())):
+        d = d.expanduser().resolve()
+        if o == d or o.is_relative_to(d):
+            raise ConfigError(f"--out {out}: lies inside {what} {d}; a report there would change what the checkpoint "
+                              "holds - choose a report directory outside it")

@@ -98,7 +98,7 @@ def test_checkpoint_make_inspect_verify(tmp_path):
     assert doc["tensors"] == doc["tensors_expected"] == 1492 and doc["official"] is False
     one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))  # no manifest yet
     run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"])
-    assert "every file matches" in run(["checkpoint", "verify", "--checkpoint", d]).output
+    assert "every file k3rocm-manifest.json lists matches it" in run(["checkpoint", "verify", "--checkpoint", d]).output
     shard = sorted(d.glob("*.safetensors"))[0]
     shard.chmod(0o644)
     raw = bytearray(shard.read_bytes())
@@ -435,3 +435,28 @@ def test_a_closed_pipe_does_not_cut_the_run_short(golden_ckpt, tmp_path):
     assert p.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err
     assert (out / "report.json").is_file()
+
+
+def test_extra_files_beside_a_checkpoint_are_extra_not_corruption(tmp_path):
+    d = tmp_path / "ck"
+    run(["checkpoint", "make", "--out", d, "--seed", "3"])
+    run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"])
+    (d / "README.md").write_text("notes")
+    shutil.copyfile(sorted(d.glob("*.safetensors"))[0], d / "adapter.safetensors")  # no index entry names it
+    out = run(["checkpoint", "verify", "--checkpoint", d]).output
+    assert "2 file(s) not in k3rocm-manifest.json" in out and "README.md" in out
+    doc = json.loads(run(["checkpoint", "inspect", "--checkpoint", d, "--json"]).output)
+    assert [x["file"] for x in doc["shards"]] == ["model-00001-of-000002.safetensors",
+                                                  "model-00002-of-000002.safetensors"]
+
+
+def test_out_inside_the_checkpoint_or_the_cache_is_refused(cache, tmp_path):
+    d = tmp_path / "ck"
+    run(["checkpoint", "make", "--out", d, "--seed", "3"])
+    for out in (d, d / "reports"):
+        line = one_line_error(run(["load", "--checkpoint", d, "--out", out], code=2))
+        assert "lies inside the checkpoint directory" in line
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model-00001-of-000002.safetensors",
+                                                   "model-00002-of-000002.safetensors", "model.safetensors.index.json"]
+    line = one_line_error(run(["load", "--checkpoint", d, "--out", cache / "mine"], code=2))
+    assert "lies inside the k3rocm cache" in line

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.verify import MANIFEST_NAME, verify_manifest
+from k3rocm.checkpoint.verify import MANIFEST_NAME, manifest_extras, verify_manifest
 from k3rocm.validation.evidence import Stage, Timer, check, info
 from k3rocm.validation.session import Session
 
@@ -31,6 +31,10 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
                         detail=(f"files whose sha256 differs from {manifest.name}: none" if not bad
                                 else "; ".join(bad)[:200])),
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
+        extra = manifest_extras(session.checkpoint_dir)
+        stage.add(info("load", "manifest.extra_files", len(extra), "files",
+                       detail=("files beside the checkpoint that the manifest does not list (unchecked, not "
+                               "corruption): " + ", ".join(extra))[:200] if extra else "none"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
     run = session.run_placement
