@@ -300,10 +300,17 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
 
 
 def _nothing_measured(endpoint: str, r: dict) -> str:
-    """The one line for a point where no request succeeded: how many were sent and the most frequent reason."""
+    """The one line for a point where no request succeeded: how many were sent and the most frequent reason
+    (of the warm-ups when every one of them failed and no measured request was sent)."""
     n = int(r.get("completed", 0)) + int(r.get("failed", 0))
     errs = r.get("errors") or []
     hang = r.get("hang")
+    wu = r.get("warmup") or {}
+    if n == 0 and wu.get("sent") and not wu.get("completed"):
+        why = (wu.get("errors") or [{"error": "no warm-up finished"}])[0]["error"]
+        return (f"--endpoint {endpoint}: all {wu['sent']} warm-up requests at concurrency {r.get('concurrency')} "
+                f"failed ({why}), so no measured request was sent; is it an OpenAI-compatible server streaming "
+                "/v1/completions?")
     if errs:
         why = errs[0]["error"]
     elif hang:

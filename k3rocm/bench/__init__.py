@@ -40,6 +40,8 @@ class BenchResult:
         hang: None, or ``{"request_id", "elapsed_s", "threshold_s", "median_e2el_s", "where": {...}}``.
         target: the engine's ``describe()`` or the endpoint's description.
         roofline: fraction of roofline over the measured steps (engine with a roofline model), else None.
+        warmup: ``{"sent", "completed", "failed", "errors": [{"error", "count"}]}`` of the warm-up phase; when
+            warm-ups were asked for and none succeeded, no measured request was sent (``records`` is empty).
     """
 
     concurrency: int
@@ -54,6 +56,7 @@ class BenchResult:
     hang: dict | None = None
     target: dict = field(default_factory=dict)
     roofline: dict | None = None
+    warmup: dict = field(default_factory=dict)
 
     @property
     def completed_cleanly(self) -> bool:
@@ -62,10 +65,13 @@ class BenchResult:
     def to_dict(self, per_request: bool = True, per_step: bool = False) -> dict:
         d = {"concurrency": self.concurrency, "input_len": self.input_len, "output_len": self.output_len,
              "num_prompts": self.num_prompts, "num_warmups": self.num_warmups, "range_ratio": self.range_ratio,
-             "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target}
-        errs = Counter(r.error for r in self.records if not r.success and r.error)
+             "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target, "warmup": self.warmup}
+        errs = _reasons(r.error for r in self.records if not r.success and r.error)
         if errs:  # why requests failed: each distinct reason with its count, most frequent first
-            d["errors"] = [{"error": e[:300], "count": n} for e, n in errs.most_common(5)]
+            d["errors"] = errs
+        dis = _reasons(r.usage_disagreement for r in self.records if r.success and r.usage_disagreement)
+        if dis:
+            d["usage_disagreement_examples"] = dis
         if self.roofline is not None:
             r = dict(self.roofline)
             if not per_step:
@@ -74,6 +80,17 @@ class BenchResult:
         if per_request:
             d["requests"] = [r.to_dict() for r in self.records]
         return d
+
+
+def _reasons(lines) -> list[dict]:
+    """``[{"error": line (<= 300 chars), "count": n}]`` of the 5 most frequent lines."""
+    return [{"error": e[:300], "count": n} for e, n in Counter(lines).most_common(5)]
+
+
+def _warmup_summary(recs: list[RequestRecord], asked: int) -> dict:
+    ok = sum(1 for r in recs if r.success)
+    return {"asked": asked, "sent": len(recs), "completed": ok, "failed": len(recs) - ok,
+            "errors": _reasons(r.error for r in recs if not r.success and r.error)}
 
 
 class _Watchdog:
@@ -167,6 +184,10 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
         num_prompts: measured requests (default ``10 * concurrency``); warmups: default ``2 * concurrency``.
         seed: load generator seed.
         progress: ``progress(phase, done, total)`` called as requests complete (phase "warmup" / "measure").
+
+    When warm-ups were asked for and none of them succeeded, no measured request is sent: the result has no
+    records, and ``warmup`` says how many failed and why (a server that answers nothing would otherwise cost
+    every measured request its timeout too).
         watchdog_factor: hang threshold as a multiple of the running median E2EL (0 = off).
         num_gpus: GPUs serving the target (>= 1), the divisor of the ``*_per_gpu`` throughputs; for an endpoint
             the caller must know it (the server does not say).
@@ -189,17 +210,19 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
                      tuple(special_ids))
     dog = _Watchdog(watchdog_factor)
     if _is_engine(target):
-        _, hang, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
+        wrecs, hang, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
+        go = hang is None and (not plan.warmups or any(r.success for r in wrecs))
         step0 = len(getattr(target, "step_log", []))
         recs, hang2, t0, t1 = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
-                               if hang is None else ([], None, 0.0, 1e-9))
+                               if go else ([], None, 0.0, 1e-9))
         hang = hang or hang2
         steps = getattr(target, "step_log", [])[step0:]
         desc = target.describe() if hasattr(target, "describe") else {}
     elif hasattr(target, "drive"):
-        _, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
+        wrecs, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
+        go = hang is None and (not plan.warmups or any(r.success for r in wrecs))
         recs, hang2, t0, t1 = (target.drive(plan.requests, concurrency, dog, progress, "measure")
-                               if hang is None else ([], None, 0.0, 1e-9))
+                               if go else ([], None, 0.0, 1e-9))
         hang = hang or hang2
         steps = []
         desc = target.describe() if hasattr(target, "describe") else {}
@@ -209,7 +232,7 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     metrics = aggregate(recs, t1 - t0, num_gpus)
     roof = fraction_of_roofline(roofline, steps) if (roofline is not None and steps) else None
     return BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
-                       metrics, recs, hang, desc, roof)
+                       metrics, recs, hang, desc, roof, _warmup_summary(wrecs, len(plan.warmups)))
 
 
 def sweep(target: Any, concurrencies: Sequence[int], input_len: int, output_len: int, stop_on_hang: bool = True,

@@ -281,3 +281,99 @@ def test_short_outputs_are_counted_in_a_row(tmp_path):
     rows = _rows(out)
     assert rows["c2.short_outputs"]["value"] == 4 and "fewer output tokens" in rows["c2.short_outputs"]["detail"]
     assert "c2.median_tpot_ms" not in rows  # one token each: no TPOT was measured, and none is shown
+
+
+# ------------------------------------------------------------------------------------------------ trusting less
+@contextmanager
+def silent_server(max_s: float = 5.0):
+    """A loopback TCP server that accepts connections and never answers (bounded: it stops after ``max_s``)."""
+    import socket
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(16)
+    lst.settimeout(0.05)
+    held, stop = [], threading.Event()
+
+    def accept():
+        t0 = time.monotonic()
+        while not stop.is_set() and time.monotonic() - t0 < max_s:
+            try:
+                held.append(lst.accept()[0])
+            except OSError:
+                pass
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    try:
+        yield f"http://127.0.0.1:{lst.getsockname()[1]}", held
+    finally:
+        stop.set()
+        th.join()
+        for c in held:
+            c.close()
+        lst.close()
+
+
+def test_a_server_that_never_answers_stops_after_the_warmups_and_says_connected_no_response():
+    from k3rocm.bench import run_bench
+    from k3rocm.bench.client import OpenAIClient
+    from k3rocm.validation.bench_job import _nothing_measured
+
+    with silent_server() as (url, held):
+        t0 = time.monotonic()
+        r = run_bench(OpenAIClient(url, timeout=0.3), 2, 8, 4, num_prompts=6, warmups=4, vocab_size=100)
+        took = time.monotonic() - t0
+        sent = len(held)
+    wu = r.warmup
+    assert took < 3.0 and sent <= 3 and wu["sent"] <= 3  # about one wave of the 4 warm-ups, then nothing more
+    assert r.records == [] and wu["failed"] == wu["sent"] and wu["completed"] == 0
+    line = _nothing_measured(url, r.to_dict(per_request=False))
+    assert f"all {wu['sent']} warm-up requests" in line and "connected, no response within 0.3 s" in line
+    assert "cannot connect" not in line
+
+
+class _NoDone(_FixedStream):
+    """Streams tokens and then closes without the end marker."""
+
+    BODY = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' * 4
+
+
+def test_a_stream_without_its_end_marker_is_a_failed_truncated_request(tmp_path):
+    out = tmp_path / "r"
+    with serve(_NoDone) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out], code=3)
+    assert "truncated" in one_line_error(r)
+
+
+class _BigUsage(_FixedStream):
+    """Four token events but a usage claiming 10,000 completion tokens."""
+
+    BODY = (b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' * 4
+            + b'data: {"choices": [], "usage": {"completion_tokens": 10000}}\n\ndata: [DONE]\n\n')
+
+
+def test_usage_that_disagrees_with_the_stream_is_reported_and_not_used(tmp_path):
+    out = tmp_path / "r"
+    with serve(_BigUsage) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out], code=1)
+    rows = _rows(out)
+    row = rows["c2.usage_disagreements"]
+    assert row["value"] == 4 and row["passed"] is False and "> max_tokens" in row["detail"]
+    assert "usage_disagreements" in one_line_error(r)
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["stages"]["bench"]["status"] == "failed"
+    assert rows["c2.output_throughput"]["value"] < 1e5  # counted from the 4 events per request, not 10,000
+
+
+def test_usage_check_trusts_usage_only_between_the_events_and_max_tokens():
+    from k3rocm.bench.client import usage_check
+
+    assert usage_check(None, 5, 8) == (5, "")
+    assert usage_check(7, 5, 8) == (7, "")  # an event may carry several tokens
+    assert usage_check(10000, 5, 8)[0] == 5 and "> max_tokens 8" in usage_check(10000, 5, 8)[1]
+    assert usage_check(2, 5, 8)[0] == 5 and "< the 5 token events" in usage_check(2, 5, 8)[1]
+
+
+def test_no_raw_bytes_reach_an_error_line():
+    s = body_snippet(b"\x1b[2J\x1b[31mred\x00\x07 text \xff\xfe")
+    assert "\x1b" not in s and "\x00" not in s and "\x07" not in s and "red" in s and "text" in s

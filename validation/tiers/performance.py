@@ -69,6 +69,12 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv,
                         detail=f"failed requests: {why}" if why else "failed requests"),
                   check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
+        if r.get("usage_disagreements"):
+            ex = "; ".join(f"{e['count']} x {e['error']}" for e in r.get("usage_disagreement_examples") or [])
+            stage.add(check(tier, f"{tag}.usage_disagreements", int(r["usage_disagreements"]), eq=0, unit="requests",
+                            level=lv, detail=("the server's usage.completion_tokens disagreed with the streamed "
+                                              "events or max_tokens; those requests' figures count the events: "
+                                              + ex)[:300]))
         if r.get("short_outputs"):
             stage.add(info(tier, f"{tag}.short_outputs", int(r["short_outputs"]), "requests", level=lv,
                            detail=f"of {n} completed requests returned fewer output tokens than requested (the "
