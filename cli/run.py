@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 from rich.table import Table
 
@@ -10,6 +12,7 @@ from k3rocm.cli.common import (Progress, common_options, console, finish, handle
                                print_stages, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
+from k3rocm.validation.render import fmt_value, point_table
 from k3rocm.validation.bench_job import BenchOptions, check_options, parse_concurrency, run_bench_job
 from k3rocm.validation.tiers import run_tiers
 
@@ -163,16 +166,27 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
 
 
 def _print_bench(stage) -> None:
-    """The bench stage's measured figures (its informational rows) as one table."""
-    rows = [e for e in stage.evidence if e.passed is None]
-    if not rows:
-        return
-    t = Table()
-    for col in ("metric", "value", "unit", "level"):
-        t.add_column(col)
-    for e in rows:
-        t.add_row(e.name, str(e.value), e.unit, e.level)
-    console().print(t)
+    """The bench stage's figures: one table, a column per concurrency point (vLLM's result fields, in its order, at a
+    precision that fits each unit), then the stage's other informational rows."""
+    concs, rows = point_table(stage)
+    c = console()
+    if concs:
+        t = Table(title="per concurrency point")
+        t.add_column("field")
+        t.add_column("unit")
+        for x in concs:
+            t.add_column(f"c={x}", justify="right")
+        for f, u, vals in rows:
+            t.add_row(f, u, *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
+        c.print(t)
+    other = [e for e in stage.evidence if e.passed is None and not re.fullmatch(r"c\d+\..+", e.name)]
+    if other:
+        t = Table()
+        for col in ("metric", "value", "unit", "level"):
+            t.add_column(col)
+        for e in other:
+            t.add_row(e.name, fmt_value(e.value, e.unit), e.unit, e.level)
+        c.print(t)
 
 
 def register(cli: click.Group) -> None:

@@ -40,6 +40,48 @@ def _fmt(v) -> str:
     return str(v)
 
 
+_POINT = re.compile(r"c(\d+)\.(.+)")
+
+
+def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int, object]]]]:
+    """A benchmark stage's per-point rows (``c<N>.<field>``) as one table, grouped per concurrency point.
+
+    Returns:
+        ``(concurrencies, rows)``: the points in the order they ran, and ``(field, unit, {concurrency: value})``
+        per field in the order the rows first appear (vLLM's result order, see
+        :data:`k3rocm.validation.tiers.performance.POINT_FIELDS`). Empty lists when the stage has no such rows.
+    """
+    concs: list[int] = []
+    rows: dict[str, tuple[str, dict[int, object]]] = {}
+    for e in stage.evidence:
+        m = _POINT.fullmatch(e.name)
+        if not m:
+            continue
+        c, f = int(m.group(1)), m.group(2)
+        if c not in concs:
+            concs.append(c)
+        rows.setdefault(f, (e.unit or "", {}))[1][c] = e.value
+    return concs, [(f, u, v) for f, (u, v) in rows.items()]
+
+
+def fmt_value(v, unit: str = "") -> str:
+    """A figure at a precision that fits its unit: ms 2 decimals, tok/s 1, s and req/s 3, counts with thousands
+    separators, booleans as yes/no, other floats 4 significant digits."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if unit == "ms":
+            return f"{v:,.2f}"
+        if unit.startswith("tok/s"):
+            return f"{v:,.1f}"
+        if unit in ("s", "req/s"):
+            return f"{v:,.3f}"
+        return f"{v:.4g}"
+    return _fmt(v)
+
+
 def _passed_mark(p) -> str:
     return "" if p is None else ("pass" if p else "FAIL")
 
@@ -72,6 +114,15 @@ def render_markdown(rep: Report) -> str:
             lines += [f"> error: {s.error}", ""]
         if s.command:
             lines += [f"`{s.command}`", ""]
+        concs, prow = point_table(s)
+        if concs:
+            lines += ["Per concurrency point (vLLM's result fields):", "",
+                      "| field | unit | " + " | ".join(f"c={c}" for c in concs) + " |",
+                      "|---|---|" + "---:|" * len(concs)]
+            for f, u, vals in prow:
+                lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
+                                                            for c in concs) + " |")
+            lines.append("")
         if s.evidence:
             lines += ["| evidence | value | unit | threshold | result | level | detail |",
                       "|---|---|---|---|---|---|---|"]
@@ -199,6 +250,14 @@ def render_html(rep: Report) -> str:
         plots = [p for p in (_series_svg(k, v) for k, v in (s.series or {}).items()) if p]
         if plots:
             out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
+        concs, prow = point_table(s)
+        if concs:
+            out.append("<p>Per concurrency point (vLLM's result fields):</p><table><tr><th>field</th><th>unit</th>"
+                       + "".join(f"<th>c={c}</th>" for c in concs) + "</tr>")
+            for f, u, vals in prow:
+                out.append(f"<tr><td>{e(f)}</td><td>{e(u)}</td>" + "".join(
+                    f"<td>{e(fmt_value(vals[c], u)) if c in vals else ''}</td>" for c in concs) + "</tr>")
+            out.append("</table>")
         if s.evidence:
             out.append("<table><tr><th>evidence</th><th>value</th><th>unit</th><th>threshold</th>"
                        "<th>result</th><th>level</th><th>detail</th></tr>")

@@ -5,6 +5,7 @@ cannot mean anything are refused before any report directory exists."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -377,3 +378,30 @@ def test_usage_check_trusts_usage_only_between_the_events_and_max_tokens():
 def test_no_raw_bytes_reach_an_error_line():
     s = body_snippet(b"\x1b[2J\x1b[31mred\x00\x07 text \xff\xfe")
     assert "\x1b" not in s and "\x00" not in s and "\x07" not in s and "red" in s and "text" in s
+
+
+# ------------------------------------------------------------------------------------------------ what load was measured
+POINT_FIELDS = ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups", "duration",
+                "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+                "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+                                           for s in ("mean", "median", "p99")))
+
+
+def test_each_point_states_its_load_and_vllms_result_fields_in_every_format(tmp_path):
+    out = tmp_path / "r"
+    with serve(_Streaming) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2", "--num-prompts", "2",
+                 "--warmups", "1", "--input-len", "8", "--output-len", "4", "--out", out])
+    rows = _rows(out)
+    for c in (1, 2):
+        for f in POINT_FIELDS:
+            assert f"c{c}.{f}" in rows, (c, f)
+    assert rows["c2.input_len"]["value"] == 8 and rows["c2.range_ratio"]["value"] == 0.8
+    assert rows["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "| field | unit | c=1 | c=2 |" in md and "<th>c=1</th><th>c=2</th>" in page
+    for f in POINT_FIELDS:
+        assert f"| {f} |" in md and f"<td>{f}</td>" in page and f in r.output, f
+    assert "per concurrency point" in r.output
+    line = next(ln for ln in r.output.splitlines() if " mean_ttft_ms " in ln)
+    assert re.search(r"\d+\.\d\d\b", line)  # milliseconds at two decimals

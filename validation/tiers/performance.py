@@ -54,6 +54,26 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     return d
 
 
+#: The rows of one benchmark point, in vLLM's ``benchmark_serving`` result names and order: the load it carried,
+#: then duration, token totals, throughputs and mean / median / p99 of each latency (``(field, unit, detail)``).
+POINT_FIELDS = (
+    ("input_len", "tokens", "upper end L of the prompt-length draw [range_ratio x L, L]"),
+    ("output_len", "tokens", "upper end L of the output-length draw [max(2, range_ratio x L), L], EOS ignored"),
+    ("range_ratio", "", "lower end of the length draws, as a fraction of L"),
+    ("num_prompts", "requests", "measured requests"),
+    ("num_warmups", "requests", "warm-up requests before them (not measured)"),
+    ("duration", "s", "first measured issue to last completion"),
+    ("total_input_tokens", "tokens", "prompt tokens of the completed requests"),
+    ("total_output_tokens", "tokens", "output tokens of the completed requests"),
+    ("request_throughput", "req/s", "completed requests / duration"),
+    ("output_throughput", "tok/s", "output tokens / duration"),
+    ("total_token_throughput", "tok/s", "(input + output tokens) / duration"),
+    ("output_throughput_per_gpu", "tok/s/GPU", "output tok/s / GPUs serving the load"),
+    *((f"{stat}_{m}_ms", "ms", f"{stat} {m.upper()}") for m in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "p99")),
+)
+
+
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
     """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction).
 
@@ -80,12 +100,16 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                            detail=f"of {n} completed requests returned fewer output tokens than requested (the "
                                   "server stopped early: EOS or a length limit); the load was lighter than asked "
                                   "and requests with one token define no TPOT / ITL"))
-        for k, unit in (("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
-                        ("output_throughput_per_gpu", "tok/s/GPU"), ("median_ttft_ms", "ms"), ("p99_ttft_ms", "ms"),
-                        ("median_tpot_ms", "ms"), ("p99_tpot_ms", "ms"), ("median_itl_ms", "ms"), ("p99_itl_ms", "ms"),
-                        ("median_e2el_ms", "ms"), ("p99_e2el_ms", "ms")):
-            if k in r:
-                stage.add(info(tier, f"{tag}.{k}", round(float(r[k]), 4), unit, level=lv))
+        wu = r.get("warmup") or {}
+        if wu.get("failed"):
+            stage.add(info(tier, f"{tag}.warmup_failed", int(wu["failed"]), "requests", level=lv,
+                           detail=f"of {wu.get('sent', 0)} warm-up requests sent (not measured): "
+                                  + "; ".join(f"{e['count']} x {e['error']}" for e in wu.get("errors") or [])[:250]))
+        for k, unit, what in POINT_FIELDS:
+            if r.get(k) is not None:
+                v = r[k]
+                v = v if isinstance(v, int) and not isinstance(v, bool) else round(float(v), 4)
+                stage.add(info(tier, f"{tag}.{k}", v, unit, level=lv, detail=what))
         stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
                         detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
         roof = r.get("roofline") or {}
