@@ -133,7 +133,8 @@ class Progress:
     On a terminal (stderr is a TTY) a transient rich bar; when stderr is a file or a pipe (CI, batch jobs, a
     remote shell) one line ``k3rocm: <what>: <done>/<total> (<pct>%), <elapsed> s`` at most every
     ``interval_s`` seconds and at completion, so a long load or validation is never silent in a log.
-    Use as a context manager; ``cb = bar.callback("loading")`` gives the function to pass down.
+    Use as a context manager; ``cb = bar.callback("loading")`` gives the function to pass down: ``cb(done, total,
+    failed=n, tokens=n)`` (``failed`` requests are shown apart from the finished count, ``tokens`` streamed so far).
     """
 
     def __init__(self, enabled: bool = True, interval_s: float = 10.0):
@@ -160,12 +161,21 @@ class Progress:
             return self._plain(description)
         task = self._p.add_task(description, total=None)
 
-        def cb(done=None, total=None, *_, **__):
+        def cb(done=None, total=None, *_, failed=0, tokens=None, **__):
             if total is not None:
                 self._p.update(task, total=total)
             if done is not None:
-                self._p.update(task, completed=done)
+                self._p.update(task, completed=done, description=description + _extra(failed, tokens))
         return cb
+
+    def note(self, text: str) -> None:
+        """One line ``k3rocm: <text>`` on stderr (what a long run is about to do), above a bar on a terminal."""
+        if not self.enabled:
+            return
+        if self._p is not None:
+            self._p.console.print(f"k3rocm: {text}", highlight=False, markup=False)
+        else:
+            print(f"k3rocm: {text}", file=sys.stderr, flush=True)
 
     def stage(self, name: str) -> None:
         """Say that a tier / stage starts: a plain line when stderr is not a terminal (the bar says it otherwise)."""
@@ -176,7 +186,7 @@ class Progress:
         t0 = time.monotonic()
         state = {"last": -1e9, "total": None, "finished": False}
 
-        def cb(done=None, total=None, *_, **__):
+        def cb(done=None, total=None, *_, failed=0, tokens=None, **__):
             if total is not None:
                 state["total"] = total
             if done is None:
@@ -190,8 +200,14 @@ class Progress:
             state["last"], state["finished"] = now, finished
             pct = f" ({100.0 * done / tot:.0f}%)" if tot else ""
             of = f"/{tot:,}" if tot is not None else ""
-            print(f"k3rocm: {description}: {done:,}{of}{pct}, {now - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"k3rocm: {description}: {done:,}{of}{pct}{_extra(failed, tokens)}, {now - t0:.0f} s",
+                  file=sys.stderr, flush=True)
         return cb
+
+
+def _extra(failed: int = 0, tokens: int | None = None) -> str:
+    """``", 2 failed, 1,234 tokens"``: failed requests counted apart from the finished ones, tokens so far."""
+    return (f", {failed:,} failed" if failed else "") + (f", {tokens:,} tokens" if tokens else "")
 
 
 def write_stages(session, stages) -> Path:

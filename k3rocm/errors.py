@@ -7,6 +7,7 @@ with :attr:`K3Error.exit_code` (DESIGN.md §7):
 * 1 — a validation tier failed (:class:`ValidationFailed`)
 * 2 — bad input or usage (:class:`ConfigError`, :class:`CheckpointError`, :class:`PlanError`)
 * 3 — environment / hardware problem (:class:`HardwareError`)
+* 130 — interrupted (Ctrl-C) after part of the work finished (:class:`Interrupted`)
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class ValidationFailed(K3Error):
     """A validation tier ran and its evidence did not meet the thresholds."""
 
     exit_code = 1
+
+
+class Interrupted(K3Error):
+    """The user interrupted a run (Ctrl-C) after part of it finished; what finished is kept (exit 130)."""
+
+    exit_code = 130
 
 
 #: errno names whose cause is the machine, not what the user typed: no space, quota, I/O, read-only medium.

@@ -109,6 +109,27 @@ class _Watchdog:
         return self.factor * statistics.median(self.e2els)
 
 
+def progress_ticker(progress: Callable | None, label: str, total: int, done: list[RequestRecord],
+                    active: Callable[[], Any], every_s: float = 0.5):
+    """A generator for a phase's progress: ``send(True)`` after a request finished (always reported),
+    ``send(False)`` as tokens arrive (reported at most every ``every_s`` seconds). It calls
+    ``progress(label, finished, total, failed=..., tokens=...)``; ``active()`` gives the in-flight records."""
+    def gen():
+        last = -1e9
+        while True:
+            force = yield
+            now = time.monotonic()
+            if progress is None or (not force and now - last < every_s):
+                continue
+            last = now
+            recs = list(done) + list(active())
+            progress(label, len(done), total, failed=sum(1 for r in done if not r.success),
+                     tokens=sum(r.output_tokens for r in recs))
+    g = gen()
+    next(g)
+    return g
+
+
 def _is_engine(target: Any) -> bool:
     return hasattr(target, "add_request") and hasattr(target, "step")
 
@@ -118,6 +139,7 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
     pending = deque(reqs)
     active: dict[int, RequestRecord] = {}
     done: list[RequestRecord] = []
+    tick = progress_ticker(progress, label, len(reqs), done, lambda: active.values())
     t_start = time.perf_counter()
     t_end = t_start
     hang = None
@@ -141,7 +163,9 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
                 dog.add(rec.e2el)
                 t_end = max(t_end, ev.time)
                 if progress:
-                    progress(label, len(done), len(reqs))
+                    tick.send(True)
+        if progress and events:
+            tick.send(False)
         thr = dog.threshold()
         now = time.perf_counter()
         if thr is not None:
@@ -183,7 +207,9 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
             output lengths start at 2, so ``output_len >= 2``: TPOT and ITL need a second token).
         num_prompts: measured requests (default ``10 * concurrency``); warmups: default ``2 * concurrency``.
         seed: load generator seed.
-        progress: ``progress(phase, done, total)`` called as requests complete (phase "warmup" / "measure").
+        progress: ``progress(phase, done, total, failed=n, tokens=n)`` called as requests complete and, at most
+            every 0.5 s, as tokens stream (phase "warmup" / "measure"; ``failed`` requests of the phase so far,
+            ``tokens`` output tokens received in the phase so far, in-flight requests included).
 
     When warm-ups were asked for and none of them succeeded, no measured request is sent: the result has no
     records, and ``warmup`` says how many failed and why (a server that answers nothing would otherwise cost

@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from k3rocm.bench import sweep
+from k3rocm.bench import progress_ticker, sweep
 from k3rocm.bench.loadgen import BenchRequest
 from k3rocm.bench.metrics import RequestRecord
 from k3rocm.errors import ConfigError, HardwareError
@@ -245,6 +245,7 @@ class OpenAIClient:
         pending = list(reversed(reqs))
         active: dict[int, tuple[RequestRecord, threading.Thread]] = {}
         done: list[RequestRecord] = []
+        tick = progress_ticker(progress, label, len(reqs), done, lambda: [a[0] for a in list(active.values())])
         t_start = time.perf_counter()
         t_end = t_start
         hang = None
@@ -263,55 +264,60 @@ class OpenAIClient:
                 rec.error = str(e).splitlines()[0] if str(e) else type(e).__name__
             finished.put(r.request_id)
 
-        while pending or active:
-            while pending and len(active) < conc and not stop.is_set():
-                r = pending.pop()
-                rec = RequestRecord(r.request_id, r.input_len, r.output_len, time.perf_counter())
-                th = threading.Thread(target=work, args=(r, rec), daemon=True)
-                active[r.request_id] = (rec, th)
-                th.start()
-            try:
-                rid = finished.get(timeout=0.02)
-            except queue.Empty:
-                rid = None
-            if rid is not None:
-                rec, th = active.pop(rid)
-                th.join()
-                done.append(rec)
-                if rec.success:
-                    dog.add(rec.e2el)
-                    t_end = max(t_end, rec.token_times[-1])
-                if progress:
-                    progress(label, len(done), len(reqs))
-                if label == "warmup" and len(done) >= min(conc, len(reqs)) and not any(x.success for x in done):
-                    stop.set()  # every warm-up so far failed: send no more
-                    pending.clear()
-                    for rec2, _ in active.values():
-                        rec2.error = rec2.error or "not waited for: every warm-up before it failed"
-                        done.append(rec2)
-                    active.clear()
-            thr = dog.threshold()
-            now = time.perf_counter()
-            if thr is not None and hang is None:
-                for rid2, (rec, _) in active.items():
-                    if now - rec.issue_time > thr:
-                        where = {"status": "decode" if rec.token_times else "waiting for first token",
-                                 "output_tokens": rec.output_tokens}
-                        hang = {"request_id": rid2, "elapsed_s": now - rec.issue_time, "threshold_s": thr,
-                                "median_e2el_s": thr / dog.factor, "where": where, "phase": label}
-                        rec.where = where
-                        rec.error = "hang"
-                        break
-            if hang is not None:
-                # end cleanly: tell the streams to stop, do not wait on a stalled socket (daemon threads)
-                stop.set()
-                pending.clear()
-                for rid2, (rec, _) in active.items():
-                    rec.success = False
-                    rec.error = rec.error or "aborted after a hang"
+        try:
+            while pending or active:
+                while pending and len(active) < conc and not stop.is_set():
+                    r = pending.pop()
+                    rec = RequestRecord(r.request_id, r.input_len, r.output_len, time.perf_counter())
+                    th = threading.Thread(target=work, args=(r, rec), daemon=True)
+                    active[r.request_id] = (rec, th)
+                    th.start()
+                try:
+                    rid = finished.get(timeout=0.02)
+                except queue.Empty:
+                    rid = None
+                if rid is not None:
+                    rec, th = active.pop(rid)
+                    th.join()
                     done.append(rec)
-                active.clear()
-                t_end = now
+                    if rec.success:
+                        dog.add(rec.e2el)
+                        t_end = max(t_end, rec.token_times[-1])
+                    tick.send(True)
+                    if label == "warmup" and len(done) >= min(conc, len(reqs)) and not any(x.success for x in done):
+                        stop.set()  # every warm-up so far failed: send no more
+                        pending.clear()
+                        for rec2, _ in active.values():
+                            rec2.error = rec2.error or "not waited for: every warm-up before it failed"
+                            done.append(rec2)
+                        active.clear()
+                else:
+                    tick.send(False)  # tokens of the in-flight requests, at most every 0.5 s
+                thr = dog.threshold()
+                now = time.perf_counter()
+                if thr is not None and hang is None:
+                    for rid2, (rec, _) in active.items():
+                        if now - rec.issue_time > thr:
+                            where = {"status": "decode" if rec.token_times else "waiting for first token",
+                                     "output_tokens": rec.output_tokens}
+                            hang = {"request_id": rid2, "elapsed_s": now - rec.issue_time, "threshold_s": thr,
+                                    "median_e2el_s": thr / dog.factor, "where": where, "phase": label}
+                            rec.where = where
+                            rec.error = "hang"
+                            break
+                if hang is not None:
+                    # end cleanly: tell the streams to stop, do not wait on a stalled socket (daemon threads)
+                    stop.set()
+                    pending.clear()
+                    for rid2, (rec, _) in active.items():
+                        rec.success = False
+                        rec.error = rec.error or "aborted after a hang"
+                        done.append(rec)
+                    active.clear()
+                    t_end = now
+        except KeyboardInterrupt:  # Ctrl-C: the streams stop too (they are daemon threads)
+            stop.set()
+            raise
         return done, hang, t_start, t_end
 
 

@@ -405,3 +405,55 @@ def test_each_point_states_its_load_and_vllms_result_fields_in_every_format(tmp_
     assert "per concurrency point" in r.output
     line = next(ln for ln in r.output.splitlines() if " mean_ttft_ms " in ln)
     assert re.search(r"\d+\.\d\d\b", line)  # milliseconds at two decimals
+
+
+# ------------------------------------------------------------------------------------------------ progress
+class _EveryOtherFails(_Streaming):
+    """Streams like _Streaming, but answers every second request with HTTP 500."""
+
+    count = [0]
+
+    def do_POST(self):
+        type(self).count[0] += 1
+        if type(self).count[0] % 2 == 0:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            return
+        super().do_POST()
+
+
+def test_progress_states_the_work_labels_the_phases_and_counts_failures_apart(tmp_path):
+    with serve(_EveryOtherFails) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1", "--num-prompts", "4",
+                 "--warmups", "1", "--input-len", "8", "--output-len", "4", "--out", tmp_path / "r"], code=1)
+    err = r.stderr
+    assert "bench: 1 point (concurrency 1), 5 requests (1 warm-up + 4 measured), up to 8 prompt + 4 output" in err
+    first = err.index("bench: 1 point")
+    assert first < err.index("bench c=1 warm-up: ") < err.index("bench c=1 measured: ")
+    done = [ln for ln in err.splitlines() if "bench c=1 measured: 4/4" in ln][-1]
+    assert "2 failed" in done and "tokens" in done
+
+
+def test_ctrl_c_keeps_the_finished_points_marked_interrupted(tmp_path, monkeypatch):
+    from k3rocm.validation import bench_job
+
+    real = bench_job.run_bench
+
+    def interrupted_at_2(client, c, *a, **k):
+        if c == 2:
+            raise KeyboardInterrupt
+        return real(client, c, *a, **k)
+    monkeypatch.setattr(bench_job, "run_bench", interrupted_at_2)
+    out = tmp_path / "r"
+    with serve(_Streaming) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2,4", "--num-prompts", "4",
+                 "--warmups", "0", "--input-len", "8", "--output-len", "4", "--out", out], code=130)
+    assert "interrupted (Ctrl-C) after 1 of 3 points" in one_line_error(r)
+    stage = json.loads((out / "report.json").read_text())["stages"]["bench"]
+    rows = {e["name"]: e for e in stage["evidence"]}
+    assert stage["status"] == "error" and "interrupted" in stage["error"]
+    assert rows["c1.completed"]["value"] == 4 and "c1.median_ttft_ms" in rows
+    assert rows["sweep.interrupted"]["value"] is True and "during concurrency 2" in rows["sweep.interrupted"]["detail"]

@@ -46,7 +46,8 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     ngpu = max(1, session.detected.count) if session.device != "cpu" else 1
     res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
                     warmups=warmups, seed=session.opts.seed,
-                    progress=(lambda phase, done, total: progress(done, total)) if progress else None,
+                    progress=(lambda phase, done, total, **kw: progress(done, total, phase=phase, **kw))
+                    if progress else None,
                     num_gpus=ngpu, roofline=roof)
     d = res.to_dict(per_request=False)
     d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
