@@ -246,8 +246,9 @@ def write_stages(session, stages) -> Path:
     return paths["html"]
 
 
-def print_stages(stages) -> None:
-    """A rich table of the stages just run, then the failing rows."""
+def print_stages(stages, session=None) -> None:
+    """A rich table of the stages just run, then the failing rows; with ``session``, on a fallback run (the profile's
+    hardware is not here) a last line saying that nothing ran on the profile's hardware."""
     c = console()
     t = Table(title=None, show_lines=False)
     for col in ("tier", "status", "seconds", "evidence", "failures"):
@@ -260,6 +261,24 @@ def print_stages(stages) -> None:
     for s in stages:
         for e in s.failures:
             c.print(f"  [red]FAIL[/] {s.tier}.{e.name} = {e.value} {e.unit} (needs {e.threshold}; {e.level})")
+    line = fallback_line(session) if session is not None else None
+    if line:
+        c.print(f"[yellow]{line}[/]", markup=True, highlight=False, soft_wrap=True)
+
+
+def fallback_line(session) -> str | None:
+    """``"note: nothing ran on <profile>'s hardware (...): every measurement is measured-fallback, taken on ..."``
+    when the session's profile names other hardware than this machine's, else None. Raises nothing."""
+    try:
+        if session.hardware_matches:
+            return None
+        p, d = session.profile, session.device_block()
+    except K3Error:
+        return None
+    want = f"{p.device_count} x {p.device_name}, {p.arch}"
+    have = d["sku"] if d["backend"] == "cpu" else f"{d['count']} x {d['sku']}, {d['arch']}"
+    return (f"note: nothing ran on {p.name}'s hardware ({want}): every measurement is measured-fallback, "
+            f"taken on this machine's {have}")
 
 
 def finish(stages, report_html: Path) -> None:

@@ -45,7 +45,7 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     print_plan(pl, s.config.name, where)
     with Progress() as bar:
         stages = run_tiers(s, "load", progress=bar.callback("loading"), on_start=lambda t: bar.stage(f"tier {t}"))
-    print_stages(stages)
+    print_stages(stages, s)
     _print_load(s)
     finish(stages, write_stages(s, stages))
 
@@ -99,7 +99,7 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
     s.preflight()
     with Progress() as bar:
         stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
-    print_stages(stages)
+    print_stages(stages, s)
     finish(stages, write_stages(s, stages))
 
 
@@ -160,7 +160,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     s.preflight()
     stage = run_bench_job(s, bench, gpus, Progress())
     stages = [stage]
-    print_stages(stages)
+    print_stages(stages, s)
     _print_bench(stage)
     finish(stages, write_stages(s, stages))
 

@@ -460,3 +460,12 @@ def test_out_inside_the_checkpoint_or_the_cache_is_refused(cache, tmp_path):
                                                    "model-00002-of-000002.safetensors", "model.safetensors.index.json"]
     line = one_line_error(run(["load", "--checkpoint", d, "--out", cache / "mine"], code=2))
     assert "lies inside the k3rocm cache" in line
+
+
+def test_a_fallback_run_says_nothing_ran_on_the_profiles_hardware(cache, tmp_path):
+    if not no_gpu():
+        pytest.skip("on a GPU machine the CPU profile is not a fallback of this kind")
+    r = run(["validate", "--level", "env", "--profile", "mi355x-8", "--out", tmp_path / "a"])
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("note: nothing ran on"))
+    assert "mi355x-8's hardware (8 x AMD Instinct MI355X, gfx950)" in line and "measured-fallback" in line
+    assert "nothing ran on" not in run(["validate", "--level", "env", "--out", tmp_path / "b"]).output
