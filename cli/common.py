@@ -97,8 +97,8 @@ def out_option(f):
                         help="Report directory; report.json/md/html are merged with what is already there.")(f)
 
 
-def kernels_option(f):
-    return click.option("--kernels", default="auto", show_default=True, metavar="SPEC",
+def kernels_option(f, hidden: bool = False):
+    return click.option("--kernels", default="auto", show_default=True, metavar="SPEC", hidden=hidden,
                         help="Kernel choice: auto | torch | triton, or per op: "
                              "'kda_prefill=triton,moe_experts=torch'.")(f)
 
@@ -112,11 +112,16 @@ def seed_option(f):
                         help="Seed of generated inputs (0 .. 2^63-1).")(f)
 
 
-def common_options(f):
-    """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up)."""
-    for opt in (debug_option, seed_option, kernels_option, out_option, profile_option, checkpoint_option):
-        f = opt(f)
-    return f
+def common_options(f=None, *, kernels: bool = True):
+    """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up). ``kernels=False`` (``load``,
+    which runs no kernels) keeps ``--kernels`` out of ``--help``; given anyway, the command refuses it in one line.
+    Use as ``@common_options`` or ``@common_options(kernels=False)``."""
+    def apply(f):
+        for opt in (debug_option, seed_option, functools.partial(kernels_option, hidden=not kernels), out_option,
+                    profile_option, checkpoint_option):
+            f = opt(f)
+        return f
+    return apply if f is None else apply(f)
 
 
 def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None) -> Session:

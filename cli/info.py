@@ -7,6 +7,7 @@ import json
 import click
 from rich.table import Table
 
+from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.cli.common import checkpoint_option, console, debug_option, handle_errors, not_empty, profile_option
 from k3rocm.config import preset as make_preset
@@ -78,10 +79,11 @@ def env_cmd(profile, as_json, debug):
         t.add_column("item")
         t.add_column("value")
         t.add_row("backend", det.backend)
-        t.add_row("torch", f"{det.torch_version} ({det.torch_build})")
-        t.add_row("triton", f"{det.triton_version} (target {det.triton_target})")
-        t.add_row("aiter", str(det.aiter_version))
-        t.add_row("driver", str(det.driver))
+        t.add_row("torch", f"{_shown(det.torch_version, 'not installed')} ({_shown(det.torch_build, 'unknown build')})")
+        t.add_row("triton", _shown(det.triton_version, "not installed")
+                  + (f" (target {det.triton_target})" if det.triton_target else " (no GPU target)"))
+        t.add_row("aiter", _shown(det.aiter_version, "not installed"))
+        t.add_row("driver", _shown(det.driver, "none detected"))
         for d in det.devices:
             t.add_row(f"device {d.index}", f"{d.name} {d.arch} {d.memory_bytes / GB:.1f} GB, {d.multiprocessors} CUs/SMs")
         if not det.devices:
@@ -138,12 +140,32 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
                           "pass a length the model supports")
     prof = load_profile(profile) if profile else match_profile(detect(with_smi=False))
     pl = plan(cfg, prof, tp=tp, ep=ep, kv_dtype=kv_dtype, context_len=context_len, strict=False)
+    size = model_size(cfg)
     if as_json:
-        click.echo(json.dumps(pl.to_dict(), indent=2, default=str))
+        click.echo(json.dumps({**pl.to_dict(), "model": size}, indent=2, default=str))
     else:
+        console().print(f"model {cfg.name}: {size['params']:,} parameters ({human_bytes(size['bytes'])}), "
+                        f"{size['params_activated']:,} active per token ({human_bytes(size['bytes_activated'])}: "
+                        "the trunk and the top-k experts' share)", highlight=False)
         print_plan(pl, cfg.name, prof.name)
     if not pl.fits:
         raise PlanError(pl.problem or f"{cfg.name} does not fit {prof.name}")
+
+
+def _shown(v, absent: str) -> str:
+    """``v`` as text, or ``absent`` (what its absence means) for None / empty: a table never shows a raw None."""
+    return absent if v is None or str(v).strip() in ("", "None") else str(v)
+
+
+def model_size(cfg) -> dict:
+    """Total and per-token active parameters and bytes of ``cfg`` (:func:`k3rocm.checkpoint.layout.counts`).
+
+    ``bytes_activated`` = trunk bytes + expert bytes x top_k / num_experts (every expert of a layer has the same
+    shapes, so the routed experts' share of the expert bytes is exact); bytes as stored in the checkpoint."""
+    c = layout.counts(cfg)
+    k, e = cfg.num_experts_per_token, max(cfg.num_experts, 1)
+    return {"params": c["params"], "params_activated": c["params_activated"], "bytes": c["bytes"],
+            "bytes_activated": c["bytes_trunk"] + c["bytes_expert"] * k // e}
 
 
 def print_plan(pl, model_name: str, profile_name: str) -> None:

@@ -469,3 +469,10 @@ def test_a_fallback_run_says_nothing_ran_on_the_profiles_hardware(cache, tmp_pat
     line = next(ln for ln in r.output.splitlines() if ln.startswith("note: nothing ran on"))
     assert "mi355x-8's hardware (8 x AMD Instinct MI355X, gfx950)" in line and "measured-fallback" in line
     assert "nothing ran on" not in run(["validate", "--level", "env", "--out", tmp_path / "b"]).output
+
+
+def test_small_honesty_items():
+    assert "--kernels" not in run(["load", "--help"]).output  # load runs no kernels and refuses the option
+    assert "None" not in run(["env"]).output
+    out = run(["plan", "--preset", "k3", "--profile", "mi355x-8"]).output
+    assert "2,779,484,478,208 parameters" in out and "104,189,614,848 active per token" in out

@@ -73,7 +73,9 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
     stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
     for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks (reads and device copies; verification not included)"),
                          ("raw_read_gbps", "GB/s", "sequential read of the same shard files"
-                          + (" (page cache dropped first)" if r.get("page_cache_dropped") else "")),
+                          + (" (O_DIRECT: the page cache bypassed)" if r.get("page_cache_dropped") else
+                             " (the page cache could not be bypassed on this file system: may be a memory-read "
+                             "figure)")),
                          ("load_vs_raw", "", "load throughput / raw read throughput"),
                          ("verify_seconds", "s", "time to verify every tensor")):
         if r.get(key) is not None:
