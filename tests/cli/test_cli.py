@@ -476,3 +476,16 @@ def test_small_honesty_items():
     assert "None" not in run(["env"]).output
     out = run(["plan", "--preset", "k3", "--profile", "mi355x-8"]).output
     assert "2,779,484,478,208 parameters" in out and "104,189,614,848 active per token" in out
+
+
+def test_env_checks_a_deployments_environment_on_its_own(tmp_path):
+    f = tmp_path / "node.env"
+    f.write_text("AITER_SITUV2_A8W4=1\nAITER_BF16_FP8_MOE_BOUND=0\n")
+    r = run(["env", "--deployment-env", f], code=3)
+    line = one_line_error(r)
+    assert "a8w4_layout_flags" in line and "fix: set VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4=1" in line
+    assert "MATCH" in r.output and "vLLM issue #52442" in r.output
+    f.write_text("AITER_SITUV2_A8W4=1\nVLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4=1\nAITER_BF16_FP8_MOE_BOUND=0\n")
+    out = run(["env", "--deployment-env", f, "--server-args", "vllm serve m --kda-prefill-backend auto"]).output
+    assert "MATCH" not in out and "3 checked" in out
+    one_line_error(run(["env", "--server-args", "vllm serve m --kda-prefill-backend flashkda"], code=3))
