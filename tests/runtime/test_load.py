@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from tests.helpers import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.checkpoint.reader import open_checkpoint
@@ -21,11 +20,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def any_ckpt(request):
-    """The external golden k3-tiny checkpoint when present, else the session's freshly written k3-tiny."""
-    from pathlib import Path
-    g = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN)) / "checkpoint"
-    return g if (g / "config.json").is_file() else request.getfixturevalue("tiny_ckpt")
+def any_ckpt(golden_ckpt):
+    """The external golden k3-tiny checkpoint (shipped in tests/data)."""
+    return golden_ckpt
 
 
 @pytest.fixture(scope="module")
