@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, shard_fingerprints, verify_manifest
+from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
 from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, handle_errors
 from k3rocm.config import preset as make_preset
 from k3rocm.errors import CheckpointError
@@ -110,7 +110,7 @@ def inspect_cmd(checkpoint, as_json, debug):
            "tensors": len(idx), "tensors_expected": cnt["tensors"],
            "params": cnt["params"], "params_activated": cnt["params_activated"], "bytes_by_part": parts,
            "official": bool(idx.is_official()),
-           "shards": shard_fingerprints(s.checkpoint_dir)}
+           "shards": shard_fingerprints(s.checkpoint_dir, idx.shards)}  # those the index names, not every file
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
@@ -158,7 +158,11 @@ def verify_cmd(checkpoint, write_manifest, debug):
     if res:
         raise CheckpointError(f"{d}: {len(res)} file(s) differ from {MANIFEST_NAME}, first: {res[0]}; "
                               "re-download them")
-    click.echo(f"{d}: every file matches {MANIFEST_NAME}")
+    extra = manifest_extras(d)
+    if extra:
+        click.echo(f"note: {len(extra)} file(s) not in {MANIFEST_NAME}, left unchecked (extra, not corruption): "
+                   + ", ".join(extra[:5]) + (", ..." if len(extra) > 5 else ""))
+    click.echo(f"{d}: every file {MANIFEST_NAME} lists matches it")
 
 
 def register(cli: click.Group) -> None:

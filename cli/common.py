@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from k3rocm.errors import K3Error
-from k3rocm.validation.evidence import command_line, load_report, reproduction_block
-from k3rocm.validation.render import write_report
+from k3rocm.errors import K3Error, os_error
+from k3rocm.validation.evidence import command_line, reproduction_block
+from k3rocm.validation.render import update_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
@@ -43,7 +43,10 @@ def fail(msg: str, code: int) -> None:
 
 
 def handle_errors(fn: Callable) -> Callable:
-    """Turn a :class:`K3Error` into its one-line message and exit code; ``--debug`` adds the traceback."""
+    """Turn a :class:`K3Error` into its one-line message and exit code; ``--debug`` adds the traceback.
+
+    An :class:`OSError` that reaches here (no space, a path that is a directory, a symlink loop) is one line
+    too, with the exit code of its class (:func:`k3rocm.errors.os_error`: 3 environment, 2 bad input)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         debug = bool(kwargs.get("debug"))
@@ -53,6 +56,11 @@ def handle_errors(fn: Callable) -> Callable:
             if debug:
                 traceback.print_exc()
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__, e.exit_code)
+        except OSError as e:
+            if debug:
+                traceback.print_exc()
+            err = os_error(e)
+            fail(str(err), err.exit_code)
         except KeyboardInterrupt:
             fail("interrupted", 130)
     return wrapper
@@ -87,8 +95,8 @@ def out_option(f):
                         help="Report directory; report.json/md/html are merged with what is already there.")(f)
 
 
-def kernels_option(f):
-    return click.option("--kernels", default="auto", show_default=True, metavar="SPEC",
+def kernels_option(f, hidden: bool = False):
+    return click.option("--kernels", default="auto", show_default=True, metavar="SPEC", hidden=hidden,
                         help="Kernel choice: auto | torch | triton, or per op: "
                              "'kda_prefill=triton,moe_experts=torch'.")(f)
 
@@ -102,11 +110,16 @@ def seed_option(f):
                         help="Seed of generated inputs (0 .. 2^63-1).")(f)
 
 
-def common_options(f):
-    """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up)."""
-    for opt in (debug_option, seed_option, kernels_option, out_option, profile_option, checkpoint_option):
-        f = opt(f)
-    return f
+def common_options(f=None, *, kernels: bool = True):
+    """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up). ``kernels=False`` (``load``,
+    which runs no kernels) keeps ``--kernels`` out of ``--help``; given anyway, the command refuses it in one line.
+    Use as ``@common_options`` or ``@common_options(kernels=False)``."""
+    def apply(f):
+        for opt in (debug_option, seed_option, functools.partial(kernels_option, hidden=not kernels), out_option,
+                    profile_option, checkpoint_option):
+            f = opt(f)
+        return f
+    return apply if f is None else apply(f)
 
 
 def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None):
@@ -133,7 +146,8 @@ class Progress:
     On a terminal (stderr is a TTY) a transient rich bar; when stderr is a file or a pipe (CI, batch jobs, a
     remote shell) one line ``k3rocm: <what>: <done>/<total> (<pct>%), <elapsed> s`` at most every
     ``interval_s`` seconds and at completion, so a long load or validation is never silent in a log.
-    Use as a context manager; ``cb = bar.callback("loading")`` gives the function to pass down.
+    Use as a context manager; ``cb = bar.callback("loading")`` gives the function to pass down: ``cb(done, total,
+    failed=n, tokens=n)`` (``failed`` requests are shown apart from the finished count, ``tokens`` streamed so far).
     """
 
     def __init__(self, enabled: bool = True, interval_s: float = 10.0):
@@ -160,12 +174,21 @@ class Progress:
             return self._plain(description)
         task = self._p.add_task(description, total=None)
 
-        def cb(done=None, total=None, *_, **__):
+        def cb(done=None, total=None, *_, failed=0, tokens=None, **__):
             if total is not None:
                 self._p.update(task, total=total)
             if done is not None:
-                self._p.update(task, completed=done)
+                self._p.update(task, completed=done, description=description + _extra(failed, tokens))
         return cb
+
+    def note(self, text: str) -> None:
+        """One line ``k3rocm: <text>`` on stderr (what a long run is about to do), above a bar on a terminal."""
+        if not self.enabled:
+            return
+        if self._p is not None:
+            self._p.console.print(f"k3rocm: {text}", highlight=False, markup=False)
+        else:
+            print(f"k3rocm: {text}", file=sys.stderr, flush=True)
 
     def stage(self, name: str) -> None:
         """Say that a tier / stage starts: a plain line when stderr is not a terminal (the bar says it otherwise)."""
@@ -176,7 +199,7 @@ class Progress:
         t0 = time.monotonic()
         state = {"last": -1e9, "total": None, "finished": False}
 
-        def cb(done=None, total=None, *_, **__):
+        def cb(done=None, total=None, *_, failed=0, tokens=None, **__):
             if total is not None:
                 state["total"] = total
             if done is None:
@@ -190,8 +213,14 @@ class Progress:
             state["last"], state["finished"] = now, finished
             pct = f" ({100.0 * done / tot:.0f}%)" if tot else ""
             of = f"/{tot:,}" if tot is not None else ""
-            print(f"k3rocm: {description}: {done:,}{of}{pct}, {now - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"k3rocm: {description}: {done:,}{of}{pct}{_extra(failed, tokens)}, {now - t0:.0f} s",
+                  file=sys.stderr, flush=True)
         return cb
+
+
+def _extra(failed: int = 0, tokens: int | None = None) -> str:
+    """``", 2 failed, 1,234 tokens"``: failed requests counted apart from the finished ones, tokens so far."""
+    return (f", {failed:,} failed" if failed else "") + (f", {tokens:,} tokens" if tokens else "")
 
 
 def write_stages(session, stages) -> Path:
@@ -214,7 +243,6 @@ def write_stages(session, stages) -> Path:
         prof = session.profile.name
     except K3Error:
         pass
-    rep = load_report(out, cfg_hash, ckpt, prof)
     extra = {}
     sel = session.kernel_selection()
     if sel:
@@ -230,13 +258,13 @@ def write_stages(session, stages) -> Path:
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)
-    rep.merge_run(block, stages)
-    paths = write_report(rep, out)
+    paths = update_report(out, block, stages, config_hash=cfg_hash, checkpoint=ckpt, profile=prof)
     return paths["html"]
 
 
-def print_stages(stages) -> None:
-    """A rich table of the stages just run, then the failing rows."""
+def print_stages(stages, session=None) -> None:
+    """A rich table of the stages just run, then the failing rows; with ``session``, on a fallback run (the profile's
+    hardware is not here) a last line saying that nothing ran on the profile's hardware."""
     c = console()
     t = Table(title=None, show_lines=False)
     for col in ("tier", "status", "seconds", "evidence", "failures"):
@@ -249,6 +277,24 @@ def print_stages(stages) -> None:
     for s in stages:
         for e in s.failures:
             c.print(f"  [red]FAIL[/] {s.tier}.{e.name} = {e.value} {e.unit} (needs {e.threshold}; {e.level})")
+    line = fallback_line(session) if session is not None else None
+    if line:
+        c.print(f"[yellow]{line}[/]", markup=True, highlight=False, soft_wrap=True)
+
+
+def fallback_line(session) -> str | None:
+    """``"note: nothing ran on <profile>'s hardware (...): every measurement is measured-fallback, taken on ..."``
+    when the session's profile names other hardware than this machine's, else None. Raises nothing."""
+    try:
+        if session.hardware_matches:
+            return None
+        p, d = session.profile, session.device_block()
+    except K3Error:
+        return None
+    want = f"{p.device_count} x {p.device_name}, {p.arch}"
+    have = d["sku"] if d["backend"] == "cpu" else f"{d['count']} x {d['sku']}, {d['arch']}"
+    return (f"note: nothing ran on {p.name}'s hardware ({want}): every measurement is measured-fallback, "
+            f"taken on this machine's {have}")
 
 
 def finish(stages, report_html: Path) -> None:

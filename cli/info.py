@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import click
 from rich.table import Table
 
 from k3rocm.cli.common import (checkpoint_option, checkpoint_session, console, debug_option, handle_errors, not_empty,
                                profile_option)
+from k3rocm.checkpoint import layout
 from k3rocm.config import preset as make_preset
+from k3rocm.envtraps import TRAPS, match_traps, read_env_file, server_options, settings_text
 from k3rocm.errors import ConfigError, HardwareError, PlanError
 from k3rocm.hw import detect
 from k3rocm.profiles import list_profiles, load_profile, match_profile
@@ -55,16 +58,33 @@ def profiles_cmd(as_json, debug):
 Examples:
   k3rocm env                      # what is here, and which profile it matches
   k3rocm env --profile mi355x-8   # compare with a given profile
-  k3rocm env --json""")
+  k3rocm env --json
+  k3rocm env --deployment-env vllm.env --server-args "vllm serve moonshotai/Kimi-K3 -tp 8"
+                                  # a serving node's settings vs the known traps of K3 on ROCm""")
 @profile_option
 @click.option("--json", "as_json", is_flag=True, help="Print detection + profile as JSON.")
+@click.option("--deployment-env", type=click.Path(path_type=str), default=None, metavar="FILE",
+              help="Check a deployment's environment (KEY=VALUE lines, or /proc/PID/environ) against the known "
+                   "environment traps of K3 on ROCm instead of describing this machine; exit 3 on a match.")
+@click.option("--server-args", default=None, metavar="CMD",
+              help="The server's command line (vllm serve ... / python -m sglang.launch_server ...), checked with "
+                   "--deployment-env (or alone) for the traps that server options set.")
+@click.option("--platform", type=click.Choice(["rocm", "cuda"]), default="rocm", show_default=True,
+              help="Platform of the checked deployment.")
 @debug_option
 @handle_errors
-def env_cmd(profile, as_json, debug):
+def env_cmd(profile, as_json, deployment_env, server_args, platform, debug):
     """Detect backend, devices, arch, memory and software; match a hardware profile.
 
-    Exit 3 when --profile names hardware that is not here (the one-line error says what differs).
+    Exit 3 when --profile names hardware that is not here (the one-line error says what differs). With
+    --deployment-env / --server-args: check those settings against the known traps (k3rocm.envtraps), exit 3
+    naming the first match, its reason and fix.
     """
+    if deployment_env is not None or server_args is not None:
+        if profile:
+            raise ConfigError("--profile describes this machine; a --deployment-env check does not use it: drop one")
+        _check_deployment(deployment_env, server_args, platform, as_json)
+        return
     det = detect()
     prof = load_profile(profile) if profile else match_profile(det)
     matches = prof.matches(det)
@@ -76,10 +96,11 @@ def env_cmd(profile, as_json, debug):
         t.add_column("item")
         t.add_column("value")
         t.add_row("backend", det.backend)
-        t.add_row("torch", f"{det.torch_version} ({det.torch_build})")
-        t.add_row("triton", f"{det.triton_version} (target {det.triton_target})")
-        t.add_row("aiter", str(det.aiter_version))
-        t.add_row("driver", str(det.driver))
+        t.add_row("torch", f"{_shown(det.torch_version, 'not installed')} ({_shown(det.torch_build, 'unknown build')})")
+        t.add_row("triton", _shown(det.triton_version, "not installed")
+                  + (f" (target {det.triton_target})" if det.triton_target else " (no GPU target)"))
+        t.add_row("aiter", _shown(det.aiter_version, "not installed"))
+        t.add_row("driver", _shown(det.driver, "none detected"))
         for d in det.devices:
             t.add_row(f"device {d.index}", f"{d.name} {d.arch} {d.memory_bytes / GB:.1f} GB, {d.multiprocessors} CUs/SMs")
         if not det.devices:
@@ -138,12 +159,66 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
                           "pass a length the model supports")
     prof = load_profile(profile) if profile else match_profile(detect(with_smi=False))
     pl = plan(cfg, prof, tp=tp, ep=ep, kv_dtype=kv_dtype, context_len=context_len, strict=False)
+    size = model_size(cfg)
     if as_json:
-        click.echo(json.dumps(pl.to_dict(), indent=2, default=str))
+        click.echo(json.dumps({**pl.to_dict(), "model": size}, indent=2, default=str))
     else:
+        console().print(f"model {cfg.name}: {size['params']:,} parameters ({human_bytes(size['bytes'])}), "
+                        f"{size['params_activated']:,} active per token ({human_bytes(size['bytes_activated'])}: "
+                        "the trunk and the top-k experts' share)", highlight=False)
         print_plan(pl, cfg.name, prof.name)
     if not pl.fits:
         raise PlanError(pl.problem or f"{cfg.name} does not fit {prof.name}")
+
+
+def _check_deployment(env_file: str | None, server_args: str | None, platform: str, as_json: bool) -> None:
+    """``env --deployment-env``: every known trap (:data:`k3rocm.envtraps.TRAPS`) against a deployment's settings.
+
+    Raises:
+        HardwareError: a trap matched (exit 3; the line names it, the reason and the fix).
+        ConfigError: an unreadable environment file or command line.
+    """
+    settings = read_env_file(env_file) if env_file is not None else {}
+    if server_args is not None:
+        settings.update(server_options(server_args))
+    hits = match_traps(settings, platform)
+    if as_json:
+        click.echo(json.dumps({"platform": platform, "checked": [t.name for t in TRAPS],
+                               "matched": [{**asdict(t), "settings": settings_text(t, settings)} for t in hits]},
+                              indent=2, default=str))
+    else:
+        t = Table(title=f"known environment traps of K3 on {platform} ({len(TRAPS)} checked)")
+        for col in ("trap", "result", "settings", "source"):
+            t.add_column(col)
+        for trap in TRAPS:
+            hit = trap in hits
+            t.add_row(trap.name, "[red]MATCH[/]" if hit else ("clear" if trap.platform in ("any", platform)
+                                                             else f"n/a ({trap.platform})"),
+                      settings_text(trap, settings), trap.source)
+        console().print(t)
+        for trap in hits:
+            console().print(f"  [red]TRAP[/] {trap.name}: {trap.condition}: {trap.consequence}; fix: {trap.fix}",
+                            highlight=False)
+    if hits:
+        h = hits[0]
+        raise HardwareError(f"deployment environment: {len(hits)} known trap(s) matched, first {h.name}: {h.condition} "
+                            f"({h.source}); fix: {h.fix}")
+
+
+def _shown(v, absent: str) -> str:
+    """``v`` as text, or ``absent`` (what its absence means) for None / empty: a table never shows a raw None."""
+    return absent if v is None or str(v).strip() in ("", "None") else str(v)
+
+
+def model_size(cfg) -> dict:
+    """Total and per-token active parameters and bytes of ``cfg`` (:func:`k3rocm.checkpoint.layout.counts`).
+
+    ``bytes_activated`` = trunk bytes + expert bytes x top_k / num_experts (every expert of a layer has the same
+    shapes, so the routed experts' share of the expert bytes is exact); bytes as stored in the checkpoint."""
+    c = layout.counts(cfg)
+    k, e = cfg.num_experts_per_token, max(cfg.num_experts, 1)
+    return {"params": c["params"], "params_activated": c["params_activated"], "bytes": c["bytes"],
+            "bytes_activated": c["bytes_trunk"] + c["bytes_expert"] * k // e}
 
 
 def print_plan(pl, model_name: str, profile_name: str) -> None:

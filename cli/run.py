@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import click
 from rich.table import Table
 
@@ -10,6 +12,7 @@ from k3rocm.cli.common import (Progress, common_options, console, finish, handle
                                print_stages, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
+from k3rocm.validation.render import fmt_value, point_table
 
 
 @click.command("load", epilog="""\b
@@ -17,7 +20,7 @@ Examples:
   k3rocm load                                            # embedded k3-tiny on this machine
   k3rocm load --profile mi355x-8 --checkpoint /models/Kimi-K3
   k3rocm load --checkpoint ./k3-tiny --out reports/tiny  # then open reports/tiny/report.html""")
-@common_options
+@common_options(kernels=False)
 @handle_errors
 def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     """Plan, place and stream the weights, and prove they landed (tiers env + load).
@@ -42,7 +45,7 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     print_plan(pl, s.config.name, where)
     with Progress() as bar:
         stages = run_tiers(s, "load", progress=bar.callback("loading"), on_start=lambda t: bar.stage(f"tier {t}"))
-    print_stages(stages)
+    print_stages(stages, s)
     _print_load(s)
     finish(stages, write_stages(s, stages))
 
@@ -63,7 +66,9 @@ def _print_load(session) -> None:
     c = console()
     c.print(t)
     c.print(f"aggregate {rep.aggregate_gbps:.2f} GB/s; raw sequential read of the same files "
-            f"{rep.raw_read_gbps:.2f} GB/s (load / raw = {rep.load_vs_raw:.2f})")
+            f"{rep.raw_read_gbps:.2f} GB/s (load / raw = {rep.load_vs_raw:.2f})"
+            + ("" if rep.page_cache_dropped else "; the page cache could not be bypassed here (no O_DIRECT), so the raw "
+               "figure may come from memory"), highlight=False)
 
 
 @click.command("validate", epilog="""\b
@@ -98,7 +103,7 @@ def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
     s.preflight()
     with Progress() as bar:
         stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
-    print_stages(stages)
+    print_stages(stages, s)
     finish(stages, write_stages(s, stages))
 
 
@@ -162,22 +167,33 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     s.preflight()
     stage = run_bench_job(s, bench, gpus, Progress())
     stages = [stage]
-    print_stages(stages)
+    print_stages(stages, s)
     _print_bench(stage)
     finish(stages, write_stages(s, stages))
 
 
 def _print_bench(stage) -> None:
-    """The bench stage's measured figures (its informational rows) as one table."""
-    rows = [e for e in stage.evidence if e.passed is None]
-    if not rows:
-        return
-    t = Table()
-    for col in ("metric", "value", "unit", "level"):
-        t.add_column(col)
-    for e in rows:
-        t.add_row(e.name, str(e.value), e.unit, e.level)
-    console().print(t)
+    """The bench stage's figures: one table, a column per concurrency point (vLLM's result fields, in its order, at a
+    precision that fits each unit), then the stage's other informational rows."""
+    concs, rows = point_table(stage)
+    c = console()
+    if concs:
+        t = Table(title="per concurrency point")
+        t.add_column("field")
+        t.add_column("unit")
+        for x in concs:
+            t.add_column(f"c={x}", justify="right")
+        for f, u, vals in rows:
+            t.add_row(f, u, *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
+        c.print(t)
+    other = [e for e in stage.evidence if e.passed is None and not re.fullmatch(r"c\d+\..+", e.name)]
+    if other:
+        t = Table()
+        for col in ("metric", "value", "unit", "level"):
+            t.add_column(col)
+        for e in other:
+            t.add_row(e.name, fmt_value(e.value, e.unit), e.unit, e.level)
+        c.print(t)
 
 
 def register(cli: click.Group) -> None:

@@ -7,9 +7,12 @@ with :attr:`K3Error.exit_code` (DESIGN.md §7):
 * 1 — a validation tier failed (:class:`ValidationFailed`)
 * 2 — bad input or usage (:class:`ConfigError`, :class:`CheckpointError`, :class:`PlanError`)
 * 3 — environment / hardware problem (:class:`HardwareError`)
+* 130 — interrupted (Ctrl-C) after part of the work finished (:class:`Interrupted`)
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class K3Error(Exception):
@@ -46,3 +49,31 @@ class ValidationFailed(K3Error):
     """A validation tier ran and its evidence did not meet the thresholds."""
 
     exit_code = 1
+
+
+class Interrupted(K3Error):
+    """The user interrupted a run (Ctrl-C) after part of it finished; what finished is kept (exit 130)."""
+
+    exit_code = 130
+
+
+#: errno names whose cause is the machine, not what the user typed: no space, quota, I/O, read-only medium.
+_ENV_ERRNOS = ("ENOSPC", "EDQUOT", "EIO", "EROFS", "ENOMEM", "EMFILE", "ENFILE", "ESTALE", "ENXIO")
+
+
+def os_error(e: OSError, what: str = "") -> K3Error:
+    """The one-line :class:`K3Error` of an :class:`OSError`, with the exit code of its class (DESIGN.md §7).
+
+    No space, quota, I/O errors and read-only or vanished media are the environment's (:class:`HardwareError`,
+    exit 3); every other OS error (a path that is a directory, a symlink loop, no permission, not found) is bad
+    input (:class:`ConfigError`, exit 2). ``what`` (e.g. ``"writing the report"``) starts the line; the file
+    name and the OS reason follow. Raises nothing.
+    """
+    name = errno.errorcode.get(e.errno or 0, "")
+    where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+    reason = e.strerror or type(e).__name__
+    hint = "free space (or choose another --out) and run again" if name in ("ENOSPC", "EDQUOT") else (
+        "check the path and run again")
+    line = f"{what + ': ' if what else ''}{where}{reason}" + (f" [{name}]" if name else "") + f"; {hint}"
+    cls = HardwareError if name in _ENV_ERRNOS else ConfigError
+    return cls(line)

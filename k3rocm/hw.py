@@ -28,7 +28,7 @@ from typing import Any
 #: environment variables that change what runs (device selection, collectives, kernels, threading, allocators):
 #: every name starting with one of these (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` match whole names) ...
 ENV_PREFIXES = ("AITER_", "CUDA_", "HIP_", "HSA_", "K3ROCM_", "NCCL_", "PYTORCH_", "RCCL_", "ROCM_", "ROCR_",
-                "TORCH_", "TRITON_", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+                "SGLANG_", "TORCH_", "TRITON_", "VLLM_", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 #: ... and these exact names (the torchrun rendezvous)
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 

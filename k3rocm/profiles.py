@@ -14,7 +14,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -369,7 +369,8 @@ def parse_profile(doc: dict, name: str, fname: str = "<profile>") -> Profile:
 def load_profile(name: str) -> Profile:
     """Load the shipped profile ``name`` (e.g. ``mi355x-8``), or a profile file: a path ending in ``.toml``
     in the shipped profiles' format (e.g. a copy of ``hwprofiles/mi355x-8.toml`` edited to describe two nodes
-    of 8 GPUs as 16 devices).
+    of 8 GPUs as 16 devices). A CPU profile whose memory is an assumption gets this machine's physical memory
+    (:func:`host_memory_bytes`), its source saying so.
 
     Raises:
         ConfigError: unknown name (the message lists the known ones), a missing file, or a malformed file.
@@ -391,7 +392,7 @@ def load_profile(name: str) -> Profile:
                               "permissions") from None
         # named by its absolute path: a modified copy saved as mi355x-8.toml must not pass for the shipped one
         # (report headers, the plan's messages and report merging all go by the name)
-        return parse_profile(doc, str(path.resolve()), str(path))
+        return _with_host_memory(parse_profile(doc, str(path.resolve()), str(path)))
     known = list_profiles()
     if name not in known and ("/" in str(name) or os.sep in str(name) or Path(str(name)).exists()):
         raise ConfigError(f"profile {name!r} is a path but not a .toml file; a profile file must be TOML in the "
@@ -405,7 +406,30 @@ def load_profile(name: str) -> Profile:
         doc = tomllib.loads(_profile_dir().joinpath(f"{name}.toml").read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{fname}: not valid TOML ({e}); fix the file") from None
-    return parse_profile(doc, name, fname)
+    return _with_host_memory(parse_profile(doc, name, fname))
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (``sysconf(SC_PHYS_PAGES) x sysconf(SC_PAGE_SIZE)``), or None
+    where the OS does not say."""
+    try:
+        n = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return int(n) if n > 0 else None
+
+
+def _with_host_memory(prof: Profile) -> Profile:
+    """A CPU profile whose memory is an assumption (the shipped one: 16 GiB) with the memory this machine has
+    instead (its source says so); any other profile, or a CPU profile stating its memory otherwise, as it is."""
+    host = host_memory_bytes()
+    if host is None or prof.backend != "cpu" or not prof.sources.get("device.memory_source", "").startswith(
+            "assumption"):
+        return prof
+    src = dict(prof.sources)
+    src["device.memory_source"] = (f"detected: this machine's physical memory ({host / 2**30:.2f} GiB, "
+                                   "sysconf SC_PHYS_PAGES x SC_PAGE_SIZE)")
+    return replace(prof, memory_bytes=host, sources=src)
 
 
 def match_profile(detected: Detected | None = None) -> Profile:

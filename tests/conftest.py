@@ -1,8 +1,8 @@
 """Shared pytest fixtures.
 
 * ``golden_dir`` — the external k3-tiny golden data (checkpoint written in the released layout by
-  Moonshot's code + fp32 reference outputs); ``$K3ROCM_GOLDEN`` overrides the default location.
-  Tests that need it are skipped when it is absent.
+  Moonshot's code + fp32 reference outputs), shipped in ``tests/data/k3-tiny-golden``; ``$K3ROCM_GOLDEN``
+  may name another copy. Absent, the tests that need it fail (they are never skipped).
 * ``golden_ckpt`` — ``golden_dir / "checkpoint"``.
 * ``tiny_cfg`` — the ``k3-tiny`` preset config.
 * ``tiny_ckpt`` — a k3-tiny checkpoint written once per session by our writer (seed 0) into a temp dir.
@@ -41,10 +41,8 @@ def golden_dir() -> Path:
     """Directory of the external k3-tiny golden data (``checkpoint/``, ``golden.safetensors``)."""
     p = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN))
     if not (p / "checkpoint" / "config.json").is_file():
-        msg = f"k3-tiny golden data not found at {p} (set K3ROCM_GOLDEN)"
-        if os.environ.get("CI") or os.environ.get("K3ROCM_REQUIRE_GOLDEN"):
-            pytest.fail(msg + ": CI must run the external-reference tests, not skip them")
-        pytest.skip(msg)
+        pytest.fail(f"k3-tiny golden data not found at {p}: it ships in tests/data/k3-tiny-golden "
+                    "(or $K3ROCM_GOLDEN names a copy)")
     return p
 
 

@@ -1,8 +1,8 @@
 """Code shared by several test modules (fixtures live in ``tests/conftest.py``).
 
 * :data:`REPO` — the repository root (the scripts in ``gpu-runs/``, ``hwprofiles/``, the Makefile).
-* :data:`SHARED`, :data:`DEFAULT_GOLDEN`, :data:`OFFICIAL_CONFIG` — the external data beside the checkout
-  (``$K3ROCM_SHARED`` overrides where it is; ``$K3ROCM_GOLDEN``, read by ``conftest.golden_dir``, the golden data).
+* :data:`DATA`, :data:`DEFAULT_GOLDEN`, :data:`OFFICIAL_CONFIG` — the reference data shipped in ``tests/data/``
+  (its README gives the provenance; ``$K3ROCM_GOLDEN``, read by ``conftest.golden_dir``, may name another copy).
 * :func:`load_ckpt` — a checkpoint directory as ``(cfg, {full name: tensor})``.
 * :class:`FakeCompletions` — an OpenAI-style streaming ``/v1/completions`` handler (``conftest.fake_server``
   serves it on a local port).
@@ -27,10 +27,10 @@ from safetensors.torch import load_file
 from k3rocm.config import K3Config
 
 REPO = Path(__file__).resolve().parents[1]
-# ``shared/`` lies beside the checkout of this repository (CI clones next to a copy of it).
-SHARED = Path(os.environ.get("K3ROCM_SHARED", REPO.parent / "shared"))
-DEFAULT_GOLDEN = SHARED / "data" / "k3-tiny-golden"
-OFFICIAL_CONFIG = SHARED / "data" / "kimi-k3" / "config.json"
+# shipped with the repository, so that no test depends on anything beside the clone
+DATA = REPO / "tests" / "data"
+DEFAULT_GOLDEN = DATA / "k3-tiny-golden"
+OFFICIAL_CONFIG = DATA / "kimi-k3" / "config.json"
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

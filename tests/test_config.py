@@ -29,11 +29,10 @@ def k3() -> K3Config:
 def test_official_config_parses_unchanged(k3):
     packaged = _official_doc()
     assert k3.to_dict() == packaged
-    if OFFICIAL.is_file():
-        shared = json.loads(OFFICIAL.read_text())
-        assert packaged == shared  # the packaged copy is the released file
-        cfg = K3Config.from_file(OFFICIAL)
-        assert cfg.to_dict() == shared and cfg.config_hash() == k3.config_hash()
+    shared = json.loads(OFFICIAL.read_text())
+    assert packaged == shared  # the packaged copy is the released file
+    cfg = K3Config.from_file(OFFICIAL)
+    assert cfg.to_dict() == shared and cfg.config_hash() == k3.config_hash()
     assert k3.family == "k3" and k3.hidden_size == 7168 and k3.vocab_size == 163840
     assert (k3.bos_token_id, k3.eos_token_id, k3.pad_token_id) == (163584, 163586, 163839)
     assert k3.num_hidden_layers == 93 and k3.rms_norm_eps == 1e-5
@@ -157,10 +156,6 @@ def test_refuses_inconsistent_configs():
 
 def test_from_file_names_the_preset_it_is(tmp_path):
     src = OFFICIAL_CONFIG
-    if not src.is_file():  # the shared data is absent: the packaged copy of the released file
-        src = tmp_path / "Kimi-K3" / "config.json"
-        src.parent.mkdir()
-        src.write_text(json.dumps(_official_doc()))
     assert K3Config.from_file(src).name == "k3"
     doc = json.loads(src.read_text())
     doc["text_config"]["rms_norm_eps"] = 1e-6  # no longer the release: named after its directory

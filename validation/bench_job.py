@@ -18,10 +18,10 @@ from typing import Callable, Protocol
 
 from k3rocm.bench import run_bench
 from k3rocm.bench.client import OpenAIClient
-from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
+from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, request_counts
 from k3rocm.checkpoint import layout
 from k3rocm.config import preset
-from k3rocm.errors import ConfigError, HardwareError
+from k3rocm.errors import ConfigError, HardwareError, Interrupted
 from k3rocm.profiles import load_profile
 from k3rocm.validation.evidence import Stage, info, now_iso
 from k3rocm.validation.session import EndpointTarget, Session
@@ -76,6 +76,57 @@ class ProgressBar(Protocol):
     def __exit__(self, *exc) -> None: ...
 
     def callback(self, description: str) -> Callable: ...
+
+    def note(self, text: str) -> None: ...
+
+
+def phase_progress(bar: ProgressBar, concurrency: int) -> Callable:
+    """``fn(done, total, phase="warmup"|"measure", failed=, tokens=)`` feeding one bar per phase of a point, labelled
+    ``bench c=N warm-up`` and ``bench c=N measured``, so warm-ups are never read as measured requests."""
+    bars: dict[str, Callable] = {}
+
+    def fn(done, total, *_, phase: str = "measure", **kw):
+        if phase not in bars:
+            bars[phase] = bar.callback(f"bench c={concurrency} {'warm-up' if phase == 'warmup' else 'measured'}")
+        bars[phase](done, total, **kw)
+    return fn
+
+
+def sweep_work(bench: BenchOptions, pts: BenchPoints) -> str:
+    """One line stating a sweep's total work before it starts: points, requests (warm-up + measured), lengths."""
+    counts = [request_counts(c, bench.num_prompts, bench.warmups) for c in pts.concurrencies]
+    n, w = sum(x[0] for x in counts), sum(x[1] for x in counts)
+    k = len(pts.concurrencies)
+    return (f"bench: {k} point{'s' if k != 1 else ''} (concurrency {', '.join(map(str, pts.concurrencies))}), "
+            f"{n + w:,} requests ({w:,} warm-up + {n:,} measured), up to {pts.input_len:,} prompt + "
+            f"{pts.output_len:,} output tokens each")
+
+
+def run_sweep(stage: Stage, concurrencies: list[int], point: Callable[[int], dict],
+              stop_after: Callable[[dict], bool] = lambda r: False) -> tuple[list[dict], bool]:
+    """Run ``point(c)`` for each concurrency in order; Ctrl-C ends the sweep and keeps the finished points.
+
+    Returns ``(results, interrupted)``. On an interrupt a ``sweep.interrupted`` row names how many points
+    finished (the caller adds their rows, then raises :class:`k3rocm.errors.Interrupted`). ``stop_after(result)``
+    True ends the sweep after that point.
+    """
+    results: list[dict] = []
+    try:
+        for c in concurrencies:
+            results.append(point(c))
+            if stop_after(results[-1]):
+                break
+    except KeyboardInterrupt:
+        stage.add(info("bench", "sweep.interrupted", True, level="measured",
+                       detail=f"interrupted (Ctrl-C) during concurrency {concurrencies[len(results)]}: "
+                              f"{len(results)} of {len(concurrencies)} points finished and are kept"))
+        return results, True
+    return results, False
+
+
+def _interrupted(results: list[dict], total: int) -> Interrupted:
+    return Interrupted(f"interrupted (Ctrl-C) after {len(results)} of {total} points; the finished points are in "
+                       "the report, marked interrupted")
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -237,15 +288,16 @@ def run_bench_job(session: Session, bench: BenchOptions, gpus: tuple[int, str] |
 def _engine_body(session: Session, bench: BenchOptions, pts: BenchPoints, bar: ProgressBar):
     """The stage body of a run on the built-in engine: load, then one point per concurrency."""
     def body(stage: Stage) -> None:
-        results = []
         with bar:
             session.load(progress=bar.callback("loading"))
-            for c in pts.concurrencies:
-                results.append(run_bench_point(session, concurrency=c, input_len=pts.input_len,
-                                               output_len=pts.output_len, num_prompts=bench.num_prompts,
-                                               range_ratio=bench.range_ratio, warmups=bench.warmups,
-                                               progress=bar.callback(f"bench c={c}")))
+            bar.note(sweep_work(bench, pts))
+            results, stopped = run_sweep(stage, pts.concurrencies, lambda c: run_bench_point(
+                session, concurrency=c, input_len=pts.input_len, output_len=pts.output_len,
+                num_prompts=bench.num_prompts, range_ratio=bench.range_ratio, warmups=bench.warmups,
+                progress=phase_progress(bar, c)))
         bench_rows(session, stage, results, tier="bench")
+        if stopped:
+            raise _interrupted(results, len(pts.concurrencies))
     return body
 
 
@@ -270,20 +322,21 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
                           special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id))
     client.check_reachable()
 
+    def point(c: int) -> dict:
+        cb = phase_progress(bar, c)
+        r = run_bench(client, c, pts.input_len, pts.output_len, num_prompts=bench.num_prompts,
+                      range_ratio=bench.range_ratio, warmups=bench.warmups, seed=session.opts.seed,
+                      progress=lambda phase, done, total, **kw: cb(done, total, phase=phase, **kw), num_gpus=n_gpus)
+        d = r.to_dict(per_request=False)
+        d["target"] = client.describe()
+        d["num_gpus_source"] = source
+        return d
+
     def body(stage: Stage) -> None:
-        results = []
         with bar:
-            for c in pts.concurrencies:
-                cb = bar.callback(f"bench c={c}")
-                r = run_bench(client, c, pts.input_len, pts.output_len, num_prompts=bench.num_prompts,
-                              range_ratio=bench.range_ratio, warmups=bench.warmups, seed=session.opts.seed,
-                              progress=(lambda phase, done, total, cb=cb: cb(done, total)), num_gpus=n_gpus)
-                d = r.to_dict(per_request=False)
-                d["target"] = client.describe()
-                d["num_gpus_source"] = source
-                results.append(d)
-                if not d.get("completed"):
-                    break  # the server answers nothing usefully: do not run the larger points against it
+            bar.note(sweep_work(bench, pts))
+            # a point where nothing completed ends the sweep: the server answers nothing usefully
+            results, stopped = run_sweep(stage, pts.concurrencies, point, lambda d: not d.get("completed"))
         gpu_detail = f"{n_gpus} GPU{'s' if n_gpus != 1 else ''} serving the endpoint, {source}"
         # the report's header must say what was measured: the server, not this machine or the checkpoint
         session.opts.endpoint = EndpointTarget(endpoint, n_gpus, source)
@@ -293,6 +346,8 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
         for e in stage.evidence:
             if e.name.endswith(".output_throughput_per_gpu"):
                 e.detail = f"output tok/s / {gpu_detail}"
+        if stopped:
+            raise _interrupted(results, len(pts.concurrencies))
         last = results[-1] if results else {}
         if not last.get("completed"):
             raise HardwareError(_nothing_measured(endpoint, last))
@@ -300,10 +355,17 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
 
 
 def _nothing_measured(endpoint: str, r: dict) -> str:
-    """The one line for a point where no request succeeded: how many were sent and the most frequent reason."""
+    """The one line for a point where no request succeeded: how many were sent and the most frequent reason
+    (of the warm-ups when every one of them failed and no measured request was sent)."""
     n = int(r.get("completed", 0)) + int(r.get("failed", 0))
     errs = r.get("errors") or []
     hang = r.get("hang")
+    wu = r.get("warmup") or {}
+    if n == 0 and wu.get("sent") and not wu.get("completed"):
+        why = (wu.get("errors") or [{"error": "no warm-up finished"}])[0]["error"]
+        return (f"--endpoint {endpoint}: all {wu['sent']} warm-up requests at concurrency {r.get('concurrency')} "
+                f"failed ({why}), so no measured request was sent; is it an OpenAI-compatible server streaming "
+                "/v1/completions?")
     if errs:
         why = errs[0]["error"]
     elif hang:

@@ -16,6 +16,8 @@ same checkpoint (same config hash) replaces only the stages it ran and keeps the
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -351,6 +353,45 @@ def atomic_write(path: str | Path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+LOCK_NAME = ".report.lock"
+
+
+@contextlib.contextmanager
+def report_lock(out_dir: str | Path, timeout_s: float = 300.0, poll_s: float = 0.05):
+    """Hold an exclusive lock on ``out_dir`` while its report is read, merged and written.
+
+    Two commands writing into one ``--out`` at once would each read the old report.json and the later write
+    would drop the other's stages and history entry; under this lock the second waits for the first and then
+    merges into what the first wrote. The lock is ``fcntl.flock`` on ``out_dir/.report.lock`` (released by the
+    kernel when the process dies, so a killed run never leaves a stale lock); the file itself stays.
+    After 1 s of waiting a one-line note on stderr says so.
+
+    Raises:
+        ConfigError: another process held the lock for more than ``timeout_s`` seconds.
+        OSError: the lock file cannot be created (the caller turns it into one line).
+    """
+    path = Path(out_dir) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        t0, noted = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - t0
+                if waited > timeout_s:
+                    raise ConfigError(f"--out {out_dir}: another k3rocm has been writing its report there for "
+                                      f"{timeout_s:.0f} s; wait for it or choose another --out") from None
+                if waited > 1.0 and not noted:
+                    print(f"note: waiting for another k3rocm writing the report in {out_dir}", file=sys.stderr)
+                    noted = True
+                time.sleep(poll_s)
+        yield path
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint: str | None = None,

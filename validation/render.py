@@ -18,7 +18,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from k3rocm.validation.evidence import LEVELS, Report, atomic_write
+from k3rocm.errors import K3Error, os_error
+from k3rocm.validation.evidence import LEVELS, Report, Stage, atomic_write, load_report, report_lock
 
 LEVEL_COLORS = {"measured": "#1a7f37", "measured-fallback": "#9a6700", "projected": "#0969da",
                 "external": "#8250df"}
@@ -37,6 +38,48 @@ def _fmt(v) -> str:
         s = ", ".join(_fmt(x) for x in v[:8])
         return f"[{s}{', ...' if len(v) > 8 else ''}]"
     return str(v)
+
+
+_POINT = re.compile(r"c(\d+)\.(.+)")
+
+
+def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int, object]]]]:
+    """A benchmark stage's per-point rows (``c<N>.<field>``) as one table, grouped per concurrency point.
+
+    Returns:
+        ``(concurrencies, rows)``: the points in the order they ran, and ``(field, unit, {concurrency: value})``
+        per field in the order the rows first appear (vLLM's result order, see
+        :data:`k3rocm.validation.tiers.performance.POINT_FIELDS`). Empty lists when the stage has no such rows.
+    """
+    concs: list[int] = []
+    rows: dict[str, tuple[str, dict[int, object]]] = {}
+    for e in stage.evidence:
+        m = _POINT.fullmatch(e.name)
+        if not m:
+            continue
+        c, f = int(m.group(1)), m.group(2)
+        if c not in concs:
+            concs.append(c)
+        rows.setdefault(f, (e.unit or "", {}))[1][c] = e.value
+    return concs, [(f, u, v) for f, (u, v) in rows.items()]
+
+
+def fmt_value(v, unit: str = "") -> str:
+    """A figure at a precision that fits its unit: ms 2 decimals, tok/s 1, s and req/s 3, counts with thousands
+    separators, booleans as yes/no, other floats 4 significant digits."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if unit == "ms":
+            return f"{v:,.2f}"
+        if unit.startswith("tok/s"):
+            return f"{v:,.1f}"
+        if unit in ("s", "req/s"):
+            return f"{v:,.3f}"
+        return f"{v:.4g}"
+    return _fmt(v)
 
 
 def _passed_mark(p) -> str:
@@ -71,6 +114,15 @@ def render_markdown(rep: Report) -> str:
             lines += [f"> error: {s.error}", ""]
         if s.command:
             lines += [f"`{s.command}`", ""]
+        concs, prow = point_table(s)
+        if concs:
+            lines += ["Per concurrency point (vLLM's result fields):", "",
+                      "| field | unit | " + " | ".join(f"c={c}" for c in concs) + " |",
+                      "|---|---|" + "---:|" * len(concs)]
+            for f, u, vals in prow:
+                lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
+                                                            for c in concs) + " |")
+            lines.append("")
         if s.evidence:
             lines += ["| evidence | value | unit | threshold | result | level | detail |",
                       "|---|---|---|---|---|---|---|"]
@@ -199,6 +251,14 @@ def render_html(rep: Report) -> str:
         plots = [p for p in (_series_svg(k, v) for k, v in (s.series or {}).items()) if p]
         if plots:
             out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
+        concs, prow = point_table(s)
+        if concs:
+            out.append("<p>Per concurrency point (vLLM's result fields):</p><table><tr><th>field</th><th>unit</th>"
+                       + "".join(f"<th>c={c}</th>" for c in concs) + "</tr>")
+            for f, u, vals in prow:
+                out.append(f"<tr><td>{e(f)}</td><td>{e(u)}</td>" + "".join(
+                    f"<td>{e(fmt_value(vals[c], u)) if c in vals else ''}</td>" for c in concs) + "</tr>")
+            out.append("</table>")
         if s.evidence:
             out.append("<table><tr><th>evidence</th><th>value</th><th>unit</th><th>threshold</th>"
                        "<th>result</th><th>level</th><th>detail</th></tr>")
@@ -220,10 +280,61 @@ def render_html(rep: Report) -> str:
 
 
 def write_report(rep: Report, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md, report.html into ``out_dir`` atomically; returns their paths."""
+    """Write report.json, then report.md and report.html, into ``out_dir``, each atomically; returns their paths.
+
+    All three are rendered from the same document before anything is written (a renderer failing writes
+    nothing). report.json goes first: it is the record, and the merge base of the next command. When
+    report.md or report.html then cannot be written, the stale one of an earlier run is removed, so no format
+    on disk disagrees with report.json, and the OS error is raised as one line naming what was kept.
+
+    Raises:
+        K3Error: an OS error (exit 3 for no space / I/O, exit 2 otherwise, see :func:`k3rocm.errors.os_error`).
+    """
     out = Path(out_dir)
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
-    atomic_write(paths["html"], render_html(rep))
-    atomic_write(paths["md"], render_markdown(rep))
-    atomic_write(paths["json"], render_json(rep))  # last: it is the merge base of the next command
+    texts = {"json": render_json(rep), "md": render_markdown(rep), "html": render_html(rep)}
+    try:
+        atomic_write(paths["json"], texts["json"])
+    except OSError as e:
+        raise os_error(e, f"writing {paths['json']} (nothing of this run was saved)") from None
+    for k in ("md", "html"):
+        try:
+            atomic_write(paths[k], texts[k])
+        except OSError as e:
+            for j in ("md", "html"):  # an earlier run's file left in place would disagree with report.json
+                if paths[j].is_file() and not _written(paths[j], texts[j]):
+                    try:
+                        paths[j].unlink()
+                    except OSError:
+                        pass
+            raise os_error(e, f"writing {paths[k]} ({paths['json']} holds this run's results)") from None
     return paths
+
+
+def _written(path: Path, text: str) -> bool:
+    try:
+        return path.read_text(encoding="utf-8") == text
+    except OSError:
+        return False
+
+
+def update_report(out_dir: str | Path, reproduction: dict, stages: list[Stage], *, config_hash: str | None = None,
+                  checkpoint: str | None = None, profile: str | None = None) -> dict[str, Path]:
+    """Merge one command's ``stages`` into ``out_dir``'s report and write it, under :func:`report_lock`.
+
+    Reading (:func:`load_report`, same checkpoint and profile only), merging (:meth:`Report.merge_run`) and
+    writing (:func:`write_report`) happen while the lock is held, so two commands writing into one directory
+    at once both keep their stages and history entries. Returns the paths of report.json/md/html.
+
+    Raises:
+        K3Error: an OS error as one line (see :func:`write_report`), or the lock timed out.
+    """
+    try:
+        with report_lock(out_dir):
+            rep = load_report(out_dir, config_hash, checkpoint, profile)
+            rep.merge_run(reproduction, stages)
+            return write_report(rep, out_dir)
+    except K3Error:
+        raise
+    except OSError as e:
+        raise os_error(e, f"updating the report in {out_dir}") from None

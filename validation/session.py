@@ -25,7 +25,7 @@ from safetensors import safe_open
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.config import K3Config
-from k3rocm.checkpoint.embedded import default_checkpoint
+from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
 from k3rocm.errors import CheckpointError, ConfigError, HardwareError, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
@@ -97,7 +97,8 @@ class Session:
     def preflight(self) -> None:
         """Resolve what bad input can break before any tier runs or anything is printed: the checkpoint (the
         reader's whole structural check: index, shards, headers, tensor set, scales), the hardware profile,
-        the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory.
+        the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory
+        (writable, not inside the checkpoint or the k3rocm cache).
         Raises the one-line K3Error."""
         self.checkpoint_dir
         self.index
@@ -108,6 +109,7 @@ class Session:
         if self.opts.golden is not None:
             check_golden_file(self.opts.golden, self.config)
         require_dir_for_output(self.opts.out, keep=False)
+        refuse_output_inside(self.opts.out, self.checkpoint_dir)
 
     def _memo(self, key: str, fn):
         if key not in self._cache:
@@ -464,14 +466,20 @@ def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
     report writer creates them for real.
 
     Raises:
-        ConfigError: ``out`` exists and is not a directory, or cannot be created / written (permissions,
-            a read-only or pseudo file system); the message names the path and the OS reason.
+        ConfigError: ``out`` exists and is not a directory, holds a report.json/md/html that is not a regular
+            file (a directory, a dangling link), or cannot be created / written (permissions, a read-only or
+            pseudo file system); the message names the path and the OS reason.
     """
     if not str(out).strip():
         raise ConfigError("--out is empty; pass a report directory (default: reports/latest)")
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {p}: exists and is not a directory; choose another report directory")
+    for name in ("report.json", "report.md", "report.html", ".report.lock"):
+        q = p / name
+        if (q.exists() and not q.is_file()) or (q.is_symlink() and not q.exists()):
+            raise ConfigError(f"--out {p}: {name} there is not a regular file; move it away or choose another "
+                              "report directory")
     created = [q for q in [p, *p.parents] if not q.exists()]
     try:
         p.mkdir(parents=True, exist_ok=True)
@@ -489,3 +497,21 @@ def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
                 except OSError:
                     break
     return p
+
+
+def refuse_output_inside(out: str | Path, checkpoint_dir: str | Path) -> None:
+    """Refuse a report directory inside (or equal to) the checkpoint directory or the embedded checkpoint cache.
+
+    A report written into a checkpoint makes its next manifest check fail (`checkpoint verify` would say
+    "re-download"), and one inside the embedded cache (:func:`k3rocm.embedded.cache_root`) is deleted when that
+    cache is written again. Paths are compared resolved (symlinks followed).
+
+    Raises:
+        ConfigError: ``out`` lies inside one of them (one line naming both).
+    """
+    o = Path(out).expanduser().resolve()
+    for what, d in (("the checkpoint directory", Path(checkpoint_dir)), ("the k3rocm cache", cache_root())):
+        d = d.expanduser().resolve()
+        if o == d or o.is_relative_to(d):
+            raise ConfigError(f"--out {out}: lies inside {what} {d}; a report there would change what the checkpoint "
+                              "holds - choose a report directory outside it")

@@ -43,6 +43,8 @@ class BenchResult:
         roofline: fraction of roofline over the measured steps (engine with a roofline model), else None.
         collectives: :func:`collective_summary` of the measured steps (a rank of a TP/EP layout), else ``{}``.
         outputs_sha256: :func:`outputs_digest` of the measured requests (engines), else None.
+        warmup: ``{"sent", "completed", "failed", "errors": [{"error", "count"}]}`` of the warm-up phase; when
+            warm-ups were asked for and none succeeded, no measured request was sent (``records`` is empty).
     """
 
     concurrency: int
@@ -57,6 +59,7 @@ class BenchResult:
     hang: dict | None = None
     target: dict = field(default_factory=dict)
     roofline: dict | None = None
+    warmup: dict = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
     outputs_sha256: str | None = None
 
@@ -67,14 +70,17 @@ class BenchResult:
     def to_dict(self, per_request: bool = True, per_step: bool = False) -> dict:
         d = {"concurrency": self.concurrency, "input_len": self.input_len, "output_len": self.output_len,
              "num_prompts": self.num_prompts, "num_warmups": self.num_warmups, "range_ratio": self.range_ratio,
-             "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target}
+             "seed": self.seed, **self.metrics, "hang": self.hang, "target": self.target, "warmup": self.warmup}
         if self.collectives:
             d["collectives"] = self.collectives
         if self.outputs_sha256 is not None:
             d["outputs_sha256"] = self.outputs_sha256
-        errs = Counter(r.error for r in self.records if not r.success and r.error)
+        errs = _reasons(r.error for r in self.records if not r.success and r.error)
         if errs:  # why requests failed: each distinct reason with its count, most frequent first
-            d["errors"] = [{"error": e[:300], "count": n} for e, n in errs.most_common(5)]
+            d["errors"] = errs
+        dis = _reasons(r.usage_disagreement for r in self.records if r.success and r.usage_disagreement)
+        if dis:
+            d["usage_disagreement_examples"] = dis
         if self.roofline is not None:
             r = dict(self.roofline)
             if not per_step:
@@ -115,6 +121,17 @@ def collective_summary(steps: Sequence[Any]) -> dict:
                    "share_of_step_time": a[2] / total, "mean_step_s": total / n} for name, a in sorted(acc.items())}
 
 
+def _reasons(lines) -> list[dict]:
+    """``[{"error": line (<= 300 chars), "count": n}]`` of the 5 most frequent lines."""
+    return [{"error": e[:300], "count": n} for e, n in Counter(lines).most_common(5)]
+
+
+def _warmup_summary(recs: list[RequestRecord], asked: int) -> dict:
+    ok = sum(1 for r in recs if r.success)
+    return {"asked": asked, "sent": len(recs), "completed": ok, "failed": len(recs) - ok,
+            "errors": _reasons(r.error for r in recs if not r.success and r.error)}
+
+
 class _Watchdog:
     def __init__(self, factor: float, min_completed: int = 1):
         self.factor = factor
@@ -131,6 +148,27 @@ class _Watchdog:
         return self.factor * statistics.median(self.e2els)
 
 
+def progress_ticker(progress: Callable | None, label: str, total: int, done: list[RequestRecord],
+                    active: Callable[[], Any], every_s: float = 0.5):
+    """A generator for a phase's progress: ``send(True)`` after a request finished (always reported),
+    ``send(False)`` as tokens arrive (reported at most every ``every_s`` seconds). It calls
+    ``progress(label, finished, total, failed=..., tokens=...)``; ``active()`` gives the in-flight records."""
+    def gen():
+        last = -1e9
+        while True:
+            force = yield
+            now = time.monotonic()
+            if progress is None or (not force and now - last < every_s):
+                continue
+            last = now
+            recs = list(done) + list(active())
+            progress(label, len(done), total, failed=sum(1 for r in done if not r.success),
+                     tokens=sum(r.output_tokens for r in recs))
+    g = gen()
+    next(g)
+    return g
+
+
 def _is_engine(target: Any) -> bool:
     return hasattr(target, "add_request") and hasattr(target, "step")
 
@@ -141,6 +179,7 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
     engine_ids: dict[int, int] = {}  # load request id -> engine request id
     active: dict[int, RequestRecord] = {}
     done: list[RequestRecord] = []
+    tick = progress_ticker(progress, label, len(reqs), done, lambda: active.values())
     t_start = time.perf_counter()
     t_end = t_start
     hang = None
@@ -165,7 +204,9 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
                 dog.add(rec.e2el)
                 t_end = max(t_end, ev.time)
                 if progress:
-                    progress(label, len(done), len(reqs))
+                    tick.send(True)
+        if progress and events:
+            tick.send(False)
         thr = dog.threshold()
         now = time.perf_counter()
         if thr is not None:
@@ -207,7 +248,13 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
             output lengths start at 2, so ``output_len >= 2``: TPOT and ITL need a second token).
         num_prompts: measured requests (default ``10 * concurrency``); warmups: default ``2 * concurrency``.
         seed: load generator seed.
-        progress: ``progress(phase, done, total)`` called as requests complete (phase "warmup" / "measure").
+        progress: ``progress(phase, done, total, failed=n, tokens=n)`` called as requests complete and, at most
+            every 0.5 s, as tokens stream (phase "warmup" / "measure"; ``failed`` requests of the phase so far,
+            ``tokens`` output tokens received in the phase so far, in-flight requests included).
+
+    When warm-ups were asked for and none of them succeeded, no measured request is sent: the result has no
+    records, and ``warmup`` says how many failed and why (a server that answers nothing would otherwise cost
+    every measured request its timeout too).
         watchdog_factor: hang threshold as a multiple of the running median E2EL (0 = off).
         num_gpus: GPUs serving the target (>= 1), the divisor of the ``*_per_gpu`` throughputs; for an endpoint
             the caller must know it (the server does not say).
@@ -230,17 +277,19 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
                      tuple(special_ids))
     dog = _Watchdog(watchdog_factor)
     if _is_engine(target):
-        _, hang, _, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
+        wrecs, hang, _, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
+        go = hang is None and (not plan.warmups or any(r.success for r in wrecs))
         step0 = len(getattr(target, "step_log", []))
         recs, hang2, t0, t1, eids = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
-                                     if hang is None else ([], None, 0.0, 1e-9, {}))
+                                     if go else ([], None, 0.0, 1e-9, {}))
         hang = hang or hang2
         steps = getattr(target, "step_log", [])[step0:]
         desc = target.describe() if hasattr(target, "describe") else {}
     elif hasattr(target, "drive"):
-        _, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
+        wrecs, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
+        go = hang is None and (not plan.warmups or any(r.success for r in wrecs))
         recs, hang2, t0, t1 = (target.drive(plan.requests, concurrency, dog, progress, "measure")
-                               if hang is None else ([], None, 0.0, 1e-9))
+                               if go else ([], None, 0.0, 1e-9))
         hang = hang or hang2
         steps = []
         desc = target.describe() if hasattr(target, "describe") else {}
@@ -250,8 +299,8 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     metrics = aggregate(recs, t1 - t0, num_gpus)
     roof = fraction_of_roofline(roofline, steps) if (roofline is not None and steps) else None
     return BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
-                       metrics, recs, hang, desc, roof, collective_summary(steps),
-                       outputs_digest(target, recs, eids) if _is_engine(target) else None)
+                       metrics, recs, hang, desc, roof, _warmup_summary(wrecs, len(plan.warmups)),
+                       collective_summary(steps), outputs_digest(target, recs, eids) if _is_engine(target) else None)
 
 
 def sweep(target: Any, concurrencies: Sequence[int], input_len: int, output_len: int, stop_on_hang: bool = True,

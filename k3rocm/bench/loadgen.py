@@ -113,6 +113,14 @@ class LoadPlan:
     requests: list[BenchRequest]
 
 
+def request_counts(concurrency: int, num_prompts: int | None = None, warmups: int | None = None) -> tuple[int, int]:
+    """``(measured, warm-up)`` request counts of one point: ``num_prompts`` (default ``10 * concurrency``) and
+    ``warmups`` (default ``2 * concurrency``), InferenceX's random-dataset defaults. Raises nothing."""
+    n = 10 * concurrency if num_prompts is None else int(num_prompts)
+    w = 2 * concurrency if warmups is None else int(warmups)
+    return n, w
+
+
 def plan_load(
     concurrency: int,
     input_len: int,
@@ -132,8 +140,7 @@ def plan_load(
     """
     if concurrency < 1:
         raise ConfigError(f"--concurrency {concurrency} must be >= 1")
-    n = 10 * concurrency if num_prompts is None else int(num_prompts)
-    w = 2 * concurrency if warmups is None else int(warmups)
+    n, w = request_counts(concurrency, num_prompts, warmups)
     if n < 1 or w < 0:
         raise ConfigError(f"num_prompts {n} must be >= 1 and warmups {w} >= 0")
     reqs = make_requests(n, input_len, output_len, vocab_size, range_ratio, seed, special_ids)

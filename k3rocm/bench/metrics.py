@@ -45,6 +45,8 @@ class RequestRecord:
         success: finished normally.
         error: one line of text when it did not.
         where: for a hung or failed request, where it was (phase, tokens done) when it was stopped.
+        usage_disagreement: "" or one line: the server's reported token count disagreed with the stream or
+            ``max_tokens`` (:func:`k3rocm.bench.client.usage_check`); ``output_tokens`` then counts the events.
     """
 
     request_id: int
@@ -56,6 +58,7 @@ class RequestRecord:
     success: bool = False
     error: str = ""
     where: dict = field(default_factory=dict)
+    usage_disagreement: str = ""
 
     @property
     def ttft(self) -> float | None:
@@ -111,7 +114,8 @@ def aggregate(records: list[RequestRecord], duration: float, num_gpus: int = 1) 
 
     Returns:
         dict with ``completed``, ``failed``, ``short_outputs`` (completed with fewer output tokens than
-        requested), ``total_input_tokens``, ``total_output_tokens``, ``num_gpus``; when at
+        requested), ``usage_disagreements`` (completed requests whose server-reported usage disagreed with
+        the stream), ``total_input_tokens``, ``total_output_tokens``, ``num_gpus``; when at
         least one request completed also ``duration`` (s), ``request_throughput`` (req/s), ``output_throughput``,
         ``total_token_throughput`` and the ``*_per_gpu`` pair (tok/s), and ``{mean,median,std,p90,p99}_{m}_ms``
         for each metric ``m`` in ttft, tpot, itl, e2el that some completed request defines (absent otherwise).
@@ -133,6 +137,8 @@ def aggregate(records: list[RequestRecord], duration: float, num_gpus: int = 1) 
         "total_input_tokens": tin,
         "total_output_tokens": tout,
         "num_gpus": num_gpus,
+        # completed requests whose reported usage disagreed with the stream or max_tokens (endpoint runs)
+        "usage_disagreements": sum(1 for r in ok if r.usage_disagreement),
     }
     if not ok:  # nothing was measured: no duration, no throughput, no latency
         return out

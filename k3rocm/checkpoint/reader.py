@@ -110,7 +110,10 @@ def _safe_shard_path(root: Path, name: object, index_file: Path) -> Path:
         raise CheckpointError(f"{index_file}: shard path {name!r} leaves the checkpoint directory; "
                               "refusing it (shard names must be plain file names inside it)")
     p = root / pure
-    real = p.resolve(strict=False)
+    try:
+        real = p.resolve(strict=False)
+    except (RuntimeError, OSError):  # a symlink loop: RuntimeError before Python 3.13, OSError ELOOP after
+        raise CheckpointError(f"{root}: shard {name!r} is a symlink loop; replace it with the shard file") from None
     if not any(real.is_relative_to(d) for d in _allowed_roots(root)):
         raise CheckpointError(f"{index_file}: shard {name!r} resolves to {real}, outside the checkpoint "
                               "directory (symlink?); copy the file into the directory")

@@ -3,7 +3,8 @@
 * :func:`make_manifest` hashes every file of a checkpoint directory into ``k3rocm-manifest.json``
   (``{"format": "k3rocm-manifest/1", "files": {name: {"size": bytes, "sha256": hex}}}``);
 * :func:`verify_manifest` re-hashes and returns one line per mismatch (missing, changed size, changed
-  hash, file not in the manifest);
+  hash); :func:`manifest_extras` names the files the manifest does not list (an adapter, a README: extra,
+  not corruption);
 * :func:`shard_fingerprints` gives each shard's size and the sha256 of its header bytes (8-byte length +
   JSON): enough to tell two checkpoints apart in a report without reading 1.5 TB.
 """
@@ -81,8 +82,8 @@ def verify_manifest(path: str | Path, progress: Progress | None = None) -> list[
 
     Returns:
         one line per problem (empty list = every file matches): ``"<file>: missing"``,
-        ``"<file>: size <a> != manifest <b>"``, ``"<file>: sha256 <a> != manifest <b>"``,
-        ``"<file>: not in the manifest"``.
+        ``"<file>: size <a> != manifest <b>"``, ``"<file>: sha256 <a> != manifest <b>"``. A file the manifest
+        does not list is no problem here (:func:`manifest_extras` names those).
     Raises:
         CheckpointError: no manifest, or it is not a k3rocm manifest.
     """
@@ -120,14 +121,25 @@ def verify_manifest(path: str | Path, progress: Progress | None = None) -> list[
         digest = sha256_file(p, tick)
         if digest != rec.get("sha256"):
             problems.append(f"{name}: sha256 {digest} != manifest {rec.get('sha256')}")
-    for name in sorted(set(present) - set(want)):
-        problems.append(f"{name}: not in the manifest")
     return problems
 
 
-def shard_fingerprints(path: str | Path) -> list[dict]:
-    """Size and header hash of each ``*.safetensors`` file in ``path``, sorted by file name. Never raises for a
-    bad shard: a report (its reproduction block) and ``checkpoint inspect`` record what they find.
+def manifest_extras(path: str | Path) -> list[str]:
+    """Names of the (non-hidden) files in checkpoint directory ``path`` that its ``k3rocm-manifest.json`` does
+    not list, sorted: files added beside the checkpoint (an adapter, a README), which the manifest cannot vouch
+    for and which change no listed file. Empty when there is no readable manifest. Raises nothing."""
+    root = Path(path)
+    try:
+        want = json.loads((root / MANIFEST_NAME).read_text()).get("files", {})
+        return sorted(set(p.name for p in _files(root)) - set(want))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+
+
+def shard_fingerprints(path: str | Path, names: list[str] | None = None) -> list[dict]:
+    """Size and header hash of each ``*.safetensors`` file in ``path`` (or of the shards ``names``, e.g. those the
+    index names), sorted by file name. Never raises for a bad shard: a report (its reproduction block) and
+    ``checkpoint inspect`` record what they find.
 
     Returns:
         ``[{"file": name, "bytes": file size, "header_sha256": hex}]``: the hash covers the 8-byte header
@@ -136,7 +148,8 @@ def shard_fingerprints(path: str | Path) -> list[dict]:
         that cannot be read, or whose header length runs past its end, gives ``{"file": name, "error": line}``.
     """
     out: list[dict] = []
-    for p in sorted(Path(path).glob("*.safetensors")):
+    files = Path(path).glob("*.safetensors") if names is None else (Path(path) / n for n in set(names))
+    for p in sorted(files):
         try:
             size = p.stat().st_size
             with open(p, "rb") as f:
@@ -154,4 +167,4 @@ def shard_fingerprints(path: str | Path) -> list[dict]:
     return out
 
 
-__all__ = ["make_manifest", "verify_manifest", "shard_fingerprints", "sha256_file", "MANIFEST_NAME"]
+__all__ = ["make_manifest", "verify_manifest", "manifest_extras", "shard_fingerprints", "sha256_file", "MANIFEST_NAME"]

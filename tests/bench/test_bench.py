@@ -227,7 +227,7 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
     seen = []
     roof = StepRoofline.from_config(cfg, bandwidth=50e9, peak_flops=100e9, kv_bytes=4, trunk_dtype_bytes=4)
     res = run_bench(eng, concurrency=3, input_len=10, output_len=4, num_prompts=6, warmups=1, seed=3,
-                    progress=lambda ph, d, n: seen.append((ph, d, n)), roofline=roof)
+                    progress=lambda ph, d, n, **_: seen.append((ph, d, n)), roofline=roof)
     m = res.metrics
     assert res.hang is None and m["completed"] == 6 and m["failed"] == 0
     want_out = sum(r.output_len_target for r in res.records)

@@ -5,6 +5,7 @@ cannot mean anything are refused before any report directory exists."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -281,3 +282,178 @@ def test_short_outputs_are_counted_in_a_row(tmp_path):
     rows = _rows(out)
     assert rows["c2.short_outputs"]["value"] == 4 and "fewer output tokens" in rows["c2.short_outputs"]["detail"]
     assert "c2.median_tpot_ms" not in rows  # one token each: no TPOT was measured, and none is shown
+
+
+# ------------------------------------------------------------------------------------------------ trusting less
+@contextmanager
+def silent_server(max_s: float = 5.0):
+    """A loopback TCP server that accepts connections and never answers (bounded: it stops after ``max_s``)."""
+    import socket
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(16)
+    lst.settimeout(0.05)
+    held, stop = [], threading.Event()
+
+    def accept():
+        t0 = time.monotonic()
+        while not stop.is_set() and time.monotonic() - t0 < max_s:
+            try:
+                held.append(lst.accept()[0])
+            except OSError:
+                pass
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    try:
+        yield f"http://127.0.0.1:{lst.getsockname()[1]}", held
+    finally:
+        stop.set()
+        th.join()
+        for c in held:
+            c.close()
+        lst.close()
+
+
+def test_a_server_that_never_answers_stops_after_the_warmups_and_says_connected_no_response():
+    from k3rocm.bench import run_bench
+    from k3rocm.bench.client import OpenAIClient
+    from k3rocm.validation.bench_job import _nothing_measured
+
+    with silent_server() as (url, held):
+        t0 = time.monotonic()
+        r = run_bench(OpenAIClient(url, timeout=0.3), 2, 8, 4, num_prompts=6, warmups=4, vocab_size=100)
+        took = time.monotonic() - t0
+        sent = len(held)
+    wu = r.warmup
+    assert took < 3.0 and sent <= 3 and wu["sent"] <= 3  # about one wave of the 4 warm-ups, then nothing more
+    assert r.records == [] and wu["failed"] == wu["sent"] and wu["completed"] == 0
+    line = _nothing_measured(url, r.to_dict(per_request=False))
+    assert f"all {wu['sent']} warm-up requests" in line and "connected, no response within 0.3 s" in line
+    assert "cannot connect" not in line
+
+
+class _NoDone(_FixedStream):
+    """Streams tokens and then closes without the end marker."""
+
+    BODY = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' * 4
+
+
+def test_a_stream_without_its_end_marker_is_a_failed_truncated_request(tmp_path):
+    out = tmp_path / "r"
+    with serve(_NoDone) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out], code=3)
+    assert "truncated" in one_line_error(r)
+
+
+class _BigUsage(_FixedStream):
+    """Four token events but a usage claiming 10,000 completion tokens."""
+
+    BODY = (b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' * 4
+            + b'data: {"choices": [], "usage": {"completion_tokens": 10000}}\n\ndata: [DONE]\n\n')
+
+
+def test_usage_that_disagrees_with_the_stream_is_reported_and_not_used(tmp_path):
+    out = tmp_path / "r"
+    with serve(_BigUsage) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out], code=1)
+    rows = _rows(out)
+    row = rows["c2.usage_disagreements"]
+    assert row["value"] == 4 and row["passed"] is False and "> max_tokens" in row["detail"]
+    assert "usage_disagreements" in one_line_error(r)
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["stages"]["bench"]["status"] == "failed"
+    assert rows["c2.output_throughput"]["value"] < 1e5  # counted from the 4 events per request, not 10,000
+
+
+def test_usage_check_trusts_usage_only_between_the_events_and_max_tokens():
+    from k3rocm.bench.client import usage_check
+
+    assert usage_check(None, 5, 8) == (5, "")
+    assert usage_check(7, 5, 8) == (7, "")  # an event may carry several tokens
+    assert usage_check(10000, 5, 8)[0] == 5 and "> max_tokens 8" in usage_check(10000, 5, 8)[1]
+    assert usage_check(2, 5, 8)[0] == 5 and "< the 5 token events" in usage_check(2, 5, 8)[1]
+
+
+def test_no_raw_bytes_reach_an_error_line():
+    s = body_snippet(b"\x1b[2J\x1b[31mred\x00\x07 text \xff\xfe")
+    assert "\x1b" not in s and "\x00" not in s and "\x07" not in s and "red" in s and "text" in s
+
+
+# ------------------------------------------------------------------------------------------------ what load was measured
+POINT_FIELDS = ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups", "duration",
+                "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+                "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+                                           for s in ("mean", "median", "p99")))
+
+
+def test_each_point_states_its_load_and_vllms_result_fields_in_every_format(tmp_path):
+    out = tmp_path / "r"
+    with serve(_Streaming) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2", "--num-prompts", "2",
+                 "--warmups", "1", "--input-len", "8", "--output-len", "4", "--out", out])
+    rows = _rows(out)
+    for c in (1, 2):
+        for f in POINT_FIELDS:
+            assert f"c{c}.{f}" in rows, (c, f)
+    assert rows["c2.input_len"]["value"] == 8 and rows["c2.range_ratio"]["value"] == 0.8
+    assert rows["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "| field | unit | c=1 | c=2 |" in md and "<th>c=1</th><th>c=2</th>" in page
+    for f in POINT_FIELDS:
+        assert f"| {f} |" in md and f"<td>{f}</td>" in page and f in r.output, f
+    assert "per concurrency point" in r.output
+    line = next(ln for ln in r.output.splitlines() if " mean_ttft_ms " in ln)
+    assert re.search(r"\d+\.\d\d\b", line)  # milliseconds at two decimals
+
+
+# ------------------------------------------------------------------------------------------------ progress
+class _EveryOtherFails(_Streaming):
+    """Streams like _Streaming, but answers every second request with HTTP 500."""
+
+    count = [0]
+
+    def do_POST(self):
+        type(self).count[0] += 1
+        if type(self).count[0] % 2 == 0:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            return
+        super().do_POST()
+
+
+def test_progress_states_the_work_labels_the_phases_and_counts_failures_apart(tmp_path):
+    with serve(_EveryOtherFails) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1", "--num-prompts", "4",
+                 "--warmups", "1", "--input-len", "8", "--output-len", "4", "--out", tmp_path / "r"], code=1)
+    err = r.stderr
+    assert "bench: 1 point (concurrency 1), 5 requests (1 warm-up + 4 measured), up to 8 prompt + 4 output" in err
+    first = err.index("bench: 1 point")
+    assert first < err.index("bench c=1 warm-up: ") < err.index("bench c=1 measured: ")
+    done = [ln for ln in err.splitlines() if "bench c=1 measured: 4/4" in ln][-1]
+    assert "2 failed" in done and "tokens" in done
+
+
+def test_ctrl_c_keeps_the_finished_points_marked_interrupted(tmp_path, monkeypatch):
+    from k3rocm.validation import bench_job
+
+    real = bench_job.run_bench
+
+    def interrupted_at_2(client, c, *a, **k):
+        if c == 2:
+            raise KeyboardInterrupt
+        return real(client, c, *a, **k)
+    monkeypatch.setattr(bench_job, "run_bench", interrupted_at_2)
+    out = tmp_path / "r"
+    with serve(_Streaming) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2,4", "--num-prompts", "4",
+                 "--warmups", "0", "--input-len", "8", "--output-len", "4", "--out", out], code=130)
+    assert "interrupted (Ctrl-C) after 1 of 3 points" in one_line_error(r)
+    stage = json.loads((out / "report.json").read_text())["stages"]["bench"]
+    rows = {e["name"]: e for e in stage["evidence"]}
+    assert stage["status"] == "error" and "interrupted" in stage["error"]
+    assert rows["c1.completed"]["value"] == 4 and "c1.median_ttft_ms" in rows
+    assert rows["sweep.interrupted"]["value"] is True and "during concurrency 2" in rows["sweep.interrupted"]["detail"]

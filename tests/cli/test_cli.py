@@ -111,7 +111,7 @@ def test_checkpoint_make_inspect_verify(tmp_path):
     assert doc["tensors"] == doc["tensors_expected"] == 1492 and doc["official"] is False
     one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))  # no manifest yet
     run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"])
-    assert "every file matches" in run(["checkpoint", "verify", "--checkpoint", d]).output
+    assert "every file k3rocm-manifest.json lists matches it" in run(["checkpoint", "verify", "--checkpoint", d]).output
     shard = sorted(d.glob("*.safetensors"))[0]
     shard.chmod(0o644)
     raw = bytearray(shard.read_bytes())
@@ -159,7 +159,7 @@ def test_commands_merge_into_one_report(golden_dir, tmp_path):
          "--golden", golden_dir / "golden.safetensors"])
     r = run(["bench", "--checkpoint", ck, "--out", out, "--concurrency", "1,2", "--input-len", "8",
              "--output-len", "4", "--num-prompts", "2", "--warmups", "1"])
-    assert "c2.median_tpot_ms" in r.output
+    assert "median_tpot_ms" in r.output and "c=2" in r.output  # one table, a column per point
     rep = json.loads((out / "report.json").read_text())
     assert rep["schema"] == "k3rocm.report/1" and rep["status"] == "passed"
     assert list(rep["stages"]) == ["env", "load", "forward", "correctness", "bench"]
@@ -448,3 +448,57 @@ def test_a_closed_pipe_does_not_cut_the_run_short(golden_ckpt, tmp_path):
     assert p.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err
     assert (out / "report.json").is_file()
+
+
+def test_extra_files_beside_a_checkpoint_are_extra_not_corruption(tmp_path):
+    d = tmp_path / "ck"
+    run(["checkpoint", "make", "--out", d, "--seed", "3"])
+    run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"])
+    (d / "README.md").write_text("notes")
+    shutil.copyfile(sorted(d.glob("*.safetensors"))[0], d / "adapter.safetensors")  # no index entry names it
+    out = run(["checkpoint", "verify", "--checkpoint", d]).output
+    assert "2 file(s) not in k3rocm-manifest.json" in out and "README.md" in out
+    doc = json.loads(run(["checkpoint", "inspect", "--checkpoint", d, "--json"]).output)
+    assert [x["file"] for x in doc["shards"]] == ["model-00001-of-000002.safetensors",
+                                                  "model-00002-of-000002.safetensors"]
+
+
+def test_out_inside_the_checkpoint_or_the_cache_is_refused(cache, tmp_path):
+    d = tmp_path / "ck"
+    run(["checkpoint", "make", "--out", d, "--seed", "3"])
+    for out in (d, d / "reports"):
+        line = one_line_error(run(["load", "--checkpoint", d, "--out", out], code=2))
+        assert "lies inside the checkpoint directory" in line
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model-00001-of-000002.safetensors",
+                                                   "model-00002-of-000002.safetensors", "model.safetensors.index.json"]
+    line = one_line_error(run(["load", "--checkpoint", d, "--out", cache / "mine"], code=2))
+    assert "lies inside the k3rocm cache" in line
+
+
+def test_a_fallback_run_says_nothing_ran_on_the_profiles_hardware(cache, tmp_path):
+    if not no_gpu():
+        pytest.skip("on a GPU machine the CPU profile is not a fallback of this kind")
+    r = run(["validate", "--level", "env", "--profile", "mi355x-8", "--out", tmp_path / "a"])
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("note: nothing ran on"))
+    assert "mi355x-8's hardware (8 x AMD Instinct MI355X, gfx950)" in line and "measured-fallback" in line
+    assert "nothing ran on" not in run(["validate", "--level", "env", "--out", tmp_path / "b"]).output
+
+
+def test_small_honesty_items():
+    assert "--kernels" not in run(["load", "--help"]).output  # load runs no kernels and refuses the option
+    assert "None" not in run(["env"]).output
+    out = run(["plan", "--preset", "k3", "--profile", "mi355x-8"]).output
+    assert "2,779,484,478,208 parameters" in out and "104,189,614,848 active per token" in out
+
+
+def test_env_checks_a_deployments_environment_on_its_own(tmp_path):
+    f = tmp_path / "node.env"
+    f.write_text("AITER_SITUV2_A8W4=1\nAITER_BF16_FP8_MOE_BOUND=0\n")
+    r = run(["env", "--deployment-env", f], code=3)
+    line = one_line_error(r)
+    assert "a8w4_layout_flags" in line and "fix: set VLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4=1" in line
+    assert "MATCH" in r.output and "vLLM issue #52442" in r.output
+    f.write_text("AITER_SITUV2_A8W4=1\nVLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4=1\nAITER_BF16_FP8_MOE_BOUND=0\n")
+    out = run(["env", "--deployment-env", f, "--server-args", "vllm serve m --kda-prefill-backend auto"]).output
+    assert "MATCH" not in out and "3 checked" in out
+    one_line_error(run(["env", "--server-args", "vllm serve m --kda-prefill-backend flashkda"], code=3))

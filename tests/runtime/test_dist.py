@@ -6,7 +6,6 @@ import os
 import time
 
 import pytest
-from tests.helpers import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.runtime import dist
@@ -139,11 +138,9 @@ def _wrong_order_worker(ctx, checkpoint, ids):
 
 
 @pytest.fixture(scope="module")
-def any_ckpt(request):
-    """The external golden k3-tiny checkpoint when present, else the session's freshly written k3-tiny."""
-    from pathlib import Path
-    g = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN)) / "checkpoint"
-    return g if (g / "config.json").is_file() else request.getfixturevalue("tiny_ckpt")
+def any_ckpt(golden_ckpt):
+    """The external golden k3-tiny checkpoint (shipped in tests/data)."""
+    return golden_ckpt
 
 
 @pytest.fixture(scope="module")

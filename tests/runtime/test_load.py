@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from tests.helpers import DEFAULT_GOLDEN
 import torch
 
 from k3rocm.checkpoint.reader import open_checkpoint
@@ -21,11 +20,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def any_ckpt(request):
-    """The external golden k3-tiny checkpoint when present, else the session's freshly written k3-tiny."""
-    from pathlib import Path
-    g = Path(os.environ.get("K3ROCM_GOLDEN", DEFAULT_GOLDEN)) / "checkpoint"
-    return g if (g / "config.json").is_file() else request.getfixturevalue("tiny_ckpt")
+def any_ckpt(golden_ckpt):
+    """The external golden k3-tiny checkpoint (shipped in tests/data)."""
+    return golden_ckpt
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +202,23 @@ def test_nan_weights_in_the_checkpoint_are_caught(tiny_cfg, tmp_path):
     res = load(idx, pl, measure_raw=False, verify=False)
     n_ok, probs = verify_loaded(idx, pl, res.rank_weights)
     assert len(probs) == 1 and name in probs[0] and n_ok == pl.ranks[0].num_tensors - 1, probs
+
+
+def test_raw_read_bypasses_the_page_cache_or_says_it_could_not(tmp_path, monkeypatch):
+    import os
+
+    from k3rocm.runtime.load import raw_read_throughput
+
+    f = tmp_path / "shard.bin"
+    f.write_bytes(os.urandom((1 << 20) + 333))  # not a multiple of the block size: the last O_DIRECT read is short
+    n, secs, bypassed = raw_read_throughput([f])
+    assert n == f.stat().st_size and secs > 0
+    try:
+        os.close(os.open(f, os.O_RDONLY | os.O_DIRECT))
+        can = True
+    except OSError:
+        can = False
+    assert bypassed is can
+    monkeypatch.delattr(os, "O_DIRECT")
+    n2, _, bypassed2 = raw_read_throughput([f])
+    assert n2 == n and bypassed2 is False  # only advice was given: the report says the cache was not bypassed

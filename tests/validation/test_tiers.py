@@ -56,7 +56,8 @@ def test_evidence_content_and_levels(good_run):
     # the golden comparison is external evidence and matches the README's tolerance
     g = cor["golden.logits_max_abs"]
     assert g.level == "external" and g.passed and 0 < g.value < 5e-3
-    assert cor["golden.greedy_tokens"].passed and cor["golden.greedy_tokens"].level == "external"
+    gt = cor["golden.free_running.greedy_tokens"]
+    assert gt.value is True and gt.passed is None and gt.level == "external"  # free-running: information
     assert cor["golden.layers.rel_rms.max"].value < 1e-3
     # the serving path (decode kernels + caches) is compared with one forward, and agrees
     assert cor["decode_vs_prefill.max_abs"].value < THRESHOLDS["decode_vs_prefill.max_abs"]
@@ -131,7 +132,7 @@ def test_golden_mismatch_is_external_failure(golden_dir, tmp_path):
     correctness.golden_checks(s, st)
     rows = {e.name: e for e in st.evidence}
     assert rows["golden.logits_max_abs"].passed is False and rows["golden.logits_max_abs"].level == "external"
-    assert rows["golden.greedy_tokens"].passed  # greedy still from the real weights
+    assert rows["golden.free_running.greedy_tokens"].value is True  # greedy still from the real weights
 
 
 def test_stops_at_first_failing_tier(golden_ckpt, tmp_path):
@@ -197,7 +198,7 @@ def test_every_tier_passes_on_the_gpu(golden_dir):
     for st in stages:
         assert st.status == "passed", (st.tier, st.error, [(e.name, e.value, e.threshold) for e in st.failures])
     cor = _rows(stages, "correctness")
-    assert cor["golden.greedy_tokens"].passed
+    assert cor["golden.free_running.greedy_tokens"].value is True
     sel = s.kernel_selection()
     assert sel and all(v in ("triton", "aiter", "torch") for v in sel.values())
     # every op that has a GPU kernel must run it: a silent fallback to the oracle would make the
@@ -418,3 +419,42 @@ def test_malformed_golden_files_are_one_line_errors(golden_dir, tmp_path):
         check_golden_file(tmp_path, cfg)
     with pytest.raises(CheckpointError, match="empty"):
         check_golden_file("", cfg)
+
+
+def test_the_golden_comparison_is_teacher_forced_so_depth_does_not_amplify_it(golden_dir, tmp_path):
+    """Golden outputs of an implementation that differs from the oracle by 3e-5 relative at every sublayer (as
+    an independent fp32 one does, in kind): free-running, random weights amplify that to O(1) logit differences
+    (near-tied routers flip experts); each sublayer on the golden's own inputs stays at 3e-5, and gates."""
+    from safetensors.torch import load_file, save_file
+
+    from k3rocm.validation.tiers.adapters import flat_batch
+
+    g = load_file(str(golden_dir / "golden.safetensors"))
+    s = _session(golden_dir / "checkpoint")
+    ids = g["input_ids"].long()
+    B, T = ids.shape
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        st = s.oracle.embed(ids.reshape(-1), flat_batch(B, T), record=True)
+        st.perturb = lambda o: o * (1 + 3e-5 * torch.randn(o.shape, generator=gen))
+        for i in range(s.config.num_hidden_layers):
+            s.oracle.run_layer(i, st)
+        logits = s.oracle.final(st).view(B, T, -1)
+    other = {"input_ids": ids, "logits": logits.contiguous(),
+             **{k: v.view(B, T, -1).contiguous() for k, v in st.outputs.items()}}
+    path = tmp_path / "independent.safetensors"
+    save_file(other, str(path))
+    stage = Stage("correctness")
+    correctness.golden_checks(_session(golden_dir / "checkpoint", golden=str(path)), stage)
+    rows = {e.name: e for e in stage.evidence}
+    assert stage.status == "passed", [(e.name, e.value) for e in stage.failures]
+    assert rows["golden.layers.rel_rms.max"].value < 1e-4 and rows["golden.logits_max_abs"].value < 1e-4
+    free = rows["golden.free_running.logits_max_abs"]
+    assert free.passed is None and free.value > THRESHOLDS["golden.logits_max_abs"]  # what used to gate
+    # where a flip is possible, the router's top-k margin says so
+    ref = Stage("correctness")
+    correctness.golden_checks(_session(golden_dir / "checkpoint", golden=str(golden_dir / "golden.safetensors")), ref)
+    rr = {e.name: e for e in ref.evidence}
+    assert 0 < rr["golden.router.topk_margin.min"].value < THRESHOLDS["golden.router_margin"]
+    assert rr["golden.router.near_ties"].value >= 1 and "layer" in rr["golden.router.topk_margin.min"].detail
+    assert ref.series["router_margin"]["x"] == [i for i in range(s.config.num_hidden_layers) if s.config.is_moe_layer(i)]

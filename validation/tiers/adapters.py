@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from k3rocm.model.probe import forward_layers, perturbed_logits
+from k3rocm.model.probe import flat_batch, forward_layers, perturbed_logits, rel_rms
 from k3rocm.runtime.serve import RemoteModel
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.numerics import logits_compare
@@ -40,6 +40,64 @@ def teacher_forced_layers(model, oracle, ids) -> list[dict]:
     """
     _, layers = model_forward(oracle, ids, oracle.cfg.num_hidden_layers, shadow=model)
     return [lay["teacher_forced"] for lay in layers]
+
+
+def golden_teacher_forced(model, ids, golden: dict, num_layers: int):
+    """Each sublayer of ``model`` run on the golden's own input to it, compared with the golden's output.
+
+    The golden file holds every sublayer's output (``layerNN.attn_out`` / ``layerNN.mlp_out`` ``[B, T, D]``), and
+    that is all the state needs: the AttnRes bank and prefix (or the residual stream) are sums of the embedding
+    and those outputs. So each sublayer runs on the state built from the golden's outputs before it, its own
+    output is recorded, and the golden's output is what the state carries on (``LayerState.perturb``). Errors
+    do not compound with depth (a random-weight model amplifies fp32 round-off about 2x per layer end to end).
+    A sublayer the file lacks carries the model's own output on.
+
+    Args:
+        ids: ``[B, T]`` int64, the golden's ``input_ids``. golden: name -> tensor (the golden file).
+    Returns:
+        ``(logits [B, T, V] fp32 from the golden's sublayer outputs, [(name, rel_rms), ...] per sublayer the file
+        holds, in order)``.
+    """
+    B, T = ids.shape
+    names = [f"layer{i:02d}.{n}" for i in range(num_layers) for n in ("attn_out", "mlp_out")]
+    errs: list[tuple[str, float]] = []
+    k = [0]
+
+    def force(out):
+        name = names[k[0]]
+        k[0] += 1
+        if name not in golden:
+            return out
+        g = golden[name].reshape(B * T, -1).to(device=out.device, dtype=out.dtype)
+        errs.append((name, rel_rms(out, g)))
+        return g
+    with torch.no_grad():
+        st = model.embed(ids.reshape(-1), flat_batch(B, T), record=False)
+        st.perturb = force
+        for i in range(num_layers):
+            model.run_layer(i, st)
+        logits = model.final(st).view(B, T, -1).float()
+    return logits, errs
+
+
+def router_margin_recorder(router, cfg):
+    """``(router', margins)``: ``router'`` is ``router`` (the ``moe_router`` op) that also records, per call, the
+    per-token top-k margin: the k-th minus the (k+1)-th biased score (``sigmoid(x W^T) + bias``, the quantity the
+    top-k is taken over; K3_FACTS §5). A margin near 0 is a near-tie, where a rounding difference may flip which
+    expert is chosen. ``margins`` (a list) receives ``(moe_layer_number, [T] fp32 margins)`` in call order;
+    ``cfg`` gives ``num_experts_per_token``. Raises what ``router`` raises."""
+    margins: list[tuple[int, torch.Tensor]] = []
+
+    def rec(x, gate_weight, bias, top_k, *a, **kw):
+        with torch.no_grad():
+            sc = torch.sigmoid(x.float() @ gate_weight.float().t())
+            if bias is not None:
+                sc = sc + bias.float()
+            if top_k < sc.shape[-1]:
+                v = sc.topk(top_k + 1, dim=-1).values
+                margins.append((len(margins), (v[:, top_k - 1] - v[:, top_k]).cpu()))
+        return router(x, gate_weight, bias, top_k, *a, **kw)
+    return rec, margins
 
 
 def oracle_sensitivity(oracle, ids, ref_logits, rel: float = 2.0 ** -9) -> dict:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+from k3rocm.envtraps import TRAPS, match_traps, settings_text
 from k3rocm.runtime import registry
-from k3rocm.validation.evidence import Stage, check, info
+from k3rocm.validation.evidence import Evidence, Stage, check, info
 from k3rocm.validation.session import Session
 
 
@@ -49,6 +52,18 @@ def tier_env(session: Session, stage: Stage) -> None:
     elif errs:
         stage.add(info("env", "kernels.import", len(errs), "families failed",
                        detail="; ".join(f"{f}: {e}" for f, e in errs.items())[:300]))
+    trap_rows(stage, dict(os.environ), det.backend)
     for n in det.notes:
         stage.add(info("env", "note", n))
     stage.add(info("env", "level", lv, detail="level of every measurement in this report"))
+
+
+def trap_rows(stage: Stage, settings: dict[str, str], platform: str) -> None:
+    """Rows of the known environment traps (:data:`k3rocm.envtraps.TRAPS`) on ``platform``: ``traps`` (how many
+    match; passes at 0), and per match a failing ``trap.<name>`` row whose detail gives the reason, fix and source."""
+    hits = match_traps(settings, platform)
+    stage.add(check("env", "traps", len(hits), eq=0, unit="matched",
+                    detail=f"known silent-failure settings of K3 on ROCm checked: {len(TRAPS)} (k3rocm.envtraps)"))
+    for t in hits:
+        stage.add(Evidence("env", f"trap.{t.name}", settings_text(t, settings), "", "no known trap", False,
+                           "measured", f"{t.condition}: {t.consequence}; fix: {t.fix} ({t.source})"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.verify import MANIFEST_NAME, verify_manifest
+from k3rocm.checkpoint.verify import MANIFEST_NAME, manifest_extras, verify_manifest
 from k3rocm.validation.evidence import Stage, Timer, check, info
 from k3rocm.validation.session import Session
 
@@ -31,6 +31,10 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
                         detail=(f"files whose sha256 differs from {manifest.name}: none" if not bad
                                 else "; ".join(bad)[:200])),
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
+        extra = manifest_extras(session.checkpoint_dir)
+        stage.add(info("load", "manifest.extra_files", len(extra), "files",
+                       detail=("files beside the checkpoint that the manifest does not list (unchecked, not "
+                               "corruption): " + ", ".join(extra))[:200] if extra else "none"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
     run = session.run_placement
@@ -69,7 +73,9 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
     stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
     for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks (reads and device copies; verification not included)"),
                          ("raw_read_gbps", "GB/s", "sequential read of the same shard files"
-                          + (" (page cache dropped first)" if r.get("page_cache_dropped") else "")),
+                          + (" (O_DIRECT: the page cache bypassed)" if r.get("page_cache_dropped") else
+                             " (the page cache could not be bypassed on this file system: may be a memory-read "
+                             "figure)")),
                          ("load_vs_raw", "", "load throughput / raw read throughput"),
                          ("verify_seconds", "s", "time to verify every tensor")):
         if r.get(key) is not None:

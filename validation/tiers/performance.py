@@ -48,12 +48,33 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     ngpu = session.world  # the ranks (one GPU each; gloo processes on a cpu profile) that serve the load
     res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
                     warmups=warmups, seed=session.opts.seed,
-                    progress=(lambda phase, done, total: progress(done, total)) if progress else None,
+                    progress=(lambda phase, done, total, **kw: progress(done, total, phase=phase, **kw))
+                    if progress else None,
                     num_gpus=ngpu, roofline=roof)
     d = res.to_dict(per_request=False)
     d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
                               "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
     return d
+
+
+#: The rows of one benchmark point, in vLLM's ``benchmark_serving`` result names and order: the load it carried,
+#: then duration, token totals, throughputs and mean / median / p99 of each latency (``(field, unit, detail)``).
+POINT_FIELDS = (
+    ("input_len", "tokens", "upper end L of the prompt-length draw [range_ratio x L, L]"),
+    ("output_len", "tokens", "upper end L of the output-length draw [max(2, range_ratio x L), L], EOS ignored"),
+    ("range_ratio", "", "lower end of the length draws, as a fraction of L"),
+    ("num_prompts", "requests", "measured requests"),
+    ("num_warmups", "requests", "warm-up requests before them (not measured)"),
+    ("duration", "s", "first measured issue to last completion"),
+    ("total_input_tokens", "tokens", "prompt tokens of the completed requests"),
+    ("total_output_tokens", "tokens", "output tokens of the completed requests"),
+    ("request_throughput", "req/s", "completed requests / duration"),
+    ("output_throughput", "tok/s", "output tokens / duration"),
+    ("total_token_throughput", "tok/s", "(input + output tokens) / duration"),
+    ("output_throughput_per_gpu", "tok/s/GPU", "output tok/s / GPUs serving the load"),
+    *((f"{stat}_{m}_ms", "ms", f"{stat} {m.upper()}") for m in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "p99")),
+)
 
 
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
@@ -78,17 +99,27 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv,
                         detail=f"failed requests: {why}" if why else "failed requests"),
                   check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
+        if r.get("usage_disagreements"):
+            ex = "; ".join(f"{e['count']} x {e['error']}" for e in r.get("usage_disagreement_examples") or [])
+            stage.add(check(tier, f"{tag}.usage_disagreements", int(r["usage_disagreements"]), eq=0, unit="requests",
+                            level=lv, detail=("the server's usage.completion_tokens disagreed with the streamed "
+                                              "events or max_tokens; those requests' figures count the events: "
+                                              + ex)[:300]))
         if r.get("short_outputs"):
             stage.add(info(tier, f"{tag}.short_outputs", int(r["short_outputs"]), "requests", level=lv,
                            detail=f"of {n} completed requests returned fewer output tokens than requested (the "
                                   "server stopped early: EOS or a length limit); the load was lighter than asked "
                                   "and requests with one token define no TPOT / ITL"))
-        for k, unit in (("output_throughput", "tok/s"), ("total_token_throughput", "tok/s"),
-                        ("output_throughput_per_gpu", "tok/s/GPU"), ("median_ttft_ms", "ms"), ("p99_ttft_ms", "ms"),
-                        ("median_tpot_ms", "ms"), ("p99_tpot_ms", "ms"), ("median_itl_ms", "ms"), ("p99_itl_ms", "ms"),
-                        ("median_e2el_ms", "ms"), ("p99_e2el_ms", "ms")):
-            if k in r:
-                stage.add(info(tier, f"{tag}.{k}", round(float(r[k]), 4), unit, level=lv))
+        wu = r.get("warmup") or {}
+        if wu.get("failed"):
+            stage.add(info(tier, f"{tag}.warmup_failed", int(wu["failed"]), "requests", level=lv,
+                           detail=f"of {wu.get('sent', 0)} warm-up requests sent (not measured): "
+                                  + "; ".join(f"{e['count']} x {e['error']}" for e in wu.get("errors") or [])[:250]))
+        for k, unit, what in POINT_FIELDS:
+            if r.get(k) is not None:
+                v = r[k]
+                v = v if isinstance(v, int) and not isinstance(v, bool) else round(float(v), 4)
+                stage.add(info(tier, f"{tag}.{k}", v, unit, level=lv, detail=what))
         if r.get("outputs_sha256"):
             stage.add(info(tier, f"{tag}.outputs_sha256", r["outputs_sha256"], level=lv,
                            detail="sha256 of the greedy tokens served to the measured requests (seeded load): equal "
