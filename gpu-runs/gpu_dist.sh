@@ -25,14 +25,8 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 COLUMNS=160
 
-step() {  # step NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout -k 5 $((limit * SCALE)) "$@" >"$R/$name.log" 2>&1
-  local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >>"$R/steps.tsv"
-  echo "[dist] $name rc=$rc"
-}
+STEP_TAG=dist
+. "$(dirname "$0")/steps.sh"
 
 sed -e "s/^name = .*/name = \"h200-$N\"/" -e "s/^count = 8/count = $N/" -e "s/^tp = 8/tp = $N/" \
     -e "s/^ep = 8/ep = $N/" "$HERE/hwprofiles/h200-8.toml" >"$R/h200-$N.toml"

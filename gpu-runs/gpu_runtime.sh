@@ -25,14 +25,8 @@ K3="$PY -m k3rocm.cli.main"
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 COLUMNS=160
 
-step() {  # step NAME LIMIT_S CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout -k 5 $((limit * SCALE)) "$@" >"$R/$name.log" 2>&1
-  local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >>"$R/steps.tsv"
-  echo "[runtime] $name rc=$rc"
-}
+STEP_TAG=runtime
+. "$(dirname "$0")/steps.sh"
 
 if [ ! -f "$CK/model.safetensors.index.json" ]; then
   step make 240 $K3 checkpoint make --preset "$P" --out "$CK" --expert-init codes

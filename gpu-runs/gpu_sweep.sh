@@ -22,29 +22,27 @@ mkdir -p "$R"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
-step() {  # step NAME LIMIT_S GPU CMD...
-  local name=$1 limit=$2 gpu=$3; shift 3
-  local t0=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$gpu timeout -k 5 $((limit * SCALE)) "$@" >"$R/$name.log" 2>&1
-  local rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >>"$R/steps.tsv"
-  echo "[sweep] $name rc=$rc"
+STEP_TAG=sweep
+. "$(dirname "$0")/steps.sh"
+gstep() {  # gstep NAME LIMIT_S GPU CMD...: a step on one GPU
+  local name=$1 limit=$2 STEP_GPU=$3; shift 3  # local: step sees it (dynamic scope), the caller does not
+  step "$name" "$limit" "$@"
 }
 
 lane_a() {
   ( for i in 0 1 2 3 4 5; do CUDA_VISIBLE_DEVICES=$GA timeout 80 $PY gpu-runs/bench_kda.py --warm $i/6 >/dev/null 2>&1 & done; wait )
-  step kda_bench 400 "$GA" $PY gpu-runs/bench_kda.py --out "$R/kda"
-  KDA_GPU_LOG="$R/kda_gpu.jsonl" step kda_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kda_gpu.py
-  step mla_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py tests/kernels/test_mla_triton.py tests/kernels/test_attnres.py
+  gstep kda_bench 400 "$GA" $PY gpu-runs/bench_kda.py --out "$R/kda"
+  KDA_GPU_LOG="$R/kda_gpu.jsonl" gstep kda_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kda_gpu.py
+  gstep mla_tests 300 "$GA" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py tests/kernels/test_mla_triton.py tests/kernels/test_attnres.py
 }
 
 lane_b() {
-  step moe_bench 200 "$GB" $PY gpu-runs/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates \
+  gstep moe_bench 200 "$GB" $PY gpu-runs/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates \
        --json "$R/moe_bench.json" --md "$R/moe_bench.md"
-  K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step moe_tests 150 "$GB" $PY -m pytest -q -p no:cacheprovider \
+  K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" gstep moe_tests 150 "$GB" $PY -m pytest -q -p no:cacheprovider \
        tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py
-  step mla_bench 100 "$GB" $PY gpu-runs/bench_mla.py --json "$R/mla_bench.json"
-  step engine_tests 180 "$GB" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py tests/runtime/test_load.py
+  gstep mla_bench 100 "$GB" $PY gpu-runs/bench_mla.py --json "$R/mla_bench.json"
+  gstep engine_tests 180 "$GB" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py tests/runtime/test_load.py
 }
 
 { git rev-parse --short HEAD 2>/dev/null; date -u +%FT%TZ; nvidia-smi --query-gpu=name,clocks.max.sm,memory.total \
