@@ -52,7 +52,7 @@ import torch
 import torch.distributed as tdist
 
 from k3rocm.checkpoint.reader import open_checkpoint
-from k3rocm.errors import HardwareError, K3Error
+from k3rocm.errors import HardwareError, K3Error, PlanError
 from k3rocm.profiles import load_profile
 from k3rocm.model.model import K3Model
 from k3rocm.model.probe import forward_layers, perturbed_logits
@@ -146,13 +146,22 @@ class RankWorker:
         return merge_load_reports(reports) if self.ctx.rank == 0 else {}
 
     def build_engine(self, eid: int, kw: dict) -> Engine:
-        """Build engine ``eid`` on this rank's weights (``kw``: :class:`Engine` keyword arguments as JSON)."""
+        """Build engine ``eid`` on this rank's weights (``kw``: :class:`Engine` keyword arguments as JSON); its pools
+        must fit the cache budget of this rank's plan.
+
+        Raises:
+            PlanError: the pools exceed this rank's budget.
+        """
         kw = {k: v for k, v in kw.items() if k != "device"}  # each rank runs on its own device
         for k in ("dtype", "kv_dtype", "matmul_dtype"):
             if isinstance(kw.get(k), str) and kw[k] != "auto":
                 kw[k] = _DTYPES[kw[k]]
         eng = Engine(self.cfg, self.weights, kernels=dict(self.spec.kernels), device=str(self.ctx.device),
                      par=self.par, **kw)
+        used, budget = eng.mla.nbytes() + eng.kda.nbytes(), int(self.placement.cache.budget_bytes)
+        if used > budget:  # each rank holds its own pools: its own plan's budget bounds them
+            raise PlanError(f"rank {self.ctx.rank}: the engine's caches take {used:,} B, over the {budget:,} B its "
+                            "plan leaves for caches; lower the concurrency or max_model_len")
         self.engines[eid] = eng
         return eng
 
