@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import atexit
 import json
-import sys
 import os
 import queue as _queue
+import signal
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -375,9 +376,11 @@ class Cluster:
             group = tdist.new_group(backend="gloo") if spec.backend != "gloo" else None
             _send_spec(spec, group)
         except Exception as e:
+            line = _first_error(errq, wait=1.0) or _dead_rank(procs, "joining the group")
             for p in procs:
                 _stop(p)
-            raise WorkerFailed(_first_error(errq) or f"the {world}-rank group did not form: {_line(e)}") from None
+            raise WorkerFailed(f"distributed run on {world} ranks stopped: "
+                               f"{line or f'the {world}-rank group did not form: {_line(e)}'}") from None
         return cls(spec, ctx, group, procs, errq)
 
     @classmethod
@@ -425,12 +428,9 @@ class Cluster:
         """The one-line :class:`WorkerFailed` for ``exc`` raised on rank 0 while ranks worked together."""
         line = _first_error(self.errq, wait=2.0) if self.errq is not None else None
         if line is None:
-            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
-            if dead:
-                r, code = dead[0]
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                line = f"rank {r} {how} while rank 0 was running {self.doing}"
-            elif "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            line = _dead_rank(self.procs, f"rank 0 was running {self.doing}")
+        if line is None:
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 line = (f"a rank did not answer within {self.spec.timeout_s:.0f} s (hung) while running {self.doing}; "
                         f"rank 0 saw: {_line(exc)}")
             else:
@@ -501,6 +501,18 @@ class _EngineChannel:
 
     def guard(self) -> _Guard:
         return self.cluster.guard()
+
+
+def _dead_rank(procs: list, when: str) -> str | None:
+    """One line for the first follower process that has ended (rank = its index + 1), or None."""
+    for p in procs:
+        p.join(timeout=0.2)
+    for i, p in enumerate(procs):
+        code = p.exitcode
+        if code is not None:
+            how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}")
+            return f"rank {i + 1} {how} while {when}"
+    return None
 
 
 def _first_error(errq: Any, wait: float = 0.0) -> str | None:

@@ -96,32 +96,31 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_bench(tmp_path, cache, **env):
-    prof, out = _profile(tmp_path, 2), tmp_path / "r"
+    """A 2-rank bench, returned once its measured phase has begun (its progress says so), with rank 1's pid."""
+    prof, out, log = _profile(tmp_path, 2), tmp_path / "r", tmp_path / "stderr.log"
     args = ["bench", "--concurrency", "4", "--input-len", "24", "--output-len", "200", "--num-prompts", "40",
             "--warmups", "1", "--profile", prof, "--out", out]
+    err = log.open("w")
     p = subprocess.Popen([sys.executable, "-m", "k3rocm.cli", *map(str, args)], env=_env(cache, **env),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=err, text=True)
+    p.err_file, p.err_path = err, log
     t0 = time.monotonic()
-    follower = None
-    while time.monotonic() - t0 < 120:  # the follower exists and the measured phase has begun
-        kids = [k for k in _children(p.pid) if "k3rocm" in Path(f"/proc/{k}/cmdline").read_bytes().decode(
-            errors="replace") or "multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")]
-        follower = next((k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes().decode(
-            errors="replace")), None)
-        if follower is not None and time.monotonic() - t0 > 12:
-            break
+    while time.monotonic() - t0 < 240 and "measured:" not in log.read_text() and p.poll() is None:
         time.sleep(0.5)
-    assert follower is not None and p.poll() is None
+    assert p.poll() is None and "measured:" in log.read_text(), log.read_text()[-2000:]
+    follower = next(k for k in _children(p.pid)
+                    if "spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace"))
     return p, follower, out
 
 
 def _ends_with_one_line(p, within: float):
     try:
-        _, err = p.communicate(timeout=within)
+        p.wait(timeout=within)
     except subprocess.TimeoutExpired:
         p.kill()
         raise AssertionError(f"the run did not end within {within} s")
-    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
+    p.err_file.close()
+    lines = [x for x in p.err_path.read_text().strip().splitlines() if x.startswith("error:")]
     return p.returncode, lines
 
 
