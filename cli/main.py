@@ -31,7 +31,13 @@ user cache); without --profile the hardware is detected (`cpu` when there is no 
 --out (default reports/latest): report.json, report.md, report.html, merged across commands.
 
 \b
-Exit codes: 0 ok, 1 a validation tier failed, 2 bad input or usage, 3 environment/hardware problem.
+Exit codes: 0 ok, 1 a validation tier failed, 2 bad input or usage, 3 environment/hardware problem
+(a rank of a multi-GPU run that failed, died or hung included), 130 interrupted.
+
+\b
+Across GPUs: the profile's [parallel] tp/ep decide the processes (one per GPU; gloo processes on a
+cpu profile); this process is rank 0. Across nodes: torchrun ... -m k3rocm.cli <command> on every
+node. K3ROCM_DIST_TIMEOUT (seconds, default 300) bounds every collective. See README "Across GPUs".
 """
 
 

@@ -246,6 +246,7 @@ class Session:
             if under_torchrun():
                 n = int(os.environ.get("WORLD_SIZE", "1"))
                 if n != pl.world:
+                    Cluster.refuse_torchrun(spec.backend)
                     raise HardwareError(f"torchrun started {n} processes but the plan has {pl.world} ranks "
                                         f"(tp={pl.tp}, ep={pl.ep}); start --nnodes x --nproc-per-node = {pl.world}")
                 return Cluster.attach(spec)

@@ -556,7 +556,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         # the profile's layout, or the largest divisor of it that the config can be split by
         want = profile.tp  # cpu profiles too: [parallel] tp gloo processes on the host
         first_err = None
-        for cand in [d for d in range(want, 0, -1) if want % d == 0]:
+        for cand in range(want, 0, -1):  # the largest layout the config splits by, at most the profile's
             cand_ep = ep if ep is not None else (profile.ep if profile.ep and cand % profile.ep == 0 else cand)
             try:
                 _check_layout(cfg, profile, cand, cand_ep)
@@ -591,7 +591,8 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         ranks.append(RankPlan(rank=r, ep_rank=r // lay.etp, etp_rank=r % lay.etp, expert_first=e0,
                               expert_stop=e0 + per, bytes_by_part=dict(by), num_tensors=n, cfg=cfg, _lay=lay))
     weights = max(r.weights_bytes for r in ranks)
-    usable = profile.usable_bytes
+    # on the cpu backend the ranks are processes sharing the host's memory: each gets its share
+    usable = profile.usable_bytes // tp if profile.backend == "cpu" else profile.usable_bytes
     act = activation_reserve(cfg, tp, max_tokens)
     budget = usable - weights - profile.workspace_reserve_bytes - act
     per_seq = context_len * mla_tok + kda_seq

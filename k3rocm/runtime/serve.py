@@ -314,6 +314,7 @@ class RemoteModel:
 
 # ---------------------------------------------------------------------------------------------- rank 0
 _live: list["Cluster"] = []
+_refused: list[bool] = []  # rank 0 under torchrun told the other ranks to leave (Cluster.refuse_torchrun)
 
 
 def _close_live() -> None:
@@ -369,12 +370,19 @@ class Cluster:
                              args=(r, world, port, spec.backend, spec.timeout_s, errq, os.getpid()), daemon=True)
             p.start()
             procs.append(p)
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-                           "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)})
+        mine = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": str(world),
+                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
+        saved = {k: os.environ.get(k) for k in mine}
+        os.environ.update(mine)
         try:
             ctx = init(spec.backend, spec.timeout_s)
             group = tdist.new_group(backend="gloo") if spec.backend != "gloo" else None
             _send_spec(spec, group)
+            for k, v in saved.items():  # read once by the rendezvous; the user's environment is what reports record
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         except Exception as e:
             line = _first_error(errq, wait=1.0) or _dead_rank(procs, "joining the group")
             for p in procs:
@@ -382,6 +390,22 @@ class Cluster:
             raise WorkerFailed(f"distributed run on {world} ranks stopped: "
                                f"{line or f'the {world}-rank group did not form: {_line(e)}'}") from None
         return cls(spec, ctx, group, procs, errq)
+
+    @staticmethod
+    def refuse_torchrun(backend: str, timeout_s: float = 60.0) -> None:
+        """Rank 0 under torchrun refuses the run: join the group and tell the other ranks to leave (an empty
+        spec), so they exit at once instead of waiting on a rank 0 that is gone. Once per process: a later
+        caller (the same refused session asked again) finds them gone."""
+        if _refused:
+            return
+        _refused.append(True)
+        try:
+            init(backend, timeout_s)
+            group = tdist.new_group(backend="gloo") if backend != "gloo" else None
+            _bcast(torch.zeros(1, dtype=torch.int64), group)
+            tdist.destroy_process_group()
+        except Exception:
+            pass
 
     @classmethod
     def attach(cls, spec: RankSpec) -> "Cluster":
@@ -472,6 +496,9 @@ class _Guard:
     def __exit__(self, et, e, tb) -> bool:
         if e is None or isinstance(e, WorkerFailed):
             return False
+        if isinstance(e, KeyboardInterrupt):  # the user's Ctrl-C: stop the followers, let the interrupt through
+            self.cluster.close(force=True)
+            return False
         if isinstance(e, K3Error) and self.cluster.errq is not None and _peek(self.cluster) is None:
             return False  # rank 0's own expected failure (bad input): not a fault of the ranks
         raise self.cluster.failure(e) from None
@@ -535,8 +562,10 @@ def _send_spec(spec: RankSpec, group: Any) -> None:
     _bcast(data, group)
 
 
-def _recv_spec(group: Any) -> RankSpec:
+def _recv_spec(group: Any) -> RankSpec | None:
     n = int(_bcast(torch.zeros(1, dtype=torch.int64), group))
+    if n == 0:  # rank 0 refused the run (e.g. torchrun started another count than the plan has): leave
+        return None
     raw = _bcast(torch.zeros(n, dtype=torch.uint8), group)
     return RankSpec(**json.loads(bytes(raw.tolist()).decode()))
 
@@ -554,8 +583,9 @@ def follow(backend: str | None = None, timeout_s: float = 120.0, errq: Any = Non
         ctx = init(backend, timeout_s)
         group = tdist.new_group(backend="gloo") if ctx.backend != "gloo" else None
         spec = _recv_spec(group)
-        worker = RankWorker(ctx, spec, group)
-        worker.serve()
+        if spec is not None:
+            worker = RankWorker(ctx, spec, group)
+            worker.serve()
     except BaseException as e:
         what = worker.doing if worker is not None else "joining the group"
         line = f"rank {rank} failed while {what}: {type(e).__name__}: {_line(e)}"
@@ -573,6 +603,8 @@ def follow(backend: str | None = None, timeout_s: float = 120.0, errq: Any = Non
 
 
 def _follower_main(rank: int, world: int, port: int, backend: str, timeout_s: float, errq: Any, ppid: int) -> None:
+    # Ctrl-C reaches the whole process group: rank 0 handles it (keeps finished work, stops every rank)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})

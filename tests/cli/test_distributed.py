@@ -175,3 +175,36 @@ def test_torchrun_two_nodes_of_two_processes(tmp_path, cache, one_process):
     bench = _rows(out, "bench")
     assert bench["dist.world"]["value"] == 4
     assert bench["c4.outputs_sha256"]["value"] == one_process[4]
+
+
+def test_ctrl_c_mid_multi_rank_sweep_keeps_the_finished_points(tmp_path, cache):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) during the second point of a 2-rank
+    sweep: exit 130, the finished point and a sweep.interrupted row in the report, no rank left running."""
+    prof, out, log = _profile(tmp_path, 2), tmp_path / "r", tmp_path / "stderr.log"
+    args = ["bench", "--concurrency", "1,4", "--input-len", "24", "--output-len", "120", "--num-prompts", "8",
+            "--warmups", "1", "--profile", prof, "--out", out]
+    with log.open("w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "k3rocm.cli", *map(str, args)], env=_env(cache),
+                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240 and "c=4 measured:" not in log.read_text() and p.poll() is None:
+            time.sleep(0.3)
+        assert "c=4 measured:" in log.read_text(), log.read_text()[-1500:]
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=60)
+    assert p.returncode == 130, log.read_text()[-1500:]
+    rows = _rows(out, "bench")
+    assert "c1.outputs_sha256" in rows and "sweep.interrupted" in rows
+    _no_orphans(p.pid)
+
+
+def test_torchrun_with_another_count_than_the_plan_ends_every_rank(tmp_path, cache):
+    """3 processes for a 2-rank plan: rank 0 refuses in one line and the other ranks leave at once."""
+    prof, port = _profile(tmp_path, 2), free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "k3rocm.cli", "load", "--profile",
+           str(prof), "--out", str(tmp_path / "r")]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 25, "the other ranks waited on a rank 0 that had refused"
+    assert r.returncode != 0 and "torchrun started 3 processes but the plan has 2 ranks" in r.stderr

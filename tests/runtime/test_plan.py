@@ -237,3 +237,25 @@ def test_plan_context_len_beyond_the_model_is_refused():
     assert r.exit_code == 2 and "max_position_embeddings" in r.stderr and "Traceback" not in r.output
     ok = CliRunner().invoke(cli, ["plan", "--preset", "k3-tiny", "--context-len", "4096"])
     assert ok.exit_code == 0, ok.output
+
+
+def test_cpu_ranks_share_the_host_and_a_layout_is_reduced_to_the_largest_that_splits(tmp_path):
+    """On a cpu profile the ranks are processes on one host: each plans with its share of the memory. A
+    profile layout the config cannot split (k3-tiny's 4 heads at tp 3) falls to the largest that splits, with a
+    note (the report's plan.note row), never silently to 1."""
+    from k3rocm.config import preset
+    from k3rocm.profiles import load_profile
+    from k3rocm.runtime.plan import plan
+
+    base = (Path(__file__).resolve().parents[2] / "hwprofiles" / "cpu.toml").read_text()
+
+    def prof(tp):
+        p = tmp_path / f"cpu{tp}.toml"
+        p.write_text(base.replace("tp = 1", f"tp = {tp}").replace("ep = 1", f"ep = {tp}"))
+        return load_profile(str(p))
+
+    cfg = preset("k3-tiny")
+    one, four = plan(cfg, prof(1)), plan(cfg, prof(4))
+    assert four.world == 4 and four.usable_bytes == one.usable_bytes // 4
+    three = plan(cfg, prof(3), ep=None)
+    assert three.tp == 2 and any("tp reduced from the profile's 3 to 2" in n for n in three.notes)

@@ -26,6 +26,9 @@ def tier_forward(session: Session, stage: Stage) -> None:
         model_forward(model, ids, cfg.num_hidden_layers)
     with Timer() as tp:
         logits, layers = model_forward(model, ids, cfg.num_hidden_layers)
+    pl = session.run_placement
+    stage.add(info("forward", "dist.world", pl.world, "ranks", level=lv,
+                   detail=f"TP{pl.tp}/EP{pl.ep}: processes the engine and its model ran on (rank 0 here)"))
     stage.add(check("forward", "prefill.shape", list(logits.shape), eq=[B, T, cfg.vocab_size], level=lv),
               check("forward", "prefill.finite", bool(torch.isfinite(logits).all()), eq=True, level=lv),
               info("forward", "prefill.ms", round(tp.seconds * 1e3, 3), "ms", level=lv,

@@ -111,6 +111,8 @@ def _placement_rows(stage: Stage, plc, tier: str) -> None:
                     ("needed_bytes", "B"), ("usable_bytes", "B")):
         if k in d:
             stage.add(info(tier, f"plan.{k}", d[k], unit, level="projected", detail=where))
+    for n in d.get("notes") or ():  # e.g. the layout reduced from the profile's, which must never pass unseen
+        stage.add(info(tier, "plan.note", n, level="projected", detail=where))
     cache = d.get("cache") or {}
     for k in ("max_tokens", "max_sequences", "context_len"):
         if k in cache:

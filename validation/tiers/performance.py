@@ -192,6 +192,15 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                     "labels": [f"c={p[2]}" for p in pts]}
 
 
+#: what each counted collective of the decoder is (k3rocm.model.decoder / runtime.dist.TPGroup)
+COLLECTIVE_OPS = {"attn": "all-reduce of the token mixers' o_proj partial sums",
+                  "mlp": "all-reduce of the dense MLP's partial sums",
+                  "moe": "all-reduce of the latent MoE's routed + shared partial sums (before the latent norm)",
+                  "embed": "all-reduce of the vocabulary-parallel embedding rows",
+                  "greedy": "all-gather of each rank's (max, id) over its vocabulary slice",
+                  "logits": "all-gather of whole-vocabulary logits (validation only)"}
+
+
 def _collective_rows(session: Session, stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
     """Per collective of a TP/EP step: bytes each rank puts in per step and its share of step time — measured
     where collectives run on the host (gloo), else projected from the profile's link bandwidth (ring: each rank
@@ -202,8 +211,9 @@ def _collective_rows(session: Session, stage: Stage, tier: str, tag: str, r: dic
     w = session.world
     link = float(getattr(session.run_profile, "link_bandwidth", 0) or 0)
     for name, c in coll.items():
+        op = COLLECTIVE_OPS.get(name, name)
         stage.add(info(tier, f"{tag}.collective.{name}.bytes_per_step", round(float(c["bytes_per_step"]), 1), "B",
-                       level=lv, detail=f"{c['calls_per_step']:.1f} calls per step, bytes each rank puts in"))
+                       level=lv, detail=f"{op}: {c['calls_per_step']:.1f} calls per step, bytes each rank puts in"))
         if c.get("seconds"):
             stage.add(info(tier, f"{tag}.collective.{name}.share", round(float(c["share_of_step_time"]), 4), "",
                            level=lv, detail="share of the measured steps' time spent in this collective (host clock)"))
