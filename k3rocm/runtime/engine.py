@@ -388,6 +388,13 @@ class Engine:
         return plan, StepBatch(nd, torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
                                table[slots])
 
+    def _paged_view(self, slots: torch.Tensor, block_rows: torch.Tensor) -> "_PagedCacheView":
+        """The model mixers' view of the pools for a step's sequences: a block table indexed by slot id holding
+        ``block_rows`` (on the device) at ``slots``; the other rows are unused by the step."""
+        table = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        table[slots.to(self.device)] = block_rows
+        return _PagedCacheView(self.mla, self.kda, table)
+
     @torch.no_grad()
     def execute(self, sb: "StepBatch") -> tuple[list[int], bool]:
         """Run one described step on this rank's shard (every rank of a layout runs the same step): returns the
@@ -411,17 +418,13 @@ class Engine:
             dec = {"slot_ids": slots.to(torch.int32).to(dev), "pos": sb.rows[:nd, 1].to(dev),
                    "block_rows": block_rows[:nd]}
             if self.cfg.family != "k3":
-                table = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-                table[slots.to(dev)] = block_rows[:nd]
                 dec["batch"] = Batch(torch.arange(nd + 1, dtype=torch.int32, device=dev),
-                                     _PagedCacheView(self.mla, self.kda, table), slots, sb.rows[:nd, 1].clone())
+                                     self._paged_view(slots, block_rows[:nd]), slots, sb.rows[:nd, 1].clone())
         if len(rows) > nd:
             p = sb.rows[nd:]
-            table = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32, device=dev)
-            table[p[:, 0].to(dev)] = block_rows[nd:]
             cu = torch.zeros(p.shape[0] + 1, dtype=torch.int32)
             cu[1:] = p[:, 2].cumsum(0)
-            pre = Batch(cu.to(dev), _PagedCacheView(self.mla, self.kda, table), p[:, 0].clone(), p[:, 1].clone())
+            pre = Batch(cu.to(dev), self._paged_view(p[:, 0], block_rows[nd:]), p[:, 0].clone(), p[:, 1].clone())
         ids = sb.ids.to(dev)
         stats = self.par.stats
         before = stats.snapshot() if stats is not None else None

@@ -60,7 +60,7 @@ from k3rocm.model.probe import forward_layers, perturbed_logits
 from k3rocm.runtime.dist import (DistContext, TPGroup, WorkerFailed, _stop, _watch_parent, free_port, init,
                                  under_torchrun)
 from k3rocm.runtime.engine import Engine, StepBatch
-from k3rocm.runtime.load import LoadReport, load
+from k3rocm.runtime.load import load
 from k3rocm.runtime.plan import plan
 
 __all__ = ["RankSpec", "Cluster", "RankWorker", "RemoteModel", "follow", "SPMD"]
@@ -106,6 +106,22 @@ def _bcast(t: torch.Tensor, group: Any) -> torch.Tensor:
     return t
 
 
+def _encode(obj: Any) -> torch.Tensor:
+    """``obj`` as JSON bytes in a uint8 tensor (the form every control payload travels in)."""
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    """The JSON object a uint8 tensor from :func:`_encode` holds."""
+    return json.loads(t.numpy().tobytes().decode())
+
+
+def _control_group(backend: str) -> Any:
+    """The CPU group of the control messages: the default group under gloo, a gloo group beside NCCL (collective:
+    every rank calls it once, in the same order)."""
+    return tdist.new_group(backend="gloo") if backend != "gloo" else None
+
+
 def _pack_step(sb: StepBatch) -> torch.Tensor:
     return torch.cat([sb.ids.reshape(-1), sb.rows.reshape(-1), sb.block_rows.to(torch.int64).reshape(-1)])
 
@@ -131,7 +147,6 @@ class RankWorker:
         self.placement = plan(self.cfg, load_profile(spec.profile), tp=spec.tp, ep=spec.ep)
         self.par = TPGroup(ctx, self.placement, ctx.rank)
         self.weights = None
-        self.load_report: LoadReport | None = None
         self.engines: dict[int, Engine] = {}
         self.doing = "starting"
 
@@ -142,7 +157,6 @@ class RankWorker:
         res = load(self.index, self.placement, ranks=[self.ctx.rank], device=self.ctx.device,
                    progress=progress, measure_raw=measure_raw and self.ctx.rank == 0, strict=False)
         self.weights = res.rank_weights[self.ctx.rank]
-        self.load_report = res.report
         reports = self.gather_json(asdict(res.report))
         return merge_load_reports(reports) if self.ctx.rank == 0 else {}
 
@@ -177,7 +191,7 @@ class RankWorker:
     # ------------------------------------------------------------------ helpers
     def gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable) on rank 0, in rank order (``[]`` on the others)."""
-        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        data = _encode(obj)
         n = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ctx.world_size)]
         tdist.all_gather(sizes, n, group=self.cpu_group)
@@ -188,7 +202,7 @@ class RankWorker:
         tdist.all_gather(parts, buf, group=self.cpu_group)
         if self.ctx.rank != 0:
             return []
-        return [json.loads(bytes(p[:int(s)].tolist()).decode()) for p, s in zip(parts, sizes)]
+        return [_decode(p[:int(s)]) for p, s in zip(parts, sizes)]
 
     def serve(self) -> None:
         """A follower's loop: obey rank 0 until ``OP_STOP``."""
@@ -207,7 +221,7 @@ class RankWorker:
                 eng.execute(_unpack_step(flat, T, N, nd))
             elif op == OP_CALL:
                 raw = _bcast(torch.zeros(h[1], dtype=torch.uint8), g)
-                name, args = json.loads(bytes(raw.tolist()).decode())
+                name, args = _decode(raw)
                 self.doing = _describe(name, args)
                 getattr(self, name)(*args)
             else:
@@ -376,7 +390,7 @@ class Cluster:
         os.environ.update(mine)
         try:
             ctx = init(spec.backend, spec.timeout_s)
-            group = tdist.new_group(backend="gloo") if spec.backend != "gloo" else None
+            group = _control_group(spec.backend)
             _send_spec(spec, group)
             for k, v in saved.items():  # read once by the rendezvous; the user's environment is what reports record
                 if v is None:
@@ -401,7 +415,7 @@ class Cluster:
         _refused.append(True)
         try:
             init(backend, timeout_s)
-            group = tdist.new_group(backend="gloo") if backend != "gloo" else None
+            group = _control_group(backend)
             _bcast(torch.zeros(1, dtype=torch.int64), group)
             tdist.destroy_process_group()
         except Exception:
@@ -411,7 +425,7 @@ class Cluster:
     def attach(cls, spec: RankSpec) -> "Cluster":
         """Rank 0 under torchrun: join the group torchrun set up and send the spec to the other ranks."""
         ctx = init(spec.backend, spec.timeout_s)
-        group = tdist.new_group(backend="gloo") if spec.backend != "gloo" else None
+        group = _control_group(spec.backend)
         _send_spec(spec, group)
         return cls(spec, ctx, group, [], None)
 
@@ -420,7 +434,7 @@ class Cluster:
         """Run ``RankWorker.<name>(*args)`` on every rank; returns rank 0's result. ``local_kw`` go to rank 0's
         call only (e.g. a progress callback)."""
         self.doing = _describe(name, list(args))
-        payload = torch.tensor(list(json.dumps([name, list(args)]).encode()), dtype=torch.uint8)
+        payload = _encode([name, list(args)])
         with self.guard():
             _bcast(_header(OP_CALL, payload.numel()), self.cpu_group)
             _bcast(payload, self.cpu_group)
@@ -557,7 +571,7 @@ def _line(e: BaseException) -> str:
 
 
 def _send_spec(spec: RankSpec, group: Any) -> None:
-    data = torch.tensor(list(json.dumps(asdict(spec)).encode()), dtype=torch.uint8)
+    data = _encode(asdict(spec))
     _bcast(torch.tensor([data.numel()], dtype=torch.int64), group)
     _bcast(data, group)
 
@@ -567,7 +581,7 @@ def _recv_spec(group: Any) -> RankSpec | None:
     if n == 0:  # rank 0 refused the run (e.g. torchrun started another count than the plan has): leave
         return None
     raw = _bcast(torch.zeros(n, dtype=torch.uint8), group)
-    return RankSpec(**json.loads(bytes(raw.tolist()).decode()))
+    return RankSpec(**_decode(raw))
 
 
 # ---------------------------------------------------------------------------------------------- followers
@@ -581,7 +595,7 @@ def follow(backend: str | None = None, timeout_s: float = 120.0, errq: Any = Non
     worker = None
     try:
         ctx = init(backend, timeout_s)
-        group = tdist.new_group(backend="gloo") if ctx.backend != "gloo" else None
+        group = _control_group(ctx.backend)
         spec = _recv_spec(group)
         if spec is not None:
             worker = RankWorker(ctx, spec, group)
