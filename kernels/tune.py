@@ -26,7 +26,7 @@ import triton.testing
 from k3rocm.errors import ConfigError
 from k3rocm.kernels.target import current_target, interpreting
 
-__all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "configs", "split", "pick", "pow2"]
+__all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "configs", "split", "pick", "pow2", "pow2_ladder", "LISTENERS"]
 
 #: a launch configuration (see the module docstring for its keys)
 Config = dict[str, Any]
@@ -35,6 +35,10 @@ LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim"
 SELECT_KEYS = ("max_rows", "kind")
 
 _CACHE: dict[tuple, Config] = {}
+
+#: ``fn(name, key)`` called each time :func:`pick` times the candidates of kernel ``name`` at shape ``key`` (an
+#: autotune run; :class:`k3rocm.kernels.compile_watch.CompileWatch` counts them)
+LISTENERS: list[Callable[[str, tuple], None]] = []
 
 
 def configs(table: dict[str, list[Config]], backend: str | None = None) -> list[Config]:
@@ -82,6 +86,8 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
     if (run is None or len(candidates) == 1 or not can_time or interpreting()
             or os.environ.get("K3ROCM_TUNE") == "0" or _capturing()):
         return candidates[0]
+    for fn in list(LISTENERS):
+        fn(name, key)
     best, best_t = None, math.inf
     for cfg in candidates:
         try:
@@ -101,3 +107,12 @@ def _capturing() -> bool:
 def pow2(n: int) -> int:
     """Smallest power of two >= n (>= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pow2_ladder(limit: int) -> list[int]:
+    """The power-of-two buckets ``1, 2, 4, ...`` up to the first one >= ``limit`` (>= 1): every length
+    ``1..limit`` maps through :func:`pow2` onto one of them, so ``1 + ceil(log2(limit))`` buckets cover it."""
+    out = [1]
+    while out[-1] < int(limit):
+        out.append(out[-1] * 2)
+    return out

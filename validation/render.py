@@ -157,7 +157,8 @@ def _svg(fig) -> str:
 
 
 def _series_svg(name: str, spec: dict) -> str | None:
-    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``.
+    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``
+    (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with the labels stacked).
 
     Returns None for an empty series. Without matplotlib (a declared dependency, but a GPU node may run
     a bare environment) the plot becomes a one-line note instead of failing the report."""
@@ -181,10 +182,16 @@ def _series_svg(name: str, spec: dict) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=100)
     kind = spec.get("kind", "line")
     labels = list(ys)
+    stack: dict = {}
     for j, lab in enumerate(labels):
         vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("nan") for v in ys[lab]]
         xs = x if len(x) == len(vals) else list(range(len(vals)))
-        if kind == "bar":
+        if kind == "stacked":  # one bar per x, the labels stacked bottom to top
+            bottom = stack.setdefault("b", [0.0] * len(vals))
+            ax.bar(range(len(vals)), vals, width=0.6, bottom=bottom, label=lab)
+            stack["b"] = [b + (v if v == v else 0.0) for b, v in zip(bottom, vals)]
+            ax.set_xticks(range(len(vals)), [str(v) for v in xs])
+        elif kind == "bar":
             w = 0.8 / max(1, len(labels))
             pos = [i + j * w for i in range(len(vals))]
             ax.bar(pos, vals, width=w, label=lab)

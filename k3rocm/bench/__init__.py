@@ -9,7 +9,11 @@ marked as a hang with where it was (phase, tokens done, seconds), every other in
 aborted, and the result holds what completed.
 
 With an engine, the watchdog runs between engine steps (a step that never returns cannot be
-interrupted in-process; the endpoint client checks it while streaming).
+interrupted in-process; the endpoint client checks it while streaming). An engine is first warmed up
+(``engine.warm_up()``: every decode graph and prefill bucket compiled, tuned and captured); the measured phase
+runs under a :class:`~k3rocm.kernels.compile_watch.CompileWatch` (Triton compilations and autotune runs, per
+kernel: both must be 0 for a serving engine), and after it :func:`k3rocm.bench.breakdown.step_breakdown` times
+one decode and one mixed step per op family.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from k3rocm.bench.breakdown import step_breakdown
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, BenchRequest, plan_load
 from k3rocm.bench.metrics import RequestRecord, aggregate
 from k3rocm.bench.roofline import fraction_of_roofline
 from k3rocm.errors import ConfigError
+from k3rocm.kernels.compile_watch import CompileWatch
 from k3rocm.runtime.sizing import StepRoofline
 
 __all__ = ["BenchResult", "run_bench", "sweep"]
@@ -45,6 +51,9 @@ class BenchResult:
         outputs_sha256: :func:`outputs_digest` of the measured requests (engines), else None.
         warmup: ``{"sent", "completed", "failed", "errors": [{"error", "count"}]}`` of the warm-up phase; when
             warm-ups were asked for and none succeeded, no measured request was sent (``records`` is empty).
+            With an engine also ``"ladder"``: what ``engine.warm_up()`` compiled and captured.
+        compiles: :meth:`CompileWatch.summary` of the measured phase (engines), else ``{}``.
+        breakdown: :func:`k3rocm.bench.breakdown.step_breakdown` after the measured phase (engines), else ``{}``.
     """
 
     concurrency: int
@@ -62,6 +71,8 @@ class BenchResult:
     warmup: dict = field(default_factory=dict)
     collectives: dict = field(default_factory=dict)
     outputs_sha256: str | None = None
+    compiles: dict = field(default_factory=dict)
+    breakdown: dict = field(default_factory=dict)
 
     @property
     def completed_cleanly(self) -> bool:
@@ -75,6 +86,10 @@ class BenchResult:
             d["collectives"] = self.collectives
         if self.outputs_sha256 is not None:
             d["outputs_sha256"] = self.outputs_sha256
+        if self.compiles:
+            d["compiles"] = self.compiles
+        if self.breakdown:
+            d["breakdown"] = self.breakdown
         errs = _reasons(r.error for r in self.records if not r.success and r.error)
         if errs:  # why requests failed: each distinct reason with its count, most frequent first
             d["errors"] = errs
@@ -237,7 +252,7 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
               range_ratio: float = DEFAULT_RANGE_RATIO, warmups: int | None = None, seed: int = 0,
               progress: Callable[[str, int, int], None] | None = None, watchdog_factor: float = 10,
               num_gpus: int = 1, roofline: StepRoofline | None = None, vocab_size: int | None = None,
-              special_ids: Sequence[int] | None = None) -> BenchResult:
+              special_ids: Sequence[int] | None = None, breakdown: bool = True) -> BenchResult:
     """Benchmark one concurrency on an engine (``add_request``/``step``/``abort``) or an endpoint client
     (:class:`k3rocm.bench.client.OpenAIClient`).
 
@@ -260,6 +275,7 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
             the caller must know it (the server does not say).
         roofline: a :class:`StepRoofline` to report the fraction of roofline of the measured engine steps.
         vocab_size, special_ids: for prompt ids (default from ``target.cfg`` / the client).
+        breakdown: time one decode and one mixed step per op family after the measured phase (engines).
 
     Raises:
         ConfigError: bad load parameters (including ``num_gpus < 1``) or a target of neither kind.
@@ -276,14 +292,21 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     plan = plan_load(concurrency, input_len, output_len, vocab, num_prompts, range_ratio, warmups, seed,
                      tuple(special_ids))
     dog = _Watchdog(watchdog_factor)
+    compiles: dict = {}
+    parts: dict = {}
     if _is_engine(target):
+        ladder = target.warm_up() if hasattr(target, "warm_up") else None
         wrecs, hang, _, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
         go = hang is None and (not plan.warmups or any(r.success for r in wrecs))
         step0 = len(getattr(target, "step_log", []))
-        recs, hang2, t0, t1, eids = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
-                                     if go else ([], None, 0.0, 1e-9, {}))
+        with CompileWatch() as watch:
+            recs, hang2, t0, t1, eids = (_drive_engine(target, plan.requests, concurrency, dog, progress, "measure")
+                                         if go else ([], None, 0.0, 1e-9, {}))
+        compiles = watch.summary()
         hang = hang or hang2
         steps = getattr(target, "step_log", [])[step0:]
+        if breakdown and go and hang is None and hasattr(target, "dec") and not target.has_unfinished():
+            parts = step_breakdown(target)
         desc = target.describe() if hasattr(target, "describe") else {}
     elif hasattr(target, "drive"):
         wrecs, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
@@ -298,9 +321,12 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     recs.sort(key=lambda r: r.request_id)
     metrics = aggregate(recs, t1 - t0, num_gpus)
     roof = fraction_of_roofline(roofline, steps) if (roofline is not None and steps) else None
+    wsum = _warmup_summary(wrecs, len(plan.warmups))
+    if _is_engine(target) and ladder is not None:
+        wsum["ladder"] = ladder
     return BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
-                       metrics, recs, hang, desc, roof, _warmup_summary(wrecs, len(plan.warmups)),
-                       collective_summary(steps), outputs_digest(target, recs, eids) if _is_engine(target) else None)
+                       metrics, recs, hang, desc, roof, wsum, collective_summary(steps),
+                       outputs_digest(target, recs, eids) if _is_engine(target) else None, compiles, parts)
 
 
 def sweep(target: Any, concurrencies: Sequence[int], input_len: int, output_len: int, stop_on_hang: bool = True,

@@ -36,6 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from k3rocm.config import K3Config
+from k3rocm.kernels import tune
 from k3rocm.errors import ConfigError, PlanError
 from k3rocm.runtime import registry
 from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
@@ -203,6 +204,9 @@ class Engine:
         self.scheduler = Scheduler(self.mla, self.kda, max_num_seqs=min(max_batch, num_slots),
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # host block table by slot, kept across steps (see _block_rows): row owner = (seq id, block count)
+        self._table = torch.zeros(num_slots, self.max_blocks_per_seq, dtype=torch.int32)
+        self._table_owner: list[tuple[int, int] | None] = [None] * num_slots
         self._next_id = 0
         self.seqs: dict[int, Sequence] = {}
         self.channel: Any = None  # rank 0 of a layout: sends each StepBatch to the other ranks
@@ -210,6 +214,7 @@ class Engine:
         self.last_comm: tuple = ()
         self.last_logits: torch.Tensor | None = None
         self.step_log: list[StepStats] = []
+        self.profiler: Any = None  # a k3rocm.runtime.breakdown.StepProfiler while a profiled step runs (eager)
         # ---- graphs
         self.cuda_graphs = on_gpu if cuda_graphs is None else bool(cuda_graphs and on_gpu)
         self.graph_sizes = sorted(set(int(b) for b in graph_batch_sizes if 0 < int(b) <= max_batch)) or [max_batch]
@@ -363,20 +368,30 @@ class Engine:
             return self.dec.local_logits(self.dec.hidden_out(st, sample_rows))
 
     # ------------------------------------------------------------------ step
-    def _slot_block_table(self) -> torch.Tensor:
-        """``[num_slots, max_blocks_per_seq]`` int32: row = block table of the sequence in that slot."""
-        t = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32)
-        for sid, slot in self.kda.slots.items():
+    def _block_rows(self, seq_ids: list[int]) -> torch.Tensor:
+        """``[len(seq_ids), max_blocks_per_seq]`` int32: each sequence's MLA block table row (zero-padded).
+
+        The rows live in one persistent host table indexed by KDA slot; a slot's row is rewritten only when its
+        sequence or its block count changed since the last step (blocks are only appended while a sequence
+        holds its slot), so a step's host work is O(sequences), not O(slots x blocks)."""
+        out = []
+        for sid in seq_ids:
+            slot = self.kda.slot_of(sid)
             blocks = self.mla.block_tables.get(sid, [])
-            t[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        return t
+            if self._table_owner[slot] != (sid, len(blocks)):
+                row = self._table[slot]
+                row.zero_()
+                if blocks:
+                    row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+                self._table_owner[slot] = (sid, len(blocks))
+            out.append(slot)
+        return self._table[torch.tensor(out, dtype=torch.int64)]
 
     def plan_step(self) -> tuple[SchedulerOutput, "StepBatch | None"]:
         """Ask the scheduler for the next mixed batch and describe it for every rank (None when idle)."""
         plan: SchedulerOutput = self.scheduler.schedule()
         if plan.empty:
             return plan, None
-        table = self._slot_block_table()
         ids: list[int] = []
         rows = []
         for s in plan.scheduled:
@@ -384,9 +399,8 @@ class Engine:
             slot = self.kda.slot_of(s.seq.seq_id)
             rows.append((slot, s.start, s.num_tokens, int(bool(s.sample))))
         nd = sum(1 for s in plan.scheduled if s.is_decode)
-        slots = torch.tensor([r[0] for r in rows], dtype=torch.int64)
         return plan, StepBatch(nd, torch.tensor(ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
-                               table[slots])
+                               self._block_rows([s.seq.seq_id for s in plan.scheduled]))
 
     def _paged_view(self, slots: torch.Tensor, block_rows: torch.Tensor) -> "_PagedCacheView":
         """The model mixers' view of the pools for a step's sequences: a block table indexed by slot id holding
@@ -395,13 +409,23 @@ class Engine:
         table[slots.to(self.device)] = block_rows
         return _PagedCacheView(self.mla, self.kda, table)
 
+    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the engine device; on a GPU through pinned host memory with a non-blocking copy (the host
+        goes on preparing the step while the copy is queued)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     @torch.no_grad()
     def execute(self, sb: "StepBatch") -> tuple[list[int], bool]:
         """Run one described step on this rank's shard (every rank of a layout runs the same step): returns the
-        greedy tokens of the sampled rows (same on every rank) and whether a captured graph ran."""
+        greedy tokens of the sampled rows (same on every rank) and whether a captured graph ran.
+
+        Sampling runs on the device (:meth:`Parallel.greedy`: argmax, lowest id on ties; on a TP rank one
+        small all-gather of each rank's (max, id)), inside the graph where one ran; the host reads back only
+        the sampled token ids (the step's one synchronisation)."""
         dev = self.device
         nd, rows = sb.num_decode, sb.rows.tolist()
-        block_rows = sb.block_rows.to(dev)
         for slot, start, _, _ in rows[nd:]:
             if start == 0:  # a fresh sequence's slot starts from zero state on every rank
                 for i in self.kda.layers:
@@ -412,10 +436,14 @@ class Engine:
             off += n
             if sample:
                 sample_rows.append(off - 1)
+        stats = self.par.stats
+        before = stats.snapshot() if stats is not None else None
+        ids = self._to_dev(sb.ids)
+        block_rows = self._to_dev(sb.block_rows)
         dec = pre = None
         if nd:
             slots = sb.rows[:nd, 0]
-            dec = {"slot_ids": slots.to(torch.int32).to(dev), "pos": sb.rows[:nd, 1].to(dev),
+            dec = {"slot_ids": self._to_dev(slots.to(torch.int32)), "pos": self._to_dev(sb.rows[:nd, 1]),
                    "block_rows": block_rows[:nd]}
             if self.cfg.family != "k3":
                 dec["batch"] = Batch(torch.arange(nd + 1, dtype=torch.int32, device=dev),
@@ -424,17 +452,20 @@ class Engine:
             p = sb.rows[nd:]
             cu = torch.zeros(p.shape[0] + 1, dtype=torch.int32)
             cu[1:] = p[:, 2].cumsum(0)
-            pre = Batch(cu.to(dev), self._paged_view(p[:, 0], block_rows[nd:]), p[:, 0].clone(), p[:, 1].clone())
-        ids = sb.ids.to(dev)
-        stats = self.par.stats
-        before = stats.snapshot() if stats is not None else None
-        logits = None
-        if nd and pre is None and self.cuda_graphs:
-            logits = self._graph_decode(ids, dec)
-        used_graph = logits is not None
-        if logits is None:
-            logits = self._forward(ids, nd, dec, pre, torch.tensor(sample_rows, dtype=torch.int64, device=dev))
-        toks = self.par.greedy(logits).tolist() if sample_rows else []
+            pre = Batch(self._to_dev(cu), self._paged_view(p[:, 0], block_rows[nd:]), p[:, 0].clone(),
+                        p[:, 1].clone())
+        out = None
+        if nd and pre is None and self.cuda_graphs and self.profiler is None:
+            out = self._graph_decode(ids, dec)
+        used_graph = out is not None
+        if out is None:
+            logits = self._forward(ids, nd, dec, pre, self._to_dev(torch.tensor(sample_rows, dtype=torch.int64)))
+            tokens = self.par.greedy(logits) if sample_rows else None
+        else:
+            tokens, logits = out
+        if self.profiler is not None:
+            self.profiler.sync()
+        toks = tokens.tolist() if tokens is not None else []  # the step's one host synchronisation
         if self.record_logits:
             self.last_logits = self.par.gather_vocab(logits).float().cpu()
         if stats is not None:
@@ -469,11 +500,49 @@ class Engine:
                                        tuple(s.num_tokens for s in pres), self.last_comm))
         return [TokenEvent(s.seq_id, sampled[s.seq_id], s.seq_id in done, s.finish_reason, now) for s in sample_seqs]
 
+    # ------------------------------------------------------------------ warm-up
+    def prefill_buckets(self) -> list[int]:
+        """The prefill-chunk lengths warm-up runs: the powers of two up to the step's token budget (and below
+        ``max_model_len``), the buckets kernels key their shapes on (:func:`k3rocm.kernels.tune.pow2`)."""
+        top = max(1, min(self.scheduler.max_num_batched_tokens, self.max_model_len - 2))
+        return [b for b in tune.pow2_ladder(top) if b <= top]
+
+    @torch.no_grad()
+    def warm_up(self, force: bool = False) -> dict:
+        """Compile, tune and capture what serving meets, before anything is measured: every decode graph of
+        the ladder (captured now, not on first use) and, per prefill bucket of :meth:`prefill_buckets`, one
+        prefill-only step and one mixed step (a decode row beside the chunk). The engine must be idle; the
+        warm-up requests run to completion (caches left as they were).
+
+        On the CPU nothing compiles, so this is a no-op unless ``force``. Returns ``{"graphs": [sizes],
+        "prefill_buckets": [lengths]}`` of what ran."""
+        if self.device.type != "cuda" and not force:
+            return {"graphs": [], "prefill_buckets": []}
+        if self.cuda_graphs:
+            for size in self.graph_sizes:
+                if size not in self._graphs and self._capture(size) is None:
+                    break  # capture failed: the engine stays eager and says why
+        buckets = self.prefill_buckets()
+        vocab = self.cfg.vocab_size
+        for b in buckets:
+            prompt = [3 + (5 * j) % max(1, vocab - 3) for j in range(b)]
+            self.generate([prompt], 2)  # a prefill-only step of b tokens, then one decode row
+            if self.scheduler.max_num_seqs >= 2 and b + 4 <= self.max_model_len:
+                a = self.add_request(prompt[:1], 3, ignore_eos=True)
+                while self.where(a)["status"] != "decode" and self.has_unfinished():
+                    self.step()
+                self.add_request(prompt, 2, ignore_eos=True)  # its chunk rides beside a's decode row
+                while self.has_unfinished():
+                    self.step()
+        return {"graphs": sorted(self._graphs), "prefill_buckets": buckets}
+
     # ------------------------------------------------------------------ CUDA/HIP graphs
     def _graph_decode(self, ids: torch.Tensor, dec: dict) -> torch.Tensor | None:
         """Replay (capturing on first use) the decode graph of the smallest ladder size >= N; padding rows get
-        token 0 (a valid id: finite activations, in-range expert ids), slot −1 and context 0. Returns logits
-        ``[N, vocab]`` or None when graphs are unavailable (then the engine stays eager and says why)."""
+        token 0 (a valid id: finite activations, in-range expert ids), slot −1 and context 0. Returns the greedy
+        ids ``[N]`` int64 and the logits ``[N, V_local]`` (views of the graph's output buffers, valid until the
+        next replay: never cloned), or None when graphs are unavailable (then the engine stays eager and says
+        why)."""
         n = ids.numel()
         size = next((b for b in self.graph_sizes if b >= n), None)
         if size is None:
@@ -495,7 +564,7 @@ class Engine:
         if self.par.stats is not None:
             for name, v in g["comm"].items():
                 self.par.stats.add(name, v["bytes"], 0.0, calls=v["calls"])
-        return g["logits"][:n].clone()
+        return g["tokens"][:n], g["logits"][:n]
 
     def _capture(self, size: int) -> dict | None:
         dev = self.device
@@ -519,6 +588,7 @@ class Engine:
             before = stats.snapshot() if stats is not None else {}
             with torch.cuda.graph(graph):
                 st["logits"] = self._forward(st["ids"], size, st, None, rows)
+                st["tokens"] = self.par.greedy(st["logits"])  # sampling on the device, inside the graph
             # the collectives captured into the graph: what every replay issues
             st["comm"] = stats.delta(stats.snapshot(), before) if stats is not None else {}
             self._graph_mode = False

@@ -96,19 +96,19 @@ def test_decode_padding_rows_write_nothing(tiny):
     eng.step()  # prefill of 5 tokens -> first token
     seq = eng.seqs[a]
     slot = eng.kda.slot_of(a)
-    table = eng._slot_block_table()
+    row = eng._block_rows([a])  # [1, max_blocks_per_seq]
     snap = ({i: t.clone() for i, t in eng.mla.kv_cache.items()}, {i: t.clone() for i, t in eng.kda.state.items()},
             {i: t.clone() for i, t in eng.kda.conv.items()})
     tok = seq.output[-1]
     real = {"slot_ids": torch.tensor([slot], dtype=torch.int32), "pos": torch.tensor([5]),
-            "block_rows": table[[slot]]}
+            "block_rows": row}
     with torch.no_grad():
         want = eng._forward(torch.tensor([tok]), 1, real, None, torch.tensor([0]))
     for d, s in zip(snap, (eng.mla.kv_cache, eng.kda.state, eng.kda.conv)):  # restore the state
         for i in s:
             s[i].copy_(d[i])
     padded = {"slot_ids": torch.tensor([slot, -1, -1], dtype=torch.int32), "pos": torch.tensor([5, 0, 0]),
-              "block_rows": torch.cat([table[[slot]], torch.zeros(2, table.shape[1], dtype=torch.int32)])}
+              "block_rows": torch.cat([row, torch.zeros(2, row.shape[1], dtype=torch.int32)])}
     with torch.no_grad():
         got = eng._forward(torch.tensor([tok, 0, 0]), 3, padded, None, torch.tensor([0, 1, 2]))
     assert torch.isfinite(got).all()
@@ -122,7 +122,7 @@ def test_decode_padding_rows_write_nothing(tiny):
             s[i].copy_(d[i])
     with torch.no_grad():
         eng._forward(torch.tensor([tok]), 1, real, None, torch.tensor([0]))
-    flat_slot = int(table[slot, 5 // 4]) * 4 + 5 % 4
+    flat_slot = int(row[0, 5 // 4]) * 4 + 5 % 4
     for i in eng.mla.kv_cache:
         pad_rows, one_rows, old = (x[i].view(-1, x[i].shape[-1]) for x in (after[0], eng.mla.kv_cache, snap[0]))
         changed = (pad_rows != old).any(-1).nonzero().flatten().tolist()

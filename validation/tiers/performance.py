@@ -125,6 +125,8 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                            detail="sha256 of the greedy tokens served to the measured requests (seeded load): equal "
                                   "digests, equal tokens — e.g. a TP/EP layout against one process"))
         _collective_rows(session, stage, tier, tag, r, lv)
+        _compile_rows(stage, tier, tag, r, lv)
+        _breakdown_rows(stage, tier, tag, r, lv)
         stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
                         detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
         roof = r.get("roofline") or {}
@@ -185,6 +187,14 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.series["roofline"] = {"title": "fraction of the roofline vs concurrency (1.0 = at the floor)",
                                     "kind": "bar", "x": cs, "xlabel": "concurrency", "ylabel": "floor / measured",
                                     "y": y}
+    bars = [(f"c{r.get('concurrency')} {kind}", part) for r in results
+            for kind, part in sorted((r.get("breakdown") or {}).items())]
+    if bars:
+        fams = list(dict.fromkeys(f for _, part in bars for f in part["ms"]))
+        stage.series["breakdown"] = {"title": "where a step goes (eager profiled step, ms per op family)",
+                                     "kind": "stacked", "x": [b[0] for b in bars], "xlabel": "step",
+                                     "ylabel": "ms", "y": {f: [part["ms"].get(f, 0.0) for _, part in bars]
+                                                           for f in fams}}
     if pts:
         stage.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)",
                                     "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",
@@ -222,6 +232,42 @@ def _collective_rows(session: Session, stage: Stage, tier: str, tag: str, r: dic
             stage.add(info(tier, f"{tag}.collective.{name}.share", round(proj / c["mean_step_s"], 4), "",
                            level="projected", detail=f"ring all-reduce time at {link / 1e9:.0f} GB/s link bandwidth "
                                                      "over the measured mean step time"))
+
+
+def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
+    """Kernel compilations and autotune runs during the measured phase: each must be 0 (a serving engine
+    compiles and tunes during warm-up only); a failure names the kernels."""
+    c = r.get("compiles")
+    if not c:
+        return
+    ladder = (r.get("warmup") or {}).get("ladder") or {}
+    after = (f"after warm-up of {len(ladder.get('graphs', []))} decode graphs and prefill buckets "
+             f"{ladder.get('prefill_buckets', [])}" if ladder else "after the warm-up requests")
+    if c.get("available", True):
+        names = ", ".join(f"{k} x{v}" for k, v in c.get("compiled", {}).items())
+        stage.add(check(tier, f"{tag}.measured.compiles", int(c["compiles"]), eq=0, unit="kernels", level=lv,
+                        detail=(f"Triton compilations while measuring {after}"
+                                + (f": {names}" if names else ""))[:300]))
+    else:
+        stage.add(info(tier, f"{tag}.measured.compiles", "not counted", level=lv,
+                       detail="this Triton has no knobs.runtime.jit_post_compile_hook"))
+    names = ", ".join(f"{k} x{v}" for k, v in c.get("tuned", {}).items())
+    stage.add(check(tier, f"{tag}.measured.autotune_runs", int(c["autotune_runs"]), eq=0, unit="runs", level=lv,
+                    detail=(f"tune.pick timing runs while measuring {after}" + (f": {names}" if names else ""))[:300]))
+
+
+def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
+    """Per op family of one decode and one mixed step (:func:`k3rocm.bench.breakdown.step_breakdown`): ms each
+    and the step's wall time; the step is eager with a device sync per family, so shares are the reading."""
+    for kind, part in sorted((r.get("breakdown") or {}).items()):
+        wall = float(part.get("wall_ms") or 0.0)
+        stage.add(info(tier, f"{tag}.breakdown.{kind}.wall_ms", round(wall, 4), "ms", level=lv,
+                       detail=f"one profiled eager {kind} step: {part.get('num_decode')} decode rows, "
+                              f"{part.get('num_prefill_tokens')} prefill tokens (synchronised per op family)"))
+        for fam, ms in part["ms"].items():
+            share = float(ms) / wall if wall > 0 else 0.0
+            stage.add(info(tier, f"{tag}.breakdown.{kind}.{fam.replace(' ', '_')}", round(float(ms), 4), "ms",
+                           level=lv, detail=f"{share:.1%} of the profiled {kind} step"))
 
 
 def _target_conc(setting: str) -> int | None:
