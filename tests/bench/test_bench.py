@@ -242,6 +242,49 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
     assert set(res.target["ops"].values()) <= {"torch", "triton", "aiter"}
     json.dumps(res.to_dict())
     assert not eng.has_unfinished() and eng.mla.num_free_blocks == eng.mla.num_blocks
+    # the measured phase compiled and tuned nothing (the CPU oracle never does); the breakdown after it timed a
+    # mixed and a decode step per op family, the families within the step's wall time
+    c = res.to_dict()["compiles"]
+    assert c["compiles"] == 0 and c["autotune_runs"] == 0 and c["compiled"] == {} and c["tuned"] == {}
+    assert set(res.breakdown) == {"mixed", "decode"}
+    mixed, dec = res.breakdown["mixed"], res.breakdown["decode"]
+    assert mixed["num_decode"] == 1 and mixed["num_prefill_tokens"] > 0
+    assert dec["num_decode"] == 2 and dec["num_prefill_tokens"] == 0
+    for part in (mixed, dec):
+        fams = part["ms"]
+        assert fams["KDA"] > 0 and fams["MLA"] > 0 and fams["lm_head"] > 0 and fams["experts"] > 0
+        assert all(v >= 0 for v in fams.values()) and sum(fams.values()) == pytest.approx(part["wall_ms"], rel=1e-3)
+    assert eng.profiler is None and "channel" not in vars(eng.dec) and "_mix" not in vars(eng)  # all undone
+
+
+def test_bench_rows_fail_on_measured_compiles_and_draw_the_breakdown():
+    """A point whose measured phase compiled or tuned fails its stage with one row naming the kernels; the
+    breakdown becomes rows and one stacked bar per step kind."""
+    from k3rocm.validation.evidence import Stage
+    from k3rocm.validation.render import _series_svg
+    from k3rocm.validation.tiers.performance import _breakdown_rows, _compile_rows
+
+    ok = {"compiles": {"compiles": 0, "autotune_runs": 0, "compiled": {}, "tuned": {}, "available": True},
+          "warmup": {"ladder": {"graphs": [1, 2, 4], "prefill_buckets": [1, 2, 4, 8]}}}
+    st = Stage("bench")
+    _compile_rows(st, "bench", "c4", ok, "measured")
+    assert st.status == "passed" and [e.name for e in st.evidence] == ["c4.measured.compiles",
+                                                                        "c4.measured.autotune_runs"]
+    bad = {"compiles": {"compiles": 3, "autotune_runs": 1, "compiled": {"_kda_conv_kernel": 3},
+                        "tuned": {"kda_conv": 1}, "available": True}}
+    st = Stage("bench")
+    _compile_rows(st, "bench", "c4", bad, "measured")
+    assert st.status == "failed" and len(st.failures) == 2
+    assert "_kda_conv_kernel x3" in st.failures[0].detail and "kda_conv x1" in st.failures[1].detail
+    part = {"ms": {"KDA": 1.0, "MLA": 2.0, "host + other": 0.5}, "wall_ms": 3.5, "num_decode": 2,
+            "num_prefill_tokens": 0}
+    st = Stage("bench")
+    _breakdown_rows(st, "bench", "c4", {"breakdown": {"decode": part}}, "measured")
+    names = {e.name: e for e in st.evidence}
+    assert names["c4.breakdown.decode.wall_ms"].value == 3.5 and "57.1%" in names["c4.breakdown.decode.MLA"].detail
+    svg = _series_svg("breakdown", {"kind": "stacked", "x": ["c4 decode", "c4 mixed"],
+                                    "y": {"KDA": [1.0, 2.0], "MLA": [2.0, 1.0]}, "ylabel": "ms"})
+    assert svg is not None and "<svg" in svg
 
 
 # ------------------------------------------------------------------------------------------------ client

@@ -241,3 +241,71 @@ def test_engine_takes_a_weights_object(golden_ckpt, tiny, prompts_and_ref):
     eng = Engine(tiny[0], load_weights(golden_ckpt), max_batch=4, max_num_batched_tokens=64, block_size=4,
                  max_model_len=32, device="cpu")
     assert eng.generate(prompts[:2], n) == ref[:2]
+
+
+def test_block_rows_follow_the_cache_across_steps(tiny, prompts_and_ref):
+    """The host block table kept across steps gives, at every step, each scheduled sequence's block list as the
+    cache holds it (rows rewritten when a sequence grows, finishes or its slot is reused)."""
+    prompts, _, _ = prompts_and_ref
+    eng = _engine(tiny, max_batch=2)
+    for p in prompts:
+        eng.add_request(p, 4, ignore_eos=True)
+    while eng.has_unfinished():
+        plan, sb = eng.plan_step()
+        if sb is None:
+            break
+        want = eng.mla.block_table([s.seq.seq_id for s in plan.scheduled], eng.max_blocks_per_seq)
+        assert torch.equal(sb.block_rows, want.to(torch.int32))
+        toks, _ = eng.execute(sb)
+        eng.scheduler.update(plan, {s.seq.seq_id: t for s, t in zip([s for s in plan.scheduled if s.sample], toks)})
+
+
+def test_prefill_buckets_cover_every_chunk_length_and_warm_up_runs(tiny):
+    """Warm-up's prefill buckets: every chunk length 1..the step budget maps (tune.pow2) onto one, with
+    1 + ceil(log2(budget)) buckets at most; warm_up(force=True) runs them on the CPU and leaves the caches free."""
+    from k3rocm.kernels.tune import pow2
+
+    eng = _engine(tiny, max_batch=2, max_num_batched_tokens=8, max_model_len=32)
+    b = eng.prefill_buckets()
+    assert b == [1, 2, 4, 8]
+    assert {pow2(n) for n in range(1, eng.scheduler.max_num_batched_tokens + 1)} <= set(b)
+    out = eng.warm_up(force=True)
+    assert out["prefill_buckets"] == b and out["graphs"] == []
+    assert not eng.has_unfinished() and eng.mla.num_free_blocks == eng.mla.num_blocks
+    kinds = {(s.num_decode > 0, s.num_prefill_tokens > 0) for s in eng.step_log}
+    assert {(False, True), (True, True), (True, False)} <= kinds  # prefill-only, mixed and decode steps ran
+    assert eng.warm_up() == {"graphs": [], "prefill_buckets": []}  # CPU: nothing to compile
+
+
+@pytest.mark.gpu
+def test_engine_gpu_no_compiles_after_warm_up(tiny):
+    """On a GPU with the auto-selected kernels: after warm_up() and one warm-up pass, serving requests of random
+    prompt lengths and output lengths at random arrival points compiles no Triton kernel and times no tune.pick
+    candidate (each kernel's shape keys are bucketed; every decode graph is captured)."""
+    import random
+
+    from k3rocm.kernels.compile_watch import CompileWatch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
+    cfg = tiny[0]
+    eng = _engine(tiny, device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16, max_batch=8,
+                  max_num_batched_tokens=64, block_size=16, max_model_len=256)
+    ladder = eng.warm_up()
+    assert ladder["graphs"] == eng.graph_sizes or not eng.cuda_graphs, eng.describe()["cuda_graphs"]
+    rng = random.Random(7)
+
+    def load(n):
+        for _ in range(n):
+            L = rng.randint(1, 120)
+            eng.add_request([rng.randrange(3, cfg.vocab_size) for _ in range(L)], rng.randint(2, 24), ignore_eos=True)
+            for _ in range(rng.randint(0, 3)):
+                if eng.has_unfinished():
+                    eng.step()
+        while eng.has_unfinished():
+            eng.step()
+
+    load(8)  # the warm-up requests of a benchmark
+    with CompileWatch() as w:
+        load(24)
+    assert w.total == 0, w.summary()

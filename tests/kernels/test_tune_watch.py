@@ -1,0 +1,61 @@
+"""The compile/autotune watcher (kernels.compile_watch) and the shape buckets kernels key on (tune.pow2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from k3rocm.kernels import compile_watch, tune
+from k3rocm.kernels.compile_watch import CompileWatch
+
+
+def test_pow2_ladder_covers_every_length_with_a_bounded_count():
+    for limit in (1, 2, 3, 255, 256, 257, 4096, 131072):
+        ladder = tune.pow2_ladder(limit)
+        assert len(ladder) == 1 + math.ceil(math.log2(limit))  # bounded: logarithmic in the longest length
+        assert ladder[-1] >= limit
+        if limit <= 4096:
+            assert {tune.pow2(n) for n in range(1, limit + 1)} <= set(ladder)
+
+
+def test_watch_counts_pick_timing_runs_per_kernel(monkeypatch):
+    """A first-seen key with several candidates is timed once (counted); the cached key again is not; a watch
+    that ended counts nothing more."""
+    monkeypatch.setattr(tune, "interpreting", lambda: False)
+    monkeypatch.setattr(tune, "_capturing", lambda: False)
+    monkeypatch.delenv("K3ROCM_TUNE", raising=False)
+    monkeypatch.setattr(tune.triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    cands = [{"BLOCK": 16}, {"BLOCK": 32}]
+    with CompileWatch() as w:
+        tune.pick("watch_test_kernel", ("k", 1), cands, run=lambda c: None)
+        tune.pick("watch_test_kernel", ("k", 1), cands, run=lambda c: None)  # cached: not timed again
+        tune.pick("watch_test_kernel", ("k", 2), cands, run=lambda c: None)
+    assert w.autotunes == {"watch_test_kernel": 2} and w.summary()["autotune_runs"] == 2
+    tune.pick("watch_test_kernel", ("k", 3), cands, run=lambda c: None)
+    assert w.autotunes["watch_test_kernel"] == 2 and w._on_tune not in tune.LISTENERS
+    for k in (1, 2, 3):
+        tune._CACHE.pop(("watch_test_kernel", ("k", k)), None)
+
+
+def test_watch_counts_compiles_through_the_triton_hook_and_chains_it():
+    knobs = compile_watch._KNOBS
+    if knobs is None or not hasattr(knobs, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no knobs.runtime.jit_post_compile_hook")
+    seen = []
+    prev = knobs.jit_post_compile_hook
+    knobs.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        class Fn:
+            name = "k3_fake_kernel"
+        with CompileWatch() as w:
+            assert w.available
+            # what JITFunction._call_hook passes after compiling a new specialisation
+            knobs.jit_post_compile_hook(key=(), repr="k3_fake_kernel[num_warps=4]()", fn=Fn(), compile={},
+                                        is_manual_warmup=False, already_compiled=False)
+        assert w.compiles == {"k3_fake_kernel": 1} and seen == ["k3_fake_kernel"]
+        assert w.summary()["compiled"] == {"k3_fake_kernel": 1} and w.total == 1
+    finally:
+        restored = knobs.jit_post_compile_hook
+        knobs.jit_post_compile_hook = prev
+    assert restored is not w._on_compile  # the watch put the earlier hook back
