@@ -221,6 +221,11 @@ class Engine:
         if self.graph_sizes[-1] < min(max_batch, num_slots):
             self.graph_sizes.append(min(max_batch, num_slots))
         self._graphs: dict[int, Any] = {}
+        # steps carrying prefill chunks: piecewise graphs per token bucket (the token mixers run eager between)
+        self.mixed_graphs = self.cuda_graphs
+        self.mixed_sizes = tune.pow2_ladder(max(1, max_num_batched_tokens))
+        self._mixed: dict[int, Any] = {}
+        self.mixed_error = ""
         self.graph_error = ""
         self._graph_mode = False
         # a captured mla_decode must not size its work from the live context lengths (a host sync): kernels
@@ -234,6 +239,7 @@ class Engine:
                                              ("num_splits", max(1, min(8, max_model_len // 512))))
                           if k in params}
         self.graph_note = "off (CPU)" if not on_gpu else ("on" if self.cuda_graphs else "off (disabled)")
+        self.mixed_note = self.graph_note
 
     # ------------------------------------------------------------------ description
     def describe(self) -> dict:
@@ -264,6 +270,8 @@ class Engine:
                           f"{str(self.matmul_dtype).replace('torch.', '')} output widened to fp32")),
             "cuda_graphs": self.graph_note,
             "graph_batch_sizes": list(self._graphs) if self._graphs else [],
+            "mixed_graphs": self.mixed_note,
+            "mixed_graph_token_buckets": sorted(self._mixed),
         }
 
     # ------------------------------------------------------------------ requests
@@ -354,17 +362,18 @@ class Engine:
         return mix
 
     def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
-                 sample_rows: torch.Tensor) -> torch.Tensor:
+                 sample_rows: torch.Tensor, mix: Any = None) -> torch.Tensor:
         """Run all layers on flat ``ids [T]`` (first ``nd`` = decode rows) and return this rank's logits slice
         ``[len(sample_rows), V_local]`` fp32 of the sampled rows (the whole vocabulary on one rank).
 
         ``dec``: ``slot_ids [nd] int32``, ``pos [nd] int64`` (tokens cached before), ``block_rows [nd, nb]``.
         ``pre``: the prefill chunks' :class:`Batch` over the paged view, or None.
-        Runs inside ``matmul_dtype(self.matmul_dtype)`` (eager steps, graph warm-up and capture alike).
+        ``mix``: the token mixer callable ``mix(i, x)`` (default :meth:`_mix` of the step; piecewise capture passes
+        its own). Runs inside ``matmul_dtype(self.matmul_dtype)`` (eager steps, graph warm-up and capture alike).
         """
         with matmul_dtype(self.matmul_dtype):
             st = self.dec.embed(ids, None)
-            self.dec.layers(st, self._mix(nd, dec, pre))
+            self.dec.layers(st, mix or self._mix(nd, dec, pre))
             return self.dec.local_logits(self.dec.hidden_out(st, sample_rows))
 
     # ------------------------------------------------------------------ step
@@ -455,8 +464,11 @@ class Engine:
             pre = Batch(self._to_dev(cu), self._paged_view(p[:, 0], block_rows[nd:]), p[:, 0].clone(),
                         p[:, 1].clone())
         out = None
-        if nd and pre is None and self.cuda_graphs and self.profiler is None:
-            out = self._graph_decode(ids, dec)
+        if self.cuda_graphs and self.profiler is None:
+            if nd and pre is None:
+                out = self._graph_decode(ids, dec)
+            elif self.mixed_graphs and self.cfg.family == "k3":
+                out = self._graph_mixed(ids, nd, dec, pre, sample_rows)
         used_graph = out is not None
         if out is None:
             logits = self._forward(ids, nd, dec, pre, self._to_dev(torch.tensor(sample_rows, dtype=torch.int64)))
@@ -510,18 +522,23 @@ class Engine:
     @torch.no_grad()
     def warm_up(self, force: bool = False) -> dict:
         """Compile, tune and capture what serving meets, before anything is measured: every decode graph of
-        the ladder (captured now, not on first use) and, per prefill bucket of :meth:`prefill_buckets`, one
+        the ladder and every piecewise graph of a mixed-step token bucket (captured now, not on first use) and,
+        per prefill bucket of :meth:`prefill_buckets`, one
         prefill-only step and one mixed step (a decode row beside the chunk). The engine must be idle; the
         warm-up requests run to completion (caches left as they were).
 
         On the CPU nothing compiles, so this is a no-op unless ``force``. Returns ``{"graphs": [sizes],
-        "prefill_buckets": [lengths]}`` of what ran."""
+        "mixed_graphs": [token buckets], "prefill_buckets": [lengths]}`` of what ran."""
         if self.device.type != "cuda" and not force:
-            return {"graphs": [], "prefill_buckets": []}
+            return {"graphs": [], "mixed_graphs": [], "prefill_buckets": []}
         if self.cuda_graphs:
             for size in self.graph_sizes:
                 if size not in self._graphs and self._capture(size) is None:
                     break  # capture failed: the engine stays eager and says why
+        if self.cuda_graphs and self.mixed_graphs and self.cfg.family == "k3":
+            for size in self.mixed_sizes:
+                if size not in self._mixed and self._capture_mixed(size) is None:
+                    break  # mixed steps stay eager and say why
         buckets = self.prefill_buckets()
         vocab = self.cfg.vocab_size
         for b in buckets:
@@ -534,7 +551,7 @@ class Engine:
                 self.add_request(prompt, 2, ignore_eos=True)  # its chunk rides beside a's decode row
                 while self.has_unfinished():
                     self.step()
-        return {"graphs": sorted(self._graphs), "prefill_buckets": buckets}
+        return {"graphs": sorted(self._graphs), "mixed_graphs": sorted(self._mixed), "prefill_buckets": buckets}
 
     # ------------------------------------------------------------------ CUDA/HIP graphs
     def _graph_decode(self, ids: torch.Tensor, dec: dict) -> torch.Tensor | None:
@@ -602,4 +619,111 @@ class Engine:
         st["graph"] = graph
         self._graphs[size] = st
         self.graph_note = "on"
+        return st
+
+    # ------------------------------------------------------------------ piecewise graphs of mixed steps
+    def _padded_mix(self, nd: int, dec: dict | None, pre: Batch | None, t: int):
+        """The step's token mixer on the first ``t`` rows of a bucket-padded ``x [T_bucket, hidden]``; the padding
+        rows get zeros (every other op of a layer is row-wise, so padding rows never reach a real row)."""
+        inner = self._mix(nd, dec, pre)
+
+        def mix(i: int, x: torch.Tensor) -> torch.Tensor:
+            y = inner(i, x[:t])
+            if x.shape[0] == t:
+                return y
+            return torch.cat([y, y.new_zeros(x.shape[0] - t, *y.shape[1:])], 0)
+        return mix
+
+    def _graph_mixed(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
+                     sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Run a step carrying prefill chunks through the piecewise graphs of its token bucket (the smallest of
+        :attr:`mixed_sizes` >= its tokens; captured on first use): graph piece ``k`` runs everything from the
+        token mixer of layer ``k - 1`` to the input of the token mixer of layer ``k`` (embedding first; final
+        AttnRes, norm, lm_head and greedy sampling last) on the padded tokens; the token mixers, whose work
+        depends on the chunks' layout, run eager between the pieces on the real rows, writing the static buffer
+        the next piece reads. Returns ``(tokens [N], logits [N, V_local])`` (views into the graph's buffers) or
+        None (no bucket fits, or capture failed: then mixed steps stay eager and :meth:`describe` says why)."""
+        t, n = ids.numel(), len(sample_rows)
+        size = next((b for b in self.mixed_sizes if b >= t), None)
+        if size is None or n > self._mixed_rows():
+            return None
+        g = self._mixed.get(size)
+        if g is None:
+            g = self._capture_mixed(size)
+            if g is None:
+                return None
+        g["ids"].zero_()
+        g["ids"][:t] = ids
+        g["rows"].zero_()
+        g["rows"][:n] = self._to_dev(torch.tensor(sample_rows, dtype=torch.int64))
+        mix = self._padded_mix(nd, dec, pre, t)
+        with matmul_dtype(self.matmul_dtype):
+            for k, piece in enumerate(g["pieces"]):
+                piece.replay()
+                if k < len(g["mixers"]):
+                    i, x, out = g["mixers"][k]
+                    out.copy_(mix(i, x))
+        if self.par.stats is not None:
+            for name, v in g["comm"].items():
+                self.par.stats.add(name, v["bytes"], 0.0, calls=v["calls"])
+        return g["tokens"][:n], g["logits"][:n]
+
+    def _mixed_rows(self) -> int:
+        """Sampled rows a mixed graph holds: one per sequence a step can carry."""
+        return self.scheduler.max_num_seqs
+
+    def _capture_mixed(self, size: int) -> dict | None:
+        """Capture the pieces of the mixed-step graph of ``size`` tokens (see :meth:`_graph_mixed`): a warm-up
+        pass on padding first (compiles and tunes outside capture), then one capture per piece into one memory
+        pool, the mixers' static output buffers allocated between the pieces."""
+        dev = self.device
+        st = {"ids": torch.zeros(size, dtype=torch.int64, device=dev),
+              "rows": torch.zeros(self._mixed_rows(), dtype=torch.int64, device=dev)}
+        pieces: list = []
+        mixers: list = []
+        pool = torch.cuda.graph_pool_handle()
+        stats = self.par.stats
+        s = torch.cuda.Stream(device=dev)
+        cur: list = []
+
+        def zero_mix(i: int, x: torch.Tensor) -> torch.Tensor:  # warm-up: the mixers are not part of a piece
+            return torch.zeros_like(x)
+
+        def cut(i: int, x: torch.Tensor) -> torch.Tensor:  # end the piece at the mixer's input, start the next
+            cur[0].capture_end()
+            pieces.append(cur[0])
+            out = torch.zeros_like(x)  # the mixer's static output, written eagerly at each replay
+            mixers.append((i, x, out))
+            cur[0] = torch.cuda.CUDAGraph()
+            cur[0].capture_begin(pool=pool)
+            return out
+
+        try:
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                self._forward(st["ids"], 0, None, None, st["rows"], mix=zero_mix)
+                torch.cuda.synchronize(dev)
+                before = stats.snapshot() if stats is not None else {}
+                with matmul_dtype(self.matmul_dtype):
+                    cur.append(torch.cuda.CUDAGraph())
+                    cur[0].capture_begin(pool=pool)
+                    try:
+                        logits = self._forward(st["ids"], 0, None, None, st["rows"], mix=cut)
+                        st["tokens"] = self.par.greedy(logits)
+                    finally:
+                        cur[0].capture_end()
+                    pieces.append(cur[0])
+                st["logits"] = logits
+                st["comm"] = stats.delta(stats.snapshot(), before) if stats is not None else {}
+            torch.cuda.current_stream(dev).wait_stream(s)
+        except Exception as e:  # an op synchronises with the host: mixed steps stay eager and say so
+            import traceback
+            self.mixed_error = traceback.format_exc(limit=-6)
+            self.mixed_graphs = False
+            self.mixed_note = (f"off (capture failed at {size} tokens: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160]})")
+            return None
+        st["pieces"], st["mixers"] = pieces, mixers
+        self._mixed[size] = st
+        self.mixed_note = "on"
         return st

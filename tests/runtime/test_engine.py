@@ -265,16 +265,16 @@ def test_prefill_buckets_cover_every_chunk_length_and_warm_up_runs(tiny):
     1 + ceil(log2(budget)) buckets at most; warm_up(force=True) runs them on the CPU and leaves the caches free."""
     from k3rocm.kernels.tune import pow2
 
-    eng = _engine(tiny, max_batch=2, max_num_batched_tokens=8, max_model_len=32)
+    eng = _engine(tiny, max_batch=2, max_num_batched_tokens=4, max_model_len=32)
     b = eng.prefill_buckets()
-    assert b == [1, 2, 4, 8]
+    assert b == [1, 2, 4]
     assert {pow2(n) for n in range(1, eng.scheduler.max_num_batched_tokens + 1)} <= set(b)
     out = eng.warm_up(force=True)
-    assert out["prefill_buckets"] == b and out["graphs"] == []
+    assert out["prefill_buckets"] == b and out["graphs"] == [] and out["mixed_graphs"] == []
     assert not eng.has_unfinished() and eng.mla.num_free_blocks == eng.mla.num_blocks
     kinds = {(s.num_decode > 0, s.num_prefill_tokens > 0) for s in eng.step_log}
     assert {(False, True), (True, True), (True, False)} <= kinds  # prefill-only, mixed and decode steps ran
-    assert eng.warm_up() == {"graphs": [], "prefill_buckets": []}  # CPU: nothing to compile
+    assert eng.warm_up() == {"graphs": [], "mixed_graphs": [], "prefill_buckets": []}  # CPU: nothing to compile
 
 
 @pytest.mark.gpu
@@ -309,3 +309,65 @@ def test_engine_gpu_no_compiles_after_warm_up(tiny):
     with CompileWatch() as w:
         load(24)
     assert w.total == 0, w.summary()
+
+
+def test_bucket_padded_mixed_steps_give_the_oracle_tokens(tiny, prompts_and_ref):
+    """What a mixed-step graph computes, on the CPU: every step carrying prefill chunks padded to its pow2 token
+    bucket (token 0 in the padding), the token mixers on the real rows only (``_padded_mix``: zeros for the
+    padding rows) and a static sampled-row buffer of one row per sequence (padded with row 0) gives the
+    oracle's greedy tokens — padding rows never reach a real row."""
+    from k3rocm.kernels.tune import pow2
+
+    prompts, ref, n = prompts_and_ref
+    eng = _engine(tiny)
+    orig = eng._forward
+    padded_steps = []
+
+    def padded(ids, nd, dec, pre, rows, mix=None):
+        if pre is None:
+            return orig(ids, nd, dec, pre, rows, mix=mix)
+        t, k = ids.numel(), rows.numel()
+        ids_p = torch.cat([ids, ids.new_zeros(pow2(t) + 1 - t)])  # >= 1 padding row in every step
+        rows_p = torch.cat([rows, rows.new_zeros(eng._mixed_rows() - k)])
+        padded_steps.append((t, ids_p.numel()))
+        return orig(ids_p, nd, dec, pre, rows_p, mix=eng._padded_mix(nd, dec, pre, t))[:k]
+
+    eng._forward = padded
+    assert eng.generate(prompts, n) == ref
+    assert len(padded_steps) >= 3 and all(p > t for t, p in padded_steps)
+
+
+@pytest.mark.gpu
+def test_engine_gpu_mixed_graphs_equal_padded_eager(tiny):
+    """On a GPU, auto-selected kernels, bf16: steps carrying prefill chunks replay the piecewise graphs of their
+    token bucket and give exactly the greedy tokens of the same steps run eager on the same padded shapes
+    (pow2 token bucket, one sampled row per sequence); decode steps replay the decode graphs in both runs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
+    cfg = tiny[0]
+    g = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(3, cfg.vocab_size, (L,), generator=g).tolist() for L in (5, 37, 12, 64, 3, 21)]
+    kw = dict(device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16, block_size=16, max_model_len=256,
+              max_batch=4, max_num_batched_tokens=32)
+    a = _engine(tiny, **kw)
+    out_a = a.generate(prompts, 7)
+    assert a.describe()["mixed_graphs"] == "on", a.mixed_error
+    mixed = [s for s in a.step_log if s.num_prefill_tokens]
+    assert mixed and all(s.graph for s in mixed) and a.describe()["mixed_graph_token_buckets"]
+
+    b = _engine(tiny, **kw)
+    b.mixed_graphs = False
+    orig = b._forward
+
+    def padded(ids, nd, dec, pre, rows, mix=None):
+        if pre is None:
+            return orig(ids, nd, dec, pre, rows, mix=mix)
+        t, k = ids.numel(), rows.numel()
+        size = next(x for x in b.mixed_sizes if x >= t)
+        ids_p = torch.cat([ids, ids.new_zeros(size - t)])
+        rows_p = torch.cat([rows, rows.new_zeros(b._mixed_rows() - k)])
+        return orig(ids_p, nd, dec, pre, rows_p, mix=b._padded_mix(nd, dec, pre, t))[:k]
+
+    b._forward = padded
+    assert b.generate(prompts, 7) == out_a
+    assert a.mla.num_free_blocks == a.mla.num_blocks

@@ -241,7 +241,8 @@ def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
     if not c:
         return
     ladder = (r.get("warmup") or {}).get("ladder") or {}
-    after = (f"after warm-up of {len(ladder.get('graphs', []))} decode graphs and prefill buckets "
+    after = (f"after warm-up of {len(ladder.get('graphs', []))} decode graphs, "
+             f"{len(ladder.get('mixed_graphs', []))} mixed-step graphs and prefill buckets "
              f"{ladder.get('prefill_buckets', [])}" if ladder else "after the warm-up requests")
     if c.get("available", True):
         names = ", ".join(f"{k} x{v}" for k, v in c.get("compiled", {}).items())
