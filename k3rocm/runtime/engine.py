@@ -527,15 +527,19 @@ class Engine:
         prefill-only step and one mixed step (a decode row beside the chunk). The engine must be idle; the
         warm-up requests run to completion (caches left as they were).
 
+        On a rank of a TP/EP layout the graphs are captured on first use instead (every rank at the same step).
         On the CPU nothing compiles, so this is a no-op unless ``force``. Returns ``{"graphs": [sizes],
         "mixed_graphs": [token buckets], "prefill_buckets": [lengths]}`` of what ran."""
         if self.device.type != "cuda" and not force:
             return {"graphs": [], "mixed_graphs": [], "prefill_buckets": []}
-        if self.cuda_graphs:
+        # on a rank of a layout a capture issues collectives, so the ranks capture in lockstep inside execute
+        # (on first use) and only the prefill buckets run here, as steps every rank runs
+        alone = self.par.world == 1
+        if self.cuda_graphs and alone:
             for size in self.graph_sizes:
                 if size not in self._graphs and self._capture(size) is None:
                     break  # capture failed: the engine stays eager and says why
-        if self.cuda_graphs and self.mixed_graphs and self.cfg.family == "k3":
+        if self.cuda_graphs and self.mixed_graphs and self.cfg.family == "k3" and alone:
             for size in self.mixed_sizes:
                 if size not in self._mixed and self._capture_mixed(size) is None:
                     break  # mixed steps stay eager and say why
