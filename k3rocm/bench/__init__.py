@@ -25,12 +25,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from k3rocm.bench.breakdown import step_breakdown
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, BenchRequest, plan_load
 from k3rocm.bench.metrics import RequestRecord, aggregate
 from k3rocm.bench.roofline import fraction_of_roofline
 from k3rocm.errors import ConfigError
-from k3rocm.kernels.compile_watch import CompileWatch
 from k3rocm.runtime.sizing import StepRoofline
 
 __all__ = ["BenchResult", "run_bench", "sweep"]
@@ -295,6 +293,10 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     compiles: dict = {}
     parts: dict = {}
     if _is_engine(target):
+        # imported here: both import torch and Triton, which `k3rocm --help` and `plan` never load (tests/cli)
+        from k3rocm.bench.breakdown import step_breakdown
+        from k3rocm.kernels.compile_watch import CompileWatch
+
         ladder = target.warm_up() if hasattr(target, "warm_up") else None
         wrecs, hang, _, _, _ = _drive_engine(target, plan.warmups, concurrency, dog, progress, "warmup")
         go = hang is None and (not plan.warmups or any(r.success for r in wrecs))
