@@ -225,6 +225,7 @@ class Engine:
         self.mixed_graphs = self.cuda_graphs
         self.mixed_sizes = tune.pow2_ladder(max(1, max_num_batched_tokens))
         self._mixed: dict[int, Any] = {}
+        self._mixed_pool: Any = None
         self.mixed_error = ""
         self.graph_error = ""
         self._graph_mode = False
@@ -540,7 +541,7 @@ class Engine:
                 if size not in self._graphs and self._capture(size) is None:
                     break  # capture failed: the engine stays eager and says why
         if self.cuda_graphs and self.mixed_graphs and self.cfg.family == "k3" and alone:
-            for size in self.mixed_sizes:
+            for size in reversed(self.mixed_sizes):  # largest first: the smaller fit in its pool
                 if size not in self._mixed and self._capture_mixed(size) is None:
                     break  # mixed steps stay eager and say why
         buckets = self.prefill_buckets()
@@ -685,7 +686,11 @@ class Engine:
               "rows": torch.zeros(self._mixed_rows(), dtype=torch.int64, device=dev)}
         pieces: list = []
         mixers: list = []
-        pool = torch.cuda.graph_pool_handle()
+        # one memory pool for every bucket (graphs replay one at a time and read their outputs before the next
+        # replay, so a later capture may reuse an earlier one's temporaries): memory of the largest, not the sum
+        if self._mixed_pool is None:
+            self._mixed_pool = torch.cuda.graph_pool_handle()
+        pool = self._mixed_pool
         stats = self.par.stats
         s = torch.cuda.Stream(device=dev)
         cur: list = []
