@@ -638,7 +638,7 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
         for n in (2, 4, 8, 16, 32, 64):
             if n <= pl.tp:
                 continue
-            fake = _scaled(profile, n)
+            fake = scaled_profile(profile, n)
             try:
                 p = plan(cfg, fake, tp=n, ep=n, kv_dtype=pl.kv_dtype, max_tokens=pl.max_tokens,
                          context_len=pl.cache.context_len, strict=True)
@@ -655,5 +655,7 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
     return "try more GPUs, a GPU with more memory, or a smaller checkpoint (k3-tiny, k3-prefix-N)"
 
 
-def _scaled(profile: Profile, n: int) -> Profile:
-    return replace(profile, device_count=max(n, profile.device_count), tp=n, ep=n)
+def scaled_profile(profile: Profile, n: int, ep: int | None = None) -> Profile:
+    """``profile`` with at least ``n`` devices of its kind and a ``tp = n`` / ``ep`` (default ``n``) layout: the
+    same GPU, memory and links per device, more of them (several nodes of it under torchrun)."""
+    return replace(profile, device_count=max(n, profile.device_count), tp=n, ep=n if ep is None else ep)
