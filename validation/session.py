@@ -121,8 +121,7 @@ class Session:
         the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory
         (writable, not inside the checkpoint or the k3rocm cache).
         Raises the one-line K3Error."""
-        if self.synthetic:
-            self._check_synthetic()
+        self._check_synthetic()
         self.checkpoint_dir
         self.index
         self.config
@@ -429,10 +428,11 @@ class Session:
             if pl.world > 1 and link > 0:
                 proj = collective_projection(self.parallel, link, c)
                 stage.add(info(tier, f"{tag}.synthetic.collectives_ms_per_step",
-                               round(proj["total"]["seconds"] * 1e3, 4), "ms", level="projected",
+                               round(proj["total"]["seconds"] * 1e3, 6), "ms", level="projected",
                                detail=f"{proj['total']['calls']:.0f} collectives, {proj['total']['bytes'] / 1e6:.3f} MB "
                                       f"per rank per decode step of {c} rows, over {self.profile.name}'s "
-                                      f"{link / 1e9:.0f} GB/s links (ring; counted here, not run)"))
+                                      f"{link / 1e9:.0f} GB/s links (ring, bandwidth term only: per-call latency "
+                                      "not modelled; counted here, not run)"))
                 stage.add(info(tier, f"{tag}.synthetic.step_with_collectives_ms",
                                round(tpot + proj["total"]["seconds"] * 1e3, 4), "ms", level="projected",
                                detail=f"measured median TPOT ({tpot:.3f} ms, no collectives run) + projected "
