@@ -89,7 +89,7 @@ def _fill(name: str, sl: ShardSlice, t: torch.Tensor, gen: torch.Generator, cfg:
     if t.numel() == 0:
         return
     if name.endswith("weight_packed"):
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device, generator=gen))
+        t.random_(0, 256, generator=gen)  # in place on the device: no second buffer
     elif name.endswith("weight_scale"):
         fan_in = sl.shape[-1] * MX_GROUP  # one scale per 32 inputs
         t.fill_(e8m0_exponent(fan_in, resid if ".w2." in name else 1.0))
