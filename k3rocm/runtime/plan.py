@@ -56,7 +56,7 @@ DEFAULT_CONTEXT = 9216  # 8k input + 1k output: the public SGLang 8k/1k scenario
 DEFAULT_MAX_TOKENS = 8192  # tokens per forward step (prefill chunk budget) for the activation reserve
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"experts\.(\d+)\.(w[123])\.")
+EXPERT_RE = re.compile(r"experts\.(\d+)\.(w[123])\.")  # routed expert tensor names: (expert id, w1|w2|w3)
 
 # suffix (after "self_attn."/"mlp."/"block_sparse_moe.") -> (dim, group) ; group "tp" | "etp" | None
 _ATTN_ROW = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
@@ -151,7 +151,7 @@ def classify(name: str) -> tuple[str, int | None, str | None]:
     """
     if name.endswith("embed_tokens.weight") or name == layout.LM_HEAD:
         return "embed_head", 0, "tp"
-    m = _EXPERT_RE.search(name)
+    m = EXPERT_RE.search(name)
     if m:
         w = m.group(2)
         return "experts", (0 if w in ("w1", "w3") else 1), "etp"

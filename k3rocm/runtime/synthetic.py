@@ -37,7 +37,7 @@ from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.model.weights import Weights
 from k3rocm.mx import E2M1_VALUES
 from k3rocm.runtime.dist import ProjectedGroup
-from k3rocm.runtime.plan import Placement, ShardSlice
+from k3rocm.runtime.plan import EXPERT_RE, Placement, ShardSlice
 
 __all__ = ["RANDOM_WEIGHTS_NOTE", "SyntheticIndex", "synthetic_weights", "e8m0_exponent", "collective_projection",
            "tpot_projection", "check_rank"]
@@ -137,16 +137,45 @@ def synthetic_weights(cfg: K3Config, placement: Placement, rank: int, device: st
     gen = torch.Generator(device=dev)
     gen.manual_seed(int(seed))
     tensors: dict[str, torch.Tensor] = {}
+    # routed experts: one buffer per (layer, w1|w3 -> w13 / w2, packed / scale), laid out as the stacks the engine
+    # builds ([E, rows, cols], w1 rows then w3 rows), each expert's tensors views into it: the stacking copy
+    # then reuses same-sized blocks layer after layer instead of leaving ~100 GB of small freed blocks behind
+    groups: dict[tuple[str, str, str], list[tuple[int, str, str, ShardSlice]]] = {}
     done, last = 0, 0.0
+
+    def tick(nbytes: int, name: str) -> None:
+        nonlocal done, last
+        done += nbytes
+        now = time.monotonic()
+        if progress is not None and now - last > 0.5:
+            progress(done, total, name)
+            last = now
+
     for name, sl in rp.tensors.items():
+        m = EXPERT_RE.search(name)
+        if m is not None:
+            stem, e, wn, kind = name[:m.start()], int(m.group(1)), m.group(2), name.rsplit(".", 1)[1]
+            groups.setdefault((stem, "w2" if wn == "w2" else "w13", kind), []).append((e, wn, name, sl))
+            continue
         t = torch.empty(sl.local_shape, dtype=DTYPES[sl.dtype][0], device=dev)
         _fill(name, sl, t, gen, cfg)
         tensors[name] = t
-        done += sl.nbytes
-        now = time.monotonic()
-        if progress is not None and (now - last > 0.5 or done == total):
-            progress(done, total, name)
-            last = now
+        tick(sl.nbytes, name)
+    for members in groups.values():
+        experts = sorted({e for e, *_ in members})
+        by = {(e, wn): (name, sl) for e, wn, name, sl in members}
+        parts = [wn for wn in ("w1", "w3", "w2") if (experts[0], wn) in by]
+        name0, sl0 = by[(experts[0], parts[0])]
+        rows = [by[(experts[0], wn)][1].local_shape[0] for wn in parts]
+        buf = torch.empty((len(experts), sum(rows), *sl0.local_shape[1:]), dtype=DTYPES[sl0.dtype][0], device=dev)
+        _fill(name0, sl0, buf, gen, cfg)
+        for j, e in enumerate(experts):
+            r0 = 0
+            for wn, r in zip(parts, rows):
+                name, sl = by[(e, wn)]
+                tensors[name] = buf[j, r0:r0 + r]
+                r0 += r
+        tick(buf.numel() * buf.element_size(), name0)
     if progress is not None:
         progress(total, total, "synthetic weights")
     return Weights.from_tensors(cfg, tensors, (rp.expert_first, rp.expert_stop) if rp.expert_stop > rp.expert_first

@@ -101,3 +101,14 @@ def test_k3_prefix_rank_on_the_device():
     model = K3Model(cfg, w, par=ProjectedGroup(pl, 5, "cuda"))
     logits = model.forward(torch.randint(0, cfg.vocab_size, (1, 8), device="cuda"))
     assert bool(torch.isfinite(logits).all())
+
+
+def test_experts_are_made_as_one_buffer_per_layer(tiny_cfg):
+    pl = plan(tiny_cfg, load_profile("cpu"), tp=2, ep=2)
+    w = synthetic_weights(tiny_cfg, pl, 0)
+    i = next(j for j in range(tiny_cfg.num_hidden_layers) if tiny_cfg.is_moe_layer(j))
+    p = f"language_model.model.layers.{i}.block_sparse_moe.experts."
+    ptr = {w.get(f"{p}{e}.{wn}.weight_packed").untyped_storage().data_ptr() for e in (0, 1) for wn in ("w1", "w3")}
+    assert len(ptr) == 1
+    ew = w.experts(i)  # the engine's stacks: w1 rows then w3 rows, as made
+    assert torch.equal(ew.w13_packed[1, :w.get(f"{p}1.w1.weight_packed").shape[0]], w.get(f"{p}1.w1.weight_packed"))
