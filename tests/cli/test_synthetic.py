@@ -60,3 +60,15 @@ def test_help_names_synthetic():
     for cmd in ("validate", "bench"):
         out = run([cmd, "--help"]).output
         assert "--synthetic" in out and "--rank" in out and "RANDOM" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_forward_of_one_full_width_rank_on_the_gpu(tmp_path):
+    """One rank of k3-prefix-2 at TP16/EP16 (full widths) on the selected kernels: the forward tier passes."""
+    out = tmp_path / "r"
+    r = run(["validate", "--level", "forward", "--synthetic", "--preset", "k3-prefix-2", "--profile", "h200-8",
+             "--tp", "16", "--ep", "16", "--rank", "3", "--out", out])
+    assert "RANDOM WEIGHTS" in r.output
+    rep = json.loads((out / "report.json").read_text())
+    assert "RANDOM WEIGHTS" in json.dumps(rep)
