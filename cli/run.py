@@ -81,7 +81,8 @@ Examples:
   k3rocm validate --level forward --synthetic --preset k3 --profile h200-8 --tp 16 --ep 16 --rank 0
                                                    # random weights of one rank of K3 (no checkpoint)""")
 @click.option("--level", type=click.Choice(["env", "load", "forward", "correctness", "performance"]),
-              default="correctness", show_default=True, help="Run every tier up to this one; stop at the first failure.")
+              default=None, help="Run every tier up to this one; stop at the first failure. Default: correctness "
+                                 "(forward with --synthetic).")
 @click.option("--golden", type=click.Path(path_type=str), default=None, metavar="FILE",
               help="External golden outputs (safetensors: input_ids, logits, layerNN.attn_out/mlp_out, "
                    "logits_top1_margin, greedy_prompt, greedy_tokens, greedy_margins) to compare the fp32 oracle "
@@ -103,6 +104,7 @@ def validate_cmd(level, golden, synthetic, preset, tp, ep, rank, checkpoint, pro
     if golden is not None and level in ("env", "load", "forward"):
         raise ConfigError(f"--golden is compared in the correctness tier, which --level {level} does not reach; "
                           "use --level correctness (the default) or performance, or drop --golden")
+    level = level or ("forward" if synthetic else "correctness")
     if synthetic and level in ("correctness", "performance"):
         raise ConfigError(f"--level {level} with --synthetic: random weights have no correct answer to compare "
                           "with; use --level forward, or `k3rocm bench --synthetic` for timings")

@@ -29,19 +29,20 @@ def one_error(r) -> str:
 def test_validate_forward_reads_no_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("K3ROCM_CACHE", str(tmp_path / "cache"))  # the embedded checkpoint would be written here
     out = tmp_path / "r"
-    r = run(["validate", "--level", "forward", "--synthetic", "--profile", "cpu", "--tp", "2", "--ep", "2",
-             "--rank", "1", "--out", out])
+    r = run(["validate", "--synthetic", "--profile", "cpu", "--tp", "2", "--ep", "2", "--rank", "1", "--out", out])
     assert "RANDOM WEIGHTS" in r.output
     assert not (tmp_path / "cache").exists()
     rep = json.loads((out / "report.json").read_text())
     assert "RANDOM WEIGHTS" in json.dumps(rep)
     assert "RANDOM WEIGHTS" in (out / "report.md").read_text()
+    assert set(rep["stages"]) == {"env", "load", "forward"}  # --synthetic stops at forward by default
 
 
 @pytest.mark.parametrize("args,words", [
     (["validate", "--rank", "1"], "needs --synthetic"),
     (["bench", "--tp", "2"], "needs --synthetic"),
     (["validate", "--synthetic", "--level", "correctness"], "random weights"),
+    (["validate", "--synthetic", "--level", "performance"], "random weights"),
     (["validate", "--synthetic", "--profile", "cpu", "--tp", "2", "--ep", "2", "--rank", "2", "--level", "forward"],
      "ranks 0..1"),
     (["bench", "--synthetic", "--preset", "k3-tiny", "--checkpoint", "."], "not both"),
