@@ -33,8 +33,8 @@ from safetensors import safe_open
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.reader import DTYPES, open_checkpoint
 from k3rocm.config import K3Config
-from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
 from k3rocm.config import preset as preset_config
+from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
 from k3rocm.errors import CheckpointError, ConfigError, HardwareError, K3Error, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
@@ -46,8 +46,8 @@ from k3rocm.runtime.load import LoadReport, LoadResult, load_checkpoint
 from k3rocm.runtime.plan import plan, scaled_profile
 from k3rocm.runtime.synthetic import (RANDOM_WEIGHTS_NOTE, SyntheticIndex, check_rank, collective_projection,
                                       synthetic_weights, tpot_projection)
-from k3rocm.validation.evidence import Stage, info
 from k3rocm.runtime.serve import Cluster, RankSpec, RemoteModel
+from k3rocm.validation.evidence import Stage, info
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,10 @@ class Session:
         if self.opts.golden is not None:
             check_golden_file(self.opts.golden, self.config)
         require_dir_for_output(self.opts.out, keep=False)
-        if not self.synthetic or self.opts.checkpoint is not None:
+        if not self.synthetic:
             refuse_output_inside(self.opts.out, self.checkpoint_dir)
+        elif self.opts.checkpoint is not None:  # only its config.json is read, but a report there would change it
+            refuse_output_inside(self.opts.out, Path(self.opts.checkpoint).expanduser())
 
     @property
     def rank(self) -> int:
@@ -175,9 +177,10 @@ class Session:
     # ------------------------------------------------------------------ checkpoint
     @property
     def checkpoint_dir(self) -> Path:
-        """Absolute checkpoint directory; the embedded default is written on first use."""
+        """Absolute checkpoint directory; the embedded default is written on first use. ``--synthetic``: a name
+        for the report (no tensor is read from disk, not even from a ``--checkpoint`` that gave the config)."""
         def build() -> Path:
-            if self.synthetic and self.opts.checkpoint is None:  # nothing on disk: a name for the report
+            if self.synthetic:
                 return Path(f"<synthetic {self.config.name}: random weights>")
             if self.opts.checkpoint is None:
                 return Path(default_checkpoint()).resolve()
@@ -212,7 +215,11 @@ class Session:
             if self.synthetic:
                 if self.opts.checkpoint is None:
                     return preset_config(self.opts.preset or "k3-tiny")
-                return K3Config.from_file(self.checkpoint_dir / "config.json")
+                f = Path(self.opts.checkpoint).expanduser() / "config.json"
+                if not f.is_file():
+                    raise CheckpointError(f"{f}: not found; --synthetic --checkpoint DIR reads only DIR/config.json "
+                                          "(or pass --preset NAME)")
+                return K3Config.from_file(f)
             idx = self._cache.get("index")
             cfg = getattr(idx, "config", None) if idx is not None else None
             if cfg is None:

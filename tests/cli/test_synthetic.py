@@ -47,6 +47,7 @@ def test_validate_forward_reads_no_checkpoint(tmp_path, monkeypatch):
      "ranks 0..1"),
     (["bench", "--synthetic", "--preset", "k3-tiny", "--checkpoint", "."], "not both"),
     (["bench", "--synthetic", "--preset", "nope", "--profile", "cpu"], "unknown preset"),
+    (["bench", "--synthetic", "--checkpoint", "/nonexistent"], "config.json"),
     (["bench", "--synthetic", "--endpoint", "http://127.0.0.1:9"], "drop one"),
     (["validate", "--synthetic", "--profile", "cpu", "--tp", "3", "--level", "forward"], "3"),
 ])

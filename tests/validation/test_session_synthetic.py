@@ -37,3 +37,10 @@ def test_non_synthetic_session_adds_nothing():
     stage = Stage(tier="bench")
     s.synthetic_rows(stage, [{"concurrency": 1, "median_tpot_ms": 1.0}], "bench")
     assert not stage.evidence and s.parallel is None
+
+
+def test_config_from_a_checkpoint_reads_only_its_config(tiny_ckpt, tiny_cfg, tmp_path):
+    s = Session(Options(out=str(tmp_path / "r"), profile="cpu", synthetic=True, checkpoint=str(tiny_ckpt)))
+    s.preflight()
+    assert s.config.config_hash() == tiny_cfg.config_hash()
+    assert "synthetic" in str(s.checkpoint_dir) and not s.is_official
