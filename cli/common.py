@@ -122,14 +122,49 @@ def common_options(f=None, *, kernels: bool = True):
     return apply if f is None else apply(f)
 
 
-def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None):
+def synthetic_options(f):
+    """``--synthetic --preset --tp --ep --rank`` (``validate`` and ``bench``): random weights of one rank of a
+    layout, made on the device (no checkpoint); the values are checked by the session's pre-flight."""
+    for opt in (
+        click.option("--rank", type=int, default=None, metavar="R",
+                     help="With --synthetic: the rank of the --tp/--ep layout this process runs (default 0)."),
+        click.option("--ep", type=int, default=None,
+                     help="With --synthetic: expert-parallel degree, a divisor of --tp (default: the profile's)."),
+        click.option("--tp", type=int, default=None,
+                     help="With --synthetic: ranks of the layout (may exceed the profile's devices: as many "
+                          "of the profile's GPUs as it needs; default: the profile's)."),
+        click.option("--preset", default=None, metavar="NAME",
+                     callback=not_empty("pass a preset name (k3, k3-tiny, k3-prefix-N, ...) or omit it"),
+                     help="With --synthetic: the preset config (k3, k3-tiny, k3-prefix-N, kimi-linear-48b-a3b; "
+                          "default k3-tiny), or take it from --checkpoint's config.json."),
+        click.option("--synthetic", is_flag=True,
+                     help="Random weights made directly in device memory for one rank (--rank) of a layout "
+                          "(--tp/--ep on --profile's GPU kind) instead of a checkpoint: times a model that is not "
+                          "on disk. Outputs are of RANDOM weights (no correctness claim); collectives of the other "
+                          "ranks are counted and their time projected from --profile's link bandwidth."),
+    ):
+        f = opt(f)
+    return f
+
+
+def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None, synthetic: bool = False,
+                 preset: str | None = None, tp: int | None = None, ep: int | None = None, rank: int | None = None):
     """Build a :class:`k3rocm.validation.session.Session` from the common options (and ``validate``'s
-    ``--golden``)."""
+    ``--golden``, the :func:`synthetic_options`)."""
     from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
 
     opts = Options(checkpoint=checkpoint, profile=profile, out=out, kernels=kernels, seed=seed, debug=debug,
-                   command=command_line(), golden=golden)
+                   command=command_line(), golden=golden, synthetic=synthetic, preset=preset, tp=tp, ep=ep, rank=rank)
     return Session(opts)
+
+
+def synthetic_note(session) -> str | None:
+    """The loud line of a ``--synthetic`` run (random weights: no correctness claim), else None."""
+    if not getattr(session, "synthetic", False):
+        return None
+    from k3rocm.runtime.synthetic import RANDOM_WEIGHTS_NOTE  # torch: 1.2 s (measured); --help needs none
+
+    return f"WARNING: {RANDOM_WEIGHTS_NOTE}"
 
 
 def checkpoint_session(checkpoint: str | None):
@@ -255,6 +290,11 @@ def write_stages(session, stages) -> Path:
         extra["golden"] = str(Path(session.opts.golden).resolve())
     if session.opts.endpoint is not None:
         extra["endpoint"] = session.opts.endpoint.to_dict()
+    note = synthetic_note(session)
+    if note:
+        pl = session.run_placement
+        extra["synthetic"] = {"note": note, "preset": session.config.name, "tp": pl.tp, "ep": pl.ep,
+                              "rank": session.rank}
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)
@@ -280,6 +320,9 @@ def print_stages(stages, session=None) -> None:
     line = fallback_line(session) if session is not None else None
     if line:
         c.print(f"[yellow]{line}[/]", markup=True, highlight=False, soft_wrap=True)
+    note = synthetic_note(session) if session is not None else None
+    if note:
+        c.print(f"[bold red]{note}[/]", markup=True, highlight=False, soft_wrap=True)
 
 
 def fallback_line(session) -> str | None:

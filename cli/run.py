@@ -9,7 +9,7 @@ from rich.table import Table
 
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.cli.common import (Progress, common_options, console, finish, handle_errors, make_session, not_empty,
-                               print_stages, write_stages)
+                               print_stages, synthetic_options, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
 from k3rocm.validation.render import fmt_value, point_table
@@ -77,32 +77,44 @@ Examples:
   k3rocm validate --level performance --out reports/demo
   k3rocm validate --level correctness --profile mi355x-8 --checkpoint /models/Kimi-K3
   k3rocm validate --checkpoint ckpt/ --golden golden.safetensors   # + external golden logits
-  k3rocm validate --kernels moe_experts=torch,kda_prefill=triton  # choose implementations per op""")
+  k3rocm validate --kernels moe_experts=torch,kda_prefill=triton  # choose implementations per op
+  k3rocm validate --level forward --synthetic --preset k3 --profile h200-8 --tp 16 --ep 16 --rank 0
+                                                   # random weights of one rank of K3 (no checkpoint)""")
 @click.option("--level", type=click.Choice(["env", "load", "forward", "correctness", "performance"]),
-              default="correctness", show_default=True, help="Run every tier up to this one; stop at the first failure.")
+              default=None, help="Run every tier up to this one; stop at the first failure. Default: correctness "
+                                 "(forward with --synthetic).")
 @click.option("--golden", type=click.Path(path_type=str), default=None, metavar="FILE",
               help="External golden outputs (safetensors: input_ids, logits, layerNN.attn_out/mlp_out, "
                    "logits_top1_margin, greedy_prompt, greedy_tokens, greedy_margins) to compare the fp32 oracle "
                    "against; checked tensor by tensor before any tier runs.")
+@synthetic_options
 @common_options
 @handle_errors
-def validate_cmd(level, golden, checkpoint, profile, out, kernels, seed, debug):
+def validate_cmd(level, golden, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels, seed, debug):
     """Run the validation tiers env → load → forward → correctness → performance.
 
     Correctness compares the selected implementation path (the kernel registry's choice per op, see
     `k3rocm kernels list`) with the fp32 oracle layer by layer: per-layer error, logits KL,
     top-1 agreement, max error, decode-vs-prefill equality. With --golden, or on the official
-    checkpoint (its known answers), it adds `external` evidence.
+    checkpoint (its known answers), it adds `external` evidence. With --synthetic (random weights) only env,
+    load and forward mean anything: higher levels are refused.
     """
     from k3rocm.validation.tiers import run_tiers  # torch: 1.2 s (measured); --help needs none
 
     if golden is not None and level in ("env", "load", "forward"):
         raise ConfigError(f"--golden is compared in the correctness tier, which --level {level} does not reach; "
                           "use --level correctness (the default) or performance, or drop --golden")
-    s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden)
+    level = level or ("forward" if synthetic else "correctness")
+    if synthetic and level in ("correctness", "performance"):
+        raise ConfigError(f"--level {level} with --synthetic: random weights have no correct answer to compare "
+                          "with; use --level forward, or `k3rocm bench --synthetic` for timings")
+    s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden, synthetic=synthetic,
+                     preset=preset, tp=tp, ep=ep, rank=rank)
     s.preflight()
     with Progress() as bar:
         stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
+    if stages:  # --synthetic: the random-weights row in the report (no-op otherwise)
+        s.synthetic_rows(stages[-1], [], stages[-1].tier)
     print_stages(stages, s)
     finish(stages, write_stages(s, stages))
 
@@ -115,6 +127,9 @@ Examples:
   k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
   k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --endpoint-gpus 8 \\
                --concurrency 64 --input-len 1024 --output-len 1024   # hold a vLLM/SGLang deployment to the same load
+  k3rocm bench --synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --concurrency 1,64
+                                     # one rank of K3 at TP16/EP16 with random weights (no checkpoint):
+                                     # step measured here, collectives and TPOT on mi355x-8 projected
 
 \b
 Defaults follow InferenceX's random dataset: lengths uniform in [0.8 L, L], num-prompts = 10 x
@@ -145,10 +160,11 @@ neither the run is refused rather than assume 1.""")
 @click.option("--endpoint-gpus", type=int, default=None, metavar="N",
               help="GPUs serving --endpoint: the divisor of its tok/s/GPU figures. Default: the device count of "
                    "--profile; with neither, an --endpoint run is refused.")
+@synthetic_options
 @common_options
 @handle_errors
 def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warmups, endpoint, model_name,
-              endpoint_gpus, checkpoint, profile, out, kernels, seed, debug):
+              endpoint_gpus, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels, seed, debug):
     """Benchmark serving: TTFT, TPOT, ITL, E2EL percentiles, tok/s and tok/s/GPU, fraction of roofline.
 
     Every point's results go into the report's `bench` stage with plots of latency percentiles and
@@ -162,8 +178,12 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
                          input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                          range_ratio=range_ratio, warmups=warmups, endpoint=endpoint, model_name=model_name,
                          endpoint_gpus=endpoint_gpus)
+    if synthetic and endpoint is not None:
+        raise ConfigError("--synthetic makes random weights for the built-in engine; --endpoint measures another "
+                          "server: drop one")
     gpus = check_options(bench, kernels, profile)
-    s = make_session(checkpoint, profile, out, kernels, seed, debug)
+    s = make_session(checkpoint, profile, out, kernels, seed, debug, synthetic=synthetic, preset=preset, tp=tp,
+                     ep=ep, rank=rank)
     s.preflight()
     stage = run_bench_job(s, bench, gpus, Progress())
     stages = [stage]

@@ -296,6 +296,7 @@ def _engine_body(session: Session, bench: BenchOptions, pts: BenchPoints, bar: P
                 num_prompts=bench.num_prompts, range_ratio=bench.range_ratio, warmups=bench.warmups,
                 progress=phase_progress(bar, c)))
         bench_rows(session, stage, results, tier="bench")
+        session.synthetic_rows(stage, results, tier="bench")
         if stopped:
             raise _interrupted(results, len(pts.concurrencies))
     return body

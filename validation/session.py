@@ -8,6 +8,13 @@ loaded weights, the fp32 oracle model and the engine that runs the selected kern
 Whether measurements are ``measured`` or ``measured-fallback`` is decided here
 (:attr:`Session.measured_level`): ``measured`` only when the detected hardware is what the profile names
 (same backend and base arch, at least the profile's device count).
+
+With ``--synthetic`` (:attr:`Options.synthetic`) no checkpoint is read: the config is a preset (or a
+``--checkpoint``'s config.json alone), the layout is ``--tp/--ep`` on the profile's device kind (as many of them
+as the layout needs), and this one process stands for rank ``--rank`` of it, with random weights made on the
+device (:mod:`k3rocm.runtime.synthetic`) and a :class:`~k3rocm.runtime.dist.ProjectedGroup` that counts the
+collectives instead of running them. Every figure of such a run is ``measured-fallback`` (compute) or
+``projected`` (collectives, other hardware), and none says anything about correctness.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,19 +31,23 @@ import torch
 from safetensors import safe_open
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.reader import open_checkpoint
+from k3rocm.checkpoint.reader import DTYPES, open_checkpoint
 from k3rocm.config import K3Config
+from k3rocm.config import preset as preset_config
 from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
-from k3rocm.errors import CheckpointError, ConfigError, HardwareError, ValidationFailed
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError, K3Error, ValidationFailed
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
 from k3rocm.runtime import registry
 from k3rocm.model.model import K3Model
-from k3rocm.runtime.dist import under_torchrun
+from k3rocm.runtime.dist import ProjectedGroup, under_torchrun
 from k3rocm.runtime.engine import Engine
 from k3rocm.runtime.load import LoadReport, LoadResult, load_checkpoint
-from k3rocm.runtime.plan import plan
+from k3rocm.runtime.plan import plan, scaled_profile
+from k3rocm.runtime.synthetic import (RANDOM_WEIGHTS_NOTE, SyntheticIndex, check_rank, collective_projection,
+                                      synthetic_weights, tpot_projection)
 from k3rocm.runtime.serve import Cluster, RankSpec, RemoteModel
+from k3rocm.validation.evidence import Stage, info
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,10 @@ class Options:
         command: the command line, for the report.
         endpoint: the server a ``bench --endpoint`` run measured, set by that run once its points ran (the
             report's header then says what was measured: the server, not this machine or the checkpoint).
+        synthetic: random weights made on the device instead of a checkpoint (see the module docstring).
+        preset: with ``synthetic``: the preset config (``k3``, ``k3-prefix-N``, ...; default ``k3-tiny``).
+        tp, ep: with ``synthetic``: the layout the rank belongs to (default: the profile's).
+        rank: with ``synthetic``: the rank of that layout this process stands for.
     """
 
     checkpoint: str | None = None
@@ -83,6 +99,11 @@ class Options:
     debug: bool = False
     command: str = ""
     endpoint: EndpointTarget | None = None
+    synthetic: bool = False
+    preset: str | None = None
+    tp: int | None = None
+    ep: int | None = None
+    rank: int | None = None
 
 
 class Session:
@@ -100,16 +121,53 @@ class Session:
         the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory
         (writable, not inside the checkpoint or the k3rocm cache).
         Raises the one-line K3Error."""
+        self._check_synthetic()
         self.checkpoint_dir
         self.index
         self.config
         self.profile
+        if self.synthetic:
+            check_rank(self.placement, self.rank)
         for op in registry.ORACLE_OPS:
             registry.select(op, self.kernel_override)
         if self.opts.golden is not None:
             check_golden_file(self.opts.golden, self.config)
         require_dir_for_output(self.opts.out, keep=False)
-        refuse_output_inside(self.opts.out, self.checkpoint_dir)
+        if not self.synthetic:
+            refuse_output_inside(self.opts.out, self.checkpoint_dir)
+        elif self.opts.checkpoint is not None:  # only its config.json is read, but a report there would change it
+            refuse_output_inside(self.opts.out, Path(self.opts.checkpoint).expanduser())
+
+    @property
+    def rank(self) -> int:
+        """The rank of the layout this process runs (``--rank``, default 0)."""
+        return int(self.opts.rank or 0)
+
+    @property
+    def synthetic(self) -> bool:
+        """True for a ``--synthetic`` run (random weights of one rank, no checkpoint read)."""
+        return bool(self.opts.synthetic)
+
+    def _check_synthetic(self) -> None:
+        """The option combinations ``--synthetic`` refuses (one line each, ConfigError)."""
+        o = self.opts
+        if not o.synthetic:
+            for flag, v in (("--preset", o.preset), ("--tp", o.tp), ("--ep", o.ep), ("--rank", o.rank)):
+                if v is not None:
+                    raise ConfigError(f"{flag} picks the model or layout of random weights and needs --synthetic; "
+                                      "add --synthetic, or drop it to run the checkpoint")
+            return
+        if o.preset is not None and o.checkpoint is not None:
+            raise ConfigError("--synthetic takes the config from --preset or from --checkpoint's config.json, not "
+                              "both; drop one")
+        if o.golden is not None:
+            raise ConfigError("--golden compares outputs with known answers; random weights (--synthetic) have none: "
+                              "drop --golden or --synthetic")
+        for flag, v in (("--tp", o.tp), ("--ep", o.ep)):
+            if v is not None and v < 1:
+                raise ConfigError(f"{flag} {v} must be at least 1")
+        if o.rank is not None and o.rank < 0:
+            raise ConfigError(f"--rank {o.rank} must be at least 0")
 
     def _memo(self, key: str, fn):
         if key not in self._cache:
@@ -119,8 +177,11 @@ class Session:
     # ------------------------------------------------------------------ checkpoint
     @property
     def checkpoint_dir(self) -> Path:
-        """Absolute checkpoint directory; the embedded default is written on first use."""
+        """Absolute checkpoint directory; the embedded default is written on first use. ``--synthetic``: a name
+        for the report (no tensor is read from disk, not even from a ``--checkpoint`` that gave the config)."""
         def build() -> Path:
+            if self.synthetic:
+                return Path(f"<synthetic {self.config.name}: random weights>")
             if self.opts.checkpoint is None:
                 return Path(default_checkpoint()).resolve()
             if not str(self.opts.checkpoint).strip():
@@ -141,12 +202,24 @@ class Session:
     def index(self):
         """The validated checkpoint index (:func:`k3rocm.checkpoint.reader.open_checkpoint`: directory, index,
         shard headers, tensor set vs the config's layout, E8M0 scales)."""
-        return self._memo("index", lambda: open_checkpoint(self.checkpoint_dir))
+        def build():
+            if self.synthetic:
+                return SyntheticIndex(self.config, layout.counts(self.config)["tensors"])
+            return open_checkpoint(self.checkpoint_dir)
+        return self._memo("index", build)
 
     @property
     def config(self):
         """The checkpoint's :class:`k3rocm.config.K3Config`."""
         def build():
+            if self.synthetic:
+                if self.opts.checkpoint is None:
+                    return preset_config(self.opts.preset or "k3-tiny")
+                f = Path(self.opts.checkpoint).expanduser() / "config.json"
+                if not f.is_file():
+                    raise CheckpointError(f"{f}: not found; --synthetic --checkpoint DIR reads only DIR/config.json "
+                                          "(or pass --preset NAME)")
+                return K3Config.from_file(f)
             idx = self._cache.get("index")
             cfg = getattr(idx, "config", None) if idx is not None else None
             if cfg is None:
@@ -184,8 +257,9 @@ class Session:
 
     @property
     def measured_level(self) -> str:
-        """``measured`` on the profile's hardware, else ``measured-fallback``."""
-        return "measured" if self.hardware_matches else "measured-fallback"
+        """``measured`` on the profile's hardware, else ``measured-fallback`` (always for ``--synthetic``: one
+        process standing for one rank of a layout is never the layout)."""
+        return "measured" if self.hardware_matches and not self.synthetic else "measured-fallback"
 
     @property
     def device(self) -> str:
@@ -204,14 +278,26 @@ class Session:
     def placement(self):
         """``k3rocm.runtime.plan.plan(config, profile)`` (PlanError when it does not fit)."""
         def build():
+            if self.synthetic:
+                return self._layout_plan(self.profile)
             return plan(self.config, self.profile)
         return self._memo("placement", build)
+
+    def _layout_plan(self, profile):
+        """``--synthetic``: the ``--tp/--ep`` layout on ``profile``'s device kind, with as many devices as it has
+        ranks (PlanError when the config does not split so or a rank does not fit one device)."""
+        o = self.opts
+        if o.tp is None:
+            return plan(self.config, profile, ep=o.ep)
+        return plan(self.config, scaled_profile(profile, o.tp, o.ep), tp=o.tp, ep=o.ep)
 
     @property
     def run_placement(self):
         """The placement the weights are loaded with: the profile's when this is the profile's hardware,
         else a plan for the hardware detected here (a fallback run measures on what is present)."""
         def build():
+            if self.synthetic:  # the same layout on the hardware measured here (its step floor)
+                return self._layout_plan(self.run_profile) if not self.hardware_matches else self.placement
             if self.hardware_matches:
                 return self.placement
             return plan(self.config, self.run_profile)
@@ -227,8 +313,21 @@ class Session:
 
     @property
     def world(self) -> int:
-        """Ranks of the layout this run loads and serves with (:attr:`run_placement`; 1 = one process)."""
+        """Ranks of the layout this run loads and serves with (:attr:`run_placement`; 1 = one process). For
+        ``--synthetic`` the layout's ranks, of which this one process runs rank ``--rank`` alone."""
         return self.run_placement.world
+
+    @property
+    def parallel(self):
+        """``--synthetic``: the :class:`~k3rocm.runtime.dist.ProjectedGroup` of the rank (collectives counted, not
+        run); None otherwise."""
+        if not self.synthetic:
+            return None
+        return self._memo("parallel", lambda: ProjectedGroup(self.run_placement, self.rank, self.device))
+
+    @property
+    def _multiprocess(self) -> bool:
+        return self.world > 1 and not self.synthetic
 
     @property
     def cluster(self) -> Cluster:
@@ -267,7 +366,9 @@ class Session:
         figures."""
         def build():
             self._small_cpu_threads()
-            if self.world > 1:
+            if self.synthetic:
+                return self._synthetic_load(progress)
+            if self._multiprocess:
                 cl = self.cluster
                 rep = cl.call("load", True, local_kw={"progress": progress})
                 return LoadResult(self.config, self.run_placement, {0: cl.worker.weights}, LoadReport(**rep))
@@ -276,6 +377,87 @@ class Session:
             return load_checkpoint(self.checkpoint_dir, placement=self.run_placement, index=self.index,
                                    device=self.device, progress=progress, strict=False)
         return self._memo("load", build)
+
+    def _synthetic_load(self, progress=None) -> LoadResult:
+        """Random weights of rank ``--rank`` on :attr:`device` (:func:`synthetic_weights`), with a LoadReport of
+        what was made: bytes, seconds, GB/s of generation, and a check of every tensor against the plan (name,
+        local shape, dtype; floating tensors finite)."""
+        pl, r = self.run_placement, self.rank
+        dev = "cpu" if self.device == "cpu" else "cuda"
+        rep = LoadReport(checkpoint=str(self.checkpoint_dir), device=dev, world=pl.world, ranks=[r], threads=1)
+        t0 = time.perf_counter()
+        w = synthetic_weights(self.config, pl, r, device=dev, seed=self.opts.seed, progress=progress)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        planned = pl.ranks[r].tensors
+        rep.tensors_planned = len(planned)
+        rep.tensors_loaded = len(w.keys())
+        rep.bytes_planned[r] = pl.ranks[r].weights_bytes
+        rep.bytes_loaded[r] = w.nbytes()
+        rep.device_bytes_used[r] = w.nbytes()
+        rep.seconds[r] = rep.total_seconds = dt
+        rep.gbps[r] = rep.aggregate_gbps = w.nbytes() / dt / 1e9 if dt > 0 else 0.0
+        for name, sl in planned.items():
+            t = w.get(name)
+            if t is None or tuple(t.shape) != sl.local_shape or t.dtype != DTYPES[sl.dtype][0]:
+                rep.problems.append(f"rank {r}: synthetic {name} is not the planned {sl.local_shape} {sl.dtype}")
+            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                rep.problems.append(f"rank {r}: synthetic {name} holds NaN/Inf values")
+            else:
+                rep.tensors_verified += 1
+        return LoadResult(self.config, pl, {r: w}, rep)
+
+    def synthetic_rows(self, stage: Stage, results: list[dict], tier: str) -> None:
+        """``--synthetic`` rows of a bench stage: the random-weights warning, the collectives the rank counted with
+        their time projected over the ``--profile``'s links, and per point the TPOT of the config on the profile's
+        own layout (e.g. K3 on mi355x-8 at TP8) projected from the measured step (:func:`tpot_projection`).
+        No-op for other runs."""
+        if not self.synthetic:
+            return
+        pl, r = self.run_placement, self.rank
+        stage.add(info(tier, "synthetic.weights", "random", level="measured-fallback",
+                       detail=f"{RANDOM_WEIGHTS_NOTE}; rank {r} of TP{pl.tp}/EP{pl.ep} of {self.config.name}, "
+                              f"{pl.ranks[r].weights_bytes / 1e9:.2f} GB made on {self.device}, seed {self.opts.seed}"))
+        link = float(self.profile.link_bandwidth or 0)
+        target = None
+        try:
+            target = plan(self.config, self.profile)
+        except K3Error as e:
+            stage.add(info(tier, "synthetic.target_plan", "does not fit", level="projected",
+                           detail=f"{self.config.name} on {self.profile.name}: {e}"))
+        for res in results:
+            c, tpot = res.get("concurrency"), res.get("median_tpot_ms")
+            if not c or not tpot:
+                continue
+            tag = f"c{c}"
+            ctx = int(res.get("input_len") or 0) + int(res.get("output_len") or 0) // 2
+            if pl.world > 1 and link > 0:
+                proj = collective_projection(self.parallel, link, c)
+                stage.add(info(tier, f"{tag}.synthetic.collectives_ms_per_step",
+                               round(proj["total"]["seconds"] * 1e3, 6), "ms", level="projected",
+                               detail=f"{proj['total']['calls']:.0f} collectives, {proj['total']['bytes'] / 1e6:.3f} MB "
+                                      f"per rank per decode step of {c} rows, over {self.profile.name}'s "
+                                      f"{link / 1e9:.0f} GB/s links (ring, bandwidth term only: per-call latency "
+                                      "not modelled; counted here, not run)"))
+                stage.add(info(tier, f"{tag}.synthetic.step_with_collectives_ms",
+                               round(tpot + proj["total"]["seconds"] * 1e3, 4), "ms", level="projected",
+                               detail=f"measured median TPOT ({tpot:.3f} ms, no collectives run) + projected "
+                                      "collectives"))
+            if target is not None:
+                tl = float(self.profile.link_bandwidth or 0)
+                tcoll = 0.0
+                if target.world > 1 and tl > 0:
+                    tgrp = ProjectedGroup(target, 0)
+                    tgrp.stats, tgrp.row_bytes = self.parallel.stats, self.parallel.row_bytes  # bytes per row as counted
+                    tcoll = collective_projection(tgrp, tl, c)["total"]["seconds"]
+                p = tpot_projection(tpot / 1e3, pl, target, c, max(ctx, 1), tcoll)
+                stage.add(info(tier, f"{tag}.synthetic.projected_tpot_ms", round(p["tpot_s"] * 1e3, 4), "ms",
+                               level="projected",
+                               detail=f"{self.config.name} on {self.profile.name} at TP{target.tp}/EP{target.ep}: "
+                                      f"measured TPOT x step floor ratio {p['ratio']:.3f} "
+                                      f"({p['floor_target_s'] * 1e3:.3f} / {p['floor_here_s'] * 1e3:.3f} ms) + "
+                                      f"{tcoll * 1e3:.3f} ms collectives; random weights"))
 
     def _small_cpu_threads(self) -> None:
         """On the CPU, run a small checkpoint (< 1 GB) on one thread unless OMP_NUM_THREADS says otherwise:
@@ -303,6 +485,8 @@ class Session:
         if res.report.problems:
             p = res.report.problems
             raise ValidationFailed(f"load of {self.checkpoint_dir}: {len(p)} problem(s), first: {p[0]}")
+        if self.synthetic:
+            return res.rank_weights[self.rank]
         return res.rank_weights[0] if self.world > 1 else res.weights
 
     @property
@@ -316,10 +500,10 @@ class Session:
         the TP/EP oracle on every rank (:class:`~k3rocm.runtime.serve.RemoteModel`: fp32, torch ops, the same
         collectives as the distributed engine)."""
         def build():
-            if self.world > 1:
+            if self._multiprocess:
                 self.weights  # refuses a load with problems
                 return RemoteModel(self.cluster, "oracle", self.config)
-            return K3Model(self.config, self.weights)
+            return K3Model(self.config, self.weights, par=self.parallel)
         return self._memo("oracle", build)
 
     @property
@@ -334,11 +518,11 @@ class Session:
         key = f"engine:{max_batch}:{max_model_len}"
 
         def build():
-            if self.world > 1:  # built on every rank, each on its shard; rank 0's sends each step to the others
+            if self._multiprocess:  # built on every rank, each on its shard; rank 0's sends each step to the others
                 self.weights  # refuses a load with problems
                 return self.cluster.engine(max_batch=max_batch, max_model_len=max_model_len)
             return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
-                          max_batch=max_batch, max_model_len=max_model_len)
+                          max_batch=max_batch, max_model_len=max_model_len, par=self.parallel)
         eng = self._memo(key, build)
         self._cache["engine"] = eng
         return eng
@@ -351,7 +535,7 @@ class Session:
         if getattr(eng, "channel", None) is not None:
             return RemoteModel(self.cluster, f"engine:{eng.channel.eid}", self.config)
         return K3Model(self.config, eng.weights, ops=dict(eng.ops), moe_mode=getattr(eng, "moe_mode", "a16w4"),
-                       matmul_dtype=getattr(eng, "matmul_dtype", None))
+                       matmul_dtype=getattr(eng, "matmul_dtype", None), par=self.parallel)
 
     def kernel_selection(self) -> dict:
         """op -> implementation name the engine runs."""

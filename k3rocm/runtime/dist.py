@@ -50,7 +50,10 @@ from k3rocm.errors import HardwareError, K3Error
 from k3rocm.model.decoder import Parallel
 
 __all__ = ["DistContext", "WorkerFailed", "default_backend", "init", "launch", "run_under_torchrun",
-           "under_torchrun", "all_reduce", "all_gather_cat", "free_port", "TPGroup", "CommStats"]
+           "under_torchrun", "all_reduce", "all_gather_cat", "free_port", "TPGroup", "ProjectedGroup", "CommStats",
+           "GATHERS"]
+
+GATHERS = ("greedy", "logits")  # collectives that are all_gathers; every other name is an all_reduce
 
 
 class WorkerFailed(HardwareError):
@@ -240,6 +243,78 @@ class TPGroup(Parallel):
                             lambda: all_gather_cat(pair.unsqueeze(0), self.ctx, dim=0))
         best = every[..., 0].argmax(0)  # first (lowest-id) rank among equal maxima
         return every[..., 1].gather(0, best.unsqueeze(0)).squeeze(0).to(torch.int64)
+
+
+class ProjectedGroup(TPGroup):
+    """One rank of a TP/EP layout run alone in this process (``--synthetic``): every collective the rank would
+    issue is counted exactly as :class:`TPGroup` counts it (calls, bytes this rank puts in) but nothing is
+    exchanged, so its time can only be projected (:meth:`projected_seconds`).
+
+    Results are this rank's partial values: a reduce returns the local partial sum, the greedy pick is the
+    argmax over this rank's vocabulary rows, ``gather_vocab`` puts the local slice at its own columns of a
+    full-width row filled with the slice's row minimum (shapes as in the real group; values are not those of the
+    whole model).
+
+    Args:
+        placement: the layout (any ``world``). rank: the rank this process stands for. device: its device.
+    Attributes:
+        row_bytes: collective name -> bytes one row (token) puts into one call (``[rows, width]`` inputs: the width
+            in bytes is fixed per name, so a step of N rows puts ``N x row_bytes`` into each call; kept per name
+            rather than summed, as a replayed graph repeats the calls without re-entering Python).
+    """
+
+    def __init__(self, placement: Any, rank: int, device: str | torch.device = "cpu"):
+        dev = torch.device(device)
+        super().__init__(DistContext(rank, placement.world, rank, "none", dev), placement, rank)
+        self.ctx = DistContext(rank, 1, rank, "none", dev)  # a one-process group: the collectives are no-ops
+        self.row_bytes: dict[str, float] = {}
+
+    def _timed(self, name: str, nbytes: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        out = fn()
+        self.stats.add(name, nbytes)
+        return out
+
+    def _row(self, name: str, t: torch.Tensor) -> None:
+        if t.numel():
+            self.row_bytes[name] = t.numel() * t.element_size() / (int(t.shape[0]) if t.dim() > 1 else 1)
+
+    def reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        self._row(name, t)
+        return super().reduce(t, name)
+
+    def agree_min(self, values: list[int]) -> list[int]:
+        return [int(v) for v in values]
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        self._row("logits", local)
+        local = super().gather_vocab(local)
+        start = self.vocab_start or 0
+        # the rank's slice at its own columns, every other column its row minimum: finite, and the argmax lies
+        # in the slice as :meth:`greedy` picks it
+        out = local.amin(-1, keepdim=True).expand(*local.shape[:-1], local.shape[-1] * self.world).clone()
+        out[..., start:start + local.shape[-1]] = local
+        return out
+
+    def greedy(self, local: torch.Tensor) -> torch.Tensor:
+        self._row("greedy", local[:, :2].double())  # the [N, 2] float64 (max, id) pair each rank puts in
+        return super().greedy(local)
+
+    def projected_seconds(self, name: str, nbytes: float, link_bandwidth: float) -> float:
+        """Seconds the collective ``name`` of ``nbytes`` (this rank's input) takes over links of
+        ``link_bandwidth`` bytes/s per device: a ring all_reduce moves ``2 (w-1)/w · B`` per rank, an all_gather
+        ``(w-1) · B`` (bandwidth term only; per-call latency is not modelled). 0 for one rank.
+
+        Raises:
+            HardwareError: ``link_bandwidth`` is not > 0 while the layout has several ranks.
+        """
+        w = self.world
+        if w <= 1:
+            return 0.0
+        if not link_bandwidth > 0:
+            raise HardwareError("the profile has no link bandwidth (link.kind = none), so the collectives of a "
+                                f"{w}-rank layout cannot be projected; pass a --profile of the multi-GPU target")
+        moved = (w - 1) * nbytes if name in GATHERS else 2 * (w - 1) / w * nbytes
+        return moved / link_bandwidth
 
 
 def run_under_torchrun(fn: Callable[..., Any], *args, backend: str | None = None, timeout_s: float = 300.0) -> Any:

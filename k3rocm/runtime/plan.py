@@ -56,7 +56,7 @@ DEFAULT_CONTEXT = 9216  # 8k input + 1k output: the public SGLang 8k/1k scenario
 DEFAULT_MAX_TOKENS = 8192  # tokens per forward step (prefill chunk budget) for the activation reserve
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"experts\.(\d+)\.(w[123])\.")
+EXPERT_RE = re.compile(r"experts\.(\d+)\.(w[123])\.")  # routed expert tensor names: (expert id, w1|w2|w3)
 
 # suffix (after "self_attn."/"mlp."/"block_sparse_moe.") -> (dim, group) ; group "tp" | "etp" | None
 _ATTN_ROW = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
@@ -151,7 +151,7 @@ def classify(name: str) -> tuple[str, int | None, str | None]:
     """
     if name.endswith("embed_tokens.weight") or name == layout.LM_HEAD:
         return "embed_head", 0, "tp"
-    m = _EXPERT_RE.search(name)
+    m = EXPERT_RE.search(name)
     if m:
         w = m.group(2)
         return "experts", (0 if w in ("w1", "w3") else 1), "etp"
@@ -638,7 +638,7 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
         for n in (2, 4, 8, 16, 32, 64):
             if n <= pl.tp:
                 continue
-            fake = _scaled(profile, n)
+            fake = scaled_profile(profile, n)
             try:
                 p = plan(cfg, fake, tp=n, ep=n, kv_dtype=pl.kv_dtype, max_tokens=pl.max_tokens,
                          context_len=pl.cache.context_len, strict=True)
@@ -655,5 +655,7 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
     return "try more GPUs, a GPU with more memory, or a smaller checkpoint (k3-tiny, k3-prefix-N)"
 
 
-def _scaled(profile: Profile, n: int) -> Profile:
-    return replace(profile, device_count=max(n, profile.device_count), tp=n, ep=n)
+def scaled_profile(profile: Profile, n: int, ep: int | None = None) -> Profile:
+    """``profile`` with at least ``n`` devices of its kind and a ``tp = n`` / ``ep`` (default ``n``) layout: the
+    same GPU, memory and links per device, more of them (several nodes of it under torchrun)."""
+    return replace(profile, device_count=max(n, profile.device_count), tp=n, ep=n if ep is None else ep)

@@ -1,0 +1,76 @@
+"""``validate`` / ``bench --synthetic``: random weights of one rank, no checkpoint; bad options are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from k3rocm.cli.main import cli
+
+torch.set_num_threads(1)
+
+
+def run(args, code=0):
+    r = CliRunner().invoke(cli, [str(a) for a in args], env={"COLUMNS": "200"})
+    assert r.exit_code == code, (args, r.exit_code, r.output, r.exception)
+    return r
+
+
+def one_error(r) -> str:
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("k3rocm: ")]
+    assert len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.output
+    return err[0]
+
+
+def test_validate_forward_reads_no_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3ROCM_CACHE", str(tmp_path / "cache"))  # the embedded checkpoint would be written here
+    out = tmp_path / "r"
+    r = run(["validate", "--synthetic", "--profile", "cpu", "--tp", "2", "--ep", "2", "--rank", "1", "--out", out])
+    assert "RANDOM WEIGHTS" in r.output
+    assert not (tmp_path / "cache").exists()
+    rep = json.loads((out / "report.json").read_text())
+    assert "RANDOM WEIGHTS" in json.dumps(rep)
+    assert "RANDOM WEIGHTS" in (out / "report.md").read_text()
+    assert set(rep["stages"]) == {"env", "load", "forward"}  # --synthetic stops at forward by default
+
+
+@pytest.mark.parametrize("args,words", [
+    (["validate", "--rank", "1"], "needs --synthetic"),
+    (["bench", "--tp", "2"], "needs --synthetic"),
+    (["validate", "--synthetic", "--level", "correctness"], "random weights"),
+    (["validate", "--synthetic", "--level", "performance"], "random weights"),
+    (["validate", "--synthetic", "--profile", "cpu", "--tp", "2", "--ep", "2", "--rank", "2", "--level", "forward"],
+     "ranks 0..1"),
+    (["bench", "--synthetic", "--preset", "k3-tiny", "--checkpoint", "."], "not both"),
+    (["bench", "--synthetic", "--preset", "nope", "--profile", "cpu"], "unknown preset"),
+    (["bench", "--synthetic", "--checkpoint", "/nonexistent"], "config.json"),
+    (["bench", "--synthetic", "--endpoint", "http://127.0.0.1:9"], "drop one"),
+    (["validate", "--synthetic", "--profile", "cpu", "--tp", "3", "--level", "forward"], "3"),
+])
+def test_bad_options_are_one_line(tmp_path, args, words):
+    r = CliRunner().invoke(cli, args + ["--out", str(tmp_path / "r")], env={"COLUMNS": "200"})
+    assert r.exit_code != 0
+    assert words in one_error(r)
+    assert not (tmp_path / "r").exists()
+
+
+def test_help_names_synthetic():
+    for cmd in ("validate", "bench"):
+        out = run([cmd, "--help"]).output
+        assert "--synthetic" in out and "--rank" in out and "RANDOM" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_forward_of_one_full_width_rank_on_the_gpu(tmp_path):
+    """One rank of k3-prefix-2 at TP16/EP16 (full widths) on the selected kernels: the forward tier passes."""
+    out = tmp_path / "r"
+    r = run(["validate", "--level", "forward", "--synthetic", "--preset", "k3-prefix-2", "--profile", "h200-8",
+             "--tp", "16", "--ep", "16", "--rank", "3", "--out", out])
+    assert "RANDOM WEIGHTS" in r.output
+    rep = json.loads((out / "report.json").read_text())
+    assert "RANDOM WEIGHTS" in json.dumps(rep)

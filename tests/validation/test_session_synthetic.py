@@ -1,0 +1,46 @@
+"""The session of a ``--synthetic`` run: the layout on the profile's GPU kind, weights of one rank, a projected
+group in the engine, measured-fallback and projected rows."""
+
+from __future__ import annotations
+
+import torch
+
+from k3rocm.runtime.dist import ProjectedGroup
+from k3rocm.validation.evidence import Stage
+from k3rocm.validation.session import Options, Session
+
+torch.set_num_threads(1)
+
+
+def test_synthetic_session_rows(tmp_path):
+    s = Session(Options(out=str(tmp_path / "r"), profile="mi355x-8", synthetic=True, preset="k3-tiny", tp=4, ep=2,
+                        rank=3))
+    s.preflight()
+    assert s.measured_level == "measured-fallback" and s.world == 4 and s.placement.tp == 4
+    rep = s.load().report
+    assert rep.ok and rep.bytes_loaded[3] == s.run_placement.ranks[3].weights_bytes
+    eng = s.engine_for(max_batch=2, max_model_len=32)
+    assert isinstance(eng.par, ProjectedGroup) and eng.par.rank == 3
+    eng.generate([[1, 2, 3, 4], [5, 6, 7]], 2)
+    stage = Stage(tier="bench")
+    s.synthetic_rows(stage, [{"concurrency": 2, "median_tpot_ms": 10.0, "input_len": 4, "output_len": 2}], "bench")
+    rows = {e.name: e for e in stage.evidence}
+    assert "RANDOM WEIGHTS" in rows["synthetic.weights"].detail
+    coll = rows["c2.synthetic.collectives_ms_per_step"]
+    assert coll.level == "projected" and coll.value > 0
+    assert rows["c2.synthetic.projected_tpot_ms"].level == "projected"
+    assert rows["c2.synthetic.step_with_collectives_ms"].value >= 10.0
+
+
+def test_non_synthetic_session_adds_nothing():
+    s = Session(Options())
+    stage = Stage(tier="bench")
+    s.synthetic_rows(stage, [{"concurrency": 1, "median_tpot_ms": 1.0}], "bench")
+    assert not stage.evidence and s.parallel is None
+
+
+def test_config_from_a_checkpoint_reads_only_its_config(tiny_ckpt, tiny_cfg, tmp_path):
+    s = Session(Options(out=str(tmp_path / "r"), profile="cpu", synthetic=True, checkpoint=str(tiny_ckpt)))
+    s.preflight()
+    assert s.config.config_hash() == tiny_cfg.config_hash()
+    assert "synthetic" in str(s.checkpoint_dir) and not s.is_official
