@@ -18,7 +18,7 @@ import torch
 
 from k3rocm.model import moe as M
 
-from tests.helpers import REPO, near_tie_router_inputs
+from tests.helpers import REPO, near_tie_router_inputs, script_module
 
 GPU = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -157,3 +157,11 @@ def test_route_k3_gpu(tk, T, ranks):
     torch.cuda.synchronize()
     assert torch.equal(cap[0], ids) and torch.equal(cap[1], wts)
     _same_dispatch(cap[2], d)
+
+
+def test_bench_route_script_runs(tk, tmp_path):
+    # the benchmark at k3-tiny sizes: both paths agree and the table and JSON are written
+    bench = script_module("bench_route")
+    assert bench.main(["--small", "--device", tk.dev, "--tokens", "3", "--no-graphs", "--out", str(tmp_path)]) == 0
+    assert "| 3 |" in (tmp_path / "route_bench.md").read_text()
+    assert (tmp_path / "route_bench.json").exists()
