@@ -22,7 +22,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError, ConfigError
-from k3rocm.model.common import f32, linear, rms_norm, silu_glu, situ_glu
+from k3rocm.model.common import current_matmul_dtype, f32, linear, rms_norm, silu_glu, situ_glu
 from k3rocm.model.ops import ORACLE_OPS
 
 __all__ = [
@@ -129,8 +129,11 @@ class WeightView:
 
 def linears(x: torch.Tensor, w: WeightView, names: tuple[str, ...]) -> list[torch.Tensor]:
     """``[linear(x, w(n)) for n in names]`` (fp32 ``[T, out_i]`` each), as one GEMM over the concatenated
-    weights (column views of one ``[T, sum out_i]`` product) where :meth:`WeightView.fused` gives them."""
-    fused = w.fused(names)
+    weights (column views of one ``[T, sum out_i]`` product) on the low-precision path (a
+    :func:`~k3rocm.model.common.matmul_dtype` scope of the weights' dtype) where :meth:`WeightView.fused`
+    gives them; fp32 math keeps one GEMM per weight (its summation order, bit for bit)."""
+    dt = current_matmul_dtype()
+    fused = w.fused(names) if dt is not None and w(names[0]).dtype == dt else None
     if fused is None:
         return [linear(x, w(n)) for n in names]
     cat, sizes = fused

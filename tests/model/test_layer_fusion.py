@@ -109,3 +109,14 @@ def test_engine_view_fewer_launches_same_result(tiny):
     assert counts["kda_prefill"][2:] == (8, 3) and counts["kda_decode"][2:] == (8, 3)
     assert counts["mla_project"][2:] == (3, 2)
     assert counts["moe_block"][3] == counts["moe_block"][2] - 1
+
+
+def test_fp32_math_unchanged_by_the_engine_view(tiny_ckpt, tiny_cfg):
+    # without a low-precision scope the engine's view multiplies each weight alone: bitwise the oracle's result
+    weights = load_weights(tiny_ckpt)
+    memo = L.WeightView(weights, memo=True)
+    for name, setup, fn in _calls(tiny_cfg):
+        a = fn(L.WeightView(weights), L.resolve_ops(), setup())
+        b = fn(memo, L.resolve_ops(), setup())
+        assert torch.equal(a, b), name
+    assert not any(k.startswith("cat:") for k in memo._memo)
