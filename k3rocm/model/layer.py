@@ -22,12 +22,12 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError, ConfigError
-from k3rocm.model.common import f32, linear, rms_norm, silu_glu, situ_glu
+from k3rocm.model.common import current_matmul_dtype, f32, linear, rms_norm, silu_glu, situ_glu
 from k3rocm.model.ops import ORACLE_OPS
 
 __all__ = [
     "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
-    "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
+    "linears", "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
     "mla_has_output_gate", "dense_mlp", "moe_block", "attn_side", "mlp_side", "final_aggregate",
 ]
 
@@ -105,6 +105,39 @@ class WeightView:
         if key not in self._memo:
             self._memo[key] = fn()
         return self._memo[key]
+
+    def f32(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` widened to fp32 (exact); widened once when this view memoises, else per call."""
+        return self.derived("f32:" + name, lambda: f32(self(name)))
+
+    def fused(self, names: tuple[str, ...]) -> tuple[torch.Tensor, list[int]] | None:
+        """Weights ``names`` (``[out_i, in]``, one dtype and device) concatenated along ``out`` —
+        ``(W [sum out_i, in], [out_i, ...])``, built once — when this view memoises (the engine's: one GEMM
+        then replaces ``len(names)``); None for a view that does not memoise (the oracle multiplies each weight
+        alone, so its numerics never change) or weights that cannot be stacked. The concatenation is a second
+        copy of those weights next to the source's."""
+        if self._memo is None:
+            return None
+
+        def build() -> tuple[torch.Tensor, list[int]] | None:
+            ts = [self(n) for n in names]
+            if any(t.dim() != 2 for t in ts) or len({(t.dtype, t.device, t.shape[1]) for t in ts}) != 1:
+                return None
+            return torch.cat(ts, 0), [t.shape[0] for t in ts]
+        return self.derived("cat:" + "|".join(names), build)
+
+
+def linears(x: torch.Tensor, w: WeightView, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """``[linear(x, w(n)) for n in names]`` (fp32 ``[T, out_i]`` each), as one GEMM over the concatenated
+    weights (column views of one ``[T, sum out_i]`` product) on the low-precision path (a
+    :func:`~k3rocm.model.common.matmul_dtype` scope of the weights' dtype) where :meth:`WeightView.fused`
+    gives them; fp32 math keeps one GEMM per weight (its summation order, bit for bit)."""
+    dt = current_matmul_dtype()
+    fused = w.fused(names) if dt is not None and w(names[0]).dtype == dt else None
+    if fused is None:
+        return [linear(x, w(n)) for n in names]
+    cat, sizes = fused
+    return list(torch.split(linear(x, cat), sizes, dim=-1))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,17 +251,16 @@ def _kda_inputs(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> di
     ``f_b(f_a(x))`` ``[T, H*K]``, beta_raw ``[T, H]``, gate_raw ``[T, H*K]`` (``g_proj`` for K3, low-rank
     ``g_b(g_a(x))`` for kimi_linear), conv weights, ``A_log`` / ``dt_bias`` flat, ``o_norm``."""
     p = f"layers.{layer}.self_attn."
-    q_raw, k_raw, v_raw = (linear(x, w(p + f"{n}_proj.weight")) for n in "qkv")
-    if cfg.family == "k3":
-        gate_raw = linear(x, w(p + "g_proj.weight"))
-    else:
-        gate_raw = linear(linear(x, w(p + "g_a_proj.weight")), w(p + "g_b_proj.weight"))
-    return {"q": q_raw, "k": k_raw, "v": v_raw,
-            "decay": linear(linear(x, w(p + "f_a_proj.weight")), w(p + "f_b_proj.weight")),
-            "beta": linear(x, w(p + "b_proj.weight")), "gate": gate_raw,
-            "conv": tuple(f32(w(p + f"{n}_conv1d.weight")) for n in "qkv"),
-            "A_log": f32(w(p + "A_log")).reshape(-1), "dt_bias": f32(w(p + "dt_bias")).reshape(-1),
-            "o_norm": f32(w(p + "o_norm.weight"))}
+    # every projection of x in one GEMM where the view fuses them (q|k|v|g (or g_a)|b|f_a)
+    g_name = "g_proj" if cfg.family == "k3" else "g_a_proj"
+    q_raw, k_raw, v_raw, g_raw, beta_raw, f_a = linears(
+        x, w, tuple(p + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", g_name, "b_proj", "f_a_proj")))
+    gate_raw = g_raw if cfg.family == "k3" else linear(g_raw, w(p + "g_b_proj.weight"))
+    return {"q": q_raw, "k": k_raw, "v": v_raw, "decay": linear(f_a, w(p + "f_b_proj.weight")),
+            "beta": beta_raw, "gate": gate_raw,
+            "conv": tuple(w.f32(p + f"{n}_conv1d.weight") for n in "qkv"),
+            "A_log": w.f32(p + "A_log").reshape(-1), "dt_bias": w.f32(p + "dt_bias").reshape(-1),
+            "o_norm": w.f32(p + "o_norm.weight")}
 
 
 def kda_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
@@ -292,7 +324,7 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
             cache.conv[layer][slots, j] = f32(finals[j])
         cache.ssm[layer][slots] = f32(state)
     o = o.reshape(T, H, K)
-    o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"].view(T, H, K))
+    o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"].reshape(T, H, K))
     return linear(o.reshape(T, H * K), w(f"layers.{layer}.self_attn.o_proj.weight"))
 
 
@@ -313,14 +345,15 @@ def mla_project(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> tu
     p = f"layers.{layer}.self_attn."
     H, Dn, Dr, R = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     eps = cfg.rms_norm_eps
+    # q_a (or q) and kv_a in one GEMM where the view fuses them
+    qa, ckv = linears(x, w, (p + ("q_a_proj.weight" if cfg.q_lora_rank else "q_proj.weight"),
+                             p + "kv_a_proj_with_mqa.weight"))
     if cfg.q_lora_rank:
-        q = linear(rms_norm(linear(x, w(p + "q_a_proj.weight")), w(p + "q_a_layernorm.weight"), eps),
-                   w(p + "q_b_proj.weight"))
+        q = linear(rms_norm(qa, w.f32(p + "q_a_layernorm.weight"), eps), w(p + "q_b_proj.weight"))
     else:
-        q = linear(x, w(p + "q_proj.weight"))
-    ckv = linear(x, w(p + "kv_a_proj_with_mqa.weight"))
-    latent = rms_norm(ckv[:, :R], w(p + "kv_a_layernorm.weight"), eps)
-    return q.view(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
+        q = qa
+    latent = rms_norm(ckv[:, :R], w.f32(p + "kv_a_layernorm.weight"), eps)
+    return q.reshape(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
 
 
 def mla_output(o: torch.Tensor, x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> torch.Tensor:
@@ -449,7 +482,7 @@ def dense_mlp(x: torch.Tensor, w: WeightView, prefix: str, cfg: K3Config) -> tor
     (the shared experts, stored merged). act = SiTU-GLU (K3_FACTS §5) or SiLU-GLU (kimi_linear). Under TP the
     weights are a rank's intermediate slice and the result its partial sum.
     """
-    h = _glu(cfg, linear(x, w(prefix + "gate_proj.weight")), linear(x, w(prefix + "up_proj.weight")))
+    h = _glu(cfg, *linears(x, w, (prefix + "gate_proj.weight", prefix + "up_proj.weight")))
     return linear(h, w(prefix + "down_proj.weight"))
 
 
@@ -485,7 +518,7 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         else:
             y = reduce(y, "moe")
     if latent:
-        y = linear(rms_norm(y, w(p + "routed_expert_norm.weight"), cfg.rms_norm_eps),
+        y = linear(rms_norm(y, w.f32(p + "routed_expert_norm.weight"), cfg.rms_norm_eps),
                    w(p + "routed_expert_up_proj.weight"))
     return y if shared is None else y + shared
 

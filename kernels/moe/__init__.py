@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from k3rocm.kernels import tune
 
-from .configs import GEMM_CONFIGS, ROUTER_CONFIGS, gemm_config, gemm_name, router_config
+from .configs import GEMM_CONFIGS, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config, gemm_name, router_config
 from .gemm import dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_reduce_kernel
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
-from .router import router_logits_kernel, router_topk_kernel
+from .router import router_logits_kernel, topk_isa_case
 
 __all__ = ["moe_router", "moe_experts", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
            "gemm_config", "gemm_name", "router_config", "isa_cases", "TRITON_IMPLS"]
@@ -55,7 +55,7 @@ def isa_cases() -> list[tuple]:
     """Kernels for ``kernels isa`` (compiled for every target): both grouped GEMMs x both modes with the first
     and last HIP configs (spill-free on gfx950/gfx942; the same tiles compile for sm_90), the router logits
     GEMM (bf16 serving path; fp32 IEEE validation path), the A16W4 decode-path GEMM with the first and last
-    CUDA tiles, the one-program dispatch, the top-k and reduce kernels (no matrix work).
+    CUDA tiles, the one-program dispatch, the top-k kernel (alone and with the fused dispatch) and the reduce kernel (no matrix work).
     Every CUDA config is compiled for sm_90 by tests/kernels/test_moe_isa.py.
     """
     cases = []
@@ -93,12 +93,7 @@ def isa_cases() -> list[tuple]:
     cases.append(("router_logits_fp32_ieee", router_logits_kernel, {**rsig, "x_ptr": "*fp32", "w_ptr": "*fp32"},
                   {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": True}, False,
                   {"hip": {"num_warps": 4, "num_stages": 2}, "cuda": {"num_warps": 4, "num_stages": 2}}))
-    tsig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
-            "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "SPLITS": "constexpr", "TOPK": "constexpr",
-            "HAS_BIAS": "constexpr", "RENORM": "constexpr", "BLOCK_E": "constexpr", "BLOCK_KOUT": "constexpr"}
-    tconst = {"SPLITS": 4, "TOPK": 16, "HAS_BIAS": True, "RENORM": True, "BLOCK_E": 1024, "BLOCK_KOUT": 16}
-    cases.append(("router_topk", router_topk_kernel, tsig, tconst, False, {"hip": {"num_warps": 4},
-                                                                         "cuda": {"num_warps": 4}}))
+    cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"])]
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
             "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
             "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr"}

@@ -90,7 +90,14 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 
 
 ROUTER_CONFIGS: dict[str, list[Config]] = {
-    "cuda": [router_config(16, 128, 128, 4, 4, max_rows=256), router_config(64, 128, 64, 4, 3)],
+    # <= 64 tokens: one token tile, so the 12.8 MB K3 gate is read once (splits over K fill the SMs)
+    "cuda": [router_config(64, 64, 128, 8, 3, max_rows=64), router_config(16, 128, 128, 4, 4, max_rows=256),
+             router_config(64, 128, 64, 4, 3)],
     "hip": [router_config(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
-    "interpreter": [router_config(16, 32, 32, 4, 1)],
+    "interpreter": [router_config(16, 128, 256, 4, 1)],  # large tiles: fewer interpreted programs
 }
+
+
+#: token rows per tile of the fused dispatch (``router.bucket_pairs``; capped at 16384 lanes / the local expert
+#: count): gfx942/gfx950 spill SGPRs above 4 rows at 896 experts (tests/kernels/test_moe_isa.py), sm_90 does not
+ROUTER_BUCKET_TOKENS: dict[str, int] = {"cuda": 16, "hip": 4, "interpreter": 32}

@@ -1,6 +1,7 @@
 """Launch wrappers of the MoE kernels, with the oracle's signatures (``k3rocm.model.moe``).
 
-* :func:`moe_router` — Triton router (``router.py``).
+* :func:`moe_router` — Triton router (``router.py``); :func:`moe_route` — the router and the dispatch below in
+  two launches (the top-k kernel's last program groups the pairs).
 * :func:`dispatch_gpu` — (token, expert) pairs sorted by local expert on the device (no host synchronisation),
   plus the M-block table of the grouped GEMM for a given ``block_m``: one Triton program (counting sort) for
   decode-sized batches, torch ops (stable radix sort, scatter-add counts, cumsum, searchsorted) above that.
@@ -20,11 +21,11 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import GEMM_CONFIGS, ROUTER_CONFIGS
+from k3rocm.kernels.moe.configs import GEMM_CONFIGS, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
 from k3rocm.kernels.moe.gemm import moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_reduce_kernel
 from k3rocm.kernels.moe.router import router_logits_kernel, router_topk_kernel
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
-from k3rocm.kernels.target import interpreting
+from k3rocm.kernels.target import current_target, interpreting
 
 MODES = ("a16w4", "a8w4")
 
@@ -36,15 +37,8 @@ def _get(obj: Any, name: str) -> Any:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-               renormalize: bool = True, scaling: float = 1.0, config=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton router; same contract as ``k3rocm.model.moe.moe_router`` (FP32 logits, lowest-id ties).
-
-    x ``[T, D]`` and gate_weight ``[E, D]`` are used in x's dtype: bf16 (the serving path: exact products,
-    fp32 accumulation) or fp32 (the validation path and the interpreter, whose bf16 ``tl.dot`` is not
-    trustworthy; fp32 products in IEEE precision, never TF32). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
-    Raises ConfigError on bad shapes / top_k.
-    """
+def _router_logits(x, gate_weight, top_k, config):
+    """Checks, then the split-K logits launch: ``(x, part [S, T, E] fp32, splits)`` (x possibly widened)."""
     if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ConfigError(f"moe_router: x {tuple(x.shape)} and gate.weight {tuple(gate_weight.shape)} do not match")
     T, D = x.shape
@@ -55,13 +49,12 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
         x, gate_weight = x.float(), gate_weight.float()
     x = x.contiguous()
     gate_weight = gate_weight.contiguous()
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    wts = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     if T == 0:
-        return ids, wts
-    cfg = config or tune.pick("moe_router", (T,), tune.configs(ROUTER_CONFIGS), rows=T)
+        return x, None, 0
+    # keyed on the power of two above T (bounded set: no new compile per batch size while serving)
+    cfg = config or tune.pick("moe_router", (tune.pow2(T),), tune.configs(ROUTER_CONFIGS), rows=T)
     tiles = triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(E, cfg["BLOCK_E"])
-    splits = max(1, min(8, 264 // tiles, triton.cdiv(D, cfg["BLOCK_K"])))
+    splits = max(1, min(16, 264 // tiles, triton.cdiv(D, cfg["BLOCK_K"])))
     k_per = triton.cdiv(triton.cdiv(D, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     splits = triton.cdiv(D, k_per)
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
@@ -69,12 +62,80 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
         x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_K=cfg["BLOCK_K"], IEEE=x.dtype == torch.float32,
         **tune.split(cfg)[1])
+    return x, part, splits
+
+
+def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+               renormalize: bool = True, scaling: float = 1.0, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton router; same contract as ``k3rocm.model.moe.moe_router`` (FP32 logits, lowest-id ties).
+
+    x ``[T, D]`` and gate_weight ``[E, D]`` are used in x's dtype: bf16 (the serving path: exact products,
+    fp32 accumulation) or fp32 (the validation path and the interpreter, whose bf16 ``tl.dot`` is not
+    trustworthy; fp32 products in IEEE precision, never TF32). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
+    Raises ConfigError on bad shapes / top_k. Two launches (logits, top-k); :func:`moe_route` adds the grouping.
+    """
+    return _route(x, gate_weight, bias, top_k, renormalize, scaling, config, None)[:2]
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+              first_expert: int, num_local: int, block_m: int, renormalize: bool = True, scaling: float = 1.0,
+              config=None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
+    """Fused routing: :func:`moe_router` and :func:`dispatch_gpu` of its ids in two launches, no host sync.
+
+    x ``[T, D]``, gate_weight ``[E, D]``, bias ``[E]`` fp32 or None; the pairs of local experts
+    ``first_expert .. first_expert + num_local - 1`` are grouped for M blocks of ``block_m`` rows (the grouped
+    GEMM's ``BLOCK_M``). Returns ``(ids [T, k] int32, weights [T, k] fp32, GpuDispatch)``, each tensor equal to
+    what ``moe_router`` then ``dispatch_gpu(ids, first_expert, num_local, block_m)`` return (K3_FACTS §5 step 1;
+    grouping stable in the pair index, so deterministic). Raises ConfigError on bad shapes / top_k / experts.
+    """
+    if not (0 < num_local and 0 <= first_expert and first_expert + num_local <= gate_weight.shape[0]):
+        raise ConfigError(f"moe_route: local experts {first_expert}+{num_local} outside 0..{gate_weight.shape[0]}")
+    return _route(x, gate_weight, bias, top_k, renormalize, scaling, config, (first_expert, num_local, block_m))
+
+
+# one scratch counter per device for the last-program handshake of the fused dispatch; the program that
+# finishes last resets it, so it is zero before every launch (and inside a captured graph)
+_DONE: dict[torch.device, torch.Tensor] = {}
+
+
+def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
+    x, part, splits = _router_logits(x, gate_weight, top_k, config)
+    T = x.shape[0]
+    E = gate_weight.shape[0]
+    dev = x.device
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    if group is not None and T == 0:
+        return ids, wts, dispatch_gpu(ids, group[0], group[1], group[2])
+    if T == 0:
+        return ids, wts, None
     b = bias.float().contiguous() if bias is not None else part
+    meta = dict(SPLITS=splits, TOPK=top_k, HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+                BLOCK_E=triton.next_power_of_2(E), BLOCK_KOUT=triton.next_power_of_2(top_k))
+    if group is None:
+        router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
+                                 ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
+        return ids, wts, None
+    first, num_local, block_m = group
+    P = T * top_k
+    ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
+    d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
+                    torch.empty(num_local, dtype=torch.int64, device=dev),
+                    torch.empty(num_local + 1, dtype=torch.int64, device=dev),
+                    torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
+                    block_m)
+    member = torch.empty(T, num_local, dtype=torch.int32, device=dev)
+    rowpos = torch.empty(T, num_local, dtype=torch.int32, device=dev)
+    done = _DONE.get(dev)
+    if done is None:
+        done = _DONE[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    block_l = triton.next_power_of_2(num_local + 1)
     router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
-                             SPLITS=splits, TOPK=top_k, HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-                             BLOCK_E=triton.next_power_of_2(E), BLOCK_KOUT=triton.next_power_of_2(top_k),
-                             num_warps=4)
-    return ids, wts
+                             member, rowpos, done, T, int(first), num_local, d.sorted_pair, d.pos, d.counts,
+                             d.offsets, d.block_expert, d.block_start, ub, **meta, DISPATCH=True, BLOCK_M=block_m,
+                             BLOCK_T=max(1, min(ROUTER_BUCKET_TOKENS[current_target().backend], 16384 // block_l)), BLOCK_L=block_l,
+                             BLOCK_UB=triton.next_power_of_2(ub), num_warps=8)
+    return ids, wts, d
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,7 +4,16 @@ unbiased renormalised weights (K3_FACTS §5 step 1; oracle ``k3rocm.model.moe.mo
 Two kernels: ``router_logits_kernel`` (grid: token tiles x expert tiles x K splits, partial sums to an fp32
 buffer ``[S, T, E]``; splits give enough programs at 64 tokens, where one tile of tokens would read the
 whole 12.8 MB gate alone) and ``router_topk_kernel`` (one program per token: sums the splits in a fixed order,
-so results are deterministic, then k rounds of max / lowest index among equals).
+so results are deterministic, then k rounds of one int64 max over (order-preserving score bits, reversed
+expert id): the highest biased score, lowest id among equals, in one reduction per pick).
+
+Fused routing (``ops.moe_route``): the same top-k kernel with ``DISPATCH`` also writes each token's row of
+a local-expert membership matrix ``[T, E_loc]`` int32; the last program to finish (an acq_rel atomic
+counter, reset by that program, so the launch is capturable and repeatable) then groups the pairs by local
+expert (:func:`bucket_pairs`) with the outputs of ``ops.dispatch_gpu``. Grouping from the membership
+matrix: the sorted row of pair (t, j) with local expert e is start(e) + the number of tokens before t that
+picked e (a column cumsum over tiles of tokens); a token picks an expert at most once, so this is the stable
+order (ascending pair index) of the torch path.
 """
 
 from __future__ import annotations
@@ -43,35 +52,150 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_PER_SPLIT, stride_x,
     tl.store(p_ptrs, acc, mask=tmask[:, None] & emask[None, :])
 
 
+# int64 key of a (biased score, expert) lane: the fp32 bits made order-preserving as a signed int (negative
+# floats: flip the 31 low bits) in the high word, BLOCK_E - 1 - id in the low word; the max key is the
+# highest score and, among bitwise-equal scores, the lowest id. Chosen lanes drop to PICKED.
+PICKED = tl.constexpr(-9223372036854775807)
+
+
+@triton.jit
+def bucket_pairs(ids_ptr, member_ptr, rowpos_ptr, T, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
+                 offsets_ptr, bexp_ptr, bstart_ptr, UB, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_KOUT: tl.constexpr, BLOCK_UB: tl.constexpr):
+    """Group the T*TOPK (token, slot) pairs by local expert, in one program: the contract of ``ops.dispatch_gpu``.
+
+    ids ``[T, TOPK]`` int32 global ids; member ``[T, num_local]`` int32 (1 where token t picked local expert
+    e, else 0); rowpos ``[T, num_local]`` int32 scratch. Writes sorted ``[P]`` (local pairs by expert, then
+    the other ranks' pairs, each group in ascending pair index), pos ``[P]`` (-1 off-rank), counts
+    ``[num_local]`` int64, offsets ``[num_local + 1]`` int64, block_expert / block_start ``[UB]`` int32
+    (``ceil(count / BLOCK_M)`` blocks per expert in expert order; the rest -1 / 0). BLOCK_L >= num_local + 1.
+    Loads of what other programs wrote are volatile (no stale cache lines after the counter handshake).
+    """
+    rl = tl.arange(0, BLOCK_L)
+    lm = rl < num_local
+    rt = tl.arange(0, BLOCK_T)
+    rk = tl.arange(0, BLOCK_KOUT)
+    mk = rk < TOPK
+    counts = tl.zeros((BLOCK_L,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + rt
+        tile = tl.load(member_ptr + tt[:, None] * num_local + rl[None, :], mask=(tt < T)[:, None] & lm[None, :],
+                       other=0, volatile=True)
+        counts += tl.sum(tile, axis=0)
+    start = tl.cumsum(counts, 0) - counts  # exclusive: start[num_local] = all local pairs
+    total = tl.sum(counts, axis=0)
+    tl.store(counts_ptr + rl, counts.to(tl.int64), mask=lm)
+    tl.store(offsets_ptr + rl, start.to(tl.int64), mask=rl <= num_local)
+    run = start
+    off_run = total
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + rt
+        mt = tt < T
+        mrow = mt[:, None] & lm[None, :]
+        tile = tl.load(member_ptr + tt[:, None] * num_local + rl[None, :], mask=mrow, other=0, volatile=True)
+        rank = tl.cumsum(tile, 0) - tile + run[None, :]
+        tl.store(rowpos_ptr + tt[:, None] * num_local + rl[None, :], rank, mask=mrow & (tile != 0))
+        run += tl.sum(tile, axis=0)
+        tl.debug_barrier()
+        pm = mt[:, None] & mk[None, :]
+        pidx = tt[:, None] * TOPK + rk[None, :]
+        e = tl.load(ids_ptr + pidx, mask=pm, other=0, volatile=True) - first
+        valid = (e >= 0) & (e < num_local) & pm
+        off = tl.where(pm & (valid == 0), 1, 0)
+        off_tok = tl.sum(off, axis=1)
+        off_rank = tl.cumsum(off, 1) - off + (tl.cumsum(off_tok, 0) - off_tok)[:, None] + off_run
+        off_run += tl.sum(off_tok, axis=0)
+        lrow = tl.load(rowpos_ptr + tt[:, None] * num_local + e, mask=valid, other=0)
+        row = tl.where(valid, lrow, off_rank)
+        tl.store(sorted_ptr + row, pidx, mask=pm)
+        tl.store(pos_ptr + pidx, tl.where(valid, row, -1), mask=pm)
+        tl.debug_barrier()
+    ru = tl.arange(0, BLOCK_UB)
+    tl.store(bexp_ptr + ru, tl.full((BLOCK_UB,), -1, tl.int32), mask=ru < UB)
+    tl.store(bstart_ptr + ru, tl.zeros((BLOCK_UB,), dtype=tl.int32), mask=ru < UB)
+    tl.debug_barrier()
+    blocks = tl.where(lm, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.cumsum(blocks, 0) - blocks
+    for j in range(0, tl.max(blocks, 0)):
+        b = first_block + j
+        mb = (j < blocks) & (b < UB)
+        tl.store(bexp_ptr + b, rl, mask=mb)
+        tl.store(bstart_ptr + b, start + j * BLOCK_M, mask=mb)
+
+
 @triton.jit
 def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pt, scaling,
+                       member_ptr, rowpos_ptr, done_ptr, T, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
+                       offsets_ptr, bexp_ptr, bstart_ptr, UB,
                        SPLITS: tl.constexpr, TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_KOUT: tl.constexpr):
+                       BLOCK_E: tl.constexpr, BLOCK_KOUT: tl.constexpr, DISPATCH: tl.constexpr = False,
+                       BLOCK_M: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16, BLOCK_L: tl.constexpr = 16,
+                       BLOCK_UB: tl.constexpr = 16):
+    """One program per token: logits = sum of the SPLITS partials (fixed order), sigmoid, biased top-TOPK
+    (lowest id among equal biased scores), weights = unbiased scores [renormalised] x scaling.
+    ``DISPATCH``: also the membership row of the token, and the last program runs :func:`bucket_pairs`
+    (the dispatch arguments are unused otherwise)."""
     t = tl.program_id(0)
     re = tl.arange(0, BLOCK_E)
     emask = re < E
+    row = part_ptr + t.to(tl.int64) * stride_pt
     logit = tl.zeros((BLOCK_E,), dtype=tl.float32)
     for s in range(SPLITS):
-        logit += tl.load(part_ptr + s * stride_ps + t.to(tl.int64) * stride_pt + re, mask=emask, other=0.0)
+        logit += tl.load(row + s * stride_ps + re, mask=emask, other=0.0)
     score = tl.sigmoid(logit)
     if HAS_BIAS:
         biased = score + tl.load(bias_ptr + re, mask=emask, other=0.0)
     else:
         biased = score
     biased = tl.where(emask, biased, float("-inf"))
+    bits = biased.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - re).to(tl.int64)
     rj = tl.arange(0, BLOCK_KOUT)
+    mj = rj < TOPK
     ids = tl.zeros((BLOCK_KOUT,), dtype=tl.int32)
-    wts = tl.zeros((BLOCK_KOUT,), dtype=tl.float32)
     for j in range(TOPK):
-        m = tl.max(biased, axis=0)
-        idx = tl.min(tl.where(biased == m, re, BLOCK_E), axis=0)
-        sel = re == idx
-        w = tl.sum(tl.where(sel, score, 0.0), axis=0)
+        m = tl.max(key, axis=0)
+        idx = BLOCK_E - 1 - (m & 0xFFFFFFFF).to(tl.int32)
         ids = tl.where(rj == j, idx, ids)
-        wts = tl.where(rj == j, w, wts)
-        biased = tl.where(sel, float("-inf"), biased)
+        key = tl.where(re == idx, PICKED, key)
+    # the picked logits again, summed in the same order (bitwise the same fp32 values)
+    lg = tl.zeros((BLOCK_KOUT,), dtype=tl.float32)
+    for s in range(SPLITS):
+        lg += tl.load(row + s * stride_ps + ids, mask=mj, other=0.0)
+    wts = tl.where(mj, tl.sigmoid(lg), 0.0)
     if RENORM:
         wts = wts / (tl.sum(wts, axis=0) + 1e-20)
     wts = wts * scaling
-    tl.store(ids_ptr + t * TOPK + rj, ids, mask=rj < TOPK)
-    tl.store(wts_ptr + t * TOPK + rj, wts, mask=rj < TOPK)
+    tl.store(ids_ptr + t * TOPK + rj, ids, mask=mj)
+    tl.store(wts_ptr + t * TOPK + rj, wts, mask=mj)
+    if DISPATCH:
+        local = re - first
+        tl.store(member_ptr + t.to(tl.int64) * num_local + local, tl.where(key == PICKED, 1, 0),
+                 mask=emask & (local >= 0) & (local < num_local))
+        tl.debug_barrier()  # every lane's stores before the release below
+        done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+        if done == T - 1:
+            tl.debug_barrier()
+            bucket_pairs(ids_ptr, member_ptr, rowpos_ptr, T, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
+                         offsets_ptr, bexp_ptr, bstart_ptr, UB, TOPK, BLOCK_M, BLOCK_T, BLOCK_L, BLOCK_KOUT,
+                         BLOCK_UB)
+            tl.atomic_xchg(done_ptr, 0, sem="relaxed")
+
+
+def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
+    """``(name, kernel, signature, constexprs, expects_matrix, {backend: options})`` of the top-k launch at K3
+    size (896 experts, top-16, 8 splits) as ``ops`` makes it; ``dispatch``: the fused-routing variant that
+    groups up to 512 tokens (8192 pairs, 16-row blocks) in tiles of ``bucket_tokens`` tokens, as
+    ``ops.moe_route`` launches it (``configs.ROUTER_BUCKET_TOKENS``)."""
+    sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
+           "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "member_ptr": "*i32", "rowpos_ptr": "*i32",
+           "done_ptr": "*i32", "T": "i32", "first": "i32", "num_local": "i32", "sorted_ptr": "*i32",
+           "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32",
+           "bstart_ptr": "*i32", "UB": "i32"}
+    consts = {"SPLITS": 8, "TOPK": 16, "HAS_BIAS": True, "RENORM": True, "BLOCK_E": 1024, "BLOCK_KOUT": 16,
+              "DISPATCH": dispatch, "BLOCK_M": 16, "BLOCK_T": bucket_tokens, "BLOCK_L": 1024, "BLOCK_UB": 2048}
+    sig.update({c: "constexpr" for c in consts})
+    warps = 8 if dispatch else 4
+    return (f"router_topk{f'_dispatch_t{bucket_tokens}' if dispatch else ''}", router_topk_kernel, sig, consts, False,
+            {"hip": {"num_warps": warps}, "cuda": {"num_warps": warps}})

@@ -1,0 +1,151 @@
+"""Benchmark the MoE routing of one K3 layer: router + dispatch, the two-step path against the fused one.
+
+Problem (K3_FACTS §2, §5): router input hidden 7168 (bf16), 896 experts, top-16, FP32 logits, sigmoid, biased
+top-k, renormalised x 2.446; the pairs grouped by expert for the grouped GEMM (all 896 experts local, M
+blocks of the ``BLOCK_M`` the expert GEMM picks at that size). Paths:
+
+* old: ``moe_router`` (logits, top-k) then ``dispatch_gpu`` (one-program counting sort up to 8192 pairs);
+* new: ``moe_route`` (logits, then the top-k kernel whose last program groups the pairs): two launches.
+
+Each is timed eagerly (``triton.testing.do_bench``, median after warm-up) and replayed from a CUDA graph
+(``do_bench_cudagraph``: what the serving engine runs). ``same`` says the new path's ids, weights and every
+dispatch tensor equal the old path's. Floor: the gate read once (12.8 MB) at the measured copy bandwidth.
+Goal (issue 14): <= 15 us per layer at 64 tokens on an H200.
+
+Usage: ``python gpu-runs/bench_route.py --out DIR`` (writes ``route_bench.json`` and ``route_bench.md``; ~30 s
+on an H200). ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) checks the script at k3-tiny sizes; its
+timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+import triton
+import triton.testing as tt
+
+from k3rocm.kernels import tune
+from k3rocm.kernels.moe import GEMM_CONFIGS
+from k3rocm.kernels.moe.ops import dispatch_gpu, moe_route, moe_router
+from k3rocm.kernels.target import current_target
+
+E_K3, H_K3, K_K3, SCALING = 896, 7168, 16, 2.446
+COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
+GOAL_US_AT_64 = 15.0
+FIELDS = ("sorted_pair", "pos", "counts", "offsets", "block_expert", "block_start")
+
+
+def _wall_ms(fn) -> float:
+    """CPU stand-in for ``do_bench`` (one warm call, then the median of 3 wall-clock runs, ms)."""
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[1]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def bench_row(T, E, H, K, dev, graphs: bool) -> dict:
+    """One token count: times in microseconds, equality of the two paths, the goal at 64 tokens."""
+    eager = (lambda f: tt.do_bench(f, warmup=25, rep=100)) if dev == "cuda" else _wall_ms
+    g = torch.Generator(device=dev).manual_seed(T)
+    x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    gate = (torch.randn(E, H, device=dev, generator=g) * H ** -0.5).bfloat16()
+    bias = torch.rand(E, device=dev, generator=g) * 0.01
+    if dev != "cuda":  # the interpreter's bf16 tl.dot is not trustworthy: the router's fp32 path
+        x, gate = x.float(), gate.float()
+    rows = T * K / min(E, T * K)
+    bm = tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)["BLOCK_M"]
+
+    def old():
+        ids, w = moe_router(x, gate, bias, K, scaling=SCALING)
+        return ids, w, dispatch_gpu(ids, 0, E, bm)
+
+    def new():
+        return moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING)
+
+    a, b = old(), new()
+    same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(
+        torch.equal(getattr(a[2], f), getattr(b[2], f)) for f in FIELDS)
+    ids = a[0]
+    r = dict(tokens=T, block_m=bm, same=same,
+             floor_us=E * H * x.element_size() / COPY_BW * 1e6,
+             old_router_us=eager(lambda: moe_router(x, gate, bias, K, scaling=SCALING)) * 1e3,
+             old_dispatch_us=eager(lambda: dispatch_gpu(ids, 0, E, bm)) * 1e3,
+             old_us=eager(old) * 1e3, new_us=eager(new) * 1e3)
+    if graphs and dev == "cuda":
+        for name, fn in (("old", old), ("new", new)):
+            try:
+                r[f"{name}_graph_us"] = tt.do_bench_cudagraph(fn, rep=100) * 1e3
+            except Exception as e:  # noqa: BLE001 - a failed capture is a result to report
+                r[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+    best_new = min(r["new_us"], r.get("new_graph_us", float("inf")))
+    r["speedup"] = r["old_us"] / r["new_us"]
+    if T == 64:
+        r["goal_us"] = GOAL_US_AT_64
+        r["goal_met"] = best_new <= GOAL_US_AT_64
+    return r
+
+
+def markdown(meta, rows) -> str:
+    def f(v):
+        return "—" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
+
+    out = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+           f"commit {meta['commit']}", "",
+           f"### Routing per MoE layer (hidden {meta['hidden']}, {meta['experts']} experts, top-{meta['top_k']}), µs",
+           "",
+           "| tokens | BLOCK_M | old router | old dispatch | old total | old graphed | new (fused) | new graphed | "
+           "speed-up | gate floor | same | goal ≤ 15 µs at 64 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        goal = ("met" if r["goal_met"] else "missed") if "goal_met" in r else ""
+        out.append(f"| {r['tokens']} | {r['block_m']} | {f(r['old_router_us'])} | {f(r['old_dispatch_us'])} | "
+                   f"{f(r['old_us'])} | {f(r.get('old_graph_us'))} | {f(r['new_us'])} | {f(r.get('new_graph_us'))} | "
+                   f"{r['speedup']:.2f}× | {f(r['floor_us'])} | {'yes' if r['same'] else 'NO'} | {goal} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    ap.add_argument("--out", default="gpu-runs/results")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replays")
+    ap.add_argument("--small", action="store_true", help="smoke run: 64 experts, hidden 128, top-4")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (Triton interpreter, TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+    E, H, K = (64, 128, 4) if args.small else (E_K3, H_K3, K_K3)
+    rows = []
+    for T in args.tokens:
+        r = bench_row(T, E, H, K, args.device, not args.no_graphs)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",
+                torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,
+                commit=_commit(), experts=E, hidden=H, top_k=K)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "route_bench.json"), "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    md = markdown(meta, rows)
+    with open(os.path.join(args.out, "route_bench.md"), "w") as fh:
+        fh.write(md)
+    print(md)
+    return 0 if all(r["same"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Fewer launches per layer: the engine's (memoising) weight view multiplies the projections that share an
+input as one GEMM over concatenated weights and widens small fp32 parameters once; the oracle's view
+fuses nothing (its math is unchanged). Counts of aten ops per sublayer call, before / after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from k3rocm.model import layer as L
+from k3rocm.model.common import matmul_dtype
+from k3rocm.model.weights import load_weights
+
+MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "_scaled_mm"}
+# aten ops that only make a view (no kernel on a GPU)
+VIEWS = {"view", "_unsafe_view", "reshape", "slice", "split", "split_with_sizes", "unsqueeze", "squeeze", "t",
+         "transpose", "permute", "select", "expand", "as_strided", "alias", "detach", "unbind", "narrow"}
+
+
+class _Count(TorchDispatchMode):
+    """aten ops that launch work (views left out) outside the heavy ops; each heavy op (``ops[name]``, a kernel on the GPU) counts as one."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside and func.overloadpacket.__name__ not in VIEWS:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def wrap(self, ops):
+        def one(name, fn):
+            def call(*a, **k):
+                self.ops.append("op:" + name)
+                self.inside += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.inside -= 1
+            return call
+        return {n: one(n, f) for n, f in ops.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt, tiny_cfg):
+    return tiny_cfg, load_weights(tiny_ckpt).cast("cpu", torch.bfloat16)
+
+
+def _calls(cfg):
+    """(name, setup() -> batch, fn(view, ops, batch) -> tensor): KDA prefill and decode, MLA decode, the MLA
+    projections, the MoE block (router, latent projections, experts, shared experts)."""
+    kda = cfg.layer_types.index("kda")
+    mla = cfg.layer_types.index("mla")
+    moe = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, cfg.hidden_size, generator=g)
+    x2 = torch.randn(2, cfg.hidden_size, generator=g)
+    prefill = L.Batch(torch.tensor([0, 5], dtype=torch.int32))
+
+    def decode():  # a fresh cache per call: the same result every time
+        return L.Batch(torch.tensor([0, 1, 2], dtype=torch.int32), cache=L.K3Cache.empty(cfg, 2, 32),
+                       start_pos=torch.zeros(2, dtype=torch.int64), decode=True)
+    return [
+        ("kda_prefill", lambda: prefill, lambda w, ops, b: L.kda_mixer(x, w, kda, cfg, ops, b)),
+        ("kda_decode", decode, lambda w, ops, b: L.kda_mixer(x2, w, kda, cfg, ops, b)),
+        ("mla_decode", decode, lambda w, ops, b: L.mla_mixer(x2, w, mla, cfg, ops, b)),
+        ("mla_project", lambda: None,
+         lambda w, ops, b: torch.cat([t.reshape(5, -1) for t in L.mla_project(x, w, mla, cfg)], 1)),
+        ("moe_block", lambda: None, lambda w, ops, b: L.moe_block(x, w, moe, cfg, ops)),
+    ]
+
+
+def launches(cfg, weights) -> dict[str, tuple[int, int]]:
+    """Per sublayer call: (aten ops + heavy ops with the oracle's view, the same with the engine's view),
+    both under ``matmul_dtype(bf16)``; asserts the results agree."""
+    out = {}
+    for name, setup, fn in _calls(cfg):
+        memo = L.WeightView(weights, memo=True)
+        fn(memo, L.resolve_ops(), setup())  # first call builds the concatenations and the fp32 copies
+        res = []
+        for view in (L.WeightView(weights), memo):
+            b = setup()
+            with matmul_dtype(torch.bfloat16), _Count() as c:
+                y = fn(view, c.wrap(L.resolve_ops()), b)
+            res.append((y, c.ops))
+        # one bf16 GEMM over concatenated weights: the same products, fp32 accumulation (order may differ)
+        torch.testing.assert_close(res[1][0], res[0][0], rtol=2e-2, atol=2e-3)
+        out[name] = (len(res[0][1]), len(res[1][1]), sum(o in MATMULS for o in res[0][1]),
+                     sum(o in MATMULS for o in res[1][1]))
+    return out
+
+
+def test_oracle_view_fuses_nothing(tiny):
+    cfg, weights = tiny
+    w = L.WeightView(weights)
+    assert w.fused(("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight")) is None
+
+
+def test_engine_view_fewer_launches_same_result(tiny):
+    cfg, weights = tiny
+    counts = launches(cfg, weights)
+    print("ops per call (oracle view, engine view, matmuls oracle, engine):", counts)
+    for name, (old, new, mm_old, mm_new) in counts.items():
+        assert new < old, (name, counts[name])
+    # KDA: q|k|v|g|b|f_a in one GEMM (+ f_b, o_proj); MLA: q_a|kv_a in one (+ q_b); shared MLP: gate|up in one
+    assert counts["kda_prefill"][2:] == (8, 3) and counts["kda_decode"][2:] == (8, 3)
+    assert counts["mla_project"][2:] == (3, 2)
+    assert counts["moe_block"][3] == counts["moe_block"][2] - 1
+
+
+def test_fp32_math_unchanged_by_the_engine_view(tiny_ckpt, tiny_cfg):
+    # without a low-precision scope the engine's view multiplies each weight alone: bitwise the oracle's result
+    weights = load_weights(tiny_ckpt)
+    memo = L.WeightView(weights, memo=True)
+    for name, setup, fn in _calls(tiny_cfg):
+        a = fn(L.WeightView(weights), L.resolve_ops(), setup())
+        b = fn(memo, L.resolve_ops(), setup())
+        assert torch.equal(a, b), name
+    assert not any(k.startswith("cat:") for k in memo._memo)
