@@ -196,12 +196,15 @@ def warm(share: str):
     groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(tune.configs(KC.INTRA)))]
     groups += [(torch.float32, H, 0) for H in (12, 96)]
     for dtype, H, ci in groups[i::n]:  # one intra variant per process: no duplicate compiles
-        for si in range(len(tune.configs(KC.STATE)) if dtype == torch.bfloat16 else 1):
+        ns, no = len(tune.configs(KC.STATE)), len(tune.configs(KC.OUT))
+        for si in range(max(ns, no) if dtype == torch.bfloat16 else 1):  # every state and every output config
             for st in (True, False):
                 a = prefill_inputs(1, 64, H, dtype)
                 if st:
                     a["initial_state"] = torch.zeros(1, H, D, D, device="cuda")
-                P.kda_prefill(**a, config={"intra": tune.configs(KC.INTRA)[ci], "state": tune.configs(KC.STATE)[si]})
+                P.kda_prefill(**a, config={"intra": tune.configs(KC.INTRA)[ci],
+                                           "state": tune.configs(KC.STATE)[si % ns],
+                                           "out": tune.configs(KC.OUT)[si % no]})
     torch.cuda.synchronize()
 
 

@@ -1,7 +1,7 @@
 """Every KDA kernel compiles ahead of time for gfx950, gfx942 and sm_90 (no GPU needed).
 
-Asserts matrix instructions where the kernel does matrix work (the prefill kernels: v_mfma_* on AMD, wgmma /
-mma on sm_90), zero VGPR and SGPR spills on gfx950 and gfx942, and records VGPR counts and LDS bytes
+Asserts matrix instructions where the kernel does matrix work (the prefill kernels: bf16 MFMA,
+``v_mfma_f32_*_bf16``, on AMD; wgmma / mma on sm_90), zero VGPR and SGPR spills on gfx950 and gfx942, and records VGPR counts and LDS bytes
 (printed, and written as JSON lines to ``$KDA_ISA_LOG`` when set).
 """
 
@@ -38,7 +38,8 @@ def test_kda_kernel_isa(name, target, monkeypatch):
     if expects:
         assert rep.matrix_ops, f"{name} on {target}: no matrix instructions"
         if be == "hip":
-            assert any(op.startswith("v_mfma") for op in rep.matrix_ops)
+            assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), \
+                f"{name} on {target}: no bf16 MFMA in {rep.matrix_ops}"
         else:
             assert any(op.startswith(("wgmma", "mma")) for op in rep.matrix_ops)
     if be == "hip":

@@ -68,7 +68,8 @@ def test_prefill_grid_fp32(B, T, H, cfg):
     a = make_prefill(B, T, H, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
     c = {"intra": tune.configs(KC.INTRA)[cfg % len(tune.configs(KC.INTRA))],
-         "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))]}
+         "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))],
+         "out": tune.configs(KC.OUT)[cfg % len(tune.configs(KC.OUT))]}
     o, s = KPRE.kda_prefill(**a, config=c)
     close(o, want_o, 1e-5)
     close(s, want_s, 1e-5)
