@@ -160,6 +160,21 @@ def test_every_config_20_runs_identical():
             assert torch.equal(o, o0) and torch.equal(s1, s0) and torch.equal(c1, c0)
 
 
+def test_decode_tuned_default_advances_pools_once():
+    """The default (tuned) decode path times its configs on scratch pools: the caller's pools move one step."""
+    from k3rocm.kernels.kda import decode as DE
+    from k3rocm.model import kda as O
+    g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    xs, ws, A_log, dt, onw, cp, sp = _decode_inputs(37, 50, 4, torch.bfloat16, g)  # a key no other test tunes
+    sid = torch.randperm(50, device="cuda")[:37].to(torch.int32)
+    cpr, spr = cp.clone(), sp.clone()
+    want = O.kda_decode(*xs, ws, A_log, dt, onw, cpr, spr, sid, 1e-5)
+    got = DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5)
+    e = (max_rel(got, want), max_rel(sp, spr))
+    _log(test="decode_tuned_default", max_rel_o=e[0], max_rel_state=e[1])
+    assert max(e) <= 1e-4 and torch.equal(cp, cpr)
+
+
 def test_prefill_then_decode_and_graph_capture():
     from k3rocm.kernels.kda import conv as CV
     from k3rocm.kernels.kda import decode as DE
@@ -211,8 +226,6 @@ def test_prefill_then_decode_and_graph_capture():
 
 
 def test_mixed_varlen_and_packing_invariance():
-    from k3rocm.kernels import tune
-    from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     cfg = first_configs()  # same config packed and alone
     for lens in ([1000] + [1] * 7, [5, 64, 300]):
@@ -267,8 +280,6 @@ GRID = [(1, T, 12) for T in (1, 2, 63, 64, 65, 127, 1000, 4097)] + [
 
 @pytest.mark.parametrize("B,T,H", GRID)
 def test_prefill_grid(B, T, H):
-    from k3rocm.kernels import tune
-    from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     a = inputs(B, T, H, torch.bfloat16, state=True)
     want_o, want_s = oracle(a)

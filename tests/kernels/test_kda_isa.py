@@ -13,7 +13,7 @@ import os
 import pytest
 
 from k3rocm.kernels.isa import TARGETS, compile_kernel
-from k3rocm.kernels import kda
+from k3rocm.kernels import kda, tune
 
 CASES = {c[0]: c for c in kda.isa_cases()}
 
@@ -48,3 +48,16 @@ def test_kda_kernel_isa(name, target, monkeypatch):
         assert rep.vgpr is not None and rep.vgpr > 0
     assert rep.lds_bytes is not None and rep.lds_bytes <= (160 * 1024 if target == "gfx950" else 64 * 1024
                                                             if target == "gfx942" else 228 * 1024)
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
+@pytest.mark.parametrize("ci", range(len(kda.configs.DECODE["hip"])))
+def test_kda_decode_step_vgpr_budget(ci, target, monkeypatch):
+    """Every HIP decode config of the step kernel fits 128 VGPRs (two waves per SIMD or more) without spills."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, fn, sig, consts, _, _ = CASES["decode_step"]
+    meta, opts = tune.split(kda.configs.DECODE["hip"][ci], interp=False)
+    rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"]}, target, name="kda.decode_step", options=opts)
+    assert rep.error is None, rep.error
+    assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
+        f"decode step config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
