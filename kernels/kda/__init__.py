@@ -47,7 +47,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     solve's block products at the backend's default fp32 precision (``PREC = None``).
     """
     p = f"*{dtype}"
-    b = "*bf16"  # the prefill's intermediates
+    b = "*fp32"  # the prefill's intermediate buffers
     conv_sig = dict(x=p, w="*fp32", y=p, state_in="*fp32", cu="*i32", tok_seq="*i32", TT="i32", NCH="i32",
                     HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
     cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
@@ -62,7 +62,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
-                   V="constexpr", BT="constexpr", BV="constexpr", OPD="constexpr")
+                   V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
     step_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                     A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", state_pool="*fp32", slot_ids="*i32",
                     oraw="*fp32", ssq="*fp32", H="i32", scale="fp32", lower_bound="fp32",
@@ -83,7 +83,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          _opts(configs.INTRA)),
         ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1), True,
          _opts(configs.STATE)),
-        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], OPD=1), True, _opts(configs.OUT)),
+        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
         ("decode_step", _step_kernel, step_sig, dict(K=K, V=K, W=4, BV=bv), False, _opts(configs.DECODE)),
         ("decode_finish", _finish_kernel, fin_sig, dict(K=K, V=K, W=4, NVB=K // bv, BC=max(K, 64)), False,
          {"hip": FINISH_OPTS, "cuda": FINISH_OPTS}),

@@ -308,26 +308,30 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
 
 @_interp.kjit
 def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
-                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr):
+                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                OPD: tl.constexpr):
     """The output, all chunks in parallel: one program per (chunk, head, BV columns),
-    ``o = qg h_c + Aqk v'`` from the stored chunk state ``h_c`` and ``v'``."""
+    ``o = qg h_c + Aqk v'`` from the stored chunk state ``h_c`` and ``v'`` (``qg h_c`` in BK-wide slices of K,
+    which bounds the live registers)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     vb = tl.program_id(2)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    offs_k = tl.arange(0, K)
     offs_v = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
     tok = (t0 + rows).to(tl.int64)
-    qg_c = tl.load(qg + (tok[:, None] * H + hh) * K + offs_k[None, :], mask=mr, other=0.0)
-    h_c = tl.load(hbuf + ((c.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :])
+    pv = (tok[:, None] * H + hh) * V + offs_v[None, :]
     a_c = tl.load(aqk + (tok[:, None] * H + hh) * BT + rows[None, :], mask=mr & (rows[None, :] <= rows[:, None]),
                   other=0.0)
-    pv = (tok[:, None] * H + hh) * V + offs_v[None, :]
     vn = tl.load(vnew + pv, mask=mr, other=0.0)
-    oc = _mm(qg_c, h_c, OPD) + _mm(a_c, vn, OPD)
+    oc = _mm(a_c, vn, OPD)
+    for kb in tl.static_range(0, K // BK):
+        offs_k = kb * BK + tl.arange(0, BK)
+        qg_c = tl.load(qg + (tok[:, None] * H + hh) * K + offs_k[None, :], mask=mr, other=0.0)
+        h_c = tl.load(hbuf + ((c.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :])
+        oc += _mm(qg_c, h_c, OPD)
     tl.store(o + pv, oc.to(o.dtype.element_ty), mask=mr)
 
 
@@ -445,9 +449,10 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     def launch_out(c):
         meta, opts = tune.split(c)
         bv = min(meta.pop("BV"), V)
+        bk = min(meta.pop("BK"), K)
         if NC:
             _interp.launch(_out_kernel, (NC, H, V // bv), qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
-                           K=K, V=V, BT=BT, BV=bv, OPD=opd, **meta, **opts)
+                           K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd, **meta, **opts)
 
     # bounded specialisation: token and sequence counts enter the key as powers of two
     key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype)

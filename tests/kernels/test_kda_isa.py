@@ -61,3 +61,20 @@ def test_kda_decode_step_vgpr_budget(ci, target, monkeypatch):
     assert rep.error is None, rep.error
     assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
         f"decode step config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
+
+
+PREFILL_TABLES = {"prefill_intra": kda.configs.INTRA, "prefill_state": kda.configs.STATE,
+                  "prefill_out": kda.configs.OUT}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
+@pytest.mark.parametrize("name,ci", [(n, i) for n, t in PREFILL_TABLES.items() for i in range(len(t["hip"]))])
+def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monkeypatch):
+    """Every HIP config of the prefill kernels runs bf16 MFMA and spills nothing (the tuner may pick any)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, fn, sig, consts, _, _ = CASES[name]
+    meta, opts = tune.split(PREFILL_TABLES[name]["hip"][ci], interp=False)
+    rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
+    assert rep.error is None, rep.error
+    assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+    assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, f"{name} config {ci} on {target}: {rep.vgpr_spill} spills"
