@@ -124,6 +124,10 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
             if best is None or t < best[0]:
                 best = (t, c)
         row["ours_ms"] = best[0]
+        # the engine's call: no config, the kernel's own tuned pick (timed once per pow2(N) key on scratch pools)
+        f = lambda: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out)  # noqa: E731
+        f()
+        row["ours_default_path_ms"] = tt.do_bench(f, warmup=50, rep=200)
         # the same call captured in a CUDA graph (what a serving engine replays)
         try:
             f = lambda: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=best[1])  # noqa
@@ -196,12 +200,15 @@ def warm(share: str):
     groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(tune.configs(KC.INTRA)))]
     groups += [(torch.float32, H, 0) for H in (12, 96)]
     for dtype, H, ci in groups[i::n]:  # one intra variant per process: no duplicate compiles
-        for si in range(len(tune.configs(KC.STATE)) if dtype == torch.bfloat16 else 1):
+        ns, no = len(tune.configs(KC.STATE)), len(tune.configs(KC.OUT))
+        for si in range(max(ns, no) if dtype == torch.bfloat16 else 1):  # every state and every output config
             for st in (True, False):
                 a = prefill_inputs(1, 64, H, dtype)
                 if st:
                     a["initial_state"] = torch.zeros(1, H, D, D, device="cuda")
-                P.kda_prefill(**a, config={"intra": tune.configs(KC.INTRA)[ci], "state": tune.configs(KC.STATE)[si]})
+                P.kda_prefill(**a, config={"intra": tune.configs(KC.INTRA)[ci],
+                                           "state": tune.configs(KC.STATE)[si % ns],
+                                           "out": tune.configs(KC.OUT)[si % no]})
     torch.cuda.synchronize()
 
 

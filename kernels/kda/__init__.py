@@ -14,8 +14,8 @@ from k3rocm.kernels import tune
 
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
-from .decode import _decode_kernel, kda_decode
-from .prefill import BC, BT, _akk_kernel, _gate_kernel, _state_kernel, _wu_kernel, kda_prefill
+from .decode import FINISH_OPTS, _finish_kernel, _step_kernel, kda_decode
+from .prefill import BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _state_kernel, kda_prefill
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
@@ -28,8 +28,9 @@ def _prefill_supports(**shape) -> bool:
 TRITON_IMPLS = (
     ("short_conv", short_conv, None, "Triton causal depthwise conv + SiLU, varlen, conv state in/out"),
     ("kda_prefill", kda_prefill, _prefill_supports,
-     f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, fp32 state"),
-    ("kda_decode", kda_decode, None, "Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)"),
+     f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, bf16 operands, fp32 state"),
+    ("kda_decode", kda_decode, None,
+     "Triton fused KDA decode over (row, head, V tile) (conv, gate, L2, state step), then gated RMSNorm + conv shift"),
 )
 
 
@@ -42,39 +43,48 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     """Every KDA kernel at the K3 head size, for ahead-of-time compilation.
 
     Returns ``(name, fn, signature, constexprs, expects_matrix, options_by_backend)`` tuples. The prefill
-    kernels use fp32 dot operands at the backend's default precision (``PREC=None``: TF32 wgmma on sm_90,
-    fp32 MFMA on gfx942 / gfx950).
+    kernels are compiled as bf16 inputs run them: bf16 operands on the matrix unit (``OPD = 1``), the UT
+    solve's block products at the backend's default fp32 precision (``PREC = None``).
     """
     p = f"*{dtype}"
+    b = "*fp32"  # the prefill's intermediate buffers
     conv_sig = dict(x=p, w="*fp32", y=p, state_in="*fp32", cu="*i32", tok_seq="*i32", TT="i32", NCH="i32",
                     HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
     cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
                   W="constexpr", BLOCK_C="constexpr")
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
-                    gbuf="*fp32", qg="*fp32", kg="*fp32", glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
+                    gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
                     K="constexpr", BT="constexpr")
-    akk_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk="*fp32", mbuf="*fp32",
-                   scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", PREC="constexpr")
-    wu_sig = dict(k=p, v=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", mbuf="*fp32", w="*fp32",
-                  u="*fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr", BC="constexpr", PREC="constexpr")
-    state_sig = dict(qg="*fp32", kg="*fp32", w="*fp32", u="*fp32", aqk="*fp32", glast="*fp32", h0="*fp32", o=p,
-                     ht="*fp32", seq_chunk="*i32", chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr",
-                     K="constexpr", V="constexpr", BT="constexpr", BV="constexpr", PREC="constexpr")
-    dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
-                   A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
-                   slot_ids="*i32", out=p, H="i32", scale="fp32", lower_bound="fp32", eps="fp32",
-                   K="constexpr", V="constexpr", W="constexpr", BV="constexpr")
+    intra_sig = dict(q=p, k=p, v=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, w=b, u=b,
+                     scale="fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr", BC="constexpr",
+                     PREC="constexpr", OPD="constexpr")
+    state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
+                     chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
+                     BT="constexpr", BV="constexpr", OPD="constexpr")
+    out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
+                   V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
+    step_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
+                    A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", state_pool="*fp32", slot_ids="*i32",
+                    oraw="*fp32", ssq="*fp32", H="i32", scale="fp32", lower_bound="fp32",
+                    K="constexpr", V="constexpr", W="constexpr", BV="constexpr")
+    fin_sig = dict(q_raw=p, k_raw=p, v_raw=p, g_raw=p, onw="*fp32", conv_pool="*fp32", slot_ids="*i32",
+                   oraw="*fp32", ssq="*fp32", out=p, H="i32", eps="fp32", K="constexpr", V="constexpr",
+                   W="constexpr", NVB="constexpr", BC="constexpr")
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]
+    ot = configs.OUT["cuda"][0]
+    bv = configs.DECODE["hip"][0]["BV"]
     return [
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.INTRA)),
-        ("prefill_akk", _akk_kernel, akk_sig, dict(K=K, BT=BT, BC=BC, PREC=None), True, _opts(configs.INTRA)),
-        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None), True, _opts(configs.INTRA)),
-        ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], PREC=None), True,
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1), True,
+         _opts(configs.INTRA)),
+        ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1), True,
          _opts(configs.STATE)),
-        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=configs.DECODE["hip"][0]["BV"]), False,
-         _opts(configs.DECODE)),
+        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
+        ("decode_step", _step_kernel, step_sig, dict(K=K, V=K, W=4, BV=bv), False, _opts(configs.DECODE)),
+        ("decode_finish", _finish_kernel, fin_sig, dict(K=K, V=K, W=4, NVB=K // bv, BC=max(K, 64)), False,
+         {"hip": FINISH_OPTS, "cuda": FINISH_OPTS}),
     ]

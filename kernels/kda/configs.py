@@ -2,14 +2,16 @@
 
 The kernels have one source for HIP and CUDA; only these lists differ (DESIGN.md §5):
 
-* CUDA (sm_90): ``num_warps``, ``num_stages``; fp32 dot operands run as TF32 (the backend's default dot
-  precision, used when ``PREC`` is None).
-* HIP (gfx942 / gfx950): ``num_warps``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack = 1``;
-  fp32 dot operands run on the fp32 MFMA (HIP's default, ``"ieee"``; HIP has no TF32 in Triton).
+* CUDA (sm_90): ``num_warps``, ``num_stages``.
+* HIP (gfx942 / gfx950): ``num_warps``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack = 1``.
 
-When the inputs are fp32 the wrappers force ``PREC = "ieee"`` so the kernels match the fp32 oracle to ~1e-5.
+The prefill's products take bf16 operands with fp32 accumulation for bf16 / fp16 inputs (bf16 MFMA / wgmma);
+the 16 x 16 block products of the UT solve run at the backend's default fp32 precision (TF32 on sm_90, fp32
+MFMA on CDNA). When the inputs are fp32 the wrapper runs every product in IEEE fp32 (``OPD = 0``,
+``PREC = "ieee"``) so the kernels match the fp32 oracle to ~1e-5.
 The interpreter runs the CUDA lists. Every table is public (:data:`CONV`, :data:`INTRA`, :data:`STATE`,
-:data:`DECODE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every configuration, not only
+:data:`OUT`, :data:`DECODE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every
+configuration, not only
 the tuner's pick.
 """
 
@@ -28,6 +30,9 @@ _CUDA = {
               dict(BV=16, num_warps=4, num_stages=1),
               dict(BV=64, num_warps=4, num_stages=1),
               dict(BV=32, num_warps=8, num_stages=1)],
+    "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
+            dict(BV=128, BK=32, num_warps=8, num_stages=2),
+            dict(BV=32, BK=64, num_warps=4, num_stages=1)],
     "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
                dict(BV=32, num_warps=4, num_stages=1), dict(BV=128, num_warps=16, num_stages=1)],
 }
@@ -39,7 +44,10 @@ _HIP = {
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "state": [dict(BV=32, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
-              dict(BV=64, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
+              dict(BV=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
+    "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+            dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+            dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
     "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
                dict(BV=16, num_warps=4, waves_per_eu=2)],
 }
@@ -49,8 +57,9 @@ def _table(kernel: str) -> dict[str, list[dict]]:
     return {"cuda": _CUDA[kernel], "hip": _HIP[kernel], "interpreter": _CUDA[kernel]}
 
 
-#: per-backend tables of the short conv, the prefill gate / A_kk / W,U kernels, the prefill state pass and decode
-CONV, INTRA, STATE, DECODE = (_table(k) for k in ("conv", "intra", "state", "decode"))
+#: per-backend tables of the short conv, the prefill gate and intra-chunk kernels, the prefill state pass, the
+#: chunk-parallel prefill output and decode
+CONV, INTRA, STATE, OUT, DECODE = (_table(k) for k in ("conv", "intra", "state", "out", "decode"))
 
 
 POISON = False  # tests set True: every output buffer starts as NaN, so an unwritten element cannot pass

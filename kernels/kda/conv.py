@@ -119,7 +119,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor |
                                    **meta, **opts)
 
     cands = [config] if config is not None else tune.configs(C.CONV)
-    launch(tune.pick("kda_conv", (TT, NCH, W, x.dtype, conv_state is not None), cands, launch))
+    # bounded specialisation: the token count enters the key as a power of two
+    launch(tune.pick("kda_conv", (tune.pow2(TT), NCH, W, x.dtype, conv_state is not None), cands, launch))
     if N > 0:
         bc = 128
         _interp.launch(_conv_state_kernel, (N, triton.cdiv(NCH, bc)), xc, st, fin, cu, NCH, HAS_STATE=conv_state is not None, W=W,

@@ -1,7 +1,7 @@
 """Every KDA kernel compiles ahead of time for gfx950, gfx942 and sm_90 (no GPU needed).
 
-Asserts matrix instructions where the kernel does matrix work (the prefill kernels: v_mfma_* on AMD, wgmma /
-mma on sm_90), zero VGPR and SGPR spills on gfx950 and gfx942, and records VGPR counts and LDS bytes
+Asserts matrix instructions where the kernel does matrix work (the prefill kernels: bf16 MFMA,
+``v_mfma_f32_*_bf16``, on AMD; wgmma / mma on sm_90), zero VGPR and SGPR spills on gfx950 and gfx942, and records VGPR counts and LDS bytes
 (printed, and written as JSON lines to ``$KDA_ISA_LOG`` when set).
 """
 
@@ -13,7 +13,7 @@ import os
 import pytest
 
 from k3rocm.kernels.isa import TARGETS, compile_kernel
-from k3rocm.kernels import kda
+from k3rocm.kernels import kda, tune
 
 CASES = {c[0]: c for c in kda.isa_cases()}
 
@@ -38,7 +38,8 @@ def test_kda_kernel_isa(name, target, monkeypatch):
     if expects:
         assert rep.matrix_ops, f"{name} on {target}: no matrix instructions"
         if be == "hip":
-            assert any(op.startswith("v_mfma") for op in rep.matrix_ops)
+            assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), \
+                f"{name} on {target}: no bf16 MFMA in {rep.matrix_ops}"
         else:
             assert any(op.startswith(("wgmma", "mma")) for op in rep.matrix_ops)
     if be == "hip":
@@ -47,3 +48,33 @@ def test_kda_kernel_isa(name, target, monkeypatch):
         assert rep.vgpr is not None and rep.vgpr > 0
     assert rep.lds_bytes is not None and rep.lds_bytes <= (160 * 1024 if target == "gfx950" else 64 * 1024
                                                             if target == "gfx942" else 228 * 1024)
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
+@pytest.mark.parametrize("ci", range(len(kda.configs.DECODE["hip"])))
+def test_kda_decode_step_vgpr_budget(ci, target, monkeypatch):
+    """Every HIP decode config of the step kernel fits 128 VGPRs (two waves per SIMD or more) without spills."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, fn, sig, consts, _, _ = CASES["decode_step"]
+    meta, opts = tune.split(kda.configs.DECODE["hip"][ci], interp=False)
+    rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"]}, target, name="kda.decode_step", options=opts)
+    assert rep.error is None, rep.error
+    assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
+        f"decode step config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
+
+
+PREFILL_TABLES = {"prefill_intra": kda.configs.INTRA, "prefill_state": kda.configs.STATE,
+                  "prefill_out": kda.configs.OUT}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
+@pytest.mark.parametrize("name,ci", [(n, i) for n, t in PREFILL_TABLES.items() for i in range(len(t["hip"]))])
+def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monkeypatch):
+    """Every HIP config of the prefill kernels runs bf16 MFMA and spills nothing (the tuner may pick any)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, fn, sig, consts, _, _ = CASES[name]
+    meta, opts = tune.split(PREFILL_TABLES[name]["hip"][ci], interp=False)
+    rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
+    assert rep.error is None, rep.error
+    assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+    assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, f"{name} config {ci} on {target}: {rep.vgpr_spill} spills"

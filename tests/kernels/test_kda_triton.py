@@ -68,7 +68,8 @@ def test_prefill_grid_fp32(B, T, H, cfg):
     a = make_prefill(B, T, H, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
     c = {"intra": tune.configs(KC.INTRA)[cfg % len(tune.configs(KC.INTRA))],
-         "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))]}
+         "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))],
+         "out": tune.configs(KC.OUT)[cfg % len(tune.configs(KC.OUT))]}
     o, s = KPRE.kda_prefill(**a, config=c)
     close(o, want_o, 1e-5)
     close(s, want_s, 1e-5)
@@ -199,3 +200,28 @@ def test_prefill_then_decode_equals_longer_prefill():
                                     cp, sp, sid, 1e-5))
     close(torch.cat(outs), want, 1e-5)
     close(sp[1], s_ref[0], 1e-5)
+
+
+def test_tune_keys_bounded(monkeypatch):
+    """conv, prefill and decode tune keys see token / sequence / row counts only as powers of two."""
+    keys = []
+    real = tune.pick
+
+    def spy(name, key, cands, run=None, **kw):
+        keys.append((name, key))
+        return real(name, key, cands, run, **kw)
+
+    monkeypatch.setattr(tune, "pick", spy)
+    gen = _gen()
+    for T in (5, 7):
+        a = make_prefill(1, T, 1, D, gen)
+        KPRE.kda_prefill(**a)
+        KCONV.short_conv(torch.randn(1, T, 8, generator=gen).to(DEV), torch.randn(8, 1, 4, generator=gen).to(DEV))
+    for N in (3, 4):
+        xs, ws, A_log, dt, onw, cp, sp = _decode_setup(gen, N, N, 1, D)
+        KDEC.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, torch.arange(N, dtype=torch.int32, device=DEV), 1e-5)
+    by = {}
+    for name, key in keys:
+        by.setdefault(name, set()).add(key)
+    assert set(by) == {"kda_intra", "kda_state", "kda_out", "kda_conv", "kda_decode"}
+    assert all(len(v) == 1 for v in by.values()), by
