@@ -1,18 +1,20 @@
-"""Peer timing: one K3 MoE layer's routed experts through OpenAI's Triton MoE GEMM (``triton_kernels``) on MXFP4.
+"""Peer timing: one K3 MoE layer's routed experts through OpenAI's Triton MoE GEMM ``triton_kernels.matmul_ogs``.
 
-The peer is the ``python/triton_kernels`` package of the triton repository at the 3.6.0 release (the tag of the
-installed triton); it is not installed with pip. It is found on ``PYTHONPATH`` or in the folder named by the
-environment variable ``K3ROCM_TRITON_KERNELS`` (the folder that holds ``triton_kernels/``). At 3.6.0 the package's
-grouped GEMM is ``triton_kernels.matmul.matmul`` (the former ``matmul_ogs``: gather on the input rows, scatter on
-the output rows, ragged over experts) and routing is ``triton_kernels.topk.topk`` plus
-``triton_kernels.tensor.make_ragged_tensor_metadata`` (``triton_kernels.routing`` was removed before 3.6.0).
+The peer is the ``python/triton_kernels`` package of the triton repository as released with triton 3.6.0 (the
+triton on the GPU host); it is not installed with pip. It is found on ``PYTHONPATH`` or in the folder named by the
+environment variable ``K3ROCM_TRITON_KERNELS`` (the folder that holds ``triton_kernels/``). In that release the
+grouped GEMM is ``triton_kernels.matmul_ogs.matmul_ogs`` (gather on the input rows, scatter + top-k combine on the
+output rows, ragged over experts) and routing is ``triton_kernels.topk.topk`` plus
+``triton_kernels.tensor.make_ragged_tensor_metadata`` into the ``RoutingData`` / ``GatherIndx`` / ``ScatterIndx``
+of ``matmul_ogs`` (``triton_kernels.routing`` was removed before 3.6.0; ``matmul_ogs`` became ``matmul`` in 3.7).
 
 Problem (K3_FACTS §2-§5): 896 experts, latent 3584, intermediate 3072, top-16. w13: latent -> 2 x intermediate
 with the gate/up GLU fused into the epilogue (the peer's interleaved SwiGLU: same bytes and FLOPs as K3's GLU),
-w2: intermediate -> latent with the routing weight applied in its epilogue, then the peer's ``reduce`` sums each
-token's top-k rows. Weights: random bf16 quantised by the peer's ``downcast_to_mxfp`` along K (E2M1 values, E8M0
-scales per 32) and put into the peer's default MXFP4 value/scale layouts for the device (its Hopper swizzles on
-sm_90), as its own tests do. Routing: the peer's ``topk`` over random logits; built once, not timed.
+w2: intermediate -> latent with the routing weight applied in its epilogue and each token's top-k rows summed by
+the peer. Weights: random bf16 quantised by the peer's ``downcast_to_mxfp`` along K (E2M1 values, E8M0 scales per
+32) and put into the peer's default MXFP4 value/scale layouts for the device (its Hopper swizzles on sm_90), as its
+own tests and benchmark do (scale swizzle for 4 warps up to 512 tokens, 8 above, as its benchmark picks). Routing:
+the peer's ``topk`` over random logits; built once, not timed.
 
 EP8 slice (``num_local``): one rank holds ``num_local`` of the ``num_experts`` experts, and each token brings
 ``top_k * num_local / num_experts`` pairs to it on average (2 for K3: 16 x 112 / 896). The slice is timed as
@@ -20,8 +22,8 @@ EP8 slice (``num_local``): one rank holds ``num_local`` of the ``num_experts`` e
 average as the global routing restricted to one rank's experts).
 
 Timing: ``triton.testing.do_bench`` (median ms) after a warm-up call. Usage (H200):
-``PYTHONPATH=/path/to/triton_kernels python gpu-runs/peer_ogs.py --out DIR`` prints a Markdown table and writes
-``DIR/peer_ogs.json``; rows print "not installed" when the package is absent.
+``K3ROCM_TRITON_KERNELS=/path/to/triton_kernels python gpu-runs/peer_ogs.py --out DIR`` prints a Markdown table
+and writes ``DIR/peer_ogs.json``; rows print "not installed" when the package is absent.
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ def find_triton_kernels():
     Returns the module. Raises ImportError with one line naming both places when it is absent.
     """
     try:
-        importlib.import_module("triton_kernels.matmul")
+        importlib.import_module("triton_kernels.matmul_ogs")
         return importlib.import_module("triton_kernels")
     except ImportError as exc:
         first = exc
     root = os.environ.get(ENV_VAR)
     if root and (Path(root) / "triton_kernels").is_dir():
         sys.path.insert(0, str(Path(root)))
-        importlib.import_module("triton_kernels.matmul")
+        importlib.import_module("triton_kernels.matmul_ogs")
         return importlib.import_module("triton_kernels")
     raise ImportError(f"triton_kernels (python/triton_kernels of the triton repository, 3.6.0) not found: put it "
                       f"on PYTHONPATH or set {ENV_VAR} to the folder that holds triton_kernels/ ({first})")
@@ -78,7 +80,7 @@ def pack_experts(vals: torch.Tensor, scales: torch.Tensor, value_layout, value_o
     """The peer's MXFP4 weight and scale ``Tensor``s for the grouped GEMM from quantised experts.
 
     vals: (E, K/2, N) uint8, two E2M1 codes a byte along K, K contiguous; scales: (E, K/32, N) uint8 E8M0, as the
-    peer's ``downcast_to_mxfp(w, torch.uint8, axis=-2)`` returns them for w (E, K, N). The layouts: the peer's
+    peer's ``downcast_to_mxfp(w, torch.uint8, axis=1)`` returns them for w (E, K, N). The layouts: the peer's
     layout classes and options (``make_default_matmul_mxfp4_w_layout`` / ``..._w_scale_layout`` on the device:
     its Hopper swizzles on sm_90), applied as its own tests do (``convert_layout``), ``chunk`` experts at a time:
     the Hopper value swizzle needs ~9x its input in temporaries, too much for a whole K3 layer at once. Each
@@ -102,53 +104,71 @@ def pack_experts(vals: torch.Tensor, scales: torch.Tensor, value_layout, value_o
     return pack(vals, FP4, value_layout, value_opts), pack(scales, None, scale_layout, scale_opts)
 
 
-def _device_weights(num_experts: int, k: int, n: int, device, chunk: int = 64):
-    """Random (num_experts, k, n) MXFP4 weights in the device's default layouts, quantised ``chunk`` experts at once.
+def quantize_experts(num_experts: int, k: int, n: int, device, downcast, chunk: int = 64):
+    """Random (num_experts, k, n) bf16 weights (N(0, 1/k)) quantised by ``downcast`` along k.
 
-    The bf16 weights of the full K3 layer would be ~60 GB; only one chunk of them exists at a time.
+    downcast: the peer's ``downcast_to_mxfp`` (its torch reference ``downcast_to_mxfp_torch`` on the CPU).
+    Returns (vals (E, k/2, n) uint8, k contiguous; scales (E, k/32, n) uint8), ready for :func:`pack_experts`.
+    Quantised ``chunk`` experts at a time: the bf16 weights of a whole K3 layer would be ~60 GB.
     """
-    from triton_kernels.numerics_details.mxfp import downcast_to_mxfp
-    from triton_kernels.tensor_details import layout
-
     vals = torch.empty((num_experts, n, k // 2), dtype=torch.uint8, device=device)
     scales = torch.empty((num_experts, n, k // 32), dtype=torch.uint8, device=device)
     for e0 in range(0, num_experts, chunk):
         e1 = min(num_experts, e0 + chunk)
         w = torch.randn((e1 - e0, k, n), dtype=torch.bfloat16, device=device) * k ** -0.5
-        v, s = downcast_to_mxfp(w, torch.uint8, axis=-2)
+        v, s = downcast(w, torch.uint8, axis=1)
         vals[e0:e1], scales[e0:e1] = v.transpose(-1, -2), s.transpose(-1, -2)
         del w, v, s
-    return pack_experts(vals.transpose(-1, -2), scales.transpose(-1, -2),
-                        *layout.make_default_matmul_mxfp4_w_layout(mx_axis=-2),
-                        *layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=-2, num_warps=8))
+    return vals.transpose(-1, -2), scales.transpose(-1, -2)
+
+
+def scale_num_warps(tokens: int) -> int:
+    """Warps the peer's Hopper MX scale swizzle is made for: 4 up to 512 tokens, else 8 (its own benchmark's
+    choice; its kernel then runs with the layout's warp count)."""
+    return 4 if tokens <= 512 else 8
 
 
 def make_routing(logits: torch.Tensor, k: int, topk, make_ragged):
-    """The peer's MoE routing for ``logits`` (tokens, experts): (ragged metadata, gather, scatter, gammas).
+    """The peer's routing objects for ``logits`` (tokens, experts): (RoutingData, GatherIndx, ScatterIndx).
 
     ``topk`` / ``make_ragged``: the peer's ``topk`` and ``make_ragged_tensor_metadata`` (or their torch references
-    on the CPU). Rows of the grouped GEMM are the (token, slot) pairs sorted by expert: ``gather`` (int32, pairs)
-    is each row's token, ``scatter`` (int32, pairs) its position token * k + slot in the (tokens * k) output, and
-    ``gammas`` (float32, pairs) its softmax routing weight. Same construction as the peer's single-device routing.
+    on the CPU). The grouped GEMM's rows are the (token, slot) pairs sorted by expert: ``GatherIndx.src_indx``
+    (int32) holds each row's pair index token * k + slot (the kernel reads token = pair // k), ``dst_indx`` its
+    inverse; ``RoutingData.gate_scal`` each row's softmax routing weight (the w2 ``gammas``), ``expt_hist`` the rows
+    per expert. Same construction as the peer's own single-device routing and tests.
     """
+    from triton_kernels.matmul_ogs import GatherIndx, RoutingData, ScatterIndx
+
     sparse = topk(logits, k, apply_softmax=True)
     meta = sparse.mask_metadata
-    expert_sorted = meta.col_sorted_indx  # pair index (token * k + slot) of each expert-sorted row
-    ragged = make_ragged(meta.col_sum, meta.row_sorted_indx.shape[0])
-    gammas = sparse.vals.flatten()[expert_sorted].float()
-    return ragged, expert_sorted // k, expert_sorted, gammas
+    expert_sorted, pair_order = meta.col_sorted_indx, meta.row_sorted_indx
+    ragged = make_ragged(meta.col_sum, pair_order.shape[0])
+    gate_scal = sparse.vals.flatten()[expert_sorted]
+    routing = RoutingData(gate_scal, ragged.slice_sizes, logits.shape[1], k, ragged)
+    return routing, GatherIndx(expert_sorted, pair_order), ScatterIndx(pair_order, expert_sorted)
 
 
 _WEIGHTS: dict = {}
 
 
-def _weights(num_experts: int, d_model: int, d_ff: int, device):
-    key = (num_experts, d_model, d_ff, str(device))
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()  # one layer's weights at a time (the full K3 layer is ~15 GB in MXFP4)
-        _WEIGHTS[key] = (_device_weights(num_experts, d_model, 2 * d_ff, device),
-                         _device_weights(num_experts, d_ff, d_model, device))
-    return _WEIGHTS[key]
+def _weights(num_experts: int, d_model: int, d_ff: int, num_warps: int, device):
+    """(w13, w13 scales), (w2, w2 scales) in the device's default MXFP4 layouts; one layer cached at a time."""
+    from triton_kernels.numerics_details.mxfp import downcast_to_mxfp
+    from triton_kernels.tensor_details import layout
+
+    raw_key = (num_experts, d_model, d_ff, str(device))
+    if _WEIGHTS.get("raw_key") != raw_key:
+        _WEIGHTS.clear()  # one layer at a time (a whole K3 layer is ~15 GB in MXFP4)
+        _WEIGHTS["raw_key"] = raw_key
+        _WEIGHTS["raw"] = (quantize_experts(num_experts, d_model, 2 * d_ff, device, downcast_to_mxfp),
+                           quantize_experts(num_experts, d_ff, d_model, device, downcast_to_mxfp))
+    if _WEIGHTS.get("warps") != num_warps:
+        _WEIGHTS["warps"] = num_warps
+        _WEIGHTS["packed"] = None  # free the previous packing before making the next
+        value_layout = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        scale_layout = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=num_warps)
+        _WEIGHTS["packed"] = tuple(pack_experts(v, s, *value_layout, *scale_layout) for v, s in _WEIGHTS["raw"])
+    return _WEIGHTS["packed"]
 
 
 def time_matmul_ogs(tokens: int, num_experts: int, d_model: int, d_ff: int, top_k: int, num_local: int | None,
@@ -165,32 +185,30 @@ def time_matmul_ogs(tokens: int, num_experts: int, d_model: int, d_ff: int, top_
 
     find_triton_kernels()
     import triton_kernels.swiglu
-    from triton_kernels.matmul import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig, matmul
+    from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
     from triton_kernels.numerics import InFlexData
-    from triton_kernels.reduce import reduce
     from triton_kernels.tensor import make_ragged_tensor_metadata
     from triton_kernels.topk import topk
 
     n_exp = num_experts if num_local is None else num_local
     k = local_top_k(top_k, num_experts, num_local)
-    (w13, s13), (w2, s2) = _weights(n_exp, d_model, d_ff, device)
-    pc13 = PrecisionConfig(flex_ctx=FlexCtx(rhs_data=InFlexData()), b_mx_scale=s13)
-    pc2 = PrecisionConfig(flex_ctx=FlexCtx(rhs_data=InFlexData()), b_mx_scale=s2)
+    warps = scale_num_warps(tokens)
+    (w13, s13), (w2, s2) = _weights(n_exp, d_model, d_ff, warps, device)
+    pc13 = PrecisionConfig(flex_ctx=FlexCtx(rhs_data=InFlexData()), weight_scale=s13)
+    pc2 = PrecisionConfig(flex_ctx=FlexCtx(rhs_data=InFlexData()), weight_scale=s2)
     glu = FusedActivation(FnSpecs("swiglu", triton_kernels.swiglu.swiglu_fn, ("alpha", "limit"), reduction_n=2),
                           (SWIGLU_ALPHA, SWIGLU_LIMIT))
     logits = torch.randn((tokens, n_exp), dtype=torch.bfloat16, device=device)
-    ragged, gather, scatter, gammas = make_routing(logits, k, topk, make_ragged_tensor_metadata)
+    routing, gather, scatter = make_routing(logits, k, topk, make_ragged_tensor_metadata)
     x = torch.randn((tokens, d_model), dtype=torch.bfloat16, device=device)
     h = torch.empty((tokens * k, d_ff), dtype=torch.bfloat16, device=device)
-    y = torch.empty((tokens * k, d_model), dtype=torch.bfloat16, device=device)
-    out = torch.empty((tokens, d_model), dtype=torch.bfloat16, device=device)
+    y = torch.empty((tokens, d_model), dtype=torch.bfloat16, device=device)
 
     def w13_call():
-        matmul(x, w13, None, ragged, gather_indx=gather, precision_config=pc13, fused_activation=glu, c=h)
+        matmul_ogs(x, w13, None, routing, gather_indx=gather, precision_config=pc13, fused_activation=glu, y=h)
 
     def w2_call():
-        matmul(h, w2, None, ragged, scatter_indx=scatter, precision_config=pc2, gammas=gammas, c=y)
-        reduce(y.view(tokens, k, d_model), dim=1, y=out)
+        matmul_ogs(h, w2, None, routing, scatter_indx=scatter, precision_config=pc2, gammas=routing.gate_scal, y=y)
 
     def layer():
         w13_call()
@@ -198,7 +216,8 @@ def time_matmul_ogs(tokens: int, num_experts: int, d_model: int, d_ff: int, top_
 
     layer()  # warm-up: compiles and picks the peer's opt flags
     torch.cuda.synchronize()
-    note = f"triton {triton.__version__}, {n_exp} experts x top-{k}, MXFP4 weights in the peer's default layouts"
+    note = (f"triton {triton.__version__}, {n_exp} experts x top-{k}, MXFP4 in the peer's default layouts "
+            f"({warps}-warp scale swizzle)")
     return dict(ms=do_bench(layer), w13_ms=do_bench(w13_call), w2_ms=do_bench(w2_call), note=note)
 
 
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="folder for peer_ogs.json")
     args = ap.parse_args(argv)
     rows, missing = [], None
-    print("| tokens | experts | triton_kernels matmul ms | w13 ms | w2 + combine ms | note |\n"
+    print("| tokens | experts | matmul_ogs ms | w13 ms | w2 + combine ms | note |\n"
           "|---|---|---|---|---|---|")
     for tokens, num_local in ROWS:
         label = str(E_K3) if num_local is None else f"{num_local} (EP8 slice)"

@@ -58,20 +58,23 @@ def test_routing_matches_torch_topk(peer):
     torch.manual_seed(0)
     tokens, experts, k = 8, 16, 4
     logits = torch.randn(tokens, experts)
-    ragged, gather, scatter, gammas = peer_ogs.make_routing(logits, k, topk_torch, make_ragged_tensor_metadata_torch)
-    assert gather.dtype == scatter.dtype == torch.int32 and gammas.dtype == torch.float32
+    routing, gather, scatter = peer_ogs.make_routing(logits, k, topk_torch, make_ragged_tensor_metadata_torch)
+    assert (routing.n_expts_tot, routing.n_expts_act) == (experts, k)
     ref_w, ref_e = torch.topk(logits, k, dim=1)
     counts = torch.bincount(ref_e.flatten(), minlength=experts)
-    assert torch.equal(ragged.slice_sizes.long(), counts)
-    # every pair appears once; row i is token gather[i], slot scatter[i] % k, of the expert whose slice holds i
-    assert torch.equal(torch.sort(scatter.long())[0], torch.arange(tokens * k))
-    assert torch.equal(gather.long(), scatter.long() // k)
+    assert torch.equal(routing.expt_hist.long(), counts)
+    # row i of the grouped GEMM is pair src[i] = token * k + slot, of the expert whose slice holds i
+    src, dst = gather.src_indx.long(), gather.dst_indx.long()
+    assert torch.equal(torch.sort(src)[0], torch.arange(tokens * k))
+    assert torch.equal(src[dst], torch.arange(tokens * k))  # dst is src's inverse
+    assert torch.equal(scatter.src_indx.long(), dst) and torch.equal(scatter.dst_indx.long(), src)
     expert_of_row = torch.repeat_interleave(torch.arange(experts), counts)
-    token = gather.long()
+    token = src // k
     for i in range(tokens * k):
         slot = (ref_e[token[i]] == expert_of_row[i]).nonzero()
         assert slot.numel() == 1
-        assert torch.allclose(gammas[i], torch.softmax(ref_w[token[i]], 0)[slot[0, 0]], atol=1e-6)
+        assert torch.allclose(routing.gate_scal[i].float(), torch.softmax(ref_w[token[i]], 0)[slot[0, 0]],
+                              atol=1e-6)
 
 
 def test_chunked_pack_is_the_peer_layout(peer):
@@ -80,9 +83,9 @@ def test_chunked_pack_is_the_peer_layout(peer):
     from triton_kernels.tensor_details.layout import HopperMXScaleLayout, HopperMXValueLayout
 
     torch.manual_seed(0)
-    vals, scales = downcast_to_mxfp_torch(torch.randn(5, 256, 192).to(torch.bfloat16), torch.uint8, axis=-2)
+    vals, scales = downcast_to_mxfp_torch(torch.randn(5, 256, 192).to(torch.bfloat16), torch.uint8, axis=1)
     assert vals.shape == (5, 128, 192) and vals.stride(-2) == 1
-    opts_v, opts_s = {"mx_axis": -2}, {"mx_axis": -2, "num_warps": 8}
+    opts_v, opts_s = {"mx_axis": 1}, {"mx_axis": 1, "num_warps": 4}
     w, s = peer_ogs.pack_experts(vals, scales, HopperMXValueLayout, opts_v, HopperMXScaleLayout, opts_s, chunk=2)
     for got, t, dtype, layout, opts in ((w, vals, FP4, HopperMXValueLayout, opts_v),
                                         (s, scales, None, HopperMXScaleLayout, opts_s)):
@@ -90,6 +93,18 @@ def test_chunked_pack_is_the_peer_layout(peer):
         assert torch.equal(got.storage.data, ref.storage.data)
         assert got.storage.data.stride() == ref.storage.data.stride()
         assert got.storage.layout == ref.storage.layout and got.shape == ref.shape and got.dtype == ref.dtype
-        assert torch.equal(got.storage.layout.unswizzle_data(got.storage.data), t)
+    assert torch.equal(w.storage.layout.unswizzle_data(w.storage.data), vals)
     assert w.stride(-2) == 1  # the peer's grouped GEMM asserts K-contiguous MXFP4 weights below sm_100
 
+
+def test_chunked_quantize_is_one_downcast(peer):
+    from triton_kernels.numerics_details.mxfp import downcast_to_mxfp_torch
+
+    torch.manual_seed(0)
+    vals, scales = peer_ogs.quantize_experts(3, 128, 64, "cpu", downcast_to_mxfp_torch, chunk=2)
+    torch.manual_seed(0)
+    w = torch.cat([torch.randn((2, 128, 64), dtype=torch.bfloat16) * 128 ** -0.5,
+                   torch.randn((1, 128, 64), dtype=torch.bfloat16) * 128 ** -0.5])
+    ref_v, ref_s = downcast_to_mxfp_torch(w, torch.uint8, axis=1)
+    assert torch.equal(vals, ref_v) and torch.equal(scales, ref_s)
+    assert vals.shape == (3, 64, 64) and vals.stride(-2) == 1 and scales.shape == (3, 4, 64)
