@@ -21,6 +21,7 @@ import triton.language as tl
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
+from k3rocm.kernels.mla.prefill import load_cols, pad_dim
 from k3rocm.kernels.target import current_target
 from k3rocm.numerics import FP8_MAX
 
@@ -91,9 +92,10 @@ def _mla_decode_split_kernel(
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
     stride_cb, stride_cs, stride_bt,
     H, TQ, ROWS, NSEQ, chunk, qk_scale, out_scale,
-    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
+    R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
 ):
+    # R / DR are padded to BR / BDR (powers of two >= 16); padded lanes load as 0 and are never stored
     # head groups vary fastest: the groups reading one context slice run together and share it in L2
     g = tl.program_id(0)
     s = tl.program_id(1)
@@ -110,15 +112,17 @@ def _mla_decode_split_kernel(
     t = rows // H
     hh = rows % H
     last = L - TQ + t  # last visible position of each query row
-    r = tl.arange(0, R)
-    dr = tl.arange(0, DR)
+    r = tl.arange(0, BR)
+    dr = tl.arange(0, BDR)
+    r_ok = r < R
+    dr_ok = dr < DR
     ql = tl.load(QL + n.to(tl.int64) * stride_qln + (t * stride_qlt + hh * stride_qlh)[:, None] + r[None, :],
-                 mask=row_ok[:, None], other=0.0)
+                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     qr = tl.load(QR + n.to(tl.int64) * stride_qrn + (t * stride_qrt + hh * stride_qrh)[:, None] + dr[None, :],
-                 mask=row_ok[:, None], other=0.0)
+                 mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    acc = tl.zeros([BLOCK_H, BR], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     bt_row = BT + n.to(tl.int64) * stride_bt
     for k0 in range(start, end, BLOCK_N):
@@ -129,8 +133,8 @@ def _mla_decode_split_kernel(
         pc = tl.minimum(pos, end - 1)
         blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
         rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
-        lat = tl.load(rowp[:, None] + r[None, :])
-        kr = tl.load(rowp[None, :] + R + dr[:, None])
+        lat = load_cols(rowp[:, None] + r[None, :], r_ok[None, :], BR == R)
+        kr = load_cols(rowp[None, :] + R + dr[:, None], dr_ok[:, None], BDR == DR)
         if IS_FP8:
             lat = lat.to(ql.dtype)
             kr = kr.to(qr.dtype)
@@ -149,7 +153,7 @@ def _mla_decode_split_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     part = acc * (out_scale / l_safe)[:, None]
     pp = PART + ((s * NSEQ + n).to(tl.int64) * ROWS + rows)[:, None] * R + r[None, :]
-    tl.store(pp, part, mask=row_ok[:, None])
+    tl.store(pp, part, mask=row_ok[:, None] & r_ok[None, :])
     tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
@@ -187,10 +191,11 @@ def _mla_decode_merge_kernel(
             lse = tl.load(LSE + s * NSEQ * ROWS + row, mask=ok, other=float("-inf"))
             w = tl.exp2(lse - mx_safe) * inv
             use = ok & (w > 0.0)
-            pv = tl.load(PART + (s * NSEQ * ROWS + row)[:, None] * R + r0 + rr[None, :], mask=use[:, None], other=0.0)
+            pv = tl.load(PART + (s * NSEQ * ROWS + row)[:, None] * R + r0 + rr[None, :],
+                         mask=use[:, None] & ((r0 + rr) < R)[None, :], other=0.0)
             c += w[:, None] * pv
-        wv = tl.load(WVC + h * stride_wh + (r0 + rr)[:, None] * stride_wr + dv[None, :], mask=dv[None, :] < DV,
-                     other=0.0)
+        wv = tl.load(WVC + h * stride_wh + (r0 + rr)[:, None] * stride_wr + dv[None, :],
+                     mask=((r0 + rr) < R)[:, None] & (dv[None, :] < DV), other=0.0)
         out += tl.dot(c.to(wv.dtype), wv)
     st = ok[:, None] & (dv[None, :] < DV)
     if HAS_GATE:
@@ -268,7 +273,8 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
-        ConfigError: inconsistent widths or non-contiguous cache rows.
+        ConfigError: inconsistent widths or non-contiguous cache rows. Any rank / rope width / head count
+            runs (widths padded to :func:`~k3rocm.kernels.mla.prefill.pad_dim` in the kernel and masked).
     """
     N, Tq, H, Dn = q_nope.shape
     Dr = q_rope.shape[-1]
@@ -279,9 +285,8 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             or tuple(q_rope.shape[:3]) != (N, Tq, H):
         raise ConfigError(f"mla_decode: cache width {W}, w_kc {tuple(w_kc.shape)}, w_vc {tuple(w_vc.shape)}, "
                           f"q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)} are inconsistent")
-    if R & (R - 1) or Dr & (Dr - 1) or Dr < 16 or R < 16:
-        raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be powers of two >= 16 for the "
-                          f"Triton kernel; use --kernels mla_decode=torch")
+    if R < 1 or Dr < 1:
+        raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be at least 1")
     if kv_cache.stride(-1) != 1:
         raise ConfigError("mla_decode: kv_cache rows must be contiguous")
     if out is None:
@@ -328,14 +333,16 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
             H, Tq, rows, N, chunk, qk_scale, fold,
-            R=R, DR=Dr, PAGE=page, IS_FP8=fp8, **meta, **opts)
+            R=R, DR=Dr, BR=pad_dim(R), BDR=pad_dim(Dr), PAGE=page, IS_FP8=fp8, **meta, **opts)
 
     if config is None:
-        key = (rows, R, Dr, page, kv_cache.dtype, splits, tune.pow2(chunk), tune.pow2(N))
+        # every count in the key is a power-of-two bucket: a new batch size, head count or context length
+        # reuses the tuned pick instead of timing while serving
+        key = (tune.pow2(rows), R, Dr, page, kv_cache.dtype, tune.pow2(splits), tune.pow2(chunk), tune.pow2(N))
         config = tune.pick("mla_decode", key, tune.configs(DECODE_CONFIGS), launch)
     launch(config)
     meta, opts = tune.split(tune.configs(REDUCE_CONFIGS)[0])
-    meta["BLOCK_R"] = min(meta["BLOCK_R"], R)
+    meta["BLOCK_R"] = min(meta["BLOCK_R"], pad_dim(R))
     _interp.launch(_mla_decode_merge_kernel, (H, triton.cdiv(N * Tq, meta["BLOCK_M"])),
         part, lse, wv, gt, out, H, Tq, rows, N, splits,
         wv.stride(0), wv.stride(1), gt.stride(0), gt.stride(1), out.stride(0), out.stride(1), out.stride(2),
