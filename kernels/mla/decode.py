@@ -42,6 +42,9 @@ DECODE_CONFIGS: dict[str, list[dict]] = {
     "hip": [
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
+        # two-stage pipelined page tiles: the deepest that compiles without VGPR spills on both gfx942 (64 KB
+        # LDS) and gfx950 (160 KB); 32-row tiles or a second stage at BLOCK_N 32 spill on both
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=2, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
     ],
     "interpreter": [
         dict(BLOCK_H=16, BLOCK_N=16),
@@ -60,6 +63,10 @@ CACHE_WRITE_CONFIGS: dict[str, list[dict]] = {
     "cuda": [dict(num_warps=4)], "hip": [dict(num_warps=4)], "interpreter": [dict()],
 }
 
+#: context slices start at multiples of this many tokens (so a tile of BLOCK_N | 64 rows never crosses a
+#: page boundary when BLOCK_N also divides the page)
+SPLIT_ALIGN = 64
+_SPLIT_ALIGN = tl.constexpr(SPLIT_ALIGN)
 #: a context slice shorter than this is not split further
 MIN_SPLIT_TOKENS = 256
 #: upper bound on the fp32 partial buffer (bytes) that decides how far a batch may be split
@@ -128,13 +135,21 @@ def _mla_decode_split_kernel(
     for k0 in range(start, end, BLOCK_N):
         pos = k0 + offs
         ok = pos < end
-        # positions past the slice are clamped to its last row (real, finite data) and masked in the
-        # scores, so the tile loads need no per-lane masks
-        pc = tl.minimum(pos, end - 1)
-        blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
-        rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
-        lat = load_cols(rowp[:, None] + r[None, :], r_ok[None, :], BR == R)
-        kr = load_cols(rowp[None, :] + R + dr[:, None], dr_ok[:, None], BDR == DR)
+        if (PAGE % BLOCK_N == 0) and (_SPLIT_ALIGN % BLOCK_N == 0):
+            # the tile lies inside one cache page (slices start at multiples of 64 tokens, BLOCK_N divides
+            # the page): one block-table read, consecutive rows; rows past the slice load as 0
+            blk = tl.load(bt_row + k0 // PAGE).to(tl.int64)
+            rowp = CACHE + blk * stride_cb + ((k0 % PAGE) + offs).to(tl.int64) * stride_cs
+            lat = tl.load(rowp[:, None] + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            kr = tl.load(rowp[None, :] + R + dr[:, None], mask=ok[None, :] & dr_ok[:, None], other=0.0)
+        else:
+            # a tile spanning pages: one block-table read per row; positions past the slice are clamped to
+            # its last row (real, finite data) and masked in the scores, so the loads need no row masks
+            pc = tl.minimum(pos, end - 1)
+            blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
+            rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
+            lat = load_cols(rowp[:, None] + r[None, :], r_ok[None, :], BR == R)
+            kr = load_cols(rowp[None, :] + R + dr[:, None], dr_ok[:, None], BDR == DR)
         if IS_FP8:
             lat = lat.to(ql.dtype)
             kr = kr.to(qr.dtype)
@@ -239,7 +254,7 @@ def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
 
 def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: int, R: int, n_sm: int,
                    block_h: int = 16) -> tuple[int, int]:
-    """Split-K plan: ``(num_splits, chunk)`` with chunk a multiple of 64 tokens.
+    """Split-K plan: ``(num_splits, chunk)`` with chunk a multiple of ``SPLIT_ALIGN`` (64) tokens.
 
     Aims at ~2 programs per multiprocessor (``n_sm``) with slices no shorter than ``MIN_SPLIT_TOKENS``,
     sized from the batch's *total* context so that one long sequence among short ones is cut as finely as
@@ -248,12 +263,12 @@ def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: i
     groups = triton.cdiv(rows, block_h)
     target = 2 * n_sm
     chunk = max(MIN_SPLIT_TOKENS, triton.cdiv(max(total_tokens, 1) * groups, target))
-    chunk = triton.cdiv(chunk, 64) * 64
+    chunk = triton.cdiv(chunk, SPLIT_ALIGN) * SPLIT_ALIGN
     splits = max(1, triton.cdiv(max(context_lens_max, 1), chunk))
     cap = max(1, PARTIAL_BUDGET // max(1, n_seq * rows * R * 4))
     if splits > cap:
         splits = cap
-        chunk = triton.cdiv(triton.cdiv(max(context_lens_max, 1), splits), 64) * 64
+        chunk = triton.cdiv(triton.cdiv(max(context_lens_max, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
     return splits, chunk
 
 
@@ -319,7 +334,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     splits, chunk = num_splits_for(max_context_len, total, N, rows, R, n_sm)
     if num_splits is not None:
         splits = max(1, int(num_splits))
-        chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), 64) * 64
+        chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
     part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
     fold = float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
