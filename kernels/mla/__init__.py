@@ -30,7 +30,7 @@ def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int, R: int = 5
     sig = {"QL": q, "QR": q, "CACHE": cache, "BT": "*i32", "CL": "*i32", "PART": "*fp32", "LSE": "*fp32"}
     strides = dict(stride_qln=R, stride_qlt=R, stride_qlh=N * R, stride_qrn=H * DR, stride_qrt=H * DR,
                    stride_qrh=DR, stride_cb=64 * (R + DR), stride_cs=R + DR, stride_bt=512)
-    for s in ("H", "TQ", "ROWS", "NSEQ", "chunk"):
+    for s in ("H", "TQ", "ROWS", "NSEQ", "min_chunk"):
         sig[s] = "i32"
     sig["qk_scale"] = "fp32"
     sig["out_scale"] = "fp32"

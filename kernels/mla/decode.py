@@ -98,7 +98,7 @@ def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
     stride_cb, stride_cs, stride_bt,
-    H, TQ, ROWS, NSEQ, chunk, qk_scale, out_scale,
+    H, TQ, ROWS, NSEQ, min_chunk, qk_scale, out_scale,
     R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
 ):
@@ -108,6 +108,11 @@ def _mla_decode_split_kernel(
     s = tl.program_id(1)
     n = tl.program_id(2)
     L = tl.load(CL + n)
+    # this sequence's slices, from its real context length (read here, so a captured graph replayed with
+    # other lengths still spreads each sequence over all its splits): L / num_splits rounded up to the
+    # alignment, never shorter than min_chunk (a shorter sequence leaves its last splits empty)
+    per = tl.num_programs(1) * _SPLIT_ALIGN
+    chunk = tl.maximum(((L + per - 1) // per) * _SPLIT_ALIGN, min_chunk)
     start = s * chunk
     end = tl.minimum(L, start + chunk)
     rows = g * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -283,8 +288,13 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
         out: optional preallocated ``[N, Tq, H, Dv]``; default dtype ``q_nope.dtype``.
         config: one entry of ``DECODE_CONFIGS[backend]`` (default: tuned pick).
         num_splits: force the number of context splits (default: :func:`num_splits_for`).
-        max_context_len: the batch's longest context; total_context_tokens: the sum of the contexts. Passing
-            both avoids device->host reads (without the total, ``N * max_context_len`` plans the splits).
+        max_context_len: the batch's longest context (or an upper bound, as under graph capture);
+            total_context_tokens: the sum of the contexts. Passing both avoids device->host reads (without the
+            total, ``N * max_context_len`` plans the splits). They only fix the number of splits: each
+            sequence's slice boundaries come from its real length, read on the device (a split kernel
+            program cuts ``context_lens[n]`` into ``num_splits`` slices of whole 64-token units, at least
+            ``MIN_SPLIT_TOKENS`` unless ``num_splits`` is forced), so a graph captured at one bound replays
+            correctly and evenly at any lengths below it.
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
@@ -332,9 +342,11 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     gt = gate if gate is not None else out.view(N, Tq, H * Dv)
     n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
     splits, chunk = num_splits_for(max_context_len, total, N, rows, R, n_sm)
-    if num_splits is not None:
+    min_chunk = MIN_SPLIT_TOKENS
+    if num_splits is not None:  # the caller's count: every sequence cut into that many slices of >= 64 tokens
         splits = max(1, int(num_splits))
         chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
+        min_chunk = SPLIT_ALIGN
     part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
     fold = float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
@@ -347,7 +359,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             q_lat, q_r, kv_cache, bt, cl, part, lse,
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
-            H, Tq, rows, N, chunk, qk_scale, fold,
+            H, Tq, rows, N, min_chunk, qk_scale, fold,
             R=R, DR=Dr, BR=pad_dim(R), BDR=pad_dim(Dr), PAGE=page, IS_FP8=fp8, **meta, **opts)
 
     if config is None:

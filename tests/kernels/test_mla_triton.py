@@ -176,6 +176,24 @@ def test_decode_odd_rank_and_dims(K, r, dr, dn, dv, H):
     torch.testing.assert_close(o.cpu(), ref, **TOL)
 
 
+def test_decode_with_an_upper_bound_on_the_context(K):
+    """As under graph capture: max_context_len an upper bound far above the real lengths, splits forced;
+    each sequence's slices come from its real length on the device."""
+    _, D = K
+    g = torch.Generator().manual_seed(21)
+    H, lens, page = 2, [150, 3, 64], 16
+    nblk, bt, slots = _paged(lens, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    M.mla_cache_write(cache, slots, torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g))
+    w_kc, w_vc = M.split_kv_b(torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5, H, DN, DV)
+    qn, qr = torch.randn(3, 1, H, DN, generator=g), torch.randn(3, 1, H, DR, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    ref = M.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, 0.2)
+    o = D.mla_decode(qn.to(DEV), qr.to(DEV), cache.to(DEV), bt.to(DEV), cl.to(DEV), w_kc.to(DEV), w_vc.to(DEV), 0.2,
+                     config=_cfgs(D.DECODE_CONFIGS)[0], num_splits=3, max_context_len=4096, total_context_tokens=12288)
+    torch.testing.assert_close(o.cpu(), ref, **TOL)
+
+
 def test_registry_takes_every_rank():
     """supports() of the MLA kernels never refuses a valid config (any rank)."""
     from k3rocm.kernels.mla import TRITON_IMPLS
