@@ -40,6 +40,8 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+        # two stages: spill-free on both at BLOCK_N 32 (at BLOCK_N 64, gfx942 spills two VGPRs)
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
     ],
     "interpreter": [
         dict(BLOCK_M=16, BLOCK_N=16),
