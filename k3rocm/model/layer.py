@@ -542,8 +542,29 @@ class AttnResState:
     prefix: torch.Tensor
 
 
-def _aggregate(ops: Mapping[str, Callable], rows: list[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return f32(ops["attn_res"](torch.stack(rows), weight, eps))
+def _slots(state: AttnResState) -> torch.Tensor | None:
+    """The ``[rows + 1, T, D]`` storage whose leading slots are the bank rows (set up by :func:`attn_side` on
+    layer 0), or None when the rows are separate tensors (a cloned or row-selected state)."""
+    if not state.bank:
+        return None
+    buf = state.bank[0]._base
+    if buf is None or buf.dim() != 3 or buf.shape[0] <= len(state.bank) or buf.shape[1:] != state.prefix.shape:
+        return None
+    if any(r.data_ptr() != buf[i].data_ptr() or r.shape != buf.shape[1:] for i, r in enumerate(state.bank)):
+        return None
+    return buf
+
+
+def _aggregate(ops: Mapping[str, Callable], state: AttnResState, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``attn_res`` over ``[bank rows..., prefix]``. When the rows are slots of one storage the prefix is copied
+    into the next free slot and the op reads ``storage[:rows + 1]`` in place (one ``[T, D]`` copy instead of
+    stacking every source); otherwise the sources are stacked. Same values either way."""
+    buf = _slots(state)
+    if buf is None:
+        return f32(ops["attn_res"](torch.stack(state.bank + [state.prefix]), weight, eps))
+    k = len(state.bank)
+    buf[k].copy_(state.prefix)
+    return f32(ops["attn_res"](buf[:k + 1], weight, eps))
 
 
 def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, cfg: K3Config,
@@ -556,19 +577,29 @@ def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, cfg: K3Conf
     if layer == 0:
         h = state.prefix
     else:
-        h = _aggregate(ops, state.bank + [state.prefix], weight, cfg.rms_norm_eps)
+        h = _aggregate(ops, state, weight, cfg.rms_norm_eps)
     if cfg.is_write_layer(layer):
-        state.bank.append(state.prefix)
+        buf = _slots(state)
+        if buf is None and not state.bank and cfg.num_attn_res_bank_rows > 0:
+            # one storage for every bank row of this forward plus a scratch slot for the prefix, so that
+            # the aggregations read the sources in place; a row, once written, is never written again
+            buf = state.prefix.new_empty(cfg.num_attn_res_bank_rows + 1, *state.prefix.shape)
+        if buf is not None and len(state.bank) < buf.shape[0] - 1:
+            row = buf[len(state.bank)]
+            row.copy_(state.prefix)
+            state.bank.append(row)
+        else:
+            state.bank.append(state.prefix)
         state.prefix = torch.zeros_like(h)
     return h
 
 
 def mlp_side(state: AttnResState, weight: torch.Tensor, cfg: K3Config, ops: Mapping[str, Callable]) -> torch.Tensor:
     """MLP-side aggregation over bank rows + prefix (which now holds this layer's attention output)."""
-    return _aggregate(ops, state.bank + [state.prefix], weight, cfg.rms_norm_eps)
+    return _aggregate(ops, state, weight, cfg.rms_norm_eps)
 
 
 def final_aggregate(state: AttnResState, weight: torch.Tensor, cfg: K3Config,
                     ops: Mapping[str, Callable]) -> torch.Tensor:
     """``output_attn_res_*`` aggregation over all bank rows + prefix, before the final ``norm``."""
-    return _aggregate(ops, state.bank + [state.prefix], weight, cfg.rms_norm_eps)
+    return _aggregate(ops, state, weight, cfg.rms_norm_eps)

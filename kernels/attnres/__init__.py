@@ -6,19 +6,15 @@ Oracle: :mod:`k3rocm.model.attnres`.
 
 from __future__ import annotations
 
-from .attnres import ATTNRES_CONFIGS, MAX_SOURCES, _attn_res_kernel, attn_res, attn_res_norm, isa_signature
+from .attnres import ATTNRES_CONFIGS, _attn_res_kernel, attn_res, attn_res_norm, isa_signature
 
 __all__ = ["attn_res", "attn_res_norm", "ATTNRES_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
 
-def _fits_sources(num_sources: int = 1, **_) -> bool:
-    return num_sources <= MAX_SOURCES
-
-
 #: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
 TRITON_IMPLS = (
-    ("attn_res", attn_res, _fits_sources,
-     "Triton one-pass-per-token AttnRes (scores, fp32 softmax, mix; fused RMSNorm/append variant)"),
+    ("attn_res", attn_res, None,
+     "Triton AttnRes, one pass over the sources (online softmax) when a row fits a block; fused RMSNorm/append variant"),
 )
 
 
@@ -26,5 +22,9 @@ def isa_cases() -> list[tuple]:
     """The AttnRes kernel (write-layer variant, bf16 bank) for ``kernels isa``; no matrix instructions expected."""
     sig, consts, opts = isa_signature("bf16", append=True)
     sig2, consts2, opts2 = isa_signature("fp32", append=False)
+    # the single-pass path at K3's hidden size (7168 in one 8192 block, 16 warps as the GPU configs)
+    sig3, consts3, _ = isa_signature("bf16", append=True, block_d=8192, one_block=True)
+    opts3 = {"cuda": {"num_warps": 16, "num_stages": 1}, "hip": {"num_warps": 16, "num_stages": 1}}
     return [("attn_res_norm_append_bf16", _attn_res_kernel, sig, consts, False, opts),
-            ("attn_res_norm_fp32", _attn_res_kernel, sig2, consts2, False, opts2)]
+            ("attn_res_norm_fp32", _attn_res_kernel, sig2, consts2, False, opts2),
+            ("attn_res_norm_append_bf16_one_block", _attn_res_kernel, sig3, consts3, False, opts3)]

@@ -1,13 +1,18 @@
 """Block AttnRes in one kernel: score the bank rows and the prefix, softmax, mix, then the following RMSNorm.
 
-Per token (a program handles one token, or walks several: ``PROGS_PER_SM``): pass 1 reads every source once and accumulates ``sum(v^2)`` and ``<v, w>``
-(the key is the weight-free RMSNorm of v, so ``score = <v, w> * rsqrt(mean(v^2) + eps)`` needs no key
-tensor); the softmax over the S <= 16 sources is fp32 in registers; pass 2 re-reads the sources (a token's
-rows were just read, so they come from L2), mixes the **raw** values, writes ``h`` and accumulates
-``sum(h^2)``; pass 3 writes ``h_normed = h * rsqrt(mean(h^2) + eps) * norm_weight`` (in registers when
-the row fits one block). The write-layer variant stores the prefix into bank row ``num_rows`` during
-pass 1. Outputs are always fresh tensors, never bank storage (K3_FACTS §5: reusing a bank row's storage
-for a later output corrupts layers 85–92).
+Per token (a program handles one token, or walks several: ``PROGS_PER_SM``). The key is the weight-free
+RMSNorm of v, so ``score = <v, w> * rsqrt(mean(v^2) + eps)`` needs no key tensor.
+
+* Row fits one block (``BLOCK_D >= D``, K3's 7168 at BLOCK_D 8192): **one pass** over the sources, each
+  row read once; the softmax over the sources is online (running max and denominator, the mix rescaled as
+  in FlashAttention's online softmax, Milakov & Gimelshein 2018), and ``h`` stays in registers for the
+  following RMSNorm ``h_normed = h * rsqrt(mean(h^2) + eps) * norm_weight``.
+* Otherwise three passes per token: scores (fp32 vector of ``S_PAD`` sources), mix of the **raw** values
+  re-read from L2 (writing ``h``), then the norm from ``h``.
+
+The write-layer variant stores the prefix into bank row ``num_rows`` while reading it. Any number of
+sources runs (``S_PAD`` = :func:`sources_pad`). Outputs are always fresh tensors, never bank storage
+(K3_FACTS §5: reusing a bank row's storage for a later output corrupts layers 85–92).
 
 Oracle: :func:`k3rocm.model.attnres.attn_res_norm` (fused) and :func:`k3rocm.model.attnres.attn_res` (op).
 """
@@ -40,10 +45,24 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1, waves_per_eu=0),
     ],
     # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
-    "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0), dict(BLOCK_D=32, PROGS_PER_SM=2)],
+    # BLOCK_D=128 holds the test rows in one block: the single-pass path
+    "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0), dict(BLOCK_D=32, PROGS_PER_SM=2),
+                    dict(BLOCK_D=128, PROGS_PER_SM=2)],
 }
 
-MAX_SOURCES = 16
+#: smallest width of the in-register score vector of the blocked path (one compile for up to 16 sources)
+MIN_SOURCES_PAD = 16
+
+
+def sources_pad(num_sources: int) -> int:
+    """Score-vector width for ``num_sources`` sources: a power of two >= ``MIN_SOURCES_PAD`` (a fixed small set)."""
+    return max(MIN_SOURCES_PAD, tune.pow2(num_sources))
+
+
+@_interp.kjit
+def _score(v, w, D, eps):
+    """AttnRes score of one source row ``v`` (fp32, 0 past D): ``<v, w> * rsqrt(mean(v^2) + eps)``."""
+    return tl.sum(v * w, 0) * tl.rsqrt(tl.sum(v * v, 0) / D + eps)
 
 
 @_interp.kjit
@@ -61,70 +80,106 @@ def _attn_res_kernel(
     for it in range(0, n_iter):  # n_iter = ceil(T / nprog), from the host
         # past the end: redo the last token (identical values written twice, no branch)
         t = tl.minimum(pid + it * nprog, T - 1)
-        scores = tl.full([S_PAD], float("-inf"), tl.float32)
-        # pass 1: scores of the bank rows
-        src = BANK + t * stride_bt
-        for j in range(0, num_rows):
-            ss = tl.zeros([BLOCK_D], tl.float32)
-            dt = tl.zeros([BLOCK_D], tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + offs
-                m = d < D
-                v = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
-                w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
-                ss += v * v
-                dt += v * w
-            sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
-            scores = tl.where(sidx == j, sc, scores)
-            src += stride_br
-        # ... and of the prefix (appended to the bank on a write layer)
-        pre = PREFIX + t * stride_pt
+        if ONE_BLOCK:
+            # the row fits one block: a single pass over the sources, each read once, with an online
+            # softmax over the sources (running max / denominator, FlashAttention-style rescaling of h)
+            m = offs < D
+            w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
+            mx = tl.full([], float("-inf"), tl.float32)
+            den = tl.zeros([], tl.float32)
+            h = tl.zeros([BLOCK_D], tl.float32)
+            src = BANK + t * stride_bt
+            for j in range(0, num_rows + 1):
+                if j < num_rows:
+                    v = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+                else:
+                    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+                    if APPEND:
+                        tl.store(BANK_NEW + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
+                    v = vr.to(tl.float32)
+                sc = _score(v, w, D, eps)
+                m_new = tl.maximum(mx, sc)
+                alpha = tl.exp(mx - m_new)
+                pj = tl.exp(sc - m_new)
+                den = den * alpha + pj
+                h = h * alpha + pj * v
+                mx = m_new
+                src += stride_br
+            h = h / den
+            tl.store(H_OUT + t * stride_ht + offs, h, mask=m)
+            if HAS_NORM:
+                rs = tl.rsqrt(tl.sum(h * h, 0) / D + norm_eps)
+                nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
+                tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
+        else:
+            _attn_res_blocked(BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt,
+                              stride_pt, stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND, HAS_NORM, S_PAD,
+                              BLOCK_D)
+
+
+@_interp.kjit
+def _attn_res_blocked(BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt, stride_pt,
+                      stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND: tl.constexpr, HAS_NORM: tl.constexpr,
+                      S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token when its row spans several blocks: scores (pass 1), mix (pass 2, from L2), norm (pass 3)."""
+    scores = tl.full([S_PAD], float("-inf"), tl.float32)
+    # pass 1: scores of the bank rows
+    src = BANK + t * stride_bt
+    for j in range(0, num_rows):
         ss = tl.zeros([BLOCK_D], tl.float32)
         dt = tl.zeros([BLOCK_D], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + offs
             m = d < D
-            vr = tl.load(pre + d, mask=m, other=0.0)
-            v = vr.to(tl.float32)
+            v = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
             w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
             ss += v * v
             dt += v * w
-            if APPEND:
-                tl.store(BANK_NEW + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
         sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
-        scores = tl.where(sidx == num_rows, sc, scores)
-        mx = tl.max(scores, 0)
-        p = tl.exp(scores - mx)
-        p = p / tl.sum(p, 0)
-        # pass 2: mix raw values
-        hss = tl.zeros([BLOCK_D], tl.float32)
+        scores = tl.where(sidx == j, sc, scores)
+        src += stride_br
+    # ... and of the prefix (appended to the bank on a write layer)
+    pre = PREFIX + t * stride_pt
+    ss = tl.zeros([BLOCK_D], tl.float32)
+    dt = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs
+        m = d < D
+        vr = tl.load(pre + d, mask=m, other=0.0)
+        v = vr.to(tl.float32)
+        w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
+        ss += v * v
+        dt += v * w
+        if APPEND:
+            tl.store(BANK_NEW + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
+    sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
+    scores = tl.where(sidx == num_rows, sc, scores)
+    mx = tl.max(scores, 0)
+    p = tl.exp(scores - mx)
+    p = p / tl.sum(p, 0)
+    # pass 2: mix raw values
+    hss = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs
+        m = d < D
         h = tl.zeros([BLOCK_D], tl.float32)
+        vp = BANK + t * stride_bt + d
+        for j in range(0, num_rows):
+            pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
+            h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
+            vp += stride_br
+        pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
+        h += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
+        tl.store(H_OUT + t * stride_ht + d, h.to(H_OUT.dtype.element_ty), mask=m)
+        hss += h * h
+    if HAS_NORM:
+        rs = tl.rsqrt(tl.sum(hss, 0) / D + norm_eps)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + offs
             m = d < D
-            h = tl.zeros([BLOCK_D], tl.float32)
-            vp = BANK + t * stride_bt + d
-            for j in range(0, num_rows):
-                pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
-                h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
-                vp += stride_br
-            pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
-            h += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
-            tl.store(H_OUT + t * stride_ht + d, h.to(H_OUT.dtype.element_ty), mask=m)
-            hss += h * h
-        if HAS_NORM:
-            rs = tl.rsqrt(tl.sum(hss, 0) / D + norm_eps)
-            if ONE_BLOCK:
-                m = offs < D
-                nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
-                tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
-            else:
-                for d0 in range(0, D, BLOCK_D):
-                    d = d0 + offs
-                    m = d < D
-                    hv = tl.load(H_OUT + t * stride_ht + d, mask=m, other=0.0).to(tl.float32)
-                    nw = tl.load(NW + d, mask=m, other=0.0).to(tl.float32)
-                    tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
+            hv = tl.load(H_OUT + t * stride_ht + d, mask=m, other=0.0).to(tl.float32)
+            nw = tl.load(NW + d, mask=m, other=0.0).to(tl.float32)
+            tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
 
 
 def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, config):
@@ -142,7 +197,7 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
             bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
             num_rows, T, D, nprog, triton.cdiv(T, nprog), bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
             (hn if hn is not None else h).stride(0), float(eps), float(norm_eps),
-            APPEND=append, HAS_NORM=norm_weight is not None, S_PAD=MAX_SOURCES, ONE_BLOCK=meta["BLOCK_D"] >= D,
+            APPEND=append, HAS_NORM=norm_weight is not None, S_PAD=sources_pad(num_rows + 1), ONE_BLOCK=meta["BLOCK_D"] >= D,
             **meta, **opts)
 
     if config is None:
@@ -155,9 +210,9 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
 
 def _check(bank, num_rows, prefix, append):
     R_max = bank.shape[0]
-    if not 0 <= num_rows <= R_max or (append and num_rows >= R_max) or num_rows + 1 > MAX_SOURCES:
-        raise ConfigError(f"attn_res_norm: num_rows={num_rows} (append={append}) does not fit a bank of {R_max} rows "
-                          f"(kernel limit {MAX_SOURCES - 1}); size the bank with K3Config.num_attn_res_bank_rows")
+    if not 0 <= num_rows <= R_max or (append and num_rows >= R_max):
+        raise ConfigError(f"attn_res_norm: num_rows={num_rows} (append={append}) does not fit a bank of {R_max} rows; "
+                          f"size the bank with K3Config.num_attn_res_bank_rows")
     if tuple(bank.shape[1:]) != tuple(prefix.shape):
         raise ConfigError(f"attn_res_norm: bank rows {tuple(bank.shape[1:])} and prefix {tuple(prefix.shape)} differ")
     if bank.stride(-1) != 1 or prefix.stride(-1) != 1:
@@ -177,7 +232,7 @@ def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weigh
     Returns:
         ``(h [T, D] fp32, h_normed [T, D])``, freshly allocated unless ``out`` is given.
     Raises:
-        ConfigError: bank full / shapes disagree / more than 15 bank rows.
+        ConfigError: bank full / shapes disagree.
     """
     _check(bank, num_rows, prefix, append)
     T, D = prefix.shape
@@ -200,10 +255,10 @@ def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float, config: di
     """Triton ``attn_res`` op (registry contract): ``sources [S, T, D]`` -> ``[T, D]`` fp32 (no following norm).
 
     Raises:
-        ConfigError: ``S`` is 0 or above 16, or widths disagree.
+        ConfigError: ``S`` is 0, or widths disagree.
     """
-    if sources.dim() != 3 or sources.shape[0] == 0 or sources.shape[0] > MAX_SOURCES or weight.shape[-1] != sources.shape[-1]:
-        raise ConfigError(f"attn_res: sources {tuple(sources.shape)} must be [1..{MAX_SOURCES}, T, D] with weight [D]")
+    if sources.dim() != 3 or sources.shape[0] == 0 or weight.shape[-1] != sources.shape[-1]:
+        raise ConfigError(f"attn_res: sources {tuple(sources.shape)} must be [S>0, T, D] with weight [D]")
     if sources.stride(-1) != 1:
         sources = sources.contiguous()
     S, T, D = sources.shape
@@ -212,13 +267,13 @@ def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float, config: di
     return h
 
 
-def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024):
+def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024, one_block: bool = False):
     """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa``."""
     p = "*" + dtype
     sig = {"BANK": p, "BANK_NEW": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
            "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "n_iter": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
            "stride_ht": "i32", "stride_hnt": "i32", "eps": "fp32", "norm_eps": "fp32"}
-    consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MAX_SOURCES, BLOCK_D=block_d, ONE_BLOCK=False)
+    consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ONE_BLOCK=one_block)
     for k in consts:
         sig[k] = "constexpr"
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}

@@ -9,36 +9,32 @@ from __future__ import annotations
 from .decode import (CACHE_WRITE_CONFIGS, DECODE_CONFIGS, REDUCE_CONFIGS, _mla_cache_write_kernel,
                      _mla_decode_merge_kernel, _mla_decode_split_kernel, mla_cache_write, mla_decode)
 from .prefill import (PREFILL_CONFIGS, _mla_prefill_kernel, expand_cached_context, isa_signature, mla_prefill,
-                      mla_prefill_chunked)
+                      mla_prefill_chunked, pad_dim)
 
 __all__ = ["mla_prefill", "mla_prefill_chunked", "expand_cached_context", "mla_decode", "mla_cache_write", "PREFILL_CONFIGS", "DECODE_CONFIGS", "REDUCE_CONFIGS",
            "CACHE_WRITE_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
 
-def _pow2_rank(kv_lora_rank: int = 512, **_) -> bool:
-    return kv_lora_rank > 0 and kv_lora_rank & (kv_lora_rank - 1) == 0
-
-
 #: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
 TRITON_IMPLS = (
     ("mla_prefill", mla_prefill, None, "Triton flash attention, shared k_rope, fused gate"),
-    ("mla_decode", mla_decode, _pow2_rank,
+    ("mla_decode", mla_decode, None,
      "Triton absorbed split-K decode over the paged 576-wide cache + merge/W_vc/gate kernel"),
     ("mla_cache_write", mla_cache_write, None, "Triton paged slot write (bf16 / FP8 + scale)"),
 )
 
 
-def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int):
+def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int, R: int = 512, DR: int = 64):
     # strides as the JIT sees them at K3 TP8 (12 heads, one query, page 64; see prefill.isa_signature)
     N, H = 64, 12
     sig = {"QL": q, "QR": q, "CACHE": cache, "BT": "*i32", "CL": "*i32", "PART": "*fp32", "LSE": "*fp32"}
-    strides = dict(stride_qln=512, stride_qlt=512, stride_qlh=N * 512, stride_qrn=H * 64, stride_qrt=H * 64,
-                   stride_qrh=64, stride_cb=64 * 576, stride_cs=576, stride_bt=512)
-    for s in ("H", "TQ", "ROWS", "NSEQ", "chunk"):
+    strides = dict(stride_qln=R, stride_qlt=R, stride_qlh=N * R, stride_qrn=H * DR, stride_qrt=H * DR,
+                   stride_qrh=DR, stride_cb=64 * (R + DR), stride_cs=R + DR, stride_bt=512)
+    for s in ("H", "TQ", "ROWS", "NSEQ", "min_chunk"):
         sig[s] = "i32"
     sig["qk_scale"] = "fp32"
     sig["out_scale"] = "fp32"
-    consts = dict(strides, R=512, DR=64, PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"))
+    consts = dict(strides, R=R, DR=DR, BR=pad_dim(R), BDR=pad_dim(DR), PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"))
     sig.update({k: "constexpr" for k in consts})
     return sig, consts
 
@@ -48,12 +44,20 @@ def isa_cases() -> list[tuple]:
     cases = []
     sig, consts, opts = isa_signature("bf16", has_gate=True)
     cases.append(("mla_prefill_bf16_gate", _mla_prefill_kernel, sig, consts, True, opts))
+    # head dims that are not powers of two (padded and masked in the kernel)
+    sig, consts, opts = isa_signature("bf16", has_gate=True, dn=96, dr=32, dv=96)
+    cases.append(("mla_prefill_bf16_gate_d96_32_96", _mla_prefill_kernel, sig, consts, True, opts))
     for cfg in DECODE_CONFIGS["hip"]:  # the HIP configs' tiles; CUDA compiles the same tiles
         sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"])
         opts = {"cuda": {"num_warps": cfg["num_warps"], "num_stages": 2},
                 "hip": {k: v for k, v in cfg.items() if not k.startswith("BLOCK")}}
         cases.append((f"mla_decode_split_bf16_h{cfg['BLOCK_H']}_n{cfg['BLOCK_N']}", _mla_decode_split_kernel, sig,
                       consts, True, opts))
+    cfg = DECODE_CONFIGS["hip"][0]  # a rank and rope width that are not powers of two
+    sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"], R=384, DR=32)
+    cases.append(("mla_decode_split_bf16_r384_dr32", _mla_decode_split_kernel, sig, consts, True,
+                  {"cuda": {"num_warps": cfg["num_warps"], "num_stages": 2},
+                   "hip": {k: v for k, v in cfg.items() if not k.startswith("BLOCK")}}))
     sig = {"PART": "*fp32", "LSE": "*fp32", "WVC": "*bf16", "G": "*bf16", "O": "*bf16"}
     for s in ("H", "TQ", "ROWS", "NSEQ", "num_splits"):
         sig[s] = "i32"

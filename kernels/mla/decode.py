@@ -21,6 +21,7 @@ import triton.language as tl
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
+from k3rocm.kernels.mla.prefill import load_cols, pad_dim
 from k3rocm.kernels.target import current_target
 from k3rocm.numerics import FP8_MAX
 
@@ -41,6 +42,9 @@ DECODE_CONFIGS: dict[str, list[dict]] = {
     "hip": [
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_H=32, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
+        # two-stage pipelined page tiles: the deepest that compiles without VGPR spills on both gfx942 (64 KB
+        # LDS) and gfx950 (160 KB); 32-row tiles or a second stage at BLOCK_N 32 spill on both
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=2, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
     ],
     "interpreter": [
         dict(BLOCK_H=16, BLOCK_N=16),
@@ -59,6 +63,10 @@ CACHE_WRITE_CONFIGS: dict[str, list[dict]] = {
     "cuda": [dict(num_warps=4)], "hip": [dict(num_warps=4)], "interpreter": [dict()],
 }
 
+#: context slices start at multiples of this many tokens (so a tile of BLOCK_N | 64 rows never crosses a
+#: page boundary when BLOCK_N also divides the page)
+SPLIT_ALIGN = 64
+_SPLIT_ALIGN = tl.constexpr(SPLIT_ALIGN)
 #: a context slice shorter than this is not split further
 MIN_SPLIT_TOKENS = 256
 #: upper bound on the fp32 partial buffer (bytes) that decides how far a batch may be split
@@ -90,15 +98,21 @@ def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
     stride_cb, stride_cs, stride_bt,
-    H, TQ, ROWS, NSEQ, chunk, qk_scale, out_scale,
-    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr,
+    H, TQ, ROWS, NSEQ, min_chunk, qk_scale, out_scale,
+    R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
 ):
+    # R / DR are padded to BR / BDR (powers of two >= 16); padded lanes load as 0 and are never stored
     # head groups vary fastest: the groups reading one context slice run together and share it in L2
     g = tl.program_id(0)
     s = tl.program_id(1)
     n = tl.program_id(2)
     L = tl.load(CL + n)
+    # this sequence's slices, from its real context length (read here, so a captured graph replayed with
+    # other lengths still spreads each sequence over all its splits): L / num_splits rounded up to the
+    # alignment, never shorter than min_chunk (a shorter sequence leaves its last splits empty)
+    per = tl.num_programs(1) * _SPLIT_ALIGN
+    chunk = tl.maximum(((L + per - 1) // per) * _SPLIT_ALIGN, min_chunk)
     start = s * chunk
     end = tl.minimum(L, start + chunk)
     rows = g * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -110,27 +124,37 @@ def _mla_decode_split_kernel(
     t = rows // H
     hh = rows % H
     last = L - TQ + t  # last visible position of each query row
-    r = tl.arange(0, R)
-    dr = tl.arange(0, DR)
+    r = tl.arange(0, BR)
+    dr = tl.arange(0, BDR)
+    r_ok = r < R
+    dr_ok = dr < DR
     ql = tl.load(QL + n.to(tl.int64) * stride_qln + (t * stride_qlt + hh * stride_qlh)[:, None] + r[None, :],
-                 mask=row_ok[:, None], other=0.0)
+                 mask=row_ok[:, None] & r_ok[None, :], other=0.0)
     qr = tl.load(QR + n.to(tl.int64) * stride_qrn + (t * stride_qrt + hh * stride_qrh)[:, None] + dr[None, :],
-                 mask=row_ok[:, None], other=0.0)
+                 mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    acc = tl.zeros([BLOCK_H, BR], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     bt_row = BT + n.to(tl.int64) * stride_bt
     for k0 in range(start, end, BLOCK_N):
         pos = k0 + offs
         ok = pos < end
-        # positions past the slice are clamped to its last row (real, finite data) and masked in the
-        # scores, so the tile loads need no per-lane masks
-        pc = tl.minimum(pos, end - 1)
-        blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
-        rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
-        lat = tl.load(rowp[:, None] + r[None, :])
-        kr = tl.load(rowp[None, :] + R + dr[:, None])
+        if (PAGE % BLOCK_N == 0) and (_SPLIT_ALIGN % BLOCK_N == 0):
+            # the tile lies inside one cache page (slices start at multiples of 64 tokens, BLOCK_N divides
+            # the page): one block-table read, consecutive rows; rows past the slice load as 0
+            blk = tl.load(bt_row + k0 // PAGE).to(tl.int64)
+            rowp = CACHE + blk * stride_cb + ((k0 % PAGE) + offs).to(tl.int64) * stride_cs
+            lat = tl.load(rowp[:, None] + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            kr = tl.load(rowp[None, :] + R + dr[:, None], mask=ok[None, :] & dr_ok[:, None], other=0.0)
+        else:
+            # a tile spanning pages: one block-table read per row; positions past the slice are clamped to
+            # its last row (real, finite data) and masked in the scores, so the loads need no row masks
+            pc = tl.minimum(pos, end - 1)
+            blk = tl.load(bt_row + pc // PAGE).to(tl.int64)
+            rowp = CACHE + blk * stride_cb + (pc % PAGE).to(tl.int64) * stride_cs
+            lat = load_cols(rowp[:, None] + r[None, :], r_ok[None, :], BR == R)
+            kr = load_cols(rowp[None, :] + R + dr[:, None], dr_ok[:, None], BDR == DR)
         if IS_FP8:
             lat = lat.to(ql.dtype)
             kr = kr.to(qr.dtype)
@@ -149,7 +173,7 @@ def _mla_decode_split_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     part = acc * (out_scale / l_safe)[:, None]
     pp = PART + ((s * NSEQ + n).to(tl.int64) * ROWS + rows)[:, None] * R + r[None, :]
-    tl.store(pp, part, mask=row_ok[:, None])
+    tl.store(pp, part, mask=row_ok[:, None] & r_ok[None, :])
     tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
@@ -187,10 +211,11 @@ def _mla_decode_merge_kernel(
             lse = tl.load(LSE + s * NSEQ * ROWS + row, mask=ok, other=float("-inf"))
             w = tl.exp2(lse - mx_safe) * inv
             use = ok & (w > 0.0)
-            pv = tl.load(PART + (s * NSEQ * ROWS + row)[:, None] * R + r0 + rr[None, :], mask=use[:, None], other=0.0)
+            pv = tl.load(PART + (s * NSEQ * ROWS + row)[:, None] * R + r0 + rr[None, :],
+                         mask=use[:, None] & ((r0 + rr) < R)[None, :], other=0.0)
             c += w[:, None] * pv
-        wv = tl.load(WVC + h * stride_wh + (r0 + rr)[:, None] * stride_wr + dv[None, :], mask=dv[None, :] < DV,
-                     other=0.0)
+        wv = tl.load(WVC + h * stride_wh + (r0 + rr)[:, None] * stride_wr + dv[None, :],
+                     mask=((r0 + rr) < R)[:, None] & (dv[None, :] < DV), other=0.0)
         out += tl.dot(c.to(wv.dtype), wv)
     st = ok[:, None] & (dv[None, :] < DV)
     if HAS_GATE:
@@ -234,7 +259,7 @@ def mla_cache_write(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
 
 def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: int, R: int, n_sm: int,
                    block_h: int = 16) -> tuple[int, int]:
-    """Split-K plan: ``(num_splits, chunk)`` with chunk a multiple of 64 tokens.
+    """Split-K plan: ``(num_splits, chunk)`` with chunk a multiple of ``SPLIT_ALIGN`` (64) tokens.
 
     Aims at ~2 programs per multiprocessor (``n_sm``) with slices no shorter than ``MIN_SPLIT_TOKENS``,
     sized from the batch's *total* context so that one long sequence among short ones is cut as finely as
@@ -243,12 +268,12 @@ def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: i
     groups = triton.cdiv(rows, block_h)
     target = 2 * n_sm
     chunk = max(MIN_SPLIT_TOKENS, triton.cdiv(max(total_tokens, 1) * groups, target))
-    chunk = triton.cdiv(chunk, 64) * 64
+    chunk = triton.cdiv(chunk, SPLIT_ALIGN) * SPLIT_ALIGN
     splits = max(1, triton.cdiv(max(context_lens_max, 1), chunk))
     cap = max(1, PARTIAL_BUDGET // max(1, n_seq * rows * R * 4))
     if splits > cap:
         splits = cap
-        chunk = triton.cdiv(triton.cdiv(max(context_lens_max, 1), splits), 64) * 64
+        chunk = triton.cdiv(triton.cdiv(max(context_lens_max, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
     return splits, chunk
 
 
@@ -263,12 +288,18 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
         out: optional preallocated ``[N, Tq, H, Dv]``; default dtype ``q_nope.dtype``.
         config: one entry of ``DECODE_CONFIGS[backend]`` (default: tuned pick).
         num_splits: force the number of context splits (default: :func:`num_splits_for`).
-        max_context_len: the batch's longest context; total_context_tokens: the sum of the contexts. Passing
-            both avoids device->host reads (without the total, ``N * max_context_len`` plans the splits).
+        max_context_len: the batch's longest context (or an upper bound, as under graph capture);
+            total_context_tokens: the sum of the contexts. Passing both avoids device->host reads (without the
+            total, ``N * max_context_len`` plans the splits). They only fix the number of splits: each
+            sequence's slice boundaries come from its real length, read on the device (a split kernel
+            program cuts ``context_lens[n]`` into ``num_splits`` slices of whole 64-token units, at least
+            ``MIN_SPLIT_TOKENS`` unless ``num_splits`` is forced), so a graph captured at one bound replays
+            correctly and evenly at any lengths below it.
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
-        ConfigError: inconsistent widths or non-contiguous cache rows.
+        ConfigError: inconsistent widths or non-contiguous cache rows. Any rank / rope width / head count
+            runs (widths padded to :func:`~k3rocm.kernels.mla.prefill.pad_dim` in the kernel and masked).
     """
     N, Tq, H, Dn = q_nope.shape
     Dr = q_rope.shape[-1]
@@ -279,9 +310,8 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             or tuple(q_rope.shape[:3]) != (N, Tq, H):
         raise ConfigError(f"mla_decode: cache width {W}, w_kc {tuple(w_kc.shape)}, w_vc {tuple(w_vc.shape)}, "
                           f"q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)} are inconsistent")
-    if R & (R - 1) or Dr & (Dr - 1) or Dr < 16 or R < 16:
-        raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be powers of two >= 16 for the "
-                          f"Triton kernel; use --kernels mla_decode=torch")
+    if R < 1 or Dr < 1:
+        raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be at least 1")
     if kv_cache.stride(-1) != 1:
         raise ConfigError("mla_decode: kv_cache rows must be contiguous")
     if out is None:
@@ -312,9 +342,11 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     gt = gate if gate is not None else out.view(N, Tq, H * Dv)
     n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
     splits, chunk = num_splits_for(max_context_len, total, N, rows, R, n_sm)
-    if num_splits is not None:
+    min_chunk = MIN_SPLIT_TOKENS
+    if num_splits is not None:  # the caller's count: every sequence cut into that many slices of >= 64 tokens
         splits = max(1, int(num_splits))
-        chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), 64) * 64
+        chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
+        min_chunk = SPLIT_ALIGN
     part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
     fold = float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
@@ -327,15 +359,17 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             q_lat, q_r, kv_cache, bt, cl, part, lse,
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
-            H, Tq, rows, N, chunk, qk_scale, fold,
-            R=R, DR=Dr, PAGE=page, IS_FP8=fp8, **meta, **opts)
+            H, Tq, rows, N, min_chunk, qk_scale, fold,
+            R=R, DR=Dr, BR=pad_dim(R), BDR=pad_dim(Dr), PAGE=page, IS_FP8=fp8, **meta, **opts)
 
     if config is None:
-        key = (rows, R, Dr, page, kv_cache.dtype, splits, tune.pow2(chunk), tune.pow2(N))
+        # every count in the key is a power-of-two bucket: a new batch size, head count or context length
+        # reuses the tuned pick instead of timing while serving
+        key = (tune.pow2(rows), R, Dr, page, kv_cache.dtype, tune.pow2(splits), tune.pow2(chunk), tune.pow2(N))
         config = tune.pick("mla_decode", key, tune.configs(DECODE_CONFIGS), launch)
     launch(config)
     meta, opts = tune.split(tune.configs(REDUCE_CONFIGS)[0])
-    meta["BLOCK_R"] = min(meta["BLOCK_R"], R)
+    meta["BLOCK_R"] = min(meta["BLOCK_R"], pad_dim(R))
     _interp.launch(_mla_decode_merge_kernel, (H, triton.cdiv(N * Tq, meta["BLOCK_M"])),
         part, lse, wv, gt, out, H, Tq, rows, N, splits,
         wv.stride(0), wv.stride(1), gt.stride(0), gt.stride(1), out.stride(0), out.stride(1), out.stride(2),

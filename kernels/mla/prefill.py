@@ -40,6 +40,8 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
+        # two stages: spill-free on both at BLOCK_N 32 (at BLOCK_N 64, gfx942 spills two VGPRs)
+        dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1),
     ],
     "interpreter": [
         dict(BLOCK_M=16, BLOCK_N=16),
@@ -49,14 +51,27 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
 
 
 @_interp.kjit
+def load_cols(ptrs, col_ok, DENSE: tl.constexpr):
+    """Load a tile whose head-dim lanes are all real (``DENSE``: no mask) or padded (masked, 0 outside)."""
+    if DENSE:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=col_ok, other=0.0)
+
+
+@_interp.kjit
 def _mla_prefill_kernel(
     Q, KN, KR, V, O, G, CUQ, CUK,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_krt, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_gt, stride_gh,
     qk_scale, num_m_blocks,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
+    BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, I64: tl.constexpr,
 ):
+    # head dims are padded to BD* (powers of two >= 16, what tl.dot and tl.arange need); the padded lanes
+    # load as 0, add nothing to the scores and are never stored. With BD* == D* the masks are all-true
+    # constants and fold away.
     # heavy (late) query blocks first: causal work grows with the block index
     pid_m = num_m_blocks - 1 - tl.program_id(0)
     n = tl.program_id(1)
@@ -70,13 +85,16 @@ def _mla_prefill_kernel(
         return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    dn = tl.arange(0, DN)
-    dr = tl.arange(0, DR)
-    dv = tl.arange(0, DV)
+    dn = tl.arange(0, BDN)
+    dr = tl.arange(0, BDR)
+    dv = tl.arange(0, BDV)
+    dn_ok = dn < DN
+    dr_ok = dr < DR
+    dv_ok = dv < DV
     m_ok = offs_m < lq
     q_base = Q + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
-    qn = tl.load(q_base + dn[None, :], mask=m_ok[:, None], other=0.0)
-    qr = tl.load(q_base + DN + dr[None, :], mask=m_ok[:, None], other=0.0)
+    qn = tl.load(q_base + dn[None, :], mask=m_ok[:, None] & dn_ok[None, :], other=0.0)
+    qr = tl.load(q_base + DN + dr[None, :], mask=m_ok[:, None] & dr_ok[None, :], other=0.0)
 
     diag = lk - lq  # query j sees keys 0 .. diag + j
     m_last = tl.minimum(m_start + BLOCK_M, lq) - 1
@@ -86,7 +104,7 @@ def _mla_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, BDV], tl.float32)
     kn_base = KN + h * stride_knh
     v_base = V + h * stride_vh
     # keys every row of the block sees: no causal mask
@@ -94,15 +112,15 @@ def _mla_prefill_kernel(
         kt = k0 + start + offs_n
         if I64:
             kt = kt.to(tl.int64)
-        kn = tl.load(kn_base + kt[None, :] * stride_knt + dn[:, None])
-        kr = tl.load(KR + kt[None, :] * stride_krt + dr[:, None])
+        kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
+        kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
         s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
         s = s * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(v_base + kt[:, None] * stride_vt + dv[None, :])
+        vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
         m_i = m_new
     # the diagonal band: causal + length mask; out-of-range keys are clamped to the last valid one (real,
@@ -113,8 +131,8 @@ def _mla_prefill_kernel(
         kt = k0 + tl.minimum(kidx, hi - 1)
         if I64:
             kt = kt.to(tl.int64)
-        kn = tl.load(kn_base + kt[None, :] * stride_knt + dn[:, None])
-        kr = tl.load(KR + kt[None, :] * stride_krt + dr[:, None])
+        kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
+        kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
         s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
         s = s * qk_scale
         vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
@@ -124,16 +142,17 @@ def _mla_prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(v_base + kt[:, None] * stride_vt + dv[None, :])
+        vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     row = (q0 + offs_m).to(tl.int64)
-    st_mask = m_ok[:, None]
+    st_mask = m_ok[:, None] & dv_ok[None, :]
     if HAS_GATE:
-        grow = (q0 + tl.minimum(offs_m, lq - 1)).to(tl.int64)  # clamped rows: no load mask
-        g = tl.load(G + grow[:, None] * stride_gt + h * stride_gh + dv[None, :]).to(tl.float32)
+        grow = (q0 + tl.minimum(offs_m, lq - 1)).to(tl.int64)  # clamped rows: no row mask
+        g = load_cols(G + grow[:, None] * stride_gt + h * stride_gh + dv[None, :], dv_ok[None, :],
+                       BDV == DV).to(tl.float32)
         out = out * tl.sigmoid(g)
     tl.store(O + row[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty), mask=st_mask)
 
@@ -152,7 +171,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     Returns:
         o ``[Tq, H, Dv]`` in ``q.dtype`` (or ``out``'s).
     Raises:
-        ConfigError: inconsistent shapes.
+        ConfigError: inconsistent shapes, or a head dim below 1. Any other head dims run: they are padded to
+            :func:`pad_dim` inside the kernel and masked.
     """
     Tq, H, Dq = q.shape
     Tk, _, Dn = k_nope.shape
@@ -167,9 +187,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
         if t.stride(-1) != 1:
             raise ConfigError(f"mla_prefill: {name} must have a contiguous last dim; call .contiguous()")
     for name, d in (("qk_nope_head_dim", Dn), ("qk_rope_head_dim", Dr), ("v_head_dim", Dv)):
-        if d < 16 or d & (d - 1):
-            raise ConfigError(f"mla_prefill: {name}={d} must be a power of two >= 16 for the Triton kernel; "
-                              f"use --kernels mla_prefill=torch")
+        if d < 1:
+            raise ConfigError(f"mla_prefill: {name}={d} must be at least 1")
     N = cu_seqlens_q.shape[0] - 1
     if out is None:
         out = torch.empty(Tq, H, Dv, dtype=q.dtype, device=q.device)
@@ -196,7 +215,7 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
             q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), g.stride(0), g.stride(1),
             qk_scale, nmb,
-            DN=Dn, DR=Dr, DV=Dv,
+            DN=Dn, DR=Dr, DV=Dv, BDN=pad_dim(Dn), BDR=pad_dim(Dr), BDV=pad_dim(Dv),
             HAS_GATE=gate is not None, I64=big, **meta, **opts)
 
     if config is None:
@@ -207,8 +226,15 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     return out
 
 
-def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None = None):
-    """(signature, constexprs, options-by-backend) of the prefill kernel at K3's dims (for ``kernels isa``)."""
+def pad_dim(d: int) -> int:
+    """Width a head dimension ``d`` is padded to inside the attention kernels: the next power of two, >= 16."""
+    return max(16, tune.pow2(d))
+
+
+def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None = None,
+                  dn: int = 128, dr: int = 64, dv: int = 128):
+    """(signature, constexprs, options-by-backend) of the prefill kernel (for ``kernels isa``); default K3's
+    head dims (128 / 64 / 128), others for the padded-dim compiles."""
     cfg = cfg or dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)  # spill-free on all three targets
     p = "*" + dtype
     sig = {"Q": p, "KN": p, "KR": p, "V": p, "O": p, "G": p, "CUQ": "*i32", "CUK": "*i32"}
@@ -216,12 +242,13 @@ def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None 
     # ahead-of-time signature has no such hint, so the strides are given as the K3 TP8 values (12 heads of
     # contiguous [T, H, D] tensors) to compile what a real launch compiles.
     H = 12
-    strides = dict(stride_qt=H * 192, stride_qh=192, stride_knt=H * 128, stride_knh=128, stride_krt=64,
-                   stride_vt=H * 128, stride_vh=128, stride_ot=H * 128, stride_oh=128, stride_gt=H * 128,
-                   stride_gh=128)
+    dq = dn + dr
+    strides = dict(stride_qt=H * dq, stride_qh=dq, stride_knt=H * dn, stride_knh=dn, stride_krt=dr,
+                   stride_vt=H * dv, stride_vh=dv, stride_ot=H * dv, stride_oh=dv, stride_gt=H * dv,
+                   stride_gh=dv)
     sig["qk_scale"] = "fp32"
     sig["num_m_blocks"] = "i32"
-    consts = dict(strides, DN=128, DR=64, DV=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+    consts = dict(strides, DN=dn, DR=dr, DV=dv, BDN=pad_dim(dn), BDR=pad_dim(dr), BDV=pad_dim(dv), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                   HAS_GATE=has_gate, I64=False)
     for k in consts:
         sig[k] = "constexpr"

@@ -118,6 +118,19 @@ def test_kernel_op_and_errors(K):
         K.attn_res_norm(bank, 1, src[0].to(DEV), w.to(DEV), w.to(DEV), 1e-5, out=(bank[1], torch.empty(4, 40, device=DEV)))
 
 
+def test_kernel_more_than_sixteen_sources(K):
+    """A config with more bank rows than 16 runs on the kernel (score vector padded to the next power of two),
+    on the single-pass and the blocked path; supports() takes it."""
+    from k3rocm.kernels.attnres import TRITON_IMPLS
+    assert all(sup is None or sup(num_sources=40) for _op, _fn, sup, _n in TRITON_IMPLS)
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(20, 2, 24, generator=g)
+    w = torch.randn(24, generator=g)
+    ref = A.attn_res(src, w, 1e-5)
+    for cfg in (_configs(K)[0], _configs(K)[-1]):
+        torch.testing.assert_close(K.attn_res(src.to(DEV), w.to(DEV), 1e-5, config=cfg).cpu(), ref, **TOL)
+
+
 def _mixer(D, L, g):
     """Deterministic stand-in mixers: a fixed random tanh layer per (layer, side), so errors propagate."""
     Ws = {(i, s): torch.randn(D, D, generator=g) * D ** -0.5 for i in range(L) for s in ("attn", "mlp")}

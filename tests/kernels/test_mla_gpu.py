@@ -200,3 +200,67 @@ def test_attnres_k3_dims_every_config_20x():
             assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs)
             torch.testing.assert_close(runs[0][0], h_ref, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(runs[0][1], hn_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dn,dr,dv,r,H", [(96, 32, 96, 384, 12), (128, 64, 128, 448, 7)])
+def test_odd_dims_bf16(dn, dr, dv, r, H):
+    """Head dims, rank and head counts that are not powers of two (padded + masked): prefill and decode."""
+    from k3rocm.kernels.mla import decode as D
+    from k3rocm.kernels.mla import prefill as P
+    from k3rocm.model import mla as M
+    g = torch.Generator(device="cuda").manual_seed(dn + r)
+    T = 333
+    q = torch.randn(T, H, dn + dr, device="cuda", generator=g).to(BF).float()
+    kn = torch.randn(T, H, dn, device="cuda", generator=g).to(BF).float()
+    kr = torch.randn(T, dr, device="cuda", generator=g).to(BF).float()
+    v = torch.randn(T, H, dv, device="cuda", generator=g).to(BF).float()
+    sc = (dn + dr) ** -0.5
+    ref = M.mla_prefill(q, kn, kr, v, _cu([T]), _cu([T]), sc)
+    for cfg in P.PREFILL_CONFIGS["hip" if torch.version.hip else "cuda"]:
+        o = P.mla_prefill(q.to(BF), kn.to(BF), kr.to(BF), v.to(BF), _cu([T]), _cu([T]), sc, config=cfg)
+        assert _rel(o, ref) < 1e-2, cfg
+    N, L = 3, 1000
+    nb = math.ceil(L / PAGE)
+    bt = torch.randperm(N * nb, device="cuda", generator=g).to(torch.int32).view(N, nb)
+    pos = torch.arange(L, device="cuda")
+    slots = (bt.long()[:, pos // PAGE] * PAGE + pos % PAGE).flatten()
+    cache = torch.zeros(N * nb, PAGE, r + dr, device="cuda", dtype=BF)
+    D.mla_cache_write(cache, slots, torch.randn(N * L, r, device="cuda", generator=g).to(BF),
+                      torch.randn(N * L, dr, device="cuda", generator=g).to(BF))
+    w_kc, w_vc = M.split_kv_b(torch.randn(H * (dn + dv), r, device="cuda", generator=g) * r ** -0.5, H, dn, dv)
+    qn = torch.randn(N, 1, H, dn, device="cuda", generator=g).to(BF)
+    qr = torch.randn(N, 1, H, dr, device="cuda", generator=g).to(BF)
+    cl = torch.tensor([L, 1, 517], dtype=torch.int32, device="cuda")
+    ref = M.mla_decode(qn, qr, cache.float(), bt, cl, w_kc, w_vc, sc)
+    for cfg in D.DECODE_CONFIGS["hip" if torch.version.hip else "cuda"]:
+        o = D.mla_decode(qn, qr, cache, bt, cl, w_kc.to(BF), w_vc.to(BF), sc, config=cfg)
+        assert _rel(o, ref) < 2e-2, cfg
+
+
+def test_decode_graph_replay_at_other_lengths():
+    """Captured once with an upper bound on the context (and forced splits, as the engine does), replayed after
+    the real lengths changed: equal to an eager call at those lengths."""
+    from k3rocm.kernels.mla import decode as D
+    from k3rocm.model import mla as M
+    g = torch.Generator(device="cuda").manual_seed(13)
+    H, N, L = 12, 4, 4096
+    nb = L // PAGE
+    bt = torch.randperm(N * nb, device="cuda", generator=g).to(torch.int32).view(N, nb)
+    cache = torch.randn(N * nb, PAGE, R + DR, device="cuda", generator=g).to(BF)
+    w_kc, w_vc = M.split_kv_b(torch.randn(H * (DN + DV), R, device="cuda", generator=g) * R ** -0.5, H, DN, DV)
+    w_kc, w_vc = w_kc.to(BF), w_vc.to(BF)
+    qn = torch.randn(N, 1, H, DN, device="cuda", generator=g).to(BF)
+    qr = torch.randn(N, 1, H, DR, device="cuda", generator=g).to(BF)
+    cl = torch.tensor([L, 1, 100, 2000], dtype=torch.int32, device="cuda")
+    out = torch.empty(N, 1, H, DV, device="cuda", dtype=BF)
+    kw = dict(out=out, max_context_len=L, num_splits=8, config=D.DECODE_CONFIGS["hip" if torch.version.hip else "cuda"][0])
+    D.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, SCALE, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        D.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, SCALE, **kw)
+    cl.copy_(torch.tensor([7, 3000, 64, 4095], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = M.mla_decode(qn, qr, cache.float(), bt, cl, w_kc.float(), w_vc.float(), SCALE)
+    assert _rel(out, ref) < 2e-2

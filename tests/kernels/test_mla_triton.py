@@ -82,10 +82,23 @@ def test_prefill_deterministic_and_errors(K):
         assert torch.equal(a, b)
     with pytest.raises(ConfigError):
         P.mla_prefill(q[..., :-1].to(DEV), *args[1:])
-    with pytest.raises(ConfigError):  # head dims must be powers of two for the kernel
-        P.mla_prefill(torch.zeros(4, 1, 24 + 16, device=DEV), torch.zeros(4, 1, 24, device=DEV),
-                      torch.zeros(4, 16, device=DEV), torch.zeros(4, 1, 32, device=DEV), _cu([4]).to(DEV),
-                      _cu([4]).to(DEV), 0.1)
+
+
+@pytest.mark.parametrize("dn,dr,dv,H", [(24, 6, 20, 3), (40, 10, 8, 5)])
+def test_prefill_odd_head_dims(K, dn, dr, dv, H):
+    """Head dims that are not powers of two (and below 16), odd head counts: padded + masked in the kernel."""
+    P, _ = K
+    g = torch.Generator().manual_seed(dn + dr + dv)
+    lq, lk = [3, 18], [7, 18]
+    q = torch.randn(sum(lq), H, dn + dr, generator=g)
+    kn, kr = torch.randn(sum(lk), H, dn, generator=g), torch.randn(sum(lk), dr, generator=g)
+    v, gate = torch.randn(sum(lk), H, dv, generator=g), torch.randn(sum(lq), H * dv, generator=g)
+    scale = (dn + dr) ** -0.5
+    ref = M.mla_prefill(q, kn, kr, v, _cu(lq), _cu(lk), scale, gate=gate)
+    out = torch.full((sum(lq), H, dv), float("nan"), device=DEV)
+    o = P.mla_prefill(q.to(DEV), kn.to(DEV), kr.to(DEV), v.to(DEV), _cu(lq).to(DEV), _cu(lk).to(DEV), scale,
+                      gate=gate.to(DEV), out=out, config=_cfgs(P.PREFILL_CONFIGS)[0])
+    torch.testing.assert_close(o.cpu(), ref, **TOL)
 
 
 def _paged(lens, page, g):
@@ -140,6 +153,52 @@ def test_decode_heads_and_lengths(K, H, Tq):
                          scale, gate=gate.to(DEV), out=out, config=cfg, num_splits=splits)
         torch.testing.assert_close(o.cpu(), ref, **TOL)
         assert torch.equal(o[3].cpu(), torch.zeros_like(o[3].cpu()))  # padding row (context 0)
+
+
+@pytest.mark.parametrize("r,dr,dn,dv,H", [(40, 6, 24, 20, 3), (24, 16, 16, 16, 7)])
+def test_decode_odd_rank_and_dims(K, r, dr, dn, dv, H):
+    """A latent rank, rope width, head dims and head count that are not powers of two (padded + masked)."""
+    _, D = K
+    g = torch.Generator().manual_seed(r * 7 + dr)
+    lens, page = [1, 21, 40], 8
+    nblk, bt, slots = _paged(lens, page, g)
+    cache = torch.full((nblk, page, r + dr), float("nan"))
+    M.mla_cache_write(cache, slots, torch.randn(slots.numel(), r, generator=g), torch.randn(slots.numel(), dr, generator=g))
+    w_kc, w_vc = M.split_kv_b(torch.randn(H * (dn + dv), r, generator=g) * r ** -0.5, H, dn, dv)
+    qn, qr = torch.randn(3, 1, H, dn, generator=g), torch.randn(3, 1, H, dr, generator=g)
+    gate = torch.randn(3, 1, H * dv, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    scale = (dn + dr) ** -0.5
+    ref = M.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, scale, gate=gate)
+    out = torch.full((3, 1, H, dv), float("nan"), device=DEV)
+    o = D.mla_decode(qn.to(DEV), qr.to(DEV), cache.to(DEV), bt.to(DEV), cl.to(DEV), w_kc.to(DEV), w_vc.to(DEV),
+                     scale, gate=gate.to(DEV), out=out, config=_cfgs(D.DECODE_CONFIGS)[0], num_splits=2)
+    torch.testing.assert_close(o.cpu(), ref, **TOL)
+
+
+def test_decode_with_an_upper_bound_on_the_context(K):
+    """As under graph capture: max_context_len an upper bound far above the real lengths, splits forced;
+    each sequence's slices come from its real length on the device."""
+    _, D = K
+    g = torch.Generator().manual_seed(21)
+    H, lens, page = 2, [150, 3, 64], 16
+    nblk, bt, slots = _paged(lens, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    M.mla_cache_write(cache, slots, torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g))
+    w_kc, w_vc = M.split_kv_b(torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5, H, DN, DV)
+    qn, qr = torch.randn(3, 1, H, DN, generator=g), torch.randn(3, 1, H, DR, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    ref = M.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, 0.2)
+    o = D.mla_decode(qn.to(DEV), qr.to(DEV), cache.to(DEV), bt.to(DEV), cl.to(DEV), w_kc.to(DEV), w_vc.to(DEV), 0.2,
+                     config=_cfgs(D.DECODE_CONFIGS)[0], num_splits=3, max_context_len=4096, total_context_tokens=12288)
+    torch.testing.assert_close(o.cpu(), ref, **TOL)
+
+
+def test_registry_takes_every_rank():
+    """supports() of the MLA kernels never refuses a valid config (any rank)."""
+    from k3rocm.kernels.mla import TRITON_IMPLS
+    for _op, _fn, supports, _note in TRITON_IMPLS:
+        assert supports is None or all(supports(kv_lora_rank=k) for k in (32, 384, 448, 512))
 
 
 def test_decode_after_prefill_equals_prefill_of_longer_sequence(K):
