@@ -67,6 +67,37 @@ def _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N
 
 
 @triton.jit
+def _w_rows(offs_n, K, stride_wn, stride_wsn, UP_ROW0, UP: tl.constexpr, G: tl.constexpr,
+            TILE_N: tl.constexpr, TILE_K: tl.constexpr):
+    """Byte offsets (int64, from the expert's base) of the first value byte and the first scale byte of weight
+    rows ``offs_n`` (gate rows; ``UP``: the matching up rows). ``TILE_N == 0``: checkpoint layout (values and
+    scales in two tensors, up rows at ``UP_ROW0 + n``); else the tiled layout of ``k3rocm.kernels.mx.layout``
+    (one buffer, chunks of ``G * TILE_N`` rows x ``TILE_K`` elements, values then scales)."""
+    if TILE_N == 0:
+        r = offs_n.to(tl.int64)
+        if UP:
+            r += UP_ROW0
+        return r * stride_wn, r * stride_wsn
+    else:
+        CHUNK: tl.constexpr = G * TILE_N * (TILE_K // 2 + TILE_K // 32)
+        t = (offs_n // TILE_N).to(tl.int64) * ((K // TILE_K) * CHUNK)
+        i = (offs_n % TILE_N + UP * TILE_N).to(tl.int64)
+        return t + i * (TILE_K // 2), t + G * TILE_N * (TILE_K // 2) + i * (TILE_K // 32)
+
+
+@triton.jit
+def _w_kstep(k0, G: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr):
+    """Byte offsets of k-step ``k0`` (a multiple of the step, which divides ``TILE_K``) within a row: values,
+    scales (see :func:`_w_rows`); in the tiled layout the step's bytes of a row are contiguous."""
+    if TILE_N == 0:
+        return k0 // 2, k0 // 32
+    else:
+        CHUNK: tl.constexpr = G * TILE_N * (TILE_K // 2 + TILE_K // 32)
+        c = (k0 // TILE_K) * CHUNK
+        return c + (k0 % TILE_K) // 2, c + (k0 % TILE_K) // 32
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr,
     sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
@@ -75,9 +106,12 @@ def moe_gemm_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, A8: tl.constexpr, ACT_FMT: tl.constexpr, ACT: tl.constexpr,
     BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0,
 ):
     """Program (m block, n tile). ``block_expert[m]`` = local expert (-1: no work), ``block_start[m]`` = first
-    sorted row; rows end at ``offsets[e+1]``. ``N`` is the output width (I for w13, D for w2)."""
+    sorted row; rows end at ``offsets[e+1]``. ``N`` is the output width (I for w13, D for w2).
+    ``TILE_N``/``TILE_K``: 0 = checkpoint layout; else ``w_ptr`` and ``ws_ptr`` are the same tiled buffer
+    (``k3rocm.kernels.mx.layout``; ``BLOCK_K`` divides ``TILE_K``; ``stride_we`` = bytes per expert)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -91,37 +125,33 @@ def moe_gemm_kernel(
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = ws_ptr + e.to(tl.int64) * stride_wse
     # weights read as [BLOCK_K/2, BLOCK_N] (K packed, contiguous in memory), scales as [BLOCK_N, BLOCK_K/32]
-    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + rk2[:, None]
-    sg_ptrs = ws_base + offs_n[:, None].to(tl.int64) * stride_wsn + rks[None, :]
+    G: tl.constexpr = 2 if GATED else 1
+    rv_g, rs_g = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, 0, G, TILE_N, TILE_K)
+    rv_u, rs_u = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, 1, G, TILE_N, TILE_K)
     a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
     as_ptrs = as_ptr + arow[:, None] * stride_asm + rks[None, :]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
-        wu_ptrs = wg_ptrs + HALF_N * stride_wn
-        su_ptrs = sg_ptrs + HALF_N * stride_wsn
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        kv, ks = _w_kstep(k0, G, TILE_N, TILE_K)
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-        wg = tl.load(wg_ptrs)
-        sg = tl.load(sg_ptrs)
+        wg = tl.load(w_base + kv + rv_g[None, :] + rk2[:, None])
+        sg = tl.load(ws_base + ks + rs_g[:, None] + rks[None, :])
         if A8:
             a_s = tl.load(as_ptrs, mask=rmask[:, None], other=0)
             acc_g = tl.dot_scaled(a, a_s, "e4m3", wg, sg, "e2m1", acc_g)
         else:
             acc_g = tl.dot_scaled(a, None, ACT_FMT, wg, sg, "e2m1", acc_g)
         if GATED:
-            wu = tl.load(wu_ptrs)
-            su = tl.load(su_ptrs)
+            wu = tl.load(w_base + kv + rv_u[None, :] + rk2[:, None])
+            su = tl.load(ws_base + ks + rs_u[:, None] + rks[None, :])
             if A8:
                 acc_u = tl.dot_scaled(a, a_s, "e4m3", wu, su, "e2m1", acc_u)
             else:
                 acc_u = tl.dot_scaled(a, None, ACT_FMT, wu, su, "e2m1", acc_u)
-            wu_ptrs += BLOCK_K // 2
-            su_ptrs += BLOCK_K // 32
         a_ptrs += BLOCK_K
         as_ptrs += BLOCK_K // 32
-        wg_ptrs += BLOCK_K // 2
-        sg_ptrs += BLOCK_K // 32
     orow = rows.to(tl.int64)
     omask = rmask[:, None] & nmask[None, :]
     if GATED:
@@ -276,7 +306,7 @@ def moe_gemm_dq_kernel(
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -286,7 +316,8 @@ def moe_gemm_dq_kernel(
     activations as they are and the decoded weights staged as the shared-memory operand (large groups, where
     the permuted activation loads would cost more than the staging). Weight strides are in bytes and
     multiples of 4.
-    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`)."""
+    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
+    ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -299,8 +330,11 @@ def moe_gemm_dq_kernel(
     rks = tl.arange(0, BLOCK_K // 32)
     w_base = w_ptr.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (stride_we // 4)
     ws_base = ws_ptr + e.to(tl.int64) * stride_wse
-    wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * (stride_wn // 4) + rk8[None, :]
-    sg_ptrs = ws_base + offs_n[:, None].to(tl.int64) * stride_wsn + rks[None, :]
+    G: tl.constexpr = 2 if GATED else 1
+    rv_g, rs_g = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, 0, G, TILE_N, TILE_K)
+    rv_u, rs_u = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, 1, G, TILE_N, TILE_K)
+    rv_g = rv_g // 4  # int32 words (row starts are multiples of 4 bytes in both layouts)
+    rv_u = rv_u // 4
     a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
     if SWAP:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -308,9 +342,12 @@ def moe_gemm_dq_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    wu_ptrs = wg_ptrs + HALF_N * (stride_wn // 4)
-    su_ptrs = sg_ptrs + HALF_N * stride_wsn
     for k0 in range(0, K, BLOCK_K):
+        kv, ks = _w_kstep(k0, G, TILE_N, TILE_K)
+        wg_ptrs = w_base + kv // 4 + rv_g[:, None] + rk8[None, :]
+        sg_ptrs = ws_base + ks + rs_g[:, None] + rks[None, :]
+        wu_ptrs = w_base + kv // 4 + rv_u[:, None] + rk8[None, :]
+        su_ptrs = ws_base + ks + rs_u[:, None] + rks[None, :]
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         if F32:
             a = a.to(tl.float32)
@@ -327,12 +364,7 @@ def moe_gemm_dq_kernel(
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
-        if GATED:
-            wu_ptrs += BLOCK_K // 8
-            su_ptrs += BLOCK_K // 32
         a_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K // 8
-        sg_ptrs += BLOCK_K // 32
     orow = rows.to(tl.int64)
     if SWAP:
         omask = nmask[:, None] & rmask[None, :]
