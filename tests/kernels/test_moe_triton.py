@@ -362,7 +362,7 @@ def test_kernel_layout_equals_checkpoint_layout(tk, tiles):
     # the tiled layout made at load is a permutation of the checkpoint's bytes: every config (and A8W4 on the
     # first) gives bit-identical output from it, 20 repeats identical; (16, 32): n-tiles smaller than each
     # config's BLOCK_N and k-steps fitted to the layout's k-tile
-    x, ids, wts, ew = _case(7, 16, 128, 96, 4, seed=71)
+    x, ids, wts, ew = _case(3, 8, 64, 96, 4, seed=71)
     ewd = _to(ew, tk.dev)
     lay = tk.moe.ops.kernel_layout(ewd, tiles, check=True)
     ewt = dict(ewd, kernel_layout=lay)
