@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,7 +264,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         a_s = a  # unused placeholder pointer
     fmt = "e4m3" if a8 else _act_format(a.dtype)
     rows = P / max(1, min(E_loc, P))  # mean pairs per active expert
-    cfg = config or tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)
+    # the key is a power of two (never a raw length: no specialisation per batch); the pick is by max_rows
+    cfg = config or tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
     d = dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"])
     ub = d.block_expert.numel()
     wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
