@@ -353,7 +353,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         x: ``[T, D]`` bf16 (fp16 accepted; fp32 is rounded to bf16 for A16W4 — the kernel's activation type).
         topk_ids, topk_weights: ``[T, k]`` global ids / fp32 weights from the router.
         experts: ``ExpertWeights`` with ``w13_packed/w13_scale/w2_packed/w2_scale`` (checkpoint layout,
-            unconverted), ``first_expert`` for expert parallelism (pairs of other ranks' experts add nothing).
+            unconverted), ``first_expert`` for expert parallelism (pairs of other ranks' experts add nothing);
+            optionally ``kernel_layout`` (an :class:`ExpertLayout` from :func:`kernel_layout`): both GEMMs then
+            read the tiled layout (bit-identical results; the checkpoint tensors give only the shapes).
         mode: ``"a16w4"`` (bf16 x decoded MXFP4: the integer decode + bf16 ``tl.dot`` for configs of kind
             ``"dq"``/``"dqn"``, ``tl.dot_scaled`` for kind ``"scaled"``) or ``"a8w4"`` (MXFP8 E4M3 activations,
             quantized on the fly, x MXFP4 through ``tl.dot_scaled`` whatever the kind); explicit, no global
