@@ -7,15 +7,27 @@ w2 x weight, reduce), and the bf16 baseline (two ``torch._grouped_mm`` on the sa
 Floors: bytes of the experts actually routed to (17,547,264 B each in MXFP4) over the measured copy bandwidth,
 FLOPs over the measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (median) after warm-up, fresh random data.
 
-Usage: ``python gpu-runs/bench_moe.py --tokens 64 512 8192 --modes a16w4 a8w4 --check --candidates --json out.json
---md out.md``. ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) runs every step at k3-tiny sizes on the CPU to
-check the script itself; its timings mean nothing.
+Goal table (one row per size: the whole layer at 64 / 512 / 8192 tokens and the EP8 slice — 112 local experts of
+896, first 0, the rank seeing every token's routing, pairs outside its slice dropped — at 64 and 512 tokens):
+ours (A16W4, the size's picked config, weights in the tiled kernel layout made by ``ops.kernel_layout``, and the
+same in the checkpoint layout), the MXFP4 byte floor, the fraction, bf16 ``torch._grouped_mm`` on the same
+(local) pairs, and OpenAI's ``matmul_ogs`` through ``gpu-runs/peer_ogs.py`` (``time_matmul_ogs``; "not run:
+<reason>" when that file is absent or raises). The repack (time, bytes, and the byte-exact check of both tensors
+against the checkpoint) is reported once for the layer.
+
+Usage: ``python gpu-runs/bench_moe.py --out DIR`` (default: the goal table, 64 / 512 / 8192 tokens, A16W4; writes
+``DIR/moe_bench.json`` and ``DIR/moe_bench.md``); ``--tokens 64 512 8192 --modes a16w4 a8w4 --check
+--candidates`` adds the per-config sweep. ``--small --device cpu`` (with ``TRITON_INTERPRET=1``) runs every step at
+k3-tiny sizes on the CPU to check the script itself; its timings mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import os
 import subprocess
 import time
 
@@ -26,7 +38,8 @@ from triton.testing import do_bench as _do_bench
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_config, gemm_name, moe_experts, moe_router
 from k3rocm.kernels.target import current_target
-from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu
+from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu, kernel_layout
+from k3rocm.kernels.mx.layout import check_repack
 
 E_K3, D_K3, I_K3, H_K3, K_K3 = 896, 3584, 3072, 7168, 16
 EXPERT_BYTES = 3 * 3584 * 3072 // 2 + 3 * 3584 * 3072 // 32  # 17,547,264
@@ -54,6 +67,82 @@ def situ(g, u):
     return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
 
 
+EP_RANKS = 8
+EP_TOKENS = (64, 512)
+
+
+def _peer_ogs():
+    """``gpu-runs/peer_ogs.py``'s ``time_matmul_ogs``, or the reason it cannot be used (a string)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_ogs.py")
+    if not os.path.exists(path):
+        return "not run: gpu-runs/peer_ogs.py absent"
+    try:
+        spec = importlib.util.spec_from_file_location("peer_ogs", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.time_matmul_ogs
+    except Exception as e:  # noqa: BLE001 - a peer that does not import is a result to report
+        return f"not run: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _bf16_path(xl, ids, K, I, w13_bf, w2_bf, num_local):
+    """The bf16 baseline on the pairs of experts ``0..num_local-1``: two ``torch._grouped_mm`` with SiTU."""
+    flat = ids.flatten().long()
+    keep = flat < num_local
+    key = torch.where(keep, flat, torch.full_like(flat, num_local))
+    order = torch.argsort(key, stable=True)[: int(keep.sum())]
+    counts = torch.bincount(flat[keep], minlength=num_local)[:num_local]
+    xs = xl[order // K].contiguous()
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    b13 = w13_bf[:num_local].transpose(1, 2)
+    b2 = w2_bf[:num_local].transpose(1, 2)
+
+    def run():
+        gu = torch._grouped_mm(xs, b13, offs=offs)
+        h = situ(gu[:, :I].float(), gu[:, I:].float()).bfloat16()
+        return torch._grouped_mm(h, b2, offs=offs)
+    return run
+
+
+def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_bytes, w13_bf, w2_bf, ogs,
+              do_bench, dev) -> dict:
+    """One row of the goal table (module docstring) for the experts ``ew`` (local slice) and its layout ``lay``."""
+    local = ids.flatten().long()
+    local = local[local < num_local]
+    used = int((torch.bincount(local, minlength=num_local) > 0).sum())
+    pairs = int(local.numel())
+    floor_b = (used * expert_bytes + T * D * 2 + T * D * 4) / COPY_BW * 1e3
+    floor_f = 2 * pairs * (D * 2 * I + I * D) / BF16_RATE * 1e3
+    r = dict(row=label, tokens=T, num_local=num_local, experts_used=used, local_pairs=pairs,
+             floor_ms=max(floor_b, floor_f), floor_kind="bytes" if floor_b >= floor_f else "FLOPs")
+    rows = T * K / max(1, min(num_local, T * K))
+    cfg = tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
+    r["config"] = gemm_name(cfg)
+    ewt = dict(ew, kernel_layout=lay)
+    try:
+        r["ours_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg))
+        r["ours_checkpoint_layout_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg))
+        r["fraction"] = r["floor_ms"] / r["ours_ms"]
+    except Exception as e:  # noqa: BLE001
+        r["ours_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if w13_bf is not None:
+        try:
+            r["bf16_grouped_mm_ms"] = do_bench(_bf16_path(xl, ids, K, I, w13_bf, w2_bf, num_local))
+        except Exception as e:  # noqa: BLE001
+            r["bf16_grouped_mm_ms"] = f"not run: {type(e).__name__}: {str(e)[:200]}"
+    if isinstance(ogs, str):
+        r["matmul_ogs"] = ogs
+    else:
+        try:
+            res = ogs(tokens=T, num_experts=E, d_model=D, d_ff=I, top_k=K,
+                      num_local=None if num_local == E else num_local, device=dev)
+            r["matmul_ogs"] = res.get("ms") if res.get("ms") is not None else f"not run: {res.get('note')}"
+            r["matmul_ogs_note"] = res.get("note")
+        except Exception as e:  # noqa: BLE001
+            r["matmul_ogs"] = f"not run: {type(e).__name__}: {str(e)[:200]}"
+    return r
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 8192])
@@ -61,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-bf16", action="store_true")
     ap.add_argument("--check", action="store_true", help="compare each mode with the fp32 oracle (rel. max error)")
     ap.add_argument("--candidates", action="store_true", help="also time CANDIDATES (A16W4 only, total time)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--md", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time every config of the list per token count "
+                    "(implied by --check, --candidates, or a mode other than a16w4)")
+    ap.add_argument("--out", default="gpu-runs/results", help="folder for moe_bench.json and moe_bench.md")
     ap.add_argument("--small", action="store_true",
                     help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
     ap.add_argument("--device", default="cuda", help="cuda (timed with do_bench) or cpu (Triton interpreter, "
@@ -84,6 +174,23 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_bf16:
         w13_bf = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16).mul_(0.02)
         w2_bf = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16).mul_(0.02)
+    sweep = args.sweep or args.check or args.candidates or args.modes != ["a16w4"]
+    lay = kernel_layout(ew)  # once, as at load: the repack of this layer, then the byte-exact check
+    repack = dict(repack_ms=lay.repack_s * 1e3, layout_bytes=lay.nbytes,
+                  checkpoint_bytes=sum(ew[k].numel() for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
+    t0 = time.perf_counter()
+    check_repack(lay.w13, ew["w13_packed"], ew["w13_scale"])  # raises on any byte that differs
+    check_repack(lay.w2, ew["w2_packed"], ew["w2_scale"])
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    repack["check_ms"] = (time.perf_counter() - t0) * 1e3
+    print(json.dumps(repack), flush=True)
+    ogs = _peer_ogs()
+    goals = []
+    nl = E // EP_RANKS
+    ew_ep = dict(w13_packed=ew["w13_packed"][:nl], w13_scale=ew["w13_scale"][:nl], w2_packed=ew["w2_packed"][:nl],
+                 w2_scale=ew["w2_scale"][:nl], num_experts=nl, first_expert=0)
+    lay_ep = kernel_layout(ew_ep)
     rows = []
     for T in args.tokens:
         xh = torch.randn(T, H, device=dev).bfloat16()
@@ -98,9 +205,18 @@ def main(argv: list[str] | None = None) -> None:
         floor_flop = flops / BF16_RATE
         r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
                  floor_flops_ms=floor_flop * 1e3)
+        goals.append(_goal_row(f"{T} tokens", T, xl, ids, wts, ew, lay, E, E, D, I, K, expert_bytes, w13_bf, w2_bf,
+                               ogs, do_bench, dev))
+        print(json.dumps(goals[-1]), flush=True)
+        if T in EP_TOKENS:
+            goals.append(_goal_row(f"EP{EP_RANKS} slice, {T} tokens", T, xl, ids, wts, ew_ep, lay_ep, nl, E, D, I, K,
+                                   expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev))
+            print(json.dumps(goals[-1]), flush=True)
+        if not sweep:
+            continue
         r["router_ms"] = do_bench(lambda: moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K))
-        rows = T * K / min(E, T * K)
-        cfg0 = tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)
+        per_expert = T * K / min(E, T * K)
+        cfg0 = tune.pick("moe_gemm", (tune.pow2(math.ceil(per_expert)),), tune.configs(GEMM_CONFIGS), rows=per_expert)
         r["dispatch_ms"] = do_bench(lambda: dispatch_gpu(ids, 0, E, cfg0["BLOCK_M"]))
         r["picked_config"] = gemm_name(cfg0)
         ref16 = None  # the a16w4 oracle output, kept for the candidates when --check computed it
@@ -186,12 +302,13 @@ def main(argv: list[str] | None = None) -> None:
                 torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,
                 commit=_commit())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(_markdown(meta, rows, args.modes))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
+        json.dump(dict(meta=meta, repack=repack, goals=goals, rows=rows), f, indent=1)
+    md = _goal_markdown(meta, repack, goals) + ("\n" + _markdown(meta, rows, args.modes) if rows else "")
+    with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
+        f.write(md)
+    print(md)
 
 
 def _wall_ms(fn) -> float:
@@ -210,6 +327,26 @@ def _commit() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except Exception:  # noqa: BLE001
         return "?"
+
+
+def _cell(v, nd=3) -> str:
+    return f"{v:.{nd}f}" if isinstance(v, float) else ("—" if v is None else str(v))
+
+
+def _goal_markdown(meta, repack, goals) -> str:
+    out = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+           f"commit {meta['commit']}", "",
+           f"Repack of one layer into the kernel layout: {repack['repack_ms']:.1f} ms, {repack['layout_bytes']:,} B "
+           f"(checkpoint {repack['checkpoint_bytes']:,} B); byte-exact check of both tensors against the checkpoint: "
+           f"passed, {repack['check_ms']:.1f} ms.", "",
+           "| row | experts used | config | ours ms (tiled layout) | ours ms (checkpoint layout) | MXFP4 floor ms | "
+           "fraction | bf16 grouped_mm ms | matmul_ogs ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for g in goals:
+        out.append(f"| {g['row']} | {g['experts_used']} | {g['config']} | {_cell(g.get('ours_ms', g.get('ours_error')))}"
+                   f" | {_cell(g.get('ours_checkpoint_layout_ms'))} | {g['floor_ms']:.3f} ({g['floor_kind']}) | "
+                   f"{_cell(g.get('fraction'), 2)} | {_cell(g.get('bf16_grouped_mm_ms'))} | {_cell(g.get('matmul_ogs'))} |")
+    return "\n".join(out) + "\n"
 
 
 def _markdown(meta, rows, modes) -> str:

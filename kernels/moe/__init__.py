@@ -32,7 +32,7 @@ TRITON_IMPLS = (
 )
 
 
-def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str) -> tuple:
+def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0)) -> tuple:
     sig = {
         "a_ptr": "*fp8e4nv" if a8 else "*bf16", "as_ptr": "*u8" if a8 else "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8",
         "out_ptr": ("*fp8e4nv" if a8 else "*bf16") if gated else "*fp32",
@@ -43,11 +43,13 @@ def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str) -> tuple:
         "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
     }
     consts = {"TOPK": 16, "GATED": gated, "A8": a8, "ACT_FMT": "e4m3" if a8 else "bf16", "ACT": "situ",
-              "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
+              "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+              "TILE_N": tiles[0], "TILE_K": tiles[1]}
     for c in consts:
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)
-    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(cfg)}]"
+    lay = f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else ""
+    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(cfg)}{lay}]"
     return name, moe_gemm_kernel, sig, consts, True, opts
 
 

@@ -89,6 +89,13 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 }
 
 
+#: (tile_n, tile_k) of the tiled expert weight layout each backend's GEMMs read (``k3rocm.kernels.mx.layout``;
+#: made once at load by ``ops.kernel_layout``). Every config's BLOCK_K is fitted to a divisor of tile_k (all
+#: shipped BLOCK_K already divide it); BLOCK_N is free (a program's rows may span chunks). 128 x 128: a chunk
+#: row is 64 value bytes, and one w1|w3 chunk (gate + up, values then scales) is 17,408 contiguous bytes.
+LAYOUT_TILES: dict[str, tuple[int, int]] = {"cuda": (128, 128), "hip": (128, 128), "interpreter": (32, 64)}
+
+
 ROUTER_CONFIGS: dict[str, list[Config]] = {
     # <= 64 tokens: one token tile, so the 12.8 MB K3 gate is read once (splits over K fill the SMs)
     "cuda": [router_config(64, 64, 128, 8, 3, max_rows=64), router_config(16, 128, 128, 4, 4, max_rows=256),

@@ -67,6 +67,43 @@ def _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N
 
 
 @triton.jit
+def _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, G: tl.constexpr, TILE_N: tl.constexpr,
+            TILE_K: tl.constexpr):
+    """Byte offsets (from the expert's base; int64 in the checkpoint layout, int32 in the tiled one) of the first
+    value byte and the first scale byte of gate rows ``offs_n``, and the scalar distances (values, scales)
+    from a gate row to its up row. ``TILE_N == 0``: checkpoint layout (values and scales in two tensors, up rows
+    ``HALF_N`` rows further); else the tiled layout of ``k3rocm.kernels.mx.layout`` (one buffer, chunks of
+    ``G * TILE_N`` rows x ``TILE_K`` elements, values then scales; up rows ``TILE_N`` rows further)."""
+    if TILE_N == 0:
+        r = offs_n.to(tl.int64)
+        return r * stride_wn, r * stride_wsn, HALF_N * stride_wn, HALF_N * stride_wsn
+    else:
+        CHUNK: tl.constexpr = G * TILE_N * (TILE_K // 2 + TILE_K // 32)
+        # int32: offsets within one expert's buffer (NT * KT * CHUNK bytes, < 2^31 for any K3 expert)
+        t = (offs_n // TILE_N) * ((K // TILE_K) * CHUNK)
+        i = offs_n % TILE_N
+        return (t + i * (TILE_K // 2), t + G * TILE_N * (TILE_K // 2) + i * (TILE_K // 32),
+                TILE_N * (TILE_K // 2), TILE_N * (TILE_K // 32))
+
+
+@triton.jit
+def _w_step(k0, G: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointer increments (values, scales; bytes) from k-step ``k0`` to the next (``BLOCK_K`` divides
+    ``TILE_K``; see :func:`_w_rows`): within a row of a chunk the steps are contiguous, the step after a chunk's
+    last starts the next chunk (``CHUNK`` bytes after the chunk's start)."""
+    if TILE_N == 0:
+        return BLOCK_K // 2, BLOCK_K // 32
+    else:
+        CHUNK: tl.constexpr = G * TILE_N * (TILE_K // 2 + TILE_K // 32)
+        if BLOCK_K == TILE_K:  # one chunk per step (the shipped tiles): a constant stride
+            return CHUNK, CHUNK
+        else:
+            last = ((k0 + BLOCK_K) % TILE_K) == 0
+            return (tl.where(last, CHUNK - (TILE_K - BLOCK_K) // 2, BLOCK_K // 2),
+                    tl.where(last, CHUNK - (TILE_K - BLOCK_K) // 32, BLOCK_K // 32))
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr,
     sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
@@ -75,9 +112,12 @@ def moe_gemm_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, A8: tl.constexpr, ACT_FMT: tl.constexpr, ACT: tl.constexpr,
     BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0,
 ):
     """Program (m block, n tile). ``block_expert[m]`` = local expert (-1: no work), ``block_start[m]`` = first
-    sorted row; rows end at ``offsets[e+1]``. ``N`` is the output width (I for w13, D for w2)."""
+    sorted row; rows end at ``offsets[e+1]``. ``N`` is the output width (I for w13, D for w2).
+    ``TILE_N``/``TILE_K``: 0 = checkpoint layout; else ``w_ptr`` and ``ws_ptr`` are the same tiled buffer
+    (``k3rocm.kernels.mx.layout``; ``BLOCK_K`` divides ``TILE_K``; ``stride_we`` = bytes per expert)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -89,16 +129,22 @@ def moe_gemm_kernel(
     rk2 = tl.arange(0, BLOCK_K // 2)
     rks = tl.arange(0, BLOCK_K // 32)
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+    if TILE_N == 0:
+        ws_base = ws_ptr + e.to(tl.int64) * stride_wse
+    else:  # scales in the same buffer: one base pointer
+        ws_base = w_base
     # weights read as [BLOCK_K/2, BLOCK_N] (K packed, contiguous in memory), scales as [BLOCK_N, BLOCK_K/32]
-    wg_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + rk2[:, None]
-    sg_ptrs = ws_base + offs_n[:, None].to(tl.int64) * stride_wsn + rks[None, :]
+    G: tl.constexpr = 2 if GATED else 1
+    rv, rs, up_v, up_s = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, G, TILE_N, TILE_K)
+    wg_ptrs = w_base + rv[None, :] + rk2[:, None]
+    sg_ptrs = ws_base + rs[:, None] + rks[None, :]
+    if GATED:
+        wu_ptrs = wg_ptrs + up_v
+        su_ptrs = sg_ptrs + up_s
     a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
     as_ptrs = as_ptr + arow[:, None] * stride_asm + rks[None, :]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GATED:
-        wu_ptrs = wg_ptrs + HALF_N * stride_wn
-        su_ptrs = sg_ptrs + HALF_N * stride_wsn
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
@@ -116,12 +162,14 @@ def moe_gemm_kernel(
                 acc_u = tl.dot_scaled(a, a_s, "e4m3", wu, su, "e2m1", acc_u)
             else:
                 acc_u = tl.dot_scaled(a, None, ACT_FMT, wu, su, "e2m1", acc_u)
-            wu_ptrs += BLOCK_K // 2
-            su_ptrs += BLOCK_K // 32
+        dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
+        wg_ptrs += dv
+        sg_ptrs += ds
+        if GATED:
+            wu_ptrs += dv
+            su_ptrs += ds
         a_ptrs += BLOCK_K
         as_ptrs += BLOCK_K // 32
-        wg_ptrs += BLOCK_K // 2
-        sg_ptrs += BLOCK_K // 32
     orow = rows.to(tl.int64)
     omask = rmask[:, None] & nmask[None, :]
     if GATED:
@@ -276,7 +324,7 @@ def moe_gemm_dq_kernel(
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -286,7 +334,8 @@ def moe_gemm_dq_kernel(
     activations as they are and the decoded weights staged as the shared-memory operand (large groups, where
     the permuted activation loads would cost more than the staging). Weight strides are in bytes and
     multiples of 4.
-    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`)."""
+    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
+    ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -299,8 +348,13 @@ def moe_gemm_dq_kernel(
     rks = tl.arange(0, BLOCK_K // 32)
     w_base = w_ptr.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (stride_we // 4)
     ws_base = ws_ptr + e.to(tl.int64) * stride_wse
-    wg_ptrs = w_base + offs_n[:, None].to(tl.int64) * (stride_wn // 4) + rk8[None, :]
-    sg_ptrs = ws_base + offs_n[:, None].to(tl.int64) * stride_wsn + rks[None, :]
+    G: tl.constexpr = 2 if GATED else 1
+    rv, rs, up_v, up_s = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, G, TILE_N, TILE_K)
+    # int32 words (row starts and the up distance are multiples of 4 bytes in both layouts)
+    wg_ptrs = w_base + (rv // 4)[:, None] + rk8[None, :]
+    sg_ptrs = ws_base + rs[:, None] + rks[None, :]
+    wu_ptrs = wg_ptrs + up_v // 4
+    su_ptrs = sg_ptrs + up_s
     a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
     if SWAP:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -308,8 +362,6 @@ def moe_gemm_dq_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    wu_ptrs = wg_ptrs + HALF_N * (stride_wn // 4)
-    su_ptrs = sg_ptrs + HALF_N * stride_wsn
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         if F32:
@@ -327,12 +379,13 @@ def moe_gemm_dq_kernel(
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
+        dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
+        wg_ptrs += dv // 4
+        sg_ptrs += ds
         if GATED:
-            wu_ptrs += BLOCK_K // 8
-            su_ptrs += BLOCK_K // 32
+            wu_ptrs += dv // 4
+            su_ptrs += ds
         a_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K // 8
-        sg_ptrs += BLOCK_K // 32
     orow = rows.to(tl.int64)
     if SWAP:
         omask = nmask[:, None] & rmask[None, :]
@@ -362,9 +415,10 @@ def isa_options(cfg: tune.Config, backend: str) -> dict:
     return opts if backend == "hip" else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
-def dq_isa_case(gated: bool, cfg: tune.Config, backend: str) -> tuple:
+def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0)) -> tuple:
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
-    ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU)."""
+    ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU); ``tiles``: (TILE_N, TILE_K) of the tiled
+    weight layout, (0, 0) = checkpoint layout."""
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16" if gated else "*fp32",
            "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32",
            "block_start_ptr": "*i32", "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
@@ -372,11 +426,13 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str) -> tuple:
            "stride_om": "i32"}
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-              "SWAP": cfg["kind"] == "dq", "F32": False}
+              "SWAP": cfg["kind"] == "dq", "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1]}
     for c in consts:
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)
-    return f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(cfg)}]", moe_gemm_dq_kernel, sig, consts, True, opts
+    lay = f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else ""
+    return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(cfg)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
+            opts)
 
 
 @triton.jit

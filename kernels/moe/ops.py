@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,10 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import GEMM_CONFIGS, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
+from k3rocm.kernels.moe.configs import GEMM_CONFIGS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
 from k3rocm.kernels.moe.gemm import moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_reduce_kernel
 from k3rocm.kernels.moe.router import router_logits_kernel, router_topk_kernel
+from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, repack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting
 
@@ -242,6 +244,40 @@ def _fit_block_k(cfg_k: int, K: int) -> int:
     return bk
 
 
+@dataclass
+class ExpertLayout:
+    """The routed experts of one layer in the tiled kernel layout (``k3rocm.kernels.mx.layout``): ``w13``
+    (gate and up rows interleaved per n-tile, G = 2) and ``w2`` (G = 1). Made by :func:`kernel_layout`."""
+
+    w13: TiledMxfp4
+    w2: TiledMxfp4
+
+    @property
+    def nbytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    @property
+    def repack_s(self) -> float:
+        return self.w13.repack_s + self.w2.repack_s
+
+
+def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: bool = False) -> ExpertLayout:
+    """Repack one layer's checkpoint-layout experts (``w13_packed/w13_scale/w2_packed/w2_scale``) into the tiled
+    layout on their device, once (at load / engine build). ``tiles``: (tile_n, tile_k), default
+    ``configs.LAYOUT_TILES`` of the current backend. ``check``: also prove with ``mx.layout.check_repack`` that
+    both tensors read back to the checkpoint's bytes (raises ConfigError if not).
+
+    Pass the result to :func:`moe_experts` as ``experts["kernel_layout"]`` (or the attribute of the same name);
+    the checkpoint tensors are then only read for their shapes."""
+    tn, tk = tiles or LAYOUT_TILES["interpreter" if interpreting() else current_target().backend]
+    srcs = [(_get(experts, f"{w}_packed"), _get(experts, f"{w}_scale")) for w in ("w13", "w2")]
+    lay = ExpertLayout(repack_mxfp4(*srcs[0], 2, tn, tk), repack_mxfp4(*srcs[1], 1, tn, tk))
+    if check:
+        check_repack(lay.w13, *srcs[0])
+        check_repack(lay.w2, *srcs[1])
+    return lay
+
+
 def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: tune.Config | None,
                   norm_weight=None, eps=1e-5, normed_dtype=torch.bfloat16, poison=False,
                   stages: dict | None = None):
@@ -269,7 +305,17 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     if P == 0:
         out.zero_()
         return out, (normed.zero_() if normed is not None else None)
-    w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13p, w13s, w2p, w2s))
+    lay = _get(experts, "kernel_layout")
+    if lay is None:
+        w13p, w13s, w2p, w2s = (t.contiguous() for t in (w13p, w13s, w2p, w2s))
+        # (weights, scales, strides expert/row of each, layout tile) per GEMM; tile 0 = checkpoint layout
+        g13 = (w13p, w13s, w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), 0, 0)
+        g2 = (w2p, w2s, w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), 0, 0)
+    else:  # one tiled buffer per GEMM (values and scales in it): expert strides = its bytes per expert, row strides unused
+        if lay.w13.rows != inter or lay.w13.k != D or lay.w2.rows != D or lay.w2.k != inter:
+            raise ConfigError("moe_experts: kernel_layout does not match the experts' shapes; rebuild it")
+        g13 = (lay.w13.data, lay.w13.data, lay.w13.stride_expert, 0, lay.w13.stride_expert, 0, lay.w13.tile_n, lay.w13.tile_k)
+        g2 = (lay.w2.data, lay.w2.data, lay.w2.stride_expert, 0, lay.w2.stride_expert, 0, lay.w2.tile_n, lay.w2.tile_k)
     a8 = mode == "a8w4"
     if a8:
         a, a_s = quantize_mxfp8_rows(x)
@@ -279,7 +325,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         a_s = a  # unused placeholder pointer
     fmt = "e4m3" if a8 else _act_format(a.dtype)
     rows = P / max(1, min(E_loc, P))  # mean pairs per active expert
-    cfg = config or tune.pick("moe_gemm", (rows,), tune.configs(GEMM_CONFIGS), rows=rows)
+    # the key is a power of two (never a raw length: no specialisation per batch); the pick is by max_rows
+    cfg = config or tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
     d = dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"])
     ub = d.block_expert.numel()
     wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -300,7 +347,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         out.fill_(float("nan"))
         if normed is not None:
             normed.fill_(float("nan"))
-    bk1 = _fit_block_k(cfg["BLOCK_K"], D)
+    bk1 = _fit_block_k(cfg["BLOCK_K"], g13[7] or D)
 
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
     dq = cfg["kind"] in ("dq", "dqn") and not a8 and a.dtype == torch.bfloat16
@@ -309,40 +356,37 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     def run_w13():
         if dq:
             moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
-                a, w13p, w13s, h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                inter, D, inter,
-                a.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1), h.stride(0),
+                a, g13[0], g13[1], h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+                inter, D, inter, a.stride(0), *g13[2:6], h.stride(0),
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=cfg["kind"] == "dq", F32=interp, **opts)
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=cfg["kind"] == "dq", F32=interp,
+                TILE_N=g13[6], TILE_K=g13[7], **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
-            a, a_s, w13p, w13s, h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-            inter, D, inter,
-            a.stride(0), a_s.stride(0), w13p.stride(0), w13p.stride(1), w13s.stride(0), w13s.stride(1),
-            h.stride(0), hs.stride(0),
+            a, a_s, g13[0], g13[1], h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+            inter, D, inter, a.stride(0), a_s.stride(0), *g13[2:6], h.stride(0), hs.stride(0),
             TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, **opts)
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, TILE_N=g13[6], TILE_K=g13[7], **opts)
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     if poison:
         y.fill_(float("nan"))
-    bk2 = _fit_block_k(cfg["BLOCK_K"], inter)
+    bk2 = _fit_block_k(cfg["BLOCK_K"], g2[7] or inter)
 
     def run_w2():
         if dq:
             moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
-                h, w2p, w2s, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                D, inter, 0,
-                h.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1), y.stride(0),
+                h, g2[0], g2[1], y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+                D, inter, 0, h.stride(0), *g2[2:6], y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=cfg["kind"] == "dq", F32=interp, **opts)
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=cfg["kind"] == "dq", F32=interp,
+                TILE_N=g2[6], TILE_K=g2[7], **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
-            h, hs, w2p, w2s, y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-            D, inter, 0,
-            h.stride(0), hs.stride(0), w2p.stride(0), w2p.stride(1), w2s.stride(0), w2s.stride(1),
-            y.stride(0), y.stride(0),
+            h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+            D, inter, 0, h.stride(0), hs.stride(0), *g2[2:6], y.stride(0), y.stride(0),
             TOPK=k, GATED=False, A8=a8, ACT_FMT="e4m3" if a8 else "bf16", ACT=act, BETA=float(beta),
-            BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, **opts)
+            BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2,
+            TILE_N=g2[6], TILE_K=g2[7], **opts)
     nw = norm_weight.contiguous() if norm_weight is not None else out
     nd = normed if normed is not None else out
 
@@ -370,7 +414,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         x: ``[T, D]`` bf16 (fp16 accepted; fp32 is rounded to bf16 for A16W4 — the kernel's activation type).
         topk_ids, topk_weights: ``[T, k]`` global ids / fp32 weights from the router.
         experts: ``ExpertWeights`` with ``w13_packed/w13_scale/w2_packed/w2_scale`` (checkpoint layout,
-            unconverted), ``first_expert`` for expert parallelism (pairs of other ranks' experts add nothing).
+            unconverted), ``first_expert`` for expert parallelism (pairs of other ranks' experts add nothing);
+            optionally ``kernel_layout`` (an :class:`ExpertLayout` from :func:`kernel_layout`): both GEMMs then
+            read the tiled layout (bit-identical results; the checkpoint tensors give only the shapes).
         mode: ``"a16w4"`` (bf16 x decoded MXFP4: the integer decode + bf16 ``tl.dot`` for configs of kind
             ``"dq"``/``"dqn"``, ``tl.dot_scaled`` for kind ``"scaled"``) or ``"a8w4"`` (MXFP8 E4M3 activations,
             quantized on the fly, x MXFP4 through ``tl.dot_scaled`` whatever the kind); explicit, no global

@@ -221,3 +221,26 @@ def test_decode_kernel_matches_scaled_kernel_k3(weights, T):
         d, e = _rel(dq, sc), _rel(dq, ref)
         _log(test="dq_vs_scaled", T=T, config=gemm_name(cfg), rel_diff=d, rel_err=e)
         assert d < 5e-3 and e < TOL["a16w4"], f"{gemm_name(cfg)} T={T}: vs scaled {d:.3g}, vs oracle {e:.3g}"
+
+
+@pytest.mark.parametrize("T,ranks", [(64, 1), (512, 1), (64, 8), (8192, 1)])
+def test_kernel_layout_at_k3_size(weights, T, ranks):
+    # the tiled layout made on the device at K3 size (all 896 experts, or the first EP8 slice of 112): the
+    # byte-exact check passes, every config reads the same output from it as from the checkpoint layout (bit
+    # for bit), within the grid's A16W4 bound of the oracle, and 20 repeats are identical
+    from k3rocm.kernels.moe.ops import kernel_layout
+
+    ew, dense = weights[896]
+    ew = _slice(ew, 0, ranks) if ranks > 1 else ew
+    x, ids, wts = _inputs(T, 896, 3584, 16, seed=T + ranks)
+    lay = kernel_layout(ew, check=True)
+    _log(test="kernel_layout", T=T, ranks=ranks, repack_s=lay.repack_s, bytes=lay.nbytes)
+    ewt = dict(ew, kernel_layout=lay)
+    ref = M.moe_experts(x, ids, wts, _slice(dense, 0, ranks) if ranks > 1 else dense)
+    for cfg in tune.configs(GEMM_CONFIGS):
+        want = moe_experts(x, ids, wts, ew, config=cfg)
+        got = moe_experts(x, ids, wts, ewt, config=cfg, poison=True)
+        assert torch.equal(got, want), f"{gemm_name(cfg)}: tiled layout differs from the checkpoint layout"
+        assert _rel(got, ref) < TOL["a16w4"], f"{gemm_name(cfg)}: {_rel(got, ref):.3g}"
+    outs = [moe_experts(x, ids, wts, ewt) for _ in range(20)]
+    assert all(torch.equal(o, outs[0]) for o in outs)

@@ -23,7 +23,7 @@ from k3rocm.kernels.isa import compile_kernel  # noqa: E402
 from k3rocm.kernels.moe import GEMM_CONFIGS, ROUTER_CONFIGS, isa_cases  # noqa: E402
 from k3rocm.kernels.moe.router import router_logits_kernel  # noqa: E402
 from k3rocm.kernels.moe import _gemm_case  # noqa: E402
-from k3rocm.kernels.moe.configs import gemm_config  # noqa: E402
+from k3rocm.kernels.moe.configs import LAYOUT_TILES, gemm_config  # noqa: E402
 from k3rocm.kernels.moe.gemm import dq_isa_case  # noqa: E402
 
 SCALED_MFMA = re.compile(r"v_mfma_scale_f32_\w+_f8f6f4")
@@ -64,6 +64,28 @@ def test_sm90_configs_compile(a8):
             if cfg["kind"] != "scaled" and not a8:
                 assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), \
                     f"{rep.name}: {rep.matrix_ops}"
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942"])
+def test_amd_tiled_layout_no_spills(target):
+    # the tiled weight layout (the one made at load): every HIP config of both GEMMs spill-free; gfx950 in
+    # A8W4 (its native scaled MFMA stays), gfx942 in A16W4
+    a8 = target == "gfx950"
+    for cfg in GEMM_CONFIGS["hip"]:
+        for gated in (True, False):
+            rep = _compile(_gemm_case(gated, a8, cfg, "hip", LAYOUT_TILES["hip"]), target)
+            assert rep.error is None, rep.error
+            assert rep.ok, f"{rep.name} on {target}: {rep.problems()}"
+            assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0
+            assert any(SCALED_MFMA.match(op) for op in rep.matrix_ops) == a8, f"{rep.name}: {rep.matrix_ops}"
+
+
+def test_sm90_tiled_layout_decode_kernel():
+    # the decode kernel on the tiled layout with the CUDA tile the 64-token step picks: bf16 wgmma
+    for gated in (True, False):
+        rep = _compile(dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda", LAYOUT_TILES["cuda"]), "sm_90")
+        assert rep.error is None, rep.error
+        assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
 
 
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])

@@ -357,6 +357,26 @@ def test_every_cuda_config_code_path_small(tk):
         assert _rel(out, ref) < TOL["a16w4"], f"{C.gemm_name(cfg)}: rel err {_rel(out, ref):.3g}"
 
 
+@pytest.mark.parametrize("tiles", [None, (16, 32)], ids=["backend", "chunk-spanning"])
+def test_kernel_layout_equals_checkpoint_layout(tk, tiles):
+    # the tiled layout made at load is a permutation of the checkpoint's bytes: every config (and A8W4 on the
+    # first) gives bit-identical output from it, 20 repeats identical; (16, 32): n-tiles smaller than each
+    # config's BLOCK_N and k-steps fitted to the layout's k-tile
+    x, ids, wts, ew = _case(3, 8, 64, 96, 4, seed=71)
+    ewd = _to(ew, tk.dev)
+    lay = tk.moe.ops.kernel_layout(ewd, tiles, check=True)
+    ewt = dict(ewd, kernel_layout=lay)
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    runs = [(c, "a16w4") for c in tk.configs] + [(tk.configs[0], "a8w4")]
+    for cfg, mode in runs if tiles is None else runs[:1]:
+        want = tk.moe.moe_experts(*args, ewd, mode=mode, config=cfg)
+        got = tk.moe.moe_experts(*args, ewt, mode=mode, config=cfg, poison=True)
+        assert torch.equal(got, want), f"{tk.moe.gemm_name(cfg)} {mode}: tiled layout differs from checkpoint"
+    if GPU:
+        outs = [tk.moe.moe_experts(*args, ewt, mode="a16w4") for _ in range(20)]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 def test_decode_configs_never_run_a8w4_or_fp16(tk):
     # A8W4 keeps tl.dot_scaled with E4M3 activations; fp16 activations keep the scaled kernel (fp16 operand)
     import k3rocm.kernels.moe.configs as C

@@ -50,6 +50,9 @@ def test_evidence_content_and_levels(good_run):
     load = _rows(stages, "load")
     assert load["index.tensors"].value == 1492 and load["index.tensors"].passed
     assert load["load.tensors_verified"].passed and load["plan.fits"].level == "projected"
+    # every MoE layer's experts repacked into the GEMM's kernel layout read back to the checkpoint's bytes
+    assert load["kernel_layout.layers_differing"].value == 0 and load["kernel_layout.layers_differing"].passed
+    assert load["kernel_layout.bytes"].value > 0
     fwd = _rows(stages, "forward")
     assert fwd["prefill.shape"].value == [2, 16, 512]
     cor = _rows(stages, "correctness")

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, manifest_extras, verify_manifest
+from k3rocm.errors import CheckpointError, ConfigError
+from k3rocm.kernels.moe.configs import LAYOUT_TILES
+from k3rocm.kernels.mx.layout import check_repack, repack_mxfp4
 from k3rocm.validation.evidence import Stage, Timer, check, info
 from k3rocm.validation.session import Session
 
@@ -80,6 +85,49 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
                          ("verify_seconds", "s", "time to verify every tensor")):
         if r.get(key) is not None:
             stage.add(info("load", f"load.{key}", round(float(r[key]), 4), unit, level=lv, detail=d))
+    if not r["problems"]:
+        _kernel_layout_rows(stage, session, lv)
+
+
+def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
+    """Every loaded MoE layer's MXFP4 experts repacked on their device into the grouped GEMM's tiled layout
+    (``k3rocm.kernels.mx.layout``, the tiles of the device's backend; CUDA's on the CPU) and read back byte for
+    byte against the checkpoint tensors: a row with the layers that differ (0 expected), the repack seconds
+    and the layout's bytes."""
+    w = session.weights
+    cfg = session.config
+    dev = str(session.device)
+    tn, tk = LAYOUT_TILES["hip" if dev.startswith("cuda") and torch.version.hip else "cuda"]
+    layers, bad, seconds, nbytes = 0, [], 0.0, 0
+    for i in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(i):
+            continue
+        try:
+            ew = w.experts(i)
+        except CheckpointError:  # a layer this rank does not hold
+            continue
+        if not ew.quantized:
+            continue
+        layers += 1
+        for groups, p, sc in ((2, ew.w13_packed, ew.w13_scale), (1, ew.w2_packed, ew.w2_scale)):
+            t = repack_mxfp4(p, sc, groups, tn, tk)
+            seconds += t.repack_s
+            nbytes += t.nbytes
+            try:
+                check_repack(t, p, sc)
+            except ConfigError as e:
+                bad.append(f"layer {i}: {e}")
+            del t
+    if not layers:
+        return
+    stage.add(check("load", "kernel_layout.layers_differing", len(bad), eq=0, level=lv,
+                    detail=(f"{layers} MoE layer(s) repacked into the {tn}x{tk} tiled MXFP4 layout and read back: "
+                            "every value and scale byte equals the checkpoint's" if not bad
+                            else "; ".join(bad))[:300]),
+              info("load", "kernel_layout.repack_seconds", round(seconds, 4), "s", level=lv,
+                   detail="device time of the repack, all loaded MoE layers (the check not included)"),
+              info("load", "kernel_layout.bytes", nbytes, "B", level=lv,
+                   detail="bytes of the tiled layout, all loaded MoE layers (padding included)"))
 
 
 def _per_rank(d) -> dict:

@@ -1,0 +1,167 @@
+"""The kernel layout of packed MXFP4 expert weights: made once on the device at load, proven exact against the
+checkpoint.
+
+Checkpoint layout (K3_FACTS §4): values ``[E, N, K/2]`` u8 (element 2i in the low nibble of byte i), scales
+``[E, N, K/32]`` u8 E8M0, row-major; a GEMM program that owns an n-tile reads, per k-step, a 32-64-byte
+fragment of each row and a 2-4-byte scale fragment from another tensor (and, for w1|w3, the up rows ``I``
+rows away from the gate rows).
+
+Tiled layout (this module): one u8 buffer ``[E, NT, KT, CHUNK]`` where ``NT = ceil(N_g / tile_n)`` n-tiles of
+``tile_n`` rows per row group, ``KT = K / tile_k`` k-tiles and ``CHUNK = G * tile_n * (tile_k/2 + tile_k/32)``
+bytes. Chunk ``(e, nt, kt)`` holds everything one program needs for one k-tile of one n-tile, contiguous:
+
+* the values of the ``G * tile_n`` rows ``g * tile_n + i`` (row group g, row ``nt * tile_n + i`` of that group),
+  each ``tile_k/2`` bytes, row after row (byte order within a row as in the checkpoint);
+* then the scales of the same rows, ``tile_k/32`` bytes each, in the same row order.
+
+``G = 2`` for w1|w3 (group 0 = gate rows ``0..I-1``, group 1 = up rows ``I..2I-1``: gate and up rows of an
+n-tile interleaved per tile), ``G = 1`` for w2. Rows past ``N_g`` in the last n-tile are zero bytes (value 0,
+scale 2^-127; the kernels mask those columns). Byte offset of value byte ``j`` (elements ``2j, 2j+1`` of the
+row) of row ``n`` of group ``g``::
+
+    chunk(n // tile_n, j // (tile_k/2)) + (g * tile_n + n % tile_n) * tile_k/2 + j % (tile_k/2)
+
+and of the scale of block ``b`` (elements ``32b .. 32b+31``)::
+
+    chunk(n // tile_n, b // (tile_k/32)) + G * tile_n * tile_k/2 + (g * tile_n + n % tile_n) * tile_k/32
+        + b % (tile_k/32)
+
+with ``chunk(nt, kt) = ((e * NT + nt) * KT + kt) * CHUNK``. The layout is a permutation of the checkpoint's
+bytes (plus zero padding), so :func:`unpack_mxfp4` recovers the checkpoint tensors bit for bit and
+:func:`check_repack` proves that the kernel sees exactly the checkpoint's values.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from k3rocm.errors import ConfigError
+
+
+@dataclass
+class TiledMxfp4:
+    """One stacked MXFP4 weight in the tiled kernel layout (module docstring).
+
+    data ``[E, NT, KT, CHUNK]`` u8 on the device of the source; rows = N_g (rows per group, unpadded); k = K
+    (elements per row); groups = G (2: w1|w3 gate/up, 1: w2); tile_n, tile_k = rows and elements per chunk;
+    repack_s = wall seconds of the repack (device synchronised when on a GPU).
+    """
+
+    data: torch.Tensor
+    rows: int
+    k: int
+    groups: int
+    tile_n: int
+    tile_k: int
+    repack_s: float = 0.0
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def stride_expert(self) -> int:
+        """Bytes per expert (``NT * KT * CHUNK``)."""
+        return self.data.shape[1] * self.data.shape[2] * self.data.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def fit_tile_k(tile_k: int, k: int) -> int:
+    """The largest ``tile_k / 2^j >= 32`` that divides ``k`` (the layout's k-tile for rows of ``k`` elements).
+
+    Raises ConfigError if ``k`` is not a multiple of 32 (the MXFP4 block)."""
+    tk = tile_k
+    while tk > 32 and k % tk:
+        tk //= 2
+    if k % 32 or k % tk:
+        raise ConfigError(f"MXFP4 layout: row width {k} is not a multiple of 32 (the MXFP4 block)")
+    return tk
+
+
+def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n: int, tile_k: int) -> TiledMxfp4:
+    """Repack checkpoint-layout MXFP4 ``packed [E, G*N_g, K/2]`` u8 + ``scale [E, G*N_g, K/32]`` u8 into the
+    tiled layout, on their device (torch copies only; no host round trip).
+
+    ``tile_k`` is fitted to K with :func:`fit_tile_k`; ``tile_n`` must be a multiple of 16.
+    Raises ConfigError on shapes that do not match or a bad tile.
+    """
+    if packed.dim() != 3 or scale.dim() != 3 or packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ConfigError(f"repack_mxfp4: need u8 [E, N, K/2] and [E, N, K/32], got {tuple(packed.shape)} "
+                          f"{packed.dtype} and {tuple(scale.shape)} {scale.dtype}")
+    E, N, K2 = packed.shape
+    K = 2 * K2
+    if scale.shape != (E, N, K // 32) or N % groups or tile_n % 16:
+        raise ConfigError(f"repack_mxfp4: scale {tuple(scale.shape)} does not fit packed {tuple(packed.shape)} "
+                          f"with {groups} row groups and tile_n {tile_n}")
+    sync = packed.is_cuda
+    if sync:
+        torch.cuda.synchronize(packed.device)
+    t0 = time.perf_counter()
+    tk = fit_tile_k(tile_k, K)
+    ng = N // groups
+    nt = -(-ng // tile_n)
+    kt = K // tk
+
+    def tiles(x: torch.Tensor, per_row: int) -> torch.Tensor:  # [E, G*N_g, KT*per_row] -> [E, NT, KT, G*tn*per_row]
+        x = x.reshape(E, groups, ng, kt, per_row)
+        if nt * tile_n != ng:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nt * tile_n - ng))
+        x = x.reshape(E, groups, nt, tile_n, kt, per_row).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(E, nt, kt, groups * tile_n * per_row)
+
+    data = torch.cat([tiles(packed, tk // 2), tiles(scale, tk // 32)], dim=3).contiguous()
+    if sync:
+        torch.cuda.synchronize(packed.device)
+    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0)
+
+
+def _untile(t: TiledMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiled bytes in checkpoint order, padding rows kept: ``[E, G, NT*tile_n, K/2]``, ``[E, G, NT*tile_n, K/32]``."""
+    E, nt, kt, _ = t.data.shape
+    G, tn, tk = t.groups, t.tile_n, t.tile_k
+    vbytes = G * tn * (tk // 2)
+
+    def untile(x: torch.Tensor, per_row: int) -> torch.Tensor:
+        return x.reshape(E, nt, kt, G, tn, per_row).permute(0, 3, 1, 4, 2, 5).reshape(E, G, nt * tn, kt * per_row)
+
+    return untile(t.data[..., :vbytes], tk // 2), untile(t.data[..., vbytes:], tk // 32)
+
+
+def unpack_mxfp4(t: TiledMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_mxfp4`: ``(packed [E, G*N_g, K/2] u8, scale [E, G*N_g, K/32] u8)``, read back
+    from the tiled bytes with the layout's own addressing (padding rows dropped)."""
+    E = t.data.shape[0]
+    p, s = _untile(t)
+    return (p[:, :, : t.rows].reshape(E, t.groups * t.rows, -1).contiguous(),
+            s[:, :, : t.rows].reshape(E, t.groups * t.rows, -1).contiguous())
+
+
+def check_repack(t: TiledMxfp4, packed: torch.Tensor, scale: torch.Tensor) -> dict:
+    """Prove that the tiled tensor holds exactly the checkpoint's MXFP4 values: every value byte (two E2M1
+    codes) and every E8M0 scale byte read back through the layout equals the checkpoint's, and every padding
+    byte is zero. Byte equality of codes and scales is equality of the decoded values (the decode is a function
+    of the code and its block's scale alone). Runs on the tensors' device.
+
+    Returns ``{"bytes": tiled bytes, "checkpoint_bytes": ..., "repack_s": ...}``.
+    Raises ConfigError naming the first mismatching expert when a byte differs.
+    """
+    pp, ps = _untile(t)
+    pad_ok = not (pp[:, :, t.rows:].any() or ps[:, :, t.rows:].any())
+    E = t.data.shape[0]
+    p = pp[:, :, : t.rows].reshape(E, t.groups * t.rows, -1)
+    s = ps[:, :, : t.rows].reshape(E, t.groups * t.rows, -1)
+    if p.shape != packed.shape or s.shape != scale.shape:
+        raise ConfigError(f"MXFP4 layout check: read back {tuple(p.shape)}/{tuple(s.shape)}, checkpoint "
+                          f"{tuple(packed.shape)}/{tuple(scale.shape)}")
+    bad = ((p != packed).flatten(1).any(1) | (s != scale).flatten(1).any(1)).nonzero()
+    if bad.numel() or not pad_ok:
+        first = int(bad[0]) if bad.numel() else -1
+        raise ConfigError(f"MXFP4 layout check: tiled bytes differ from the checkpoint (first expert {first}; "
+                          f"padding zero: {pad_ok}); the repack is wrong")
+    return {"bytes": t.nbytes, "checkpoint_bytes": packed.numel() + scale.numel(), "repack_s": t.repack_s}

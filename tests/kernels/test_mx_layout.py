@@ -1,0 +1,58 @@
+"""The tiled MXFP4 kernel layout (k3rocm.kernels.mx.layout): exact round trip, the documented byte addresses,
+and a check that catches any changed byte (torch only: runs on the CPU, no Triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3rocm.errors import ConfigError
+from k3rocm.kernels.mx.layout import check_repack, fit_tile_k, repack_mxfp4, unpack_mxfp4
+
+
+def _weights(E, N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g),
+            torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8, generator=g))
+
+
+@pytest.mark.parametrize("groups,tile_n,tile_k", [(2, 16, 64), (1, 32, 128), (2, 64, 32)])
+def test_round_trip_and_addresses(groups, tile_n, tile_k):
+    E, N, K = 3, 2 * 40, 96  # 40 rows per group: the last n-tile is padded; K = 96 fits tile_k to 32
+    p, s = _weights(E, N, K)
+    t = repack_mxfp4(p, s, groups, tile_n, tile_k)
+    assert t.tile_k == fit_tile_k(tile_k, K) == 32
+    rp, rs = unpack_mxfp4(t)
+    assert torch.equal(rp, p) and torch.equal(rs, s)
+    rep = check_repack(t, p, s)
+    assert rep["checkpoint_bytes"] == p.numel() + s.numel() and rep["bytes"] == t.data.numel()
+    d = t.data.flatten()
+    nt, kt, chunk = t.data.shape[1:]
+    assert chunk == groups * tile_n * (t.tile_k // 2 + t.tile_k // 32)
+    ng, tk = N // groups, t.tile_k
+    g = torch.Generator().manual_seed(1)
+    for _ in range(100):  # the module docstring's formulas, element by element
+        e, gg, n, j = (int(torch.randint(0, m, (1,), generator=g)) for m in (E, groups, ng, K // 2))
+        base = (e * nt + n // tile_n) * kt
+        assert d[(base + j // (tk // 2)) * chunk + (gg * tile_n + n % tile_n) * (tk // 2) + j % (tk // 2)] == \
+            p[e, gg * ng + n, j]
+        b = j // 16
+        assert d[(base + b // (tk // 32)) * chunk + groups * tile_n * (tk // 2) + (gg * tile_n + n % tile_n) *
+                 (tk // 32) + b % (tk // 32)] == s[e, gg * ng + n, b]
+
+
+def test_check_catches_any_changed_byte():
+    p, s = _weights(2, 2 * 24, 64, seed=3)
+    for where in (0, 100, -1):  # a value byte, another, the last scale byte (padding rows: 24 of 32 used)
+        t = repack_mxfp4(p, s, 2, 32, 64)
+        t.data.view(-1)[where] ^= 1
+        with pytest.raises(ConfigError, match="differ"):
+            check_repack(t, p, s)
+
+
+def test_bad_shapes_rejected():
+    p, s = _weights(1, 32, 64)
+    with pytest.raises(ConfigError):
+        repack_mxfp4(p, s[:, :16], 2, 16, 64)
+    with pytest.raises(ConfigError):
+        fit_tile_k(128, 48)
