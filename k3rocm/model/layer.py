@@ -15,6 +15,8 @@ Batches: ``B = 1``, tokens of N sequences packed back to back, ``cu_seqlens`` in
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
@@ -486,6 +488,15 @@ def dense_mlp(x: torch.Tensor, w: WeightView, prefix: str, cfg: K3Config) -> tor
     return linear(h, w(prefix + "down_proj.weight"))
 
 
+@functools.lru_cache(maxsize=64)
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (an op implementation's optional capability)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
               mode: str = "a16w4", reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> torch.Tensor:
     """MoE channel mixer: Stable LatentMoE (K3) or plain MoE (kimi_linear). x ``[T, hidden]`` -> ``[T, hidden]`` fp32.
@@ -499,16 +510,26 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     ``reduce(t, name)``: the tensor-parallel sum (None: one rank). The routed partial sum (a rank's experts) and
     the shared-expert partial sum (a rank's intermediate slice) travel in one collective, reduced **before**
     ``routed_expert_norm`` (K3_FACTS §5 step 3: norm(sum) != sum(norm)).
+
+    Fused routing: when the ``moe_router`` implementation takes ``experts`` and the ``moe_experts`` one takes
+    ``dispatch`` (the Triton pair), the router also groups the pairs by this rank's experts on the device and
+    the experts reuse that grouping (same tensors as grouping them inside ``moe_experts``, so the same result).
     """
     p = f"layers.{layer}.block_sparse_moe."
-    ids, wts = ops["moe_router"](x, w(p + "gate.weight"), w(p + "gate.e_score_correction_bias"),
-                                 cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+    experts = w.experts(layer)
+    route = (x, w(p + "gate.weight"), w(p + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
+             cfg.moe_renormalize, cfg.routed_scaling_factor)
+    if _takes(ops["moe_router"], "experts") and _takes(ops["moe_experts"], "dispatch"):
+        ids, wts, dispatch = ops["moe_router"](*route, experts=experts)
+        given = {"dispatch": dispatch}
+    else:
+        ids, wts = ops["moe_router"](*route)
+        given = {}
     latent = cfg.routed_expert_hidden_size is not None
     xin = linear(x, w(p + "routed_expert_down_proj.weight")) if latent else x
     act = "situ" if cfg.hidden_act == "situ" else "silu"
-    y = f32(ops["moe_experts"](xin, ids, wts, w.experts(layer), act=act,
-                               mode=mode if cfg.experts_quantized else "a16w4",
-                               beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta))
+    y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode if cfg.experts_quantized else "a16w4",
+                               beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta, **given))
     shared = dense_mlp(x, w, p + "shared_experts.", cfg) if cfg.num_shared_experts else None
     if reduce is not None:
         if shared is not None:

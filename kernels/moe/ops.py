@@ -1,7 +1,8 @@
 """Launch wrappers of the MoE kernels, with the oracle's signatures (``k3rocm.model.moe``).
 
 * :func:`moe_router` — Triton router (``router.py``); :func:`moe_route` — the router and the dispatch below in
-  two launches (the top-k kernel's last program groups the pairs).
+  two launches (the top-k kernel's last program groups the pairs); ``moe_router(..., experts=...)`` routes
+  for the GEMM config :func:`moe_experts` will pick (:func:`gemm_pick`), whose ``dispatch=`` takes the result.
 * :func:`dispatch_gpu` — (token, expert) pairs sorted by local expert on the device (no host synchronisation),
   plus the M-block table of the grouped GEMM for a given ``block_m``: one Triton program (counting sort) for
   decode-sized batches, torch ops (stable radix sort, scatter-add counts, cumsum, searchsorted) above that.
@@ -68,15 +69,25 @@ def _router_logits(x, gate_weight, top_k, config):
 
 
 def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-               renormalize: bool = True, scaling: float = 1.0, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+               renormalize: bool = True, scaling: float = 1.0, config=None, experts: Any = None) -> tuple:
     """Triton router; same contract as ``k3rocm.model.moe.moe_router`` (FP32 logits, lowest-id ties).
 
     x ``[T, D]`` and gate_weight ``[E, D]`` are used in x's dtype: bf16 (the serving path: exact products,
     fp32 accumulation) or fp32 (the validation path and the interpreter, whose bf16 ``tl.dot`` is not
     trustworthy; fp32 products in IEEE precision, never TF32). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
-    Raises ConfigError on bad shapes / top_k. Two launches (logits, top-k); :func:`moe_route` adds the grouping.
+    Two launches (logits, top-k).
+
+    ``experts`` (the layer's packed ``ExpertWeights``, as :func:`moe_experts` takes them): fused routing —
+    returns ``(ids, weights, GpuDispatch)`` from :func:`moe_route`, the pairs grouped for these local experts
+    with the ``BLOCK_M`` of the GEMM config :func:`moe_experts` picks for them (:func:`gemm_pick`); pass the
+    dispatch on as ``moe_experts(..., dispatch=...)``. Still two launches, no host synchronisation.
+    Raises ConfigError on bad shapes / top_k, or ``experts`` without packed MXFP4 stacks.
     """
-    return _route(x, gate_weight, bias, top_k, renormalize, scaling, config, None)[:2]
+    if experts is None:
+        return _route(x, gate_weight, bias, top_k, renormalize, scaling, config, None)[:2]
+    first, num_local = _local_experts(experts)
+    block_m = gemm_pick(x.shape[0] * top_k, num_local)["BLOCK_M"]
+    return moe_route(x, gate_weight, bias, top_k, first, num_local, block_m, renormalize, scaling, config)
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
@@ -278,23 +289,37 @@ def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: boo
     return lay
 
 
+def _local_experts(experts: Any) -> tuple[int, int]:
+    """``(first_expert, local expert count)`` of packed experts; ConfigError when they are not packed MXFP4."""
+    if _get(experts, "w13_packed") is None or _get(experts, "w2_packed") is None:
+        raise ConfigError("moe_experts (triton): needs packed MXFP4 experts (w13_packed/w2_packed); "
+                          "use the torch implementation for unquantized experts")
+    return int(_get(experts, "first_expert") or 0), _get(experts, "w13_packed").shape[0]
+
+
+def gemm_pick(pairs: int, num_local: int, config: tune.Config | None = None) -> tune.Config:
+    """The grouped-GEMM config :func:`moe_experts` runs for ``pairs`` (token, expert) pairs over ``num_local``
+    local experts: ``config`` if given, else the first of ``GEMM_CONFIGS`` whose ``max_rows`` covers the mean
+    pairs per active expert, keyed on its power of two (never a raw length: no specialisation per batch).
+    The fused routing groups its pairs for this config's ``BLOCK_M``."""
+    rows = pairs / max(1, min(num_local, pairs))  # mean pairs per active expert
+    return config or tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
+
+
 def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: tune.Config | None,
                   norm_weight=None, eps=1e-5, normed_dtype=torch.bfloat16, poison=False,
-                  stages: dict | None = None):
+                  stages: dict | None = None, dispatch: GpuDispatch | None = None):
     if mode not in MODES:
         raise ConfigError(f"moe_experts: mode {mode!r} is not one of {', '.join(MODES)}; pass it explicitly")
     if act not in ("situ", "silu"):
         raise ConfigError(f"moe_experts: act {act!r} is not one of situ, silu")
+    first, E_loc = _local_experts(experts)
     w13p, w13s = _get(experts, "w13_packed"), _get(experts, "w13_scale")
     w2p, w2s = _get(experts, "w2_packed"), _get(experts, "w2_scale")
-    if w13p is None or w2p is None:
-        raise ConfigError("moe_experts (triton): needs packed MXFP4 experts (w13_packed/w2_packed); "
-                          "use the torch implementation for unquantized experts")
     T, D = x.shape
     k = topk_ids.shape[1]
-    E_loc, N13, _ = w13p.shape
+    N13 = w13p.shape[1]
     inter = N13 // 2
-    first = int(_get(experts, "first_expert") or 0)
     if w13p.shape[2] * 2 != D or w2p.shape[1] != D or w2p.shape[2] * 2 != inter:
         raise ConfigError(f"moe_experts: x {tuple(x.shape)} does not fit w13_packed {tuple(w13p.shape)} / "
                           f"w2_packed {tuple(w2p.shape)}")
@@ -324,10 +349,16 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         a = a.contiguous()
         a_s = a  # unused placeholder pointer
     fmt = "e4m3" if a8 else _act_format(a.dtype)
-    rows = P / max(1, min(E_loc, P))  # mean pairs per active expert
-    # the key is a power of two (never a raw length: no specialisation per batch); the pick is by max_rows
-    cfg = config or tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
-    d = dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"])
+    cfg = gemm_pick(P, E_loc, config)
+    if dispatch is None:
+        d = dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"])
+    elif (dispatch.block_m != cfg["BLOCK_M"] or dispatch.sorted_pair.numel() != P
+          or dispatch.counts.numel() != E_loc):
+        raise ConfigError(f"moe_experts: the given dispatch ({dispatch.sorted_pair.numel()} pairs, "
+                          f"{dispatch.counts.numel()} experts, block_m {dispatch.block_m}) does not fit {P} pairs, "
+                          f"{E_loc} experts, BLOCK_M {cfg['BLOCK_M']}; route with moe_router(..., experts=...)")
+    else:
+        d = dispatch
     ub = d.block_expert.numel()
     wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     # h: [P, I] per sorted pair (bf16, or fp8 + scales)
@@ -407,7 +438,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Any,
                 act: str = "situ", mode: str = "a16w4", beta: float = 4.0, beta_lin: float = 25.0,
-                config: tune.Config | None = None, poison: bool = False) -> torch.Tensor:
+                config: tune.Config | None = None, poison: bool = False,
+                dispatch: GpuDispatch | None = None) -> torch.Tensor:
     """Routed experts on packed MXFP4 in Triton; contract of ``k3rocm.model.moe.moe_experts``.
 
     Args:
@@ -423,10 +455,14 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             switch.
         config: one entry of ``GEMM_CONFIGS`` (default: :func:`k3rocm.kernels.tune.pick` by mean rows per expert).
         poison: testing aid — fill every intermediate and the output with NaN before the kernels run.
+        dispatch: the grouping of ``topk_ids`` already made on the device (``moe_router(..., experts=experts)``,
+            fused routing); None: ``dispatch_gpu`` here. Either gives the same tensors, so the same result.
     Returns:
-        ``[T, D]`` fp32. Raises ConfigError on bad mode / act / shapes / unquantized experts.
+        ``[T, D]`` fp32. Raises ConfigError on bad mode / act / shapes / unquantized experts, or a dispatch
+        made for other pairs, experts or another ``BLOCK_M`` than this call's GEMM config.
     """
-    return _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config, poison=poison)[0]
+    return _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config, poison=poison,
+                         dispatch=dispatch)[0]
 
 
 def latent_moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, experts: Any, top_k: int,
@@ -448,9 +484,10 @@ def latent_moe(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
         return (a @ b.t()).float() if a.is_cuda else a.float() @ b.float().t()
 
     # the interpreter's bf16 tl.dot is not trustworthy: its router runs on the (exact) fp32 widening
-    ids, w = moe_router(x if x.is_cuda else x.float(), gate_weight, bias, top_k, renormalize, scaling)
+    ids, w, d = moe_router(x if x.is_cuda else x.float(), gate_weight, bias, top_k, renormalize, scaling,
+                           experts=experts)
     xl = mm(x, down_proj).to(torch.bfloat16)
-    _, normed = _experts_impl(xl, ids, w, experts, act, mode, beta, beta_lin, None, norm_weight, eps)
+    _, normed = _experts_impl(xl, ids, w, experts, act, mode, beta, beta_lin, None, norm_weight, eps, dispatch=d)
     out = mm(normed, up_proj)
     if shared_gate is not None:
         g = mm(x, shared_gate)

@@ -18,7 +18,7 @@ import torch
 
 from k3rocm.model import moe as M
 
-from tests.helpers import REPO, near_tie_router_inputs, script_module
+from tests.helpers import REPO, near_tie_router_inputs, random_experts, script_module
 
 GPU = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -157,6 +157,102 @@ def test_route_k3_gpu(tk, T, ranks):
     torch.cuda.synchronize()
     assert torch.equal(cap[0], ids) and torch.equal(cap[1], wts)
     _same_dispatch(cap[2], d)
+
+
+def _experts_on(ew, dev, first, num_local):
+    sl = slice(first, first + num_local)
+    return {**{n: ew[n][sl].to(dev) for n in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")},
+            "num_experts": num_local, "first_expert": first}
+
+
+@pytest.mark.parametrize("T,first,num_local", [(1, 0, 16), (7, 0, 16), (9, 8, 8)])
+def test_experts_take_the_routed_dispatch(tk, T, first, num_local):
+    # moe_router(..., experts=) groups the pairs for the BLOCK_M that moe_experts picks; handing that dispatch
+    # to moe_experts gives bitwise the output of grouping inside moe_experts (one rank of EP2 included)
+    g = torch.Generator().manual_seed(T)
+    E, D, k = 16, 64, 4
+    x = torch.randn(T, D, generator=g).bfloat16()
+    gate = (torch.randn(E, D, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(E, generator=g) * 0.01
+    ew = _experts_on(random_experts(E, D, 64, seed=5), tk.dev, first, num_local)
+    xd = x.to(tk.dev, tk.act_dtype)
+    ids, wts, d = tk.ops.moe_router(xd, gate.to(tk.dev, tk.act_dtype), bias.to(tk.dev), k, experts=ew)
+    assert d.block_m == tk.ops.gemm_pick(T * k, num_local)["BLOCK_M"]
+    _same_dispatch(d, tk.ops.dispatch_gpu(ids, first, num_local, d.block_m, one_program=True))
+    xl = x.to(tk.dev)
+    alone = tk.ops.moe_experts(xl, ids, wts, ew, poison=True)
+    given = tk.ops.moe_experts(xl, ids, wts, ew, poison=True, dispatch=d)
+    assert torch.isfinite(given).all() and torch.equal(given, alone)
+
+
+def test_experts_reject_a_dispatch_for_other_tiles(tk):
+    from k3rocm.errors import ConfigError
+
+    ew = _experts_on(random_experts(16, 64, 64, seed=1), tk.dev, 0, 16)
+    ids = torch.arange(8, dtype=torch.int32, device=tk.dev).reshape(2, 4)
+    wts = torch.full((2, 4), 0.25, device=tk.dev)
+    bm = tk.ops.gemm_pick(8, 16)["BLOCK_M"]
+    with pytest.raises(ConfigError, match="does not fit"):
+        tk.ops.moe_experts(torch.zeros(2, 64, device=tk.dev), ids, wts, ew,
+                           dispatch=tk.ops.dispatch_gpu(ids, 0, 16, 2 * bm))
+
+
+def test_moe_block_routes_once_for_the_experts(tk, tiny_ckpt, tiny_cfg, monkeypatch):
+    # the model's MoE block on the Triton pair routes and groups in moe_router and never groups again in
+    # moe_experts; the output is bitwise that of the unfused path (the same ops behind wrappers that hide the
+    # optional parameters)
+    from k3rocm.model import layer as L
+    from k3rocm.model.weights import load_weights
+
+    w = L.WeightView(load_weights(tiny_ckpt, device=tk.dev), memo=True)
+    layer = next(i for i in range(tiny_cfg.num_hidden_layers) if tiny_cfg.is_moe_layer(i))
+    x = torch.randn(5, tiny_cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(tk.dev)
+    fused = {"moe_router": tk.ops.moe_router, "moe_experts": tk.ops.moe_experts}
+    plain = {n: (lambda f: lambda *a, **kw: f(*a, **kw))(f) for n, f in fused.items()}
+    groupings = []
+    real = tk.ops.dispatch_gpu
+    monkeypatch.setattr(tk.ops, "dispatch_gpu", lambda *a, **kw: groupings.append(1) or real(*a, **kw))
+    y_plain = L.moe_block(x, w, layer, tiny_cfg, plain)
+    assert len(groupings) == 1
+    y_fused = L.moe_block(x, w, layer, tiny_cfg, fused)
+    assert len(groupings) == 1, "moe_experts grouped the pairs again"
+    assert torch.isfinite(y_fused).all() and torch.equal(y_fused, y_plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="no GPU")
+@pytest.mark.parametrize("T,ranks", [(2, 1), (64, 1), (64, 8), (512, 1)])
+def test_routed_dispatch_k3_gpu(tk, T, ranks):
+    # K3 width (hidden 7168 -> latent 3584, 896 experts, top-16, intermediate 3072): the routed dispatch
+    # handed to moe_experts gives bitwise the output of grouping inside it; route + experts capture in one
+    # graph and replay to the same output
+    E, H, LAT, INTER = 896, 7168, 3584, 3072
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    gate = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    bias = torch.rand(E, device="cuda", generator=g) * 0.01
+    xl = torch.randn(T, LAT, device="cuda", generator=g).bfloat16()
+    per = E // ranks
+    ew = dict(w13_packed=torch.randint(0, 256, (per, 2 * INTER, LAT // 2), dtype=torch.uint8, device="cuda",
+                                       generator=g),
+              w13_scale=torch.randint(119, 123, (per, 2 * INTER, LAT // 32), dtype=torch.uint8, device="cuda",
+                                      generator=g),
+              w2_packed=torch.randint(0, 256, (per, LAT, INTER // 2), dtype=torch.uint8, device="cuda", generator=g),
+              w2_scale=torch.randint(119, 123, (per, LAT, INTER // 32), dtype=torch.uint8, device="cuda",
+                                     generator=g),
+              num_experts=per, first_expert=0)
+    ids, wts, d = tk.ops.moe_router(x, gate, bias, 16, scaling=2.446, experts=ew)
+    alone = tk.ops.moe_experts(xl, ids, wts, ew)
+    given = tk.ops.moe_experts(xl, ids, wts, ew, dispatch=d)
+    assert torch.equal(given, alone)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ci, cw, cd = tk.ops.moe_router(x, gate, bias, 16, scaling=2.446, experts=ew)
+        cap = tk.ops.moe_experts(xl, ci, cw, ew, dispatch=cd)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ci, ids) and torch.equal(cap, alone)
 
 
 def test_bench_route_script_runs(tk, tmp_path):
