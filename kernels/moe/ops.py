@@ -25,7 +25,7 @@ from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import GEMM_CONFIGS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
 from k3rocm.kernels.moe.gemm import moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_reduce_kernel
-from k3rocm.kernels.moe.router import router_logits_kernel, router_topk_kernel
+from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
 from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, repack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting
@@ -92,23 +92,38 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
               first_expert: int, num_local: int, block_m: int, renormalize: bool = True, scaling: float = 1.0,
-              config=None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
+              config=None, bucket_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
     """Fused routing: :func:`moe_router` and :func:`dispatch_gpu` of its ids in two launches, no host sync.
 
     x ``[T, D]``, gate_weight ``[E, D]``, bias ``[E]`` fp32 or None; the pairs of local experts
     ``first_expert .. first_expert + num_local - 1`` are grouped for M blocks of ``block_m`` rows (the grouped
     GEMM's ``BLOCK_M``). Returns ``(ids [T, k] int32, weights [T, k] fp32, GpuDispatch)``, each tensor equal to
     what ``moe_router`` then ``dispatch_gpu(ids, first_expert, num_local, block_m)`` return (K3_FACTS §5 step 1;
-    grouping stable in the pair index, so deterministic). Raises ConfigError on bad shapes / top_k / experts.
+    grouping stable in the pair index, so deterministic). ``bucket_tokens``: tokens per group of the
+    two-level grouping (default ``configs.ROUTER_BUCKET_TOKENS`` of the backend, capped at 16384 lanes / the
+    expert count; a power of two; tests set small groups to cover many). Raises ConfigError on bad shapes /
+    top_k / experts / bucket_tokens.
     """
     if not (0 < num_local and 0 <= first_expert and first_expert + num_local <= gate_weight.shape[0]):
         raise ConfigError(f"moe_route: local experts {first_expert}+{num_local} outside 0..{gate_weight.shape[0]}")
-    return _route(x, gate_weight, bias, top_k, renormalize, scaling, config, (first_expert, num_local, block_m))
+    if bucket_tokens is not None and (bucket_tokens < 1 or bucket_tokens & (bucket_tokens - 1)):
+        raise ConfigError(f"moe_route: bucket_tokens {bucket_tokens} must be a power of two")
+    return _route(x, gate_weight, bias, top_k, renormalize, scaling, config,
+                  (first_expert, num_local, block_m, bucket_tokens))
 
 
-# one scratch counter per device for the last-program handshake of the fused dispatch; the program that
-# finishes last resets it, so it is zero before every launch (and inside a captured graph)
-_DONE: dict[torch.device, torch.Tensor] = {}
+# scratch counters per device for the handshakes of the fused dispatch ([0]: groups done, [1 + g]: tokens of
+# group g done); the program that completes a counter resets it, so all are zero before every launch (and
+# inside a captured graph). A larger batch gets a larger buffer; the smaller ones stay alive for the graphs
+# captured with them.
+_DONE: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(dev: torch.device, groups: int) -> torch.Tensor:
+    held = _DONE.setdefault(dev, [])
+    if not held or held[-1].numel() < 1 + groups:
+        held.append(torch.zeros(max(4096, triton.next_power_of_2(1 + groups)), dtype=torch.int32, device=dev))
+    return held[-1]
 
 
 def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
@@ -127,9 +142,9 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                 BLOCK_E=triton.next_power_of_2(E), BLOCK_KOUT=triton.next_power_of_2(top_k))
     if group is None:
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
-                                 ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
+                                 ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
         return ids, wts, None
-    first, num_local, block_m = group
+    first, num_local, block_m, bucket_tokens = group
     P = T * top_k
     ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
     d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
@@ -137,17 +152,17 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                     torch.empty(num_local + 1, dtype=torch.int64, device=dev),
                     torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
                     block_m)
+    block_l = triton.next_power_of_2(num_local + 1)
+    bt = bucket_tokens or max(1, min(ROUTER_BUCKET_TOKENS[current_target().backend], 16384 // block_l))
+    groups = triton.cdiv(T, bt)
     member = torch.empty(T, num_local, dtype=torch.int32, device=dev)
     rowpos = torch.empty(T, num_local, dtype=torch.int32, device=dev)
-    done = _DONE.get(dev)
-    if done is None:
-        done = _DONE[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-    block_l = triton.next_power_of_2(num_local + 1)
+    gcount = torch.empty(groups, num_local, dtype=torch.int32, device=dev)
     router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
-                             member, rowpos, done, T, int(first), num_local, d.sorted_pair, d.pos, d.counts,
-                             d.offsets, d.block_expert, d.block_start, ub, **meta, DISPATCH=True, BLOCK_M=block_m,
-                             BLOCK_T=max(1, min(ROUTER_BUCKET_TOKENS[current_target().backend], 16384 // block_l)), BLOCK_L=block_l,
-                             BLOCK_UB=triton.next_power_of_2(ub), num_warps=8)
+                             member, rowpos, gcount, _counters(dev, groups), T, int(first), num_local, d.sorted_pair,
+                             d.pos, d.counts, d.offsets, d.block_expert, d.block_start, ub, **meta, DISPATCH=True,
+                             BLOCK_M=block_m, BLOCK_T=bt, BLOCK_L=block_l, BLOCK_UB=triton.next_power_of_2(ub),
+                             BLOCK_PT=pair_tokens(bt), num_warps=8)
     return ids, wts, d
 
 

@@ -8,12 +8,14 @@ so results are deterministic, then k rounds of one int64 max over (order-preserv
 expert id): the highest biased score, lowest id among equals, in one reduction per pick).
 
 Fused routing (``ops.moe_route``): the same top-k kernel with ``DISPATCH`` also writes each token's row of
-a local-expert membership matrix ``[T, E_loc]`` int32; the last program to finish (an acq_rel atomic
-counter, reset by that program, so the launch is capturable and repeatable) then groups the pairs by local
-expert (:func:`bucket_pairs`) with the outputs of ``ops.dispatch_gpu``. Grouping from the membership
-matrix: the sorted row of pair (t, j) with local expert e is start(e) + the number of tokens before t that
-picked e (a column cumsum over tiles of tokens); a token picks an expert at most once, so this is the stable
-order (ascending pair index) of the torch path.
+a local-expert membership matrix ``[T, E_loc]`` int32. Then, in two levels (acq_rel atomic counters, each
+reset by the program that saw it complete, so the launch is capturable and repeatable): the last program of
+each group of BLOCK_T tokens ranks its group's pairs inside the group and counts them per expert
+(:func:`group_ranks`, the groups in parallel); the last group to finish groups all pairs by local expert
+(:func:`bucket_pairs`) with the outputs of ``ops.dispatch_gpu``: the sorted row of pair (t, j) with local
+expert e is start(e) + the pairs of e in earlier groups (an exclusive prefix over the group counts, fixed
+order) + the tokens before t in its group that picked e; a token picks an expert at most once, so this is the
+stable order (ascending pair index) of the torch path.
 """
 
 from __future__ import annotations
@@ -59,45 +61,61 @@ PICKED = tl.constexpr(-9223372036854775807)
 
 
 @triton.jit
-def bucket_pairs(ids_ptr, member_ptr, rowpos_ptr, T, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
-                 offsets_ptr, bexp_ptr, bstart_ptr, UB, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_KOUT: tl.constexpr, BLOCK_UB: tl.constexpr):
-    """Group the T*TOPK (token, slot) pairs by local expert, in one program: the contract of ``ops.dispatch_gpu``.
+def group_ranks(member_ptr, rowpos_ptr, gcount_ptr, g, T, num_local, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Token group ``g`` (tokens ``g*BLOCK_T ..``, one program): the rank of each of its (token, local expert)
+    pairs among the group's earlier tokens (rowpos ``[T, num_local]`` int32, written where member is 1) and
+    the group's pairs per local expert (gcount row g, ``[G, num_local]`` int32). Loads of the member rows
+    other programs wrote are volatile (no stale cache lines after the counter handshake)."""
+    rl = tl.arange(0, BLOCK_L)
+    tt = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = (tt < T)[:, None] & (rl < num_local)[None, :]
+    off = tt[:, None].to(tl.int64) * num_local + rl[None, :]
+    tile = tl.load(member_ptr + off, mask=m, other=0, volatile=True)
+    tl.store(rowpos_ptr + off, tl.cumsum(tile, 0) - tile, mask=m & (tile != 0))
+    tl.store(gcount_ptr + g * num_local + rl, tl.sum(tile, axis=0), mask=rl < num_local)
 
-    ids ``[T, TOPK]`` int32 global ids; member ``[T, num_local]`` int32 (1 where token t picked local expert
-    e, else 0); rowpos ``[T, num_local]`` int32 scratch. Writes sorted ``[P]`` (local pairs by expert, then
-    the other ranks' pairs, each group in ascending pair index), pos ``[P]`` (-1 off-rank), counts
-    ``[num_local]`` int64, offsets ``[num_local + 1]`` int64, block_expert / block_start ``[UB]`` int32
-    (``ceil(count / BLOCK_M)`` blocks per expert in expert order; the rest -1 / 0). BLOCK_L >= num_local + 1.
-    Loads of what other programs wrote are volatile (no stale cache lines after the counter handshake).
+
+@triton.jit
+def bucket_pairs(ids_ptr, rowpos_ptr, gcount_ptr, T, G, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
+                 offsets_ptr, bexp_ptr, bstart_ptr, UB, TOPK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_KOUT: tl.constexpr, BLOCK_UB: tl.constexpr,
+                 BLOCK_PT: tl.constexpr):
+    """Group the T*TOPK (token, slot) pairs by local expert, in one program, from the G groups' ranks and
+    counts (:func:`group_ranks`): the contract of ``ops.dispatch_gpu``.
+
+    The sorted row of a local pair (t, e) is start(e) + the pairs of e in the groups before t's group (an
+    exclusive prefix over gcount's rows, fixed order, written back in place) + its rank inside the group: the
+    number of tokens before t that picked e (a token picks an expert at most once), i.e. the stable order
+    (ascending pair index) of the torch path. ids ``[T, TOPK]`` int32 global ids. Writes sorted ``[P]`` (local
+    pairs by expert, then the other ranks' pairs, each group in ascending pair index), pos ``[P]`` (-1
+    off-rank), counts ``[num_local]`` int64, offsets ``[num_local + 1]`` int64, block_expert / block_start
+    ``[UB]`` int32 (``ceil(count / BLOCK_M)`` blocks per expert in expert order; the rest -1 / 0).
+    BLOCK_L >= num_local + 1; gcount is read in tiles of BLOCK_T groups, the pairs in tiles of BLOCK_PT tokens.
     """
     rl = tl.arange(0, BLOCK_L)
     lm = rl < num_local
-    rt = tl.arange(0, BLOCK_T)
-    rk = tl.arange(0, BLOCK_KOUT)
-    mk = rk < TOPK
-    counts = tl.zeros((BLOCK_L,), dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):
-        tt = t0 + rt
-        tile = tl.load(member_ptr + tt[:, None] * num_local + rl[None, :], mask=(tt < T)[:, None] & lm[None, :],
-                       other=0, volatile=True)
-        counts += tl.sum(tile, axis=0)
+    rg = tl.arange(0, BLOCK_T)
+    run = tl.zeros((BLOCK_L,), dtype=tl.int32)
+    for g0 in range(0, G, BLOCK_T):
+        gg = g0 + rg
+        m = (gg < G)[:, None] & lm[None, :]
+        ptrs = gcount_ptr + gg[:, None] * num_local + rl[None, :]
+        c = tl.load(ptrs, mask=m, other=0, volatile=True)
+        tl.store(ptrs, tl.cumsum(c, 0) - c + run[None, :], mask=m)
+        run += tl.sum(c, axis=0)
+    counts = run
     start = tl.cumsum(counts, 0) - counts  # exclusive: start[num_local] = all local pairs
     total = tl.sum(counts, axis=0)
     tl.store(counts_ptr + rl, counts.to(tl.int64), mask=lm)
     tl.store(offsets_ptr + rl, start.to(tl.int64), mask=rl <= num_local)
-    run = start
+    tl.debug_barrier()  # the prefix and the offsets before any lane gathers them
+    rt = tl.arange(0, BLOCK_PT)
+    rk = tl.arange(0, BLOCK_KOUT)
+    mk = rk < TOPK
     off_run = total
-    for t0 in range(0, T, BLOCK_T):
+    for t0 in range(0, T, BLOCK_PT):
         tt = t0 + rt
-        mt = tt < T
-        mrow = mt[:, None] & lm[None, :]
-        tile = tl.load(member_ptr + tt[:, None] * num_local + rl[None, :], mask=mrow, other=0, volatile=True)
-        rank = tl.cumsum(tile, 0) - tile + run[None, :]
-        tl.store(rowpos_ptr + tt[:, None] * num_local + rl[None, :], rank, mask=mrow & (tile != 0))
-        run += tl.sum(tile, axis=0)
-        tl.debug_barrier()
-        pm = mt[:, None] & mk[None, :]
+        pm = (tt < T)[:, None] & mk[None, :]
         pidx = tt[:, None] * TOPK + rk[None, :]
         e = tl.load(ids_ptr + pidx, mask=pm, other=0, volatile=True) - first
         valid = (e >= 0) & (e < num_local) & pm
@@ -105,11 +123,12 @@ def bucket_pairs(ids_ptr, member_ptr, rowpos_ptr, T, first, num_local, sorted_pt
         off_tok = tl.sum(off, axis=1)
         off_rank = tl.cumsum(off, 1) - off + (tl.cumsum(off_tok, 0) - off_tok)[:, None] + off_run
         off_run += tl.sum(off_tok, axis=0)
-        lrow = tl.load(rowpos_ptr + tt[:, None] * num_local + e, mask=valid, other=0)
-        row = tl.where(valid, lrow, off_rank)
+        before = tl.load(gcount_ptr + (tt // BLOCK_T)[:, None] * num_local + e, mask=valid, other=0, volatile=True)
+        inside = tl.load(rowpos_ptr + tt[:, None].to(tl.int64) * num_local + e, mask=valid, other=0, volatile=True)
+        first_row = tl.load(offsets_ptr + e, mask=valid, other=0, volatile=True).to(tl.int32)
+        row = tl.where(valid, first_row + before + inside, off_rank)
         tl.store(sorted_ptr + row, pidx, mask=pm)
         tl.store(pos_ptr + pidx, tl.where(valid, row, -1), mask=pm)
-        tl.debug_barrier()
     ru = tl.arange(0, BLOCK_UB)
     tl.store(bexp_ptr + ru, tl.full((BLOCK_UB,), -1, tl.int32), mask=ru < UB)
     tl.store(bstart_ptr + ru, tl.zeros((BLOCK_UB,), dtype=tl.int32), mask=ru < UB)
@@ -125,22 +144,26 @@ def bucket_pairs(ids_ptr, member_ptr, rowpos_ptr, T, first, num_local, sorted_pt
 
 @triton.jit
 def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pt, scaling,
-                       member_ptr, rowpos_ptr, done_ptr, T, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
-                       offsets_ptr, bexp_ptr, bstart_ptr, UB,
+                       member_ptr, rowpos_ptr, gcount_ptr, done_ptr, T, first, num_local, sorted_ptr, pos_ptr,
+                       counts_ptr, offsets_ptr, bexp_ptr, bstart_ptr, UB,
                        SPLITS: tl.constexpr, TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_KOUT: tl.constexpr, DISPATCH: tl.constexpr = False,
                        BLOCK_M: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16, BLOCK_L: tl.constexpr = 16,
-                       BLOCK_UB: tl.constexpr = 16):
+                       BLOCK_UB: tl.constexpr = 16, BLOCK_PT: tl.constexpr = 16):
     """One program per token: logits = sum of the SPLITS partials (fixed order), sigmoid, biased top-TOPK
     (lowest id among equal biased scores), weights = unbiased scores [renormalised] x scaling.
-    ``DISPATCH``: also the membership row of the token, and the last program runs :func:`bucket_pairs`
-    (the dispatch arguments are unused otherwise)."""
+
+    ``DISPATCH``: also the membership row of the token ``[T, num_local]`` int32; the last program of each
+    group of BLOCK_T tokens runs :func:`group_ranks` for its group, and the last group to finish runs
+    :func:`bucket_pairs` (acq_rel counters: done_ptr[1 + g] per group, done_ptr[0] over the groups, each reset
+    to 0 by the program that saw it complete, so every launch starts from zeros and the launch is capturable
+    and repeatable). The dispatch arguments are unused otherwise."""
     t = tl.program_id(0)
     re = tl.arange(0, BLOCK_E)
     emask = re < E
     row = part_ptr + t.to(tl.int64) * stride_pt
     logit = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for s in range(SPLITS):
+    for s in tl.static_range(SPLITS):  # unrolled: the SPLITS loads are independent (one memory round trip)
         logit += tl.load(row + s * stride_ps + re, mask=emask, other=0.0)
     score = tl.sigmoid(logit)
     if HAS_BIAS:
@@ -161,7 +184,7 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
         key = tl.where(re == idx, PICKED, key)
     # the picked logits again, summed in the same order (bitwise the same fp32 values)
     lg = tl.zeros((BLOCK_KOUT,), dtype=tl.float32)
-    for s in range(SPLITS):
+    for s in tl.static_range(SPLITS):
         lg += tl.load(row + s * stride_ps + ids, mask=mj, other=0.0)
     wts = tl.where(mj, tl.sigmoid(lg), 0.0)
     if RENORM:
@@ -174,13 +197,27 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
         tl.store(member_ptr + t.to(tl.int64) * num_local + local, tl.where(key == PICKED, 1, 0),
                  mask=emask & (local >= 0) & (local < num_local))
         tl.debug_barrier()  # every lane's stores before the release below
-        done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-        if done == T - 1:
+        g = t // BLOCK_T
+        arrived = tl.atomic_add(done_ptr + 1 + g, 1, sem="acq_rel")
+        if arrived == tl.minimum(T - g * BLOCK_T, BLOCK_T) - 1:
             tl.debug_barrier()
-            bucket_pairs(ids_ptr, member_ptr, rowpos_ptr, T, first, num_local, sorted_ptr, pos_ptr, counts_ptr,
-                         offsets_ptr, bexp_ptr, bstart_ptr, UB, TOPK, BLOCK_M, BLOCK_T, BLOCK_L, BLOCK_KOUT,
-                         BLOCK_UB)
-            tl.atomic_xchg(done_ptr, 0, sem="relaxed")
+            group_ranks(member_ptr, rowpos_ptr, gcount_ptr, g, T, num_local, BLOCK_T, BLOCK_L)
+            tl.atomic_xchg(done_ptr + 1 + g, 0, sem="relaxed")
+            tl.debug_barrier()  # the group's ranks and counts before the release below
+            num_groups = (T + BLOCK_T - 1) // BLOCK_T
+            groups_done = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+            if groups_done == num_groups - 1:
+                tl.debug_barrier()
+                bucket_pairs(ids_ptr, rowpos_ptr, gcount_ptr, T, num_groups, first, num_local, sorted_ptr, pos_ptr,
+                             counts_ptr, offsets_ptr, bexp_ptr, bstart_ptr, UB, TOPK, BLOCK_M, BLOCK_T, BLOCK_L,
+                             BLOCK_KOUT, BLOCK_UB, BLOCK_PT)
+                tl.atomic_xchg(done_ptr, 0, sem="relaxed")
+
+
+def pair_tokens(bucket_tokens: int) -> int:
+    """Tokens per tile of the final pair pass of :func:`bucket_pairs` for a group of ``bucket_tokens`` tokens
+    (BLOCK_PT): four groups' worth, 1024 pair lanes at top-16 with the CUDA group of 16, 256 with HIP's 4."""
+    return 4 * bucket_tokens
 
 
 def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
@@ -190,11 +227,12 @@ def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
     ``ops.moe_route`` launches it (``configs.ROUTER_BUCKET_TOKENS``)."""
     sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
            "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "member_ptr": "*i32", "rowpos_ptr": "*i32",
-           "done_ptr": "*i32", "T": "i32", "first": "i32", "num_local": "i32", "sorted_ptr": "*i32",
+           "gcount_ptr": "*i32", "done_ptr": "*i32", "T": "i32", "first": "i32", "num_local": "i32", "sorted_ptr": "*i32",
            "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32",
            "bstart_ptr": "*i32", "UB": "i32"}
     consts = {"SPLITS": 8, "TOPK": 16, "HAS_BIAS": True, "RENORM": True, "BLOCK_E": 1024, "BLOCK_KOUT": 16,
-              "DISPATCH": dispatch, "BLOCK_M": 16, "BLOCK_T": bucket_tokens, "BLOCK_L": 1024, "BLOCK_UB": 2048}
+              "DISPATCH": dispatch, "BLOCK_M": 16, "BLOCK_T": bucket_tokens, "BLOCK_L": 1024, "BLOCK_UB": 2048,
+              "BLOCK_PT": pair_tokens(bucket_tokens)}
     sig.update({c: "constexpr" for c in consts})
     warps = 8 if dispatch else 4
     return (f"router_topk{f'_dispatch_t{bucket_tokens}' if dispatch else ''}", router_topk_kernel, sig, consts, False,

@@ -53,16 +53,18 @@ def _same_dispatch(a, b):
     assert a.block_m == b.block_m
 
 
-@pytest.mark.parametrize("T,E,D,k,first,num_local,bm", [
-    (1, 16, 64, 4, 0, 16, 16), (7, 16, 128, 4, 4, 8, 16), (37, 128, 96, 16, 32, 32, 32),
-    (40, 64, 64, 8, 0, 64, 16)])
-def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm):
+@pytest.mark.parametrize("T,E,D,k,first,num_local,bm,bt", [
+    (1, 16, 64, 4, 0, 16, 16, None), (7, 16, 128, 4, 4, 8, 16, None), (37, 128, 96, 16, 32, 32, 32, None),
+    (40, 64, 64, 8, 0, 64, 16, None),
+    # groups of 2 and 4 tokens: many groups, several tiles of group counts and of pairs in the last program
+    (37, 64, 64, 8, 16, 32, 16, 2), (29, 32, 64, 16, 0, 32, 16, 4)])
+def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm, bt):
     g = torch.Generator().manual_seed(T + E)
     x = torch.randn(T, D, generator=g).bfloat16()
     w = (torch.randn(E, D, generator=g) * 0.1).bfloat16()
     bias = torch.randn(E, generator=g) * 0.01
     xd, wd, bd = x.to(tk.dev, tk.act_dtype), w.to(tk.dev, tk.act_dtype), bias.to(tk.dev)
-    ids, wts, d = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5)
+    ids, wts, d = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt)
     rid, rw = M.moe_router(x, w, bias, k, scaling=2.5)
     assert (ids.cpu() == rid).all()
     torch.testing.assert_close(wts.cpu(), rw, rtol=1e-5, atol=1e-6)
@@ -76,7 +78,7 @@ def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm)
     n = int(d.offsets[-1])
     assert torch.equal(d.sorted_pair[:n].cpu().long(), ref.sorted_pair.long())
     # repeatable: the handshake counter is back at zero, and the result is bitwise the same
-    again = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5)
+    again = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt)
     assert torch.equal(again[0], ids) and torch.equal(again[1], wts)
     _same_dispatch(again[2], d)
 
@@ -121,6 +123,8 @@ def test_route_rejects_bad_experts(tk):
     w = torch.zeros(16, 32, device=tk.dev, dtype=tk.act_dtype)
     with pytest.raises(ConfigError, match="local experts"):
         tk.ops.moe_route(x, w, None, 4, 8, 16, 16)
+    with pytest.raises(ConfigError, match="power of two"):
+        tk.ops.moe_route(x, w, None, 4, 0, 16, 16, bucket_tokens=3)
 
 
 @pytest.mark.gpu
