@@ -33,8 +33,9 @@ _CUDA = {
     "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
             dict(BV=32, BK=64, num_warps=4, num_stages=1)],
+    # BV = V: one program per (row, head) finishes in registers; BV < V: more, smaller programs (many heads)
     "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
-               dict(BV=32, num_warps=4, num_stages=1), dict(BV=128, num_warps=16, num_stages=1)],
+               dict(BV=32, num_warps=4, num_stages=1), dict(BV=16, num_warps=2, num_stages=1)],
 }
 
 _HIP = {
@@ -48,8 +49,8 @@ _HIP = {
     "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
-    "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
-               dict(BV=16, num_warps=4, waves_per_eu=2)],
+    "decode": [dict(BV=128, num_warps=16, waves_per_eu=0), dict(BV=32, num_warps=4, waves_per_eu=0),
+               dict(BV=64, num_warps=8, waves_per_eu=0), dict(BV=16, num_warps=4, waves_per_eu=2)],
 }
 
 
