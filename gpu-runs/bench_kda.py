@@ -76,6 +76,24 @@ def decode_inputs(N, H, S=None, seed=1):
         r(S, H, D, D) * 0.1, torch.randperm(S, device="cuda")[:N].to(torch.int32)
 
 
+def prefill_kernel_ms(a) -> dict:
+    """Each prefill launch timed alone on the row's inputs (its tuned config), and the short conv of q, k and v
+    (three [B, T, H*D] calls, as the layer runs them before the prefill): where the time goes."""
+    import triton.testing as tt
+
+    from k3rocm.kernels.kda import conv as CV
+    from k3rocm.kernels.kda import prefill as P
+    launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16)
+    res = {f"{nm}_ms": tt.do_bench(fn, warmup=20, rep=100) for nm, fn in launches}
+    B, T, H, _ = a["q"].shape
+    wt = torch.randn(H * D, 1, 4, device="cuda") * 0.5
+    xs = [a[n].reshape(B, T, H * D) for n in ("q", "k", "v")]
+    conv = lambda: [CV.short_conv(x, wt, out_dtype=torch.bfloat16) for x in xs]  # noqa: E731
+    conv()
+    res["conv_qkv_ms"] = tt.do_bench(conv, warmup=20, rep=100)
+    return res
+
+
 def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None):
     import triton.testing as tt
 
@@ -89,6 +107,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         ours()
         t_ours = tt.do_bench(ours, warmup=50, rep=200)
         row = dict(row=name, ours_ms=t_ours)
+        row.update(prefill_kernel_ms(a))
         byts, flops = prefill_cost(B, T, H)
         floor = max(byts / BW, flops / PEAK) * 1e3
         row.update(floor_ms=floor, frac_of_floor=floor / t_ours)
@@ -253,6 +272,14 @@ def main():
                      f"{r.get('fla_precomputed_gate_ms', '-')} | {r.get('ratio_ours_over_fla', float('nan')):.3f} | "
                      f"{r.get('floor_ms', r.get('state_floor_ms')):.4f} | "
                      f"{r.get('frac_of_floor', r.get('frac_of_state_floor')):.3f} |")
+    pre = [r for r in rows if "state_ms" in r]
+    if pre:
+        lines += ["", "prefill, each launch alone (ms; conv = short_conv of q, k, v, run before the prefill):", "",
+                  "| row | gate | intra | state | out | sum | conv q,k,v |", "|---|---|---|---|---|---|---|"]
+        for r in pre:
+            ks = [r[f"{n}_ms"] for n in ("gate", "intra", "state", "out")]
+            lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
+                         f"{r['conv_qkv_ms']:.3f} |")
     with open(os.path.join(args.out, "kda_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -372,6 +372,22 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         would overflow fp32), K or V not a power of two >= 16, or inconsistent shapes.
     Note: reads ``cu_seqlens`` on the host once (to build the chunk table); not for graph capture.
     """
+    _, o, ht = prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                lower_bound, gate_form, out_dtype, config)
+    return o, ht
+
+
+def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
+                     lower_bound=-5.0, gate_form="k3", out_dtype: torch.dtype = torch.float32,
+                     config: dict | None = None):
+    """:func:`kda_prefill`, also returning its launches one by one (to time each kernel alone).
+
+    Args, raises: as :func:`kda_prefill`. Runs the prefill once (tuning each kernel first where needed).
+    Returns:
+        ``(launches, o, final_state)``: ``launches`` is ``[(name, fn)]`` in launch order, ``name`` one of
+        ``"gate"``, ``"intra"``, ``"state"``, ``"out"``; ``fn()`` runs that kernel again with its chosen config on
+        the same buffers (running them all in order recomputes ``o`` and ``final_state``).
+    """
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gate_form != "k3":
@@ -430,13 +446,21 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     h0 = initial_state.to(f32).contiguous() if initial_state is not None else ht
     cfg = config or {}
 
-    def launch_intra(c):
-        meta, opts = tune.split(c)
+    def launch_gate(c):
+        opts = tune.split(c)[1]
         if NC:
             _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
                            scale, float(lower_bound), H, K=K, BT=BT, **opts)
+
+    def launch_intra(c):
+        meta, opts = tune.split(c)
+        if NC:
             _interp.launch(_intra_kernel, (NC, H), qc, kc, vc, br, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
                            K=K, V=V, BT=BT, BC=BC, PREC=prec, OPD=opd, **meta, **opts)
+
+    def launch_gate_intra(c):  # tuned together: the gate kernel takes the intra kernel's launch options
+        launch_gate(c)
+        launch_intra(c)
 
     def launch_state(c):
         meta, opts = tune.split(c)
@@ -456,7 +480,12 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
 
     # bounded specialisation: token and sequence counts enter the key as powers of two
     key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype)
-    for name, table, run in (("intra", C.INTRA, launch_intra), ("state", C.STATE, launch_state),
-                             ("out", C.OUT, launch_out)):
-        run(tune.pick(f"kda_{name}", key, [cfg[name]] if name in cfg else tune.configs(table), run))
-    return o, ht
+    launches = []
+    for name, table, run, parts in (
+            ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra))),
+            ("state", C.STATE, launch_state, (("state", launch_state),)),
+            ("out", C.OUT, launch_out, (("out", launch_out),))):
+        c = tune.pick(f"kda_{name}", key, [cfg[name]] if name in cfg else tune.configs(table), run)
+        run(c)
+        launches += [(nm, lambda f=f, c=c: f(c)) for nm, f in parts]
+    return launches, o, ht

@@ -116,6 +116,19 @@ def test_prefill_state_continuation():
     torch.testing.assert_close(s2, s, rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_launches_one_by_one():
+    """The prefill's launches, rerun one by one on fresh outputs, recompute its output and final state."""
+    a = make_prefill(1, 5, 1, D, _gen(), state=True)
+    launches, o, s = KPRE.prefill_launches(**a)
+    assert [nm for nm, _ in launches] == ["gate", "intra", "state", "out"]
+    want_o, want_s = o.clone(), s.clone()
+    o.fill_(float("nan"))
+    s.fill_(float("nan"))
+    for _, fn in launches:
+        fn()
+    assert torch.equal(o, want_o) and torch.equal(s, want_s)
+
+
 @pytest.mark.parametrize("ci", range(3))
 def test_short_conv_every_config(ci):
     cands = tune.configs(KC.CONV)
