@@ -270,12 +270,32 @@ def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H
 
 
 @_interp.kjit
+def _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, ok, hh, H, offs_v,
+                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """(w_c, kg_c, u_c, e^(G_L), t0, L) of chunk ``c`` for the state pass; ``ok`` (int) 0: all masked, L = 0."""
+    t0 = tl.load(chunk_tok + c, mask=ok > 0, other=0)
+    L = tl.load(chunk_len + c, mask=ok > 0, other=0)
+    offs_k = tl.arange(0, K)
+    rows = tl.arange(0, BT)
+    mr = (rows < L)[:, None]
+    tok = (t0 + rows).to(tl.int64)
+    pk = (tok[:, None] * H + hh) * K + offs_k[None, :]
+    w_c = tl.load(w + pk, mask=mr, other=0.0)
+    kg_c = tl.load(kg + pk, mask=mr, other=0.0)
+    u_c = tl.load(u + (tok[:, None] * H + hh) * V + offs_v[None, :], mask=mr, other=0.0).to(tl.float32)
+    gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k, mask=(ok + 0 * offs_k) > 0, other=0.0)
+    return w_c, kg_c, u_c, gl, t0, L
+
+
+@_interp.kjit
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                   OPD: tl.constexpr):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
-    The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`."""
+    The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`.
+    The next chunk's tiles are loaded while the current one is computed (they do not depend on the state), so
+    their memory latency leaves the serial chain."""
     n = tl.program_id(0)
     hh = tl.program_id(1)
     vb = tl.program_id(2)
@@ -289,23 +309,20 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         h = tl.zeros([K, BV], dtype=tl.float32)
     c0 = tl.load(seq_chunk + n)
     c1 = tl.load(seq_chunk + n + 1)
+    w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c0, (c0 < c1).to(tl.int32),
+                                             hh, H, offs_v, K, V, BT)
     for c in range(c0, c1):
-        t0 = tl.load(chunk_tok + c)
-        L = tl.load(chunk_len + c)
+        w_n, kg_n, u_n, gl_n, t0_n, L_n = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c + 1,
+                                                       (c + 1 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
         mr = (rows < L)[:, None]
         tok = (t0 + rows).to(tl.int64)
-        pk = (tok[:, None] * H + hh) * K + offs_k[None, :]
         pv = (tok[:, None] * H + hh) * V + offs_v[None, :]
-        w_c = tl.load(w + pk, mask=mr, other=0.0)
-        kg_c = tl.load(kg + pk, mask=mr, other=0.0)
-        u_c = tl.load(u + pv, mask=mr, other=0.0).to(tl.float32)
         ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
-        gl = tl.load(glast + ch * K + offs_k)
-        tl.store(hbuf + (ch * K + offs_k[:, None]) * V + offs_v[None, :],
-                 h.to(hbuf.dtype.element_ty))
+        tl.store(hbuf + (ch * K + offs_k[:, None]) * V + offs_v[None, :], h.to(hbuf.dtype.element_ty))
         vn = u_c - _mm(w_c, h, OPD)
         tl.store(vnew + pv, vn.to(vnew.dtype.element_ty), mask=mr)
         h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
+        w_c, kg_c, u_c, gl, t0, L = w_n, kg_n, u_n, gl_n, t0_n, L_n
     tl.store(ht + hbase, h)
 
 
