@@ -216,11 +216,13 @@ def warm(share: str):
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     i, n = (int(x) for x in share.split("/"))
-    groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(tune.configs(KC.INTRA)))]
-    groups += [(torch.float32, H, 0) for H in (12, 96)]
-    for dtype, H, ci in groups[i::n]:  # one intra variant per process: no duplicate compiles
+    # every config at H = 12 (bf16), the first configs at H = 96 (a multiple of 16: another specialisation) and
+    # with fp32 inputs: what tests/kernels/test_kda_gpu.py compiles
+    groups = [(torch.bfloat16, 12, ci, True) for ci in range(len(tune.configs(KC.INTRA)))]
+    groups += [(torch.bfloat16, 96, 0, False), (torch.float32, 12, 0, False)]
+    for dtype, H, ci, every in groups[i::n]:  # one intra variant per process: no duplicate compiles
         ns, no = len(tune.configs(KC.STATE)), len(tune.configs(KC.OUT))
-        for si in range(max(ns, no) if dtype == torch.bfloat16 else 1):  # every state and every output config
+        for si in range(max(ns, no) if every else 1):  # every state and every output config
             for st in (True, False):
                 a = prefill_inputs(1, 64, H, dtype)
                 if st:
