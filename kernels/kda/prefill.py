@@ -358,7 +358,8 @@ def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
 def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(chunk_tok [NC], chunk_len [NC], seq_chunk [N+1])`` int32 for packed sequences with offsets ``cu_host``.
 
-    Built vectorised on the host (one small copy to the device): a chunk is BT tokens of one sequence.
+    Built vectorised on the host (one small asynchronous copy to the device, from pinned memory): a chunk is BT
+    tokens of one sequence.
     """
     cu = torch.tensor(cu_host, dtype=torch.int64)
     lens = cu[1:] - cu[:-1]
@@ -370,7 +371,11 @@ def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor,
     idx = torch.arange(NC) - sc[:-1][seq]
     tok = cu[:-1][seq] + idx * BT
     ln = torch.minimum(cu[1:][seq] - tok, torch.full_like(tok, BT))
-    packed = torch.cat([tok, ln, sc]).to(torch.int32).to(device)
+    packed = torch.cat([tok, ln, sc]).to(torch.int32)
+    if torch.device(device).type != "cpu":
+        # from pinned memory the copy is queued behind the stream's work; from pageable memory the host would
+        # wait for the device to drain before every prefill
+        packed = packed.pin_memory().to(device, non_blocking=True)
     return packed[:NC], packed[NC:2 * NC], packed[2 * NC:]
 
 
