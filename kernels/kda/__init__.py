@@ -60,7 +60,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                      PREC="constexpr", OPD="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
-                     BT="constexpr", BV="constexpr", OPD="constexpr")
+                     BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
@@ -79,7 +79,8 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.INTRA)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1), True,
          _opts(configs.INTRA)),
-        ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1), True,
+        ("prefill_state", _state_kernel, state_sig,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"]), True,
          _opts(configs.STATE)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, NVB=K // bv), False,

@@ -69,12 +69,19 @@ def _mm(a, b, OPD: tl.constexpr):
 
 
 @_interp.kjit
+def _at(ptr, t0, r, hh, H, cols, D: tl.constexpr):
+    """Addresses of rows ``t0 + r`` (tokens), head ``hh``, columns ``cols`` of a ``[tokens, H, D]`` tensor. The
+    int64 part is one scalar, ``(t0 H + hh) D``; the per-element offsets ``r H D + cols`` are int32 (a chunk
+    spans < 2^31 elements), so a tile's offsets hold half the registers of int64 ones (the prefill kernels ran
+    at the register limit, spilling, with int64 offset tiles)."""
+    return ptr + (t0.to(tl.int64) * H + hh) * D + (r[:, None] * (H * D) + cols[None, :])
+
+
+@_interp.kjit
 def _rows(ptr, t0, L, hh, H, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """Rows j*BC .. j*BC+BC-1 of a chunk of a [tokens, H, D] tensor, head hh, as fp32 (zeros past L)."""
     r = j * BC + tl.arange(0, BC)
-    tok = (t0 + r).to(tl.int64)
-    return tl.load(ptr + (tok[:, None] * H + hh) * D + tl.arange(0, D)[None, :], mask=(r < L)[:, None],
-                   other=0.0).to(tl.float32)
+    return tl.load(_at(ptr, t0, r, hh, H, tl.arange(0, D), D), mask=(r < L)[:, None], other=0.0).to(tl.float32)
 
 
 @_interp.kjit
@@ -85,7 +92,7 @@ def _l2n(x):
 @_interp.kjit
 def _beta(braw, t0, L, hh, H, j: tl.constexpr, BC: tl.constexpr):
     r = j * BC + tl.arange(0, BC)
-    b = tl.load(braw + (t0 + r).to(tl.int64) * H + hh, mask=r < L, other=0.0).to(tl.float32)
+    b = tl.load(braw + (t0.to(tl.int64) * H + hh) + r * H, mask=r < L, other=0.0).to(tl.float32)
     return tl.where(r < L, tl.sigmoid(b), 0.0)
 
 
@@ -94,8 +101,7 @@ def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.con
     """Store a [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer (in the buffer's dtype)."""
     r = i * BC + tl.arange(0, BC)
     c = j * BC + tl.arange(0, BC)
-    tok = (t0 + r).to(tl.int64)
-    tl.store(ptr + (tok[:, None] * H + hh) * D + c[None, :], x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
+    tl.store(_at(ptr, t0, r, hh, H, c, D), x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
 
 
 @_interp.kjit
@@ -153,9 +159,7 @@ def _inv_diag(a, BC: tl.constexpr):
 @_interp.kjit
 def _store_rows(ptr, x, t0, L, hh, H, i: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     r = i * BC + tl.arange(0, BC)
-    tok = (t0 + r).to(tl.int64)
-    tl.store(ptr + (tok[:, None] * H + hh) * D + tl.arange(0, D)[None, :], x.to(ptr.dtype.element_ty),
-             mask=(r < L)[:, None])
+    tl.store(_at(ptr, t0, r, hh, H, tl.arange(0, D), D), x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
 
 
 @_interp.kjit
@@ -206,23 +210,21 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
     offs_k = tl.arange(0, K)
-    tok = (t0 + rows).to(tl.int64)
-    raw = tl.load(draw + tok[:, None] * (H * K) + hh * K + offs_k[None, :], mask=mr, other=0.0).to(tl.float32)
+    raw = tl.load(_at(draw, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
     dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
     g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
     g = tl.where(mr, g, 0.0)
     G = tl.cumsum(g, 0)
     gl = tl.sum(g, 0)
-    ptr_hk = (tok[:, None] * H + hh) * K + offs_k[None, :]
-    tl.store(gbuf + ptr_hk, G, mask=mr)
+    tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
-    qn = tl.load(q + ptr_hk, mask=mr, other=0.0).to(tl.float32)
+    qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     qn = _l2n(qn) * scale
-    tl.store(qg + ptr_hk, (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
-    kn = tl.load(k + ptr_hk, mask=mr, other=0.0).to(tl.float32)
+    tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
+    kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     kn = _l2n(kn)
-    tl.store(kg + ptr_hk, tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty), mask=mr)
+    tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty), mask=mr)
 
 
 @_interp.kjit
@@ -278,11 +280,9 @@ def _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, ok, hh, H, offs_v,
     offs_k = tl.arange(0, K)
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
-    tok = (t0 + rows).to(tl.int64)
-    pk = (tok[:, None] * H + hh) * K + offs_k[None, :]
-    w_c = tl.load(w + pk, mask=mr, other=0.0)
-    kg_c = tl.load(kg + pk, mask=mr, other=0.0)
-    u_c = tl.load(u + (tok[:, None] * H + hh) * V + offs_v[None, :], mask=mr, other=0.0).to(tl.float32)
+    w_c = tl.load(_at(w, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+    kg_c = tl.load(_at(kg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+    u_c = tl.load(_at(u, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32)
     gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k, mask=(ok + 0 * offs_k) > 0, other=0.0)
     return w_c, kg_c, u_c, gl, t0, L
 
@@ -290,40 +290,46 @@ def _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, ok, hh, H, offs_v,
 @_interp.kjit
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  OPD: tl.constexpr):
+                  OPD: tl.constexpr, PF: tl.constexpr):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
     The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`.
-    The next chunk's tiles are loaded while the current one is computed (they do not depend on the state), so
-    their memory latency leaves the serial chain."""
+    ``PF = 1``: the next chunk's tiles are loaded while the current one is computed (they do not depend on the
+    state), so their memory latency leaves the serial chain, for twice the tile registers; ``PF = 0``: each
+    chunk's tiles are loaded at the top of its step."""
     n = tl.program_id(0)
     hh = tl.program_id(1)
     vb = tl.program_id(2)
     offs_k = tl.arange(0, K)
     offs_v = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
-    hbase = ((n.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :]
+    hoff = offs_k[:, None] * V + offs_v[None, :]  # int32 offsets in one [K, V] state, int64 bases
+    hbase = (n.to(tl.int64) * H + hh) * (K * V)
     if HAS_H0:
-        h = tl.load(h0 + hbase).to(tl.float32)
+        h = tl.load(h0 + hbase + hoff).to(tl.float32)
     else:
         h = tl.zeros([K, BV], dtype=tl.float32)
     c0 = tl.load(seq_chunk + n)
     c1 = tl.load(seq_chunk + n + 1)
-    w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c0, (c0 < c1).to(tl.int32),
-                                             hh, H, offs_v, K, V, BT)
+    if PF:
+        w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c0,
+                                                 (c0 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
     for c in range(c0, c1):
-        w_n, kg_n, u_n, gl_n, t0_n, L_n = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c + 1,
-                                                       (c + 1 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
+        if PF:
+            w_n, kg_n, u_n, gl_n, t0_n, L_n = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c + 1,
+                                                           (c + 1 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
+        else:
+            w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, 1, hh, H, offs_v,
+                                                     K, V, BT)
         mr = (rows < L)[:, None]
-        tok = (t0 + rows).to(tl.int64)
-        pv = (tok[:, None] * H + hh) * V + offs_v[None, :]
         ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
-        tl.store(hbuf + (ch * K + offs_k[:, None]) * V + offs_v[None, :], h.to(hbuf.dtype.element_ty))
+        tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
         vn = u_c - _mm(w_c, h, OPD)
-        tl.store(vnew + pv, vn.to(vnew.dtype.element_ty), mask=mr)
+        tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
         h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
-        w_c, kg_c, u_c, gl, t0, L = w_n, kg_n, u_n, gl_n, t0_n, L_n
-    tl.store(ht + hbase, h)
+        if PF:
+            w_c, kg_c, u_c, gl, t0, L = w_n, kg_n, u_n, gl_n, t0_n, L_n
+    tl.store(ht + hbase + hoff, h)
 
 
 @_interp.kjit
@@ -341,18 +347,15 @@ def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
     offs_v = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
-    tok = (t0 + rows).to(tl.int64)
-    pv = (tok[:, None] * H + hh) * V + offs_v[None, :]
-    a_c = tl.load(aqk + (tok[:, None] * H + hh) * BT + rows[None, :], mask=mr & (rows[None, :] <= rows[:, None]),
-                  other=0.0)
-    vn = tl.load(vnew + pv, mask=mr, other=0.0)
+    a_c = tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+    vn = tl.load(_at(vnew, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0)
     oc = _mm(a_c, vn, OPD)
     for kb in tl.static_range(0, K // BK):
         offs_k = kb * BK + tl.arange(0, BK)
-        qg_c = tl.load(qg + (tok[:, None] * H + hh) * K + offs_k[None, :], mask=mr, other=0.0)
-        h_c = tl.load(hbuf + ((c.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :])
+        qg_c = tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+        h_c = tl.load(hbuf + (c.to(tl.int64) * H + hh) * (K * V) + (offs_k[:, None] * V + offs_v[None, :]))
         oc += _mm(qg_c, h_c, OPD)
-    tl.store(o + pv, oc.to(o.dtype.element_ty), mask=mr)
+    tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
 
 
 def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -63,7 +63,7 @@ def close(got, want, tol):
     assert err <= tol * (1.0 + want.abs().max().item()), f"max err {err:.3e} > {tol:.1e}"
 
 
-@pytest.mark.parametrize("B,T,H,cfg", [(1, 1, 2, 0), (1, 2, 2, 1), (3, 63, 2, 0), (1, 64, 1, 1), (1, 65, 3, 0)])
+@pytest.mark.parametrize("B,T,H,cfg", [(1, 1, 2, 0), (1, 2, 2, 1), (3, 63, 2, 2), (1, 64, 1, 1), (1, 65, 3, 2)])
 def test_prefill_grid_fp32(B, T, H, cfg):
     a = make_prefill(B, T, H, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
