@@ -102,7 +102,8 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     slot = tl.maximum(slot_raw, 0)
     offs_k = tl.arange(0, K)
     offs_b = vb * BV + tl.arange(0, BV)
-    sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_b[None, :]
+    # int64 scalar base, int32 offsets in the [K, V] state (an int64 offset tile costs two registers an element)
+    sp = state_pool + (slot.to(tl.int64) * H + hh) * (K * V) + (offs_k[:, None] * V + offs_b[None, :])
     smask = (valid + 0 * offs_k[:, None] + 0 * offs_b[None, :]) > 0
     S = tl.load(sp, mask=smask, other=0.0)  # first: the kernel's traffic, its latency hidden by what follows
     NCH = H * K
