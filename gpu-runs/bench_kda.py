@@ -3,7 +3,8 @@
 Rows (bf16, K = V = 128), issue 3: prefill B1 T8192 H96; B1 T32768 H12; B4 T8192 H12; B1 T131072 H12;
 decode B64 H12; B64 H96; B256 H12. Times: ``triton.testing.do_bench`` median after warm-up, fresh random data.
 Floors: bytes / 4.2 TB/s (measured H200 copy) and FLOPs / 682 TFLOP/s (measured bf16 GEMM); fraction = floor / time.
-Also the accuracy of both against the fp32 oracle on a smaller prefill (relative RMS error).
+Also the accuracy of both against the fp32 oracle on a smaller prefill (relative RMS error), and per prefill row
+each of our launches (gate, intra, state, out) timed alone plus the q/k/v short conv (a second table).
 
 Usage: ``python gpu-runs/bench_kda.py --out DIR`` (writes ``kda_bench.json`` and ``kda_bench.md``);
 ``--warm I/N`` only compiles (share I of N of the kernel variants) to fill Triton's cache in parallel.
@@ -76,6 +77,24 @@ def decode_inputs(N, H, S=None, seed=1):
         r(S, H, D, D) * 0.1, torch.randperm(S, device="cuda")[:N].to(torch.int32)
 
 
+def prefill_kernel_ms(a) -> dict:
+    """Each prefill launch timed alone on the row's inputs (its tuned config), and the short conv of q, k and v
+    (three [B, T, H*D] calls, as the layer runs them before the prefill): where the time goes."""
+    import triton.testing as tt
+
+    from k3rocm.kernels.kda import conv as CV
+    from k3rocm.kernels.kda import prefill as P
+    launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16)
+    res = {f"{nm}_ms": tt.do_bench(fn, warmup=20, rep=100) for nm, fn in launches}
+    B, T, H, _ = a["q"].shape
+    wt = torch.randn(H * D, 1, 4, device="cuda") * 0.5
+    xs = [a[n].reshape(B, T, H * D) for n in ("q", "k", "v")]
+    conv = lambda: [CV.short_conv(x, wt, out_dtype=torch.bfloat16) for x in xs]  # noqa: E731
+    conv()
+    res["conv_qkv_ms"] = tt.do_bench(conv, warmup=20, rep=100)
+    return res
+
+
 def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None):
     import triton.testing as tt
 
@@ -89,6 +108,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         ours()
         t_ours = tt.do_bench(ours, warmup=50, rep=200)
         row = dict(row=name, ours_ms=t_ours)
+        row.update(prefill_kernel_ms(a))
         byts, flops = prefill_cost(B, T, H)
         floor = max(byts / BW, flops / PEAK) * 1e3
         row.update(floor_ms=floor, frac_of_floor=floor / t_ours)
@@ -197,11 +217,13 @@ def warm(share: str):
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     i, n = (int(x) for x in share.split("/"))
-    groups = [(torch.bfloat16, H, ci) for H in (12, 96) for ci in range(len(tune.configs(KC.INTRA)))]
-    groups += [(torch.float32, H, 0) for H in (12, 96)]
-    for dtype, H, ci in groups[i::n]:  # one intra variant per process: no duplicate compiles
+    # every config at H = 12 (bf16), the first configs at H = 96 (a multiple of 16: another specialisation) and
+    # with fp32 inputs: what tests/kernels/test_kda_gpu.py compiles
+    groups = [(torch.bfloat16, 12, ci, True) for ci in range(len(tune.configs(KC.INTRA)))]
+    groups += [(torch.bfloat16, 96, 0, False), (torch.float32, 12, 0, False)]
+    for dtype, H, ci, every in groups[i::n]:  # one intra variant per process: no duplicate compiles
         ns, no = len(tune.configs(KC.STATE)), len(tune.configs(KC.OUT))
-        for si in range(max(ns, no) if dtype == torch.bfloat16 else 1):  # every state and every output config
+        for si in range(max(ns, no) if every else 1):  # every state and every output config
             for st in (True, False):
                 a = prefill_inputs(1, 64, H, dtype)
                 if st:
@@ -253,6 +275,14 @@ def main():
                      f"{r.get('fla_precomputed_gate_ms', '-')} | {r.get('ratio_ours_over_fla', float('nan')):.3f} | "
                      f"{r.get('floor_ms', r.get('state_floor_ms')):.4f} | "
                      f"{r.get('frac_of_floor', r.get('frac_of_state_floor')):.3f} |")
+    pre = [r for r in rows if "state_ms" in r]
+    if pre:
+        lines += ["", "prefill, each launch alone (ms; conv = short_conv of q, k, v, run before the prefill):", "",
+                  "| row | gate | intra | state | out | sum | conv q,k,v |", "|---|---|---|---|---|---|---|"]
+        for r in pre:
+            ks = [r[f"{n}_ms"] for n in ("gate", "intra", "state", "out")]
+            lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
+                         f"{r['conv_qkv_ms']:.3f} |")
     with open(os.path.join(args.out, "kda_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -14,7 +14,7 @@ from k3rocm.kernels import tune
 
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
-from .decode import FINISH_OPTS, _finish_kernel, _step_kernel, kda_decode
+from .decode import _decode_kernel, kda_decode
 from .prefill import BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _state_kernel, kda_prefill
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
@@ -30,7 +30,7 @@ TRITON_IMPLS = (
     ("kda_prefill", kda_prefill, _prefill_supports,
      f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, bf16 operands, fp32 state"),
     ("kda_decode", kda_decode, None,
-     "Triton fused KDA decode over (row, head, V tile) (conv, gate, L2, state step), then gated RMSNorm + conv shift"),
+     "Triton fused KDA decode over (row, head, V tile): conv, gate, L2, state step, gated RMSNorm, conv shift"),
 )
 
 
@@ -60,16 +60,14 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                      PREC="constexpr", OPD="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
-                     BT="constexpr", BV="constexpr", OPD="constexpr")
+                     BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
-    step_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
-                    A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", state_pool="*fp32", slot_ids="*i32",
-                    oraw="*fp32", ssq="*fp32", H="i32", scale="fp32", lower_bound="fp32",
-                    K="constexpr", V="constexpr", W="constexpr", BV="constexpr")
-    fin_sig = dict(q_raw=p, k_raw=p, v_raw=p, g_raw=p, onw="*fp32", conv_pool="*fp32", slot_ids="*i32",
-                   oraw="*fp32", ssq="*fp32", out=p, H="i32", eps="fp32", K="constexpr", V="constexpr",
-                   W="constexpr", NVB="constexpr", BC="constexpr")
+    dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
+                   A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
+                   slot_ids="*i32", oraw="*fp32", ssq="*fp32", count="*i32", out=p, H="i32", scale="fp32",
+                   lower_bound="fp32", eps="fp32", K="constexpr", V="constexpr", W="constexpr", WP="constexpr",
+                   BV="constexpr", NVB="constexpr")
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]
     ot = configs.OUT["cuda"][0]
@@ -81,10 +79,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.INTRA)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1), True,
          _opts(configs.INTRA)),
-        ("prefill_state", _state_kernel, state_sig, dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1), True,
+        ("prefill_state", _state_kernel, state_sig,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"]), True,
          _opts(configs.STATE)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
-        ("decode_step", _step_kernel, step_sig, dict(K=K, V=K, W=4, BV=bv), False, _opts(configs.DECODE)),
-        ("decode_finish", _finish_kernel, fin_sig, dict(K=K, V=K, W=4, NVB=K // bv, BC=max(K, 64)), False,
-         {"hip": FINISH_OPTS, "cuda": FINISH_OPTS}),
+        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, NVB=K // bv), False,
+         _opts(configs.DECODE)),
     ]

@@ -25,16 +25,21 @@ _CUDA = {
              dict(BLOCK_T=16, BLOCK_C=256, num_warps=4, num_stages=1)],
     "intra": [dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1)],
-    # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90
-    "state": [dict(BV=32, num_warps=4, num_stages=1),
-              dict(BV=16, num_warps=4, num_stages=1),
-              dict(BV=64, num_warps=4, num_stages=1),
-              dict(BV=32, num_warps=8, num_stages=1)],
+    # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
+    # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
+    # register limit on sm_90 (ptxas), so the tuner measures which costs less
+    "state": [dict(BV=32, PF=1, num_warps=4, num_stages=1),
+              dict(BV=16, PF=1, num_warps=8, num_stages=1),
+              dict(BV=32, PF=0, num_warps=4, num_stages=1),
+              dict(BV=16, PF=0, num_warps=4, num_stages=1),
+              dict(BV=64, PF=0, num_warps=4, num_stages=1)],
     "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
             dict(BV=32, BK=64, num_warps=4, num_stages=1)],
-    "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
-               dict(BV=32, num_warps=4, num_stages=1), dict(BV=128, num_warps=16, num_stages=1)],
+    # BV = V: one program per (row, head) finishes in registers; BV < V: more, smaller programs (many heads).
+    # sm_90 registers (ptxas): 255 (BV 128, 8 warps), 204 (64, 8), 163 (32, 4), 161 (16, 2)
+    "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=8, num_stages=1),
+               dict(BV=32, num_warps=4, num_stages=1), dict(BV=16, num_warps=2, num_stages=1)],
 }
 
 _HIP = {
@@ -42,14 +47,15 @@ _HIP = {
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
-    "state": [dict(BV=32, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
-              dict(BV=16, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
-              dict(BV=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
+    "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+              dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+              dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+              dict(BV=16, PF=0, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
     "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
-    "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
-               dict(BV=16, num_warps=4, waves_per_eu=2)],
+    "decode": [dict(BV=128, num_warps=16, waves_per_eu=0), dict(BV=32, num_warps=4, waves_per_eu=0),
+               dict(BV=64, num_warps=8, waves_per_eu=0), dict(BV=16, num_warps=4, waves_per_eu=2)],
 }
 
 

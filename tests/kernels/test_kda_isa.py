@@ -52,15 +52,16 @@ def test_kda_kernel_isa(name, target, monkeypatch):
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
 @pytest.mark.parametrize("ci", range(len(kda.configs.DECODE["hip"])))
-def test_kda_decode_step_vgpr_budget(ci, target, monkeypatch):
-    """Every HIP decode config of the step kernel fits 128 VGPRs (two waves per SIMD or more) without spills."""
+def test_kda_decode_vgpr_budget(ci, target, monkeypatch):
+    """Every HIP decode config (whole-row and V-tiled) fits 128 VGPRs (two waves per SIMD or more), no spills."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _, fn, sig, consts, _, _ = CASES["decode_step"]
+    _, fn, sig, consts, _, _ = CASES["decode"]
     meta, opts = tune.split(kda.configs.DECODE["hip"][ci], interp=False)
-    rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"]}, target, name="kda.decode_step", options=opts)
+    rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"], "NVB": consts["V"] // meta["BV"]}, target,
+                         name="kda.decode", options=opts)
     assert rep.error is None, rep.error
     assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
-        f"decode step config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
+        f"decode config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
 
 
 PREFILL_TABLES = {"prefill_intra": kda.configs.INTRA, "prefill_state": kda.configs.STATE,

@@ -63,7 +63,7 @@ def close(got, want, tol):
     assert err <= tol * (1.0 + want.abs().max().item()), f"max err {err:.3e} > {tol:.1e}"
 
 
-@pytest.mark.parametrize("B,T,H,cfg", [(1, 1, 2, 0), (1, 2, 2, 1), (3, 63, 2, 0), (1, 64, 1, 1), (1, 65, 3, 0)])
+@pytest.mark.parametrize("B,T,H,cfg", [(1, 1, 2, 0), (1, 2, 2, 1), (3, 63, 2, 2), (1, 64, 1, 1), (1, 65, 3, 2)])
 def test_prefill_grid_fp32(B, T, H, cfg):
     a = make_prefill(B, T, H, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
@@ -114,6 +114,19 @@ def test_prefill_state_continuation():
     o2, s2 = KPRE.kda_prefill(**rest, initial_state=s1)
     torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s2, s, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_launches_one_by_one():
+    """The prefill's launches, rerun one by one on fresh outputs, recompute its output and final state."""
+    a = make_prefill(1, 5, 1, D, _gen(), state=True)
+    launches, o, s = KPRE.prefill_launches(**a)
+    assert [nm for nm, _ in launches] == ["gate", "intra", "state", "out"]
+    want_o, want_s = o.clone(), s.clone()
+    o.fill_(float("nan"))
+    s.fill_(float("nan"))
+    for _, fn in launches:
+        fn()
+    assert torch.equal(o, want_o) and torch.equal(s, want_s)
 
 
 @pytest.mark.parametrize("ci", range(3))
