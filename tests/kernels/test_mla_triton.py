@@ -230,6 +230,13 @@ def test_split_plan_bounds(K):
     assert s * 256 * 96 * 512 * 4 <= D.PARTIAL_BUDGET
     s1, c1 = D.num_splits_for(1, 1, 1, 12, 512, 132)
     assert s1 == 1 and c1 >= 1
+    # whole waves: 64 sequences x 5 slices = 320 equal programs on 132 multiprocessors take 3 waves' time,
+    # 4 slices (256 programs) two
+    s2, c2 = D.num_splits_for(32768, 64 * 32768, 64, 12, 512, 132)
+    assert (s2, c2) == (4, 8192)
+    # the program count follows the head-group width: 64-row groups of 96 heads are cut into more slices
+    assert D.num_splits_for(8192, 64 * 8192, 64, 96, 512, 132, block_h=64)[0] > \
+        D.num_splits_for(8192, 64 * 8192, 64, 96, 512, 132, block_h=16)[0]
 
 
 def test_chunked_prefill_from_latent_cache(K):
