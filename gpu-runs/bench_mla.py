@@ -299,7 +299,8 @@ def main():
     ap.add_argument("--json", default=None, help="JSON path instead (the .md goes next to it)")
     ap.add_argument("--bw", type=float, default=4.2, help="copy bandwidth TB/s (floor)")
     ap.add_argument("--tflops", type=float, default=682.0, help="bf16 matmul TFLOP/s (floor)")
-    ap.add_argument("--only", default="decode,prefill,attnres,odd")
+    ap.add_argument("--only", default="decode,prefill,attnres,odd",
+                    help="parts to run, each optionally part:TEXT (only cases whose name contains TEXT)")
     ap.add_argument("--no-peers", action="store_true", help="skip the flash-attn-res columns")
     args = ap.parse_args()
     json_path = args.json or os.path.join(args.out, "mla_bench.json")

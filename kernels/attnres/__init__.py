@@ -23,8 +23,8 @@ def isa_cases() -> list[tuple]:
     """The AttnRes kernel (write-layer variant, bf16 bank) for ``kernels isa``; no matrix instructions expected."""
     sig, consts, opts = isa_signature("bf16", append=True)
     sig2, consts2, opts2 = isa_signature("fp32", append=False)
-    # the single-pass path at K3's hidden size (7168 in one 8192 block, 4-row tiles, 16 warps as the GPU configs)
-    sig3, consts3, _ = isa_signature("bf16", append=True, block_d=8192, one_block=True, rows=4)
+    # the single-pass path at K3's hidden size (7168 in one 8192 block, 2-row tiles, 16 warps as the HIP config)
+    sig3, consts3, _ = isa_signature("bf16", append=True, block_d=8192, one_block=True, rows=2)
     opts3 = {"cuda": {"num_warps": 16, "num_stages": 1}, "hip": {"num_warps": 16, "num_stages": 1}}
     return [("attn_res_norm_append_bf16", _attn_res_kernel, sig, consts, False, opts),
             ("attn_res_norm_fp32", _attn_res_kernel, sig2, consts2, False, opts2),

@@ -22,9 +22,12 @@ Oracle: :func:`k3rocm.model.attnres.attn_res_norm` (fused) and :func:`k3rocm.mod
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
@@ -36,7 +39,6 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
     # ROWS: bank rows loaded as one tile per step of the single-pass path (BLOCK_D >= D; 1 on the blocked path)
     "cuda": [
         dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1),
-        dict(BLOCK_D=2048, PROGS_PER_SM=4, ROWS=1, num_warps=8, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=1, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=32, num_stages=1),
@@ -47,7 +49,7 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
     "hip": [
         dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, num_warps=16, num_stages=1, waves_per_eu=0),
-        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=16, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, num_warps=16, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=2048, PROGS_PER_SM=4, ROWS=1, num_warps=8, num_stages=1, waves_per_eu=0),
     ],
     # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
@@ -72,7 +74,9 @@ def _score(v, w, D, eps):
     return tl.sum(v * w, 0) * tl.rsqrt(tl.sum(v * v, 0) / D + eps)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("num_rows", "T", "nprog", "n_iter"))
 def _attn_res_kernel(
     BANK, PREFIX, W, NW, H_OUT, HN_OUT,
     num_rows, T, D, nprog, n_iter, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,

@@ -15,9 +15,12 @@ Oracle: :func:`k3rocm.model.mla.mla_decode`, :func:`k3rocm.model.mla.mla_cache_w
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
@@ -29,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 #: split (attention) kernel configs per backend
 DECODE_CONFIGS: dict[str, list[dict]] = {
-    # chosen so that ptxas reports no spills at K3 dims (sm_90), except the two BLOCK_H=64 wgmma tiles
+    # chosen so that ptxas (12.8, sm_90a) reports no spills at K3 dims, except BLOCK_H=64 x BLOCK_N=64
     "cuda": [
         dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=3),
@@ -38,6 +41,9 @@ DECODE_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=2),
         dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=3),
         dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
+        # 64 heads as the M of the wgmma tiles with twice the key tile of the 16-row one, still spill-free:
+        # the 96-head (TP1) shape, where the op is matrix-bound
+        dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
     ],
     "hip": [
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
@@ -93,7 +99,9 @@ def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_l
     tl.store(base + R + d, kr.to(CACHE.dtype.element_ty), mask=d < DR)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("H", "TQ", "ROWS", "NSEQ", "min_chunk"))
 def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
@@ -159,13 +167,13 @@ def _mla_decode_split_kernel(
             lat = lat.to(ql.dtype)
             kr = kr.to(qr.dtype)
         sc = tl.dot(qr, kr, tl.dot(ql, tl.trans(lat)))  # one accumulator
-        sc = sc * qk_scale
         vis = ok[None, :] & (pos[None, :] <= last[:, None])
         sc = tl.where(vis, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        # the scale (> 0) is folded into the exponent, one fma per score; m_i is kept in scaled units
+        m_new = tl.maximum(m_i, tl.max(sc, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
+        p = tl.exp2(sc * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
         m_i = m_new
@@ -177,7 +185,9 @@ def _mla_decode_split_kernel(
     tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("H", "TQ", "ROWS", "NSEQ", "num_splits"))
 def _mla_decode_merge_kernel(
     PART, LSE, WVC, G, O,
     H, TQ, ROWS, NSEQ, num_splits,
@@ -307,7 +317,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
-        ConfigError: inconsistent widths or non-contiguous cache rows. Any rank / rope width / head count
+        ConfigError: inconsistent widths, non-contiguous cache rows, or a scale that is not positive. Any rank / rope width / head count
             runs (widths padded to :func:`~k3rocm.kernels.mla.prefill.pad_dim` in the kernel and masked).
     """
     N, Tq, H, Dn = q_nope.shape
@@ -321,6 +331,8 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
                           f"q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)} are inconsistent")
     if R < 1 or Dr < 1:
         raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be at least 1")
+    if not scale > 0 or (kv_scale is not None and not kv_scale > 0):
+        raise ConfigError(f"mla_decode: softmax scale {scale} and kv_scale {kv_scale} must be positive")
     if kv_cache.stride(-1) != 1:
         raise ConfigError("mla_decode: kv_cache rows must be contiguous")
     if out is None:

@@ -82,6 +82,8 @@ def test_prefill_deterministic_and_errors(K):
         assert torch.equal(a, b)
     with pytest.raises(ConfigError):
         P.mla_prefill(q[..., :-1].to(DEV), *args[1:])
+    with pytest.raises(ConfigError):  # the kernels fold the scale into exp2 of a running max: it must be > 0
+        P.mla_prefill(*args[:-1], -0.1)
 
 
 @pytest.mark.parametrize("dn,dr,dv,H", [(24, 6, 20, 3), (40, 10, 8, 5)])
