@@ -37,14 +37,15 @@ from k3rocm.kernels.target import interpreting
 ATTNRES_CONFIGS: dict[str, list[dict]] = {
     # PROGS_PER_SM: programs per multiprocessor walking the tokens (0 = one program per token);
     # ROWS: bank rows loaded as one tile per step of the single-pass path (BLOCK_D >= D; 1 on the blocked path)
+    # (ptxas, sm_90a: 8192 x 4 rows at 16 warps takes 128 registers, one program per SM; 32 warps cap at 64
+    # and spill a few bytes; 8 rows spill heavily at either width)
     "cuda": [
         dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=1, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=32, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=8, num_warps=32, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=2, ROWS=4, num_warps=16, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=8, num_warps=32, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=4, num_warps=16, num_stages=1),
     ],
     "hip": [
         dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1, waves_per_eu=0),
