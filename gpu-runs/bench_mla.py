@@ -10,7 +10,9 @@ figures measured on the device machine (4.2 TB/s, 682 TFLOP/s); override with --
   (q absorption, split kernel, merge + W_vc + gate). Floor: max(cache bytes N*L*576*2 / bandwidth,
   FLOPs N*L*H*2*(576+512) / bf16 rate); at H 96 the FLOPs dominate.
 * AttnRes: 8 bank rows + prefix (the worst case), D 7168, T 8192 and T 256 (a decode batch), write-layer
-  variant too. Floor: sources read once + h (fp32) + h_normed written (+ the appended row).
+  variant too. Floor: sources read once + h (fp32) + h_normed written (+ the appended row). Timed eagerly
+  (each call pays the host launch, which dominates at T 256) and replayed from a CUDA graph of 20 calls (how
+  the decode engine runs it; the T 256 goal is read from the graph column).
   Side by side, where installed: the ``flash-attn-res`` package's Triton forward kernels (phase 1: the bank
   rows against the block's pseudo-queries, phase 2: the online-softmax merge of the intra-block prefix).
   Same scores and mix as K3's Block AttnRes; they differ in that phase 1 keeps its per-query partial in bf16,
@@ -21,7 +23,8 @@ figures measured on the device machine (4.2 TB/s, 682 TFLOP/s); override with --
 
 Usage: ``python gpu-runs/bench_mla.py --out DIR`` (writes ``mla_bench.json`` and ``mla_bench.md``; one
 Markdown table per goal) or ``--json PATH`` (the .md next to it); ``--only decode,prefill,attnres,odd``
-picks parts; ``--no-peers`` skips the flash-attn-res columns.
+picks parts, and ``part:TEXT`` only that part's cases whose name contains TEXT (``--only decode:H96,attnres:T256``,
+``--only prefill:T8192``); ``--no-peers`` skips the flash-attn-res columns.
 Timing: triton.testing.do_bench median after warm-up, fresh random data.
 """
 
@@ -43,12 +46,39 @@ def _t(fn, rep=100):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+def _want(args, part, case):
+    """Whether ``--only`` asks for this case of ``part`` (``part`` alone: every case; ``part:TEXT``: names with TEXT)."""
+    subs = args.filters.get(part)
+    return subs is not None and (not subs or any(x in case for x in subs))
+
+
+def _t_graph(fn, calls=20, rep=100):
+    """ms per call of ``fn`` replayed from one CUDA graph of ``calls`` back-to-back calls (as the decode engine
+    runs a step: no host launch cost between kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median") / calls
+
+
 def bench_prefill(args, rows):
     import torch.nn.functional as F
 
     from k3rocm.kernels.mla.prefill import mla_prefill
     Dn, Dr, Dv = 128, 64, 128
     for T, H, sdpa_ref in ((8192, 12, 0.52), (32768, 12, 7.50), (8192, 96, 3.82)):
+        if not _want(args, "prefill", f"B1 T{T} H{H}"):
+            continue
         g = torch.Generator(device="cuda").manual_seed(T + H)
         bf = torch.bfloat16
         q = torch.randn(T, H, Dn + Dr, device="cuda", generator=g, dtype=bf)
@@ -94,6 +124,8 @@ def bench_decode(args, rows):
         w_vc = W.view(H, Dn + Dv, R)[:, Dn:].transpose(1, 2).contiguous().to(bf)
         for N in (64, 256):
             for L in (8192, 32768):
+                if not _want(args, "decode", f"N{N} L{L} H{H} bf16"):
+                    continue
                 bt = bt_all[:N, : L // page].contiguous()
                 cl = torch.full((N,), L, dtype=torch.int32, device="cuda")
                 qn = torch.randn(N, 1, H, Dn, device="cuda", generator=g, dtype=bf)
@@ -157,13 +189,18 @@ def bench_attnres(args, rows):
             for rows_, append in ((8, False), (7, True)):
                 if D != 7168 and (append or dt != torch.bfloat16):
                     continue  # the D 8192 rows are only there to meet the peer
+                if not _want(args, "attnres", f"D{D} T{T} sources{rows_ + 1} {str(dt)[6:]}{' +append' if append else ''}"):
+                    continue
+                # tuned on the non-appending call (an appending one is never timed by the tuner)
+                attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16)
                 fn = lambda: attn_res_norm(bank, rows_, pre, w, nw, 1e-5, append=append, out_dtype=torch.bfloat16)
                 ms = _t(fn)
+                ms_graph = _t_graph(fn)
                 byts = (rows_ + 1) * T * D * eb + T * D * 4 + T * D * 2 + (T * D * eb if append else 0)
                 floor = byts / (args.bw * 1e12) * 1e3
                 r = dict(bench="attn_res", case=f"D{D} T{T} sources{rows_ + 1} {str(dt)[6:]}"
                          f"{' +append' if append else ''}", ms=ms, floor_ms=floor, frac_floor=floor / ms,
-                         gbps=byts / ms / 1e6)
+                         gbps=byts / ms / 1e6, graph_ms=ms_graph, frac_floor_graph=floor / ms_graph)
                 if not append and dt == torch.bfloat16:
                     r.update(_peer_row(peer, bank, rows_, pre, w) if peer else dict(peer_error="not installed"))
                 rows.append(r)
@@ -239,15 +276,16 @@ def _tables(rows) -> list[str]:
     if by.get("attn_res"):
         out += ["Block AttnRes (goal: >= 0.8 of floor at T8192, >= 0.5 at T256; peer: flash-attn-res forward, "
                 "no fused norm/append, bf16 phase-1 partial)", "",
-                "| case | ms | floor ms | frac of floor | GB/s | flash-attn-res ms (1 query) | amortised over 24 queries |",
-                "|---|---|---|---|---|---|---|"]
+                "| case | ms | floor ms | frac of floor | GB/s | graph ms | frac of floor (graph) | "
+                "flash-attn-res ms (1 query) | amortised over 24 queries |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in by["attn_res"]:
             if "error" in r:
                 continue
             peer = (f"{r['peer_ms']:.4f} | {r['peer_amortised_ms']:.4f}" if "peer_ms" in r
                     else f"{r.get('peer_error', '-')} | -")
             out.append(f"| {r['case']} | {r['ms']:.4f} | {r['floor_ms']:.4f} | {r['frac_floor']:.2f} | {r['gbps']:.0f} | "
-                       f"{peer} |")
+                       f"{r['graph_ms']:.4f} | {r['frac_floor_graph']:.2f} | {peer} |")
         out.append("")
     if by.get("odd_dims"):
         out += ["Head dims / rank that are not powers of two (goal: runs, matches the oracle)", "",
@@ -263,7 +301,8 @@ def main():
     ap.add_argument("--json", default=None, help="JSON path instead (the .md goes next to it)")
     ap.add_argument("--bw", type=float, default=4.2, help="copy bandwidth TB/s (floor)")
     ap.add_argument("--tflops", type=float, default=682.0, help="bf16 matmul TFLOP/s (floor)")
-    ap.add_argument("--only", default="decode,prefill,attnres,odd")
+    ap.add_argument("--only", default="decode,prefill,attnres,odd",
+                    help="parts to run, each optionally part:TEXT (only cases whose name contains TEXT)")
     ap.add_argument("--no-peers", action="store_true", help="skip the flash-attn-res columns")
     args = ap.parse_args()
     json_path = args.json or os.path.join(args.out, "mla_bench.json")
@@ -274,7 +313,15 @@ def main():
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(info), flush=True)
     parts = {"prefill": bench_prefill, "decode": bench_decode, "attnres": bench_attnres, "odd": bench_odd}
-    for part in args.only.split(","):
+    args.filters = {}
+    for item in args.only.split(","):
+        part, _, sub = item.partition(":")
+        if part not in parts:
+            ap.error(f"--only: unknown part {part!r}; parts: {', '.join(parts)}")
+        args.filters.setdefault(part, [])
+        if sub:
+            args.filters[part].append(sub)
+    for part in args.filters:
         try:
             parts[part](args, rows)
         except Exception as e:  # keep the other parts' figures

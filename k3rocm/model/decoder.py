@@ -198,9 +198,10 @@ class Decoder:
         the ranks -> added to the prefix / stream (recorded as ``layerNN.attn_out``).
         Raises ConfigError when called out of order."""
         self._order(i, state, False, "run_attn")
-        h = (attn_side(state.res, i, self.res_weight(f"layers.{i}.self_attention_res"), self.cfg, self.ops)
-             if self.attn_res else state.hidden)
-        a = mix(i, rms_norm(h, self.w(f"layers.{i}.input_layernorm.weight"), self.cfg.rms_norm_eps))
+        nw = self.w(f"layers.{i}.input_layernorm.weight")
+        x = (attn_side(state.res, i, self.res_weight(f"layers.{i}.self_attention_res"), nw, self.cfg, self.ops)
+             if self.attn_res else rms_norm(state.hidden, nw, self.cfg.rms_norm_eps))
+        a = mix(i, x)
         self._add(state, f"layer{i:02d}.attn_out", self.par.reduce(a, "attn"))
         state.mid = True
         return state
@@ -209,9 +210,10 @@ class Decoder:
         """Second half of layer ``i``: (AttnRes MLP side ->) ``post_attention_layernorm`` -> :meth:`channel` ->
         added (recorded as ``layerNN.mlp_out``). Raises ConfigError when called out of order."""
         self._order(i, state, True, "run_mlp")
-        h = (mlp_side(state.res, self.res_weight(f"layers.{i}.mlp_res"), self.cfg, self.ops) if self.attn_res
-             else state.hidden)
-        m = self.channel(i, rms_norm(h, self.w(f"layers.{i}.post_attention_layernorm.weight"), self.cfg.rms_norm_eps))
+        nw = self.w(f"layers.{i}.post_attention_layernorm.weight")
+        x = (mlp_side(state.res, self.res_weight(f"layers.{i}.mlp_res"), nw, self.cfg, self.ops) if self.attn_res
+             else rms_norm(state.hidden, nw, self.cfg.rms_norm_eps))
+        m = self.channel(i, x)
         self._add(state, f"layer{i:02d}.mlp_out", m)
         state.mid = False
         state.next_layer = i + 1
@@ -232,9 +234,8 @@ class Decoder:
             raise ConfigError(f"final() after {state.next_layer} of {self.cfg.num_hidden_layers} layers; run them all")
         if self.attn_res:
             res = state.res if rows is None else AttnResState([b[rows] for b in state.res.bank], state.res.prefix[rows])
-            h = final_aggregate(res, self.res_weight("output_attn_res"), self.cfg, self.ops)
-        else:
-            h = state.hidden if rows is None else state.hidden[rows]
+            return final_aggregate(res, self.res_weight("output_attn_res"), self.w("norm.weight"), self.cfg, self.ops)
+        h = state.hidden if rows is None else state.hidden[rows]
         return rms_norm(h, self.w("norm.weight"), self.cfg.rms_norm_eps)
 
     def local_logits(self, h: torch.Tensor) -> torch.Tensor:

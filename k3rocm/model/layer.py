@@ -564,7 +564,7 @@ class AttnResState:
 
 
 def _slots(state: AttnResState) -> torch.Tensor | None:
-    """The ``[rows + 1, T, D]`` storage whose leading slots are the bank rows (set up by :func:`attn_side` on
+    """The ``[R + 1, T, D]`` storage whose leading slots are the bank rows (set up by :func:`attn_side` on
     layer 0), or None when the rows are separate tensors (a cloned or row-selected state)."""
     if not state.bank:
         return None
@@ -576,51 +576,60 @@ def _slots(state: AttnResState) -> torch.Tensor | None:
     return buf
 
 
-def _aggregate(ops: Mapping[str, Callable], state: AttnResState, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``attn_res`` over ``[bank rows..., prefix]``. When the rows are slots of one storage the prefix is copied
-    into the next free slot and the op reads ``storage[:rows + 1]`` in place (one ``[T, D]`` copy instead of
-    stacking every source); otherwise the sources are stacked. Same values either way."""
+def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float, write: bool = False) -> torch.Tensor:
+    """``attn_res_norm`` over ``[bank rows..., prefix]`` followed by the RMSNorm of ``norm_weight``; returns the
+    normed ``[T, D]`` fp32. On a write layer the prefix also becomes the next bank row.
+
+    When the rows are slots of one storage (:func:`_slots`) the op reads them in place and, on a write layer,
+    stores the prefix into the next slot itself (one launch in all); otherwise the sources are stacked and the
+    prefix tensor is appended as the row. Same values either way."""
     buf = _slots(state)
-    if buf is None:
-        return f32(ops["attn_res"](torch.stack(state.bank + [state.prefix]), weight, eps))
     k = len(state.bank)
-    buf[k].copy_(state.prefix)
-    return f32(ops["attn_res"](buf[:k + 1], weight, eps))
+    if buf is not None and (not write or k < buf.shape[0] - 1):
+        _h, x = ops["attn_res_norm"](buf, k, state.prefix, weight, norm_weight, eps, append=write)
+        if write:
+            state.bank.append(buf[k])
+        return f32(x)
+    _h, x = ops["attn_res_norm"](torch.stack(state.bank + [state.prefix]), k, state.prefix, weight, norm_weight, eps)
+    if write:
+        state.bank.append(state.prefix)
+    return f32(x)
 
 
-def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, cfg: K3Config,
+def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
               ops: Mapping[str, Callable]) -> torch.Tensor:
-    """Attention-side aggregation of layer ``layer``; returns the token-mixer input before ``input_layernorm``.
+    """Attention side of layer ``layer``: aggregation, then ``input_layernorm`` (``norm_weight``); returns the
+    token-mixer input ``[T, D]`` fp32.
 
-    Layer 0: no aggregation, the embedding passes through. On a write layer (``i % attn_res_block_size == 0``)
-    the pre-attention prefix becomes a new bank row and the prefix restarts at zero (a fresh tensor).
+    Layer 0 aggregates its one source (the embedding passes through: softmax over one source is 1). On a write
+    layer (``i % attn_res_block_size == 0``) the pre-attention prefix becomes a new bank row and the prefix
+    restarts at zero (a fresh tensor). The bank rows of a forward are slots of one ``[R + 1, T, D]`` storage,
+    allocated at the first write layer, so the aggregations read them in place; a row, once written, is never
+    written again.
     """
-    if layer == 0:
-        h = state.prefix
+    write = cfg.is_write_layer(layer)
+    if write and not state.bank and cfg.num_attn_res_bank_rows > 0:
+        # the first write layer: one storage for every bank row of this forward (+ one spare slot)
+        buf = state.prefix.new_empty(cfg.num_attn_res_bank_rows + 1, *state.prefix.shape)
+        x = f32(ops["attn_res_norm"](buf, 0, state.prefix, weight, norm_weight, cfg.rms_norm_eps, append=True)[1])
+        state.bank.append(buf[0])
     else:
-        h = _aggregate(ops, state, weight, cfg.rms_norm_eps)
-    if cfg.is_write_layer(layer):
-        buf = _slots(state)
-        if buf is None and not state.bank and cfg.num_attn_res_bank_rows > 0:
-            # one storage for every bank row of this forward plus a scratch slot for the prefix, so that
-            # the aggregations read the sources in place; a row, once written, is never written again
-            buf = state.prefix.new_empty(cfg.num_attn_res_bank_rows + 1, *state.prefix.shape)
-        if buf is not None and len(state.bank) < buf.shape[0] - 1:
-            row = buf[len(state.bank)]
-            row.copy_(state.prefix)
-            state.bank.append(row)
-        else:
-            state.bank.append(state.prefix)
-        state.prefix = torch.zeros_like(h)
-    return h
+        x = _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, write)
+    if write:
+        state.prefix = torch.zeros_like(x)
+    return x
 
 
-def mlp_side(state: AttnResState, weight: torch.Tensor, cfg: K3Config, ops: Mapping[str, Callable]) -> torch.Tensor:
-    """MLP-side aggregation over bank rows + prefix (which now holds this layer's attention output)."""
-    return _aggregate(ops, state, weight, cfg.rms_norm_eps)
+def mlp_side(state: AttnResState, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
+             ops: Mapping[str, Callable]) -> torch.Tensor:
+    """MLP side: aggregation over bank rows + prefix (which now holds this layer's attention output), then
+    ``post_attention_layernorm`` (``norm_weight``); returns the channel-mixer input ``[T, D]`` fp32."""
+    return _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps)
 
 
-def final_aggregate(state: AttnResState, weight: torch.Tensor, cfg: K3Config,
+def final_aggregate(state: AttnResState, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
                     ops: Mapping[str, Callable]) -> torch.Tensor:
-    """``output_attn_res_*`` aggregation over all bank rows + prefix, before the final ``norm``."""
-    return _aggregate(ops, state, weight, cfg.rms_norm_eps)
+    """``output_attn_res_*`` aggregation over all bank rows + prefix, then the final ``norm`` (``norm_weight``);
+    returns ``[T, D]`` fp32."""
+    return _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from k3rocm.model.attnres import attn_res
+from k3rocm.model.attnres import attn_res_norm
 from k3rocm.model.kda import kda_decode, kda_prefill, short_conv
 from k3rocm.model.mla import mla_cache_write, mla_decode, mla_prefill
 from k3rocm.model.moe import moe_experts, moe_router
@@ -24,7 +24,7 @@ ORACLE_OPS: dict[str, Callable] = {
     "mla_prefill": mla_prefill,
     "mla_decode": mla_decode,
     "mla_cache_write": mla_cache_write,
-    "attn_res": attn_res,
+    "attn_res_norm": attn_res_norm,
     "moe_router": moe_router,
     "moe_experts": moe_experts,
 }

@@ -1,6 +1,7 @@
 """Triton Block AttnRes kernel (aggregation + following RMSNorm, optional bank append).
 
-``TRITON_IMPLS`` lists the ``triton`` implementation of ``attn_res`` for :mod:`k3rocm.runtime.registry`.
+``TRITON_IMPLS`` lists the ``triton`` implementation of ``attn_res_norm`` (the fused step the decoder calls:
+aggregation + following RMSNorm + bank append, one launch) for :mod:`k3rocm.runtime.registry`.
 Oracle: :mod:`k3rocm.model.attnres`.
 """
 
@@ -13,8 +14,8 @@ __all__ = ["attn_res", "attn_res_norm", "ATTNRES_CONFIGS", "isa_cases", "TRITON_
 
 #: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
 TRITON_IMPLS = (
-    ("attn_res", attn_res, None,
-     "Triton AttnRes, one pass over the sources (online softmax) when a row fits a block; fused RMSNorm/append variant"),
+    ("attn_res_norm", attn_res_norm, None,
+     "Triton AttnRes + following RMSNorm + bank append in one launch; one pass over the sources, row tiles"),
 )
 
 
@@ -22,8 +23,8 @@ def isa_cases() -> list[tuple]:
     """The AttnRes kernel (write-layer variant, bf16 bank) for ``kernels isa``; no matrix instructions expected."""
     sig, consts, opts = isa_signature("bf16", append=True)
     sig2, consts2, opts2 = isa_signature("fp32", append=False)
-    # the single-pass path at K3's hidden size (7168 in one 8192 block, 16 warps as the GPU configs)
-    sig3, consts3, _ = isa_signature("bf16", append=True, block_d=8192, one_block=True)
+    # the single-pass path at K3's hidden size (7168 in one 8192 block, 2-row tiles, 16 warps as the HIP config)
+    sig3, consts3, _ = isa_signature("bf16", append=True, block_d=8192, one_block=True, rows=2)
     opts3 = {"cuda": {"num_warps": 16, "num_stages": 1}, "hip": {"num_warps": 16, "num_stages": 1}}
     return [("attn_res_norm_append_bf16", _attn_res_kernel, sig, consts, False, opts),
             ("attn_res_norm_fp32", _attn_res_kernel, sig2, consts2, False, opts2),

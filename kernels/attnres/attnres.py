@@ -4,13 +4,16 @@ Per token (a program handles one token, or walks several: ``PROGS_PER_SM``). The
 RMSNorm of v, so ``score = <v, w> * rsqrt(mean(v^2) + eps)`` needs no key tensor.
 
 * Row fits one block (``BLOCK_D >= D``, K3's 7168 at BLOCK_D 8192): **one pass** over the sources, each
-  row read once; the softmax over the sources is online (running max and denominator, the mix rescaled as
-  in FlashAttention's online softmax, Milakov & Gimelshein 2018), and ``h`` stays in registers for the
+  row read once. ``ROWS`` bank rows are loaded as one ``[ROWS, BLOCK_D]`` tile (their loads in flight
+  together, one reduction for their scores: a token is a chain of ceil(rows / ROWS) + 1 dependent steps, not
+  rows + 1); the softmax over the sources is online (running max and denominator, the mix rescaled as in
+  FlashAttention's online softmax, Milakov & Gimelshein 2018), and ``h`` stays in registers for the
   following RMSNorm ``h_normed = h * rsqrt(mean(h^2) + eps) * norm_weight``.
 * Otherwise three passes per token: scores (fp32 vector of ``S_PAD`` sources), mix of the **raw** values
   re-read from L2 (writing ``h``), then the norm from ``h``.
 
-The write-layer variant stores the prefix into bank row ``num_rows`` while reading it. Any number of
+The write-layer variant stores the prefix into bank row ``num_rows`` while reading it. The host side keeps
+the tuned plan per shape bucket (at decode sizes the launch, not the kernel, is the cost). Any number of
 sources runs (``S_PAD`` = :func:`sources_pad`). Outputs are always fresh tensors, never bank storage
 (K3_FACTS §5: reusing a bank row's storage for a later output corrupts layers 85–92).
 
@@ -19,35 +22,42 @@ Oracle: :func:`k3rocm.model.attnres.attn_res_norm` (fused) and :func:`k3rocm.mod
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
-from k3rocm.kernels.target import current_target
+from k3rocm.kernels.target import interpreting
 
 #: per-backend configs
 ATTNRES_CONFIGS: dict[str, list[dict]] = {
-    # PROGS_PER_SM: programs per multiprocessor walking the tokens (0 = one program per token)
+    # PROGS_PER_SM: programs per multiprocessor walking the tokens (0 = one program per token);
+    # ROWS: bank rows loaded as one tile per step of the single-pass path (BLOCK_D >= D; 1 on the blocked path)
+    # (ptxas, sm_90a: 8192 x 4 rows at 16 warps takes 128 registers, one program per SM; 32 warps cap at 64
+    # and spill a few bytes; 8 rows spill heavily at either width)
     "cuda": [
-        dict(BLOCK_D=1024, PROGS_PER_SM=0, num_warps=4, num_stages=1),
-        dict(BLOCK_D=2048, PROGS_PER_SM=0, num_warps=8, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=0, num_warps=16, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=1, num_warps=16, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=2, num_warps=16, num_stages=1),
-        dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1),
-        dict(BLOCK_D=1024, PROGS_PER_SM=8, num_warps=4, num_stages=1),
+        dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=1, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, num_warps=32, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=4, num_warps=16, num_stages=1),
     ],
     "hip": [
-        dict(BLOCK_D=1024, PROGS_PER_SM=0, num_warps=4, num_stages=1, waves_per_eu=0),
-        dict(BLOCK_D=8192, PROGS_PER_SM=1, num_warps=16, num_stages=1, waves_per_eu=0),
-        dict(BLOCK_D=2048, PROGS_PER_SM=4, num_warps=8, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, num_warps=16, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, num_warps=16, num_stages=1, waves_per_eu=0),
+        dict(BLOCK_D=2048, PROGS_PER_SM=4, ROWS=1, num_warps=8, num_stages=1, waves_per_eu=0),
     ],
     # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
-    # BLOCK_D=128 holds the test rows in one block: the single-pass path
-    "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0), dict(BLOCK_D=64, PROGS_PER_SM=0), dict(BLOCK_D=32, PROGS_PER_SM=2),
-                    dict(BLOCK_D=128, PROGS_PER_SM=2)],
+    # BLOCK_D=128 holds the test rows in one block: the single-pass path (ROWS=4: partial, masked row tiles)
+    "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0, ROWS=1), dict(BLOCK_D=64, PROGS_PER_SM=0, ROWS=1),
+                    dict(BLOCK_D=32, PROGS_PER_SM=2, ROWS=1), dict(BLOCK_D=128, PROGS_PER_SM=2, ROWS=1),
+                    dict(BLOCK_D=128, PROGS_PER_SM=0, ROWS=4)],
 }
 
 #: smallest width of the in-register score vector of the blocked path (one compile for up to 16 sources)
@@ -65,12 +75,14 @@ def _score(v, w, D, eps):
     return tl.sum(v * w, 0) * tl.rsqrt(tl.sum(v * v, 0) / D + eps)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("num_rows", "T", "nprog", "n_iter"))
 def _attn_res_kernel(
-    BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT,
+    BANK, PREFIX, W, NW, H_OUT, HN_OUT,
     num_rows, T, D, nprog, n_iter, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
     APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-    ONE_BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     # a fixed number of programs walks the tokens (t = pid, pid + nprog, ...): few resident tokens keep
     # each token's sources in L2 between pass 1 and pass 2
@@ -81,44 +93,51 @@ def _attn_res_kernel(
         # past the end: redo the last token (identical values written twice, no branch)
         t = tl.minimum(pid + it * nprog, T - 1)
         if ONE_BLOCK:
-            # the row fits one block: a single pass over the sources, each read once, with an online
-            # softmax over the sources (running max / denominator, FlashAttention-style rescaling of h)
+            # the row fits one block: a single pass over the sources, each read once. ROWS bank rows are
+            # loaded together as one [ROWS, BLOCK_D] tile (independent loads in flight, one reduction for
+            # their scores), then folded into an online softmax over the sources (running max / denominator,
+            # FlashAttention-style rescaling of h); the prefix is the last source
             m = offs < D
             w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
             mx = tl.full([], float("-inf"), tl.float32)
             den = tl.zeros([], tl.float32)
             h = tl.zeros([BLOCK_D], tl.float32)
+            ridx = tl.arange(0, ROWS)
             src = BANK + t * stride_bt
-            for j in range(0, num_rows + 1):
-                if j < num_rows:
-                    v = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
-                else:
-                    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
-                    if APPEND:
-                        tl.store(BANK_NEW + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
-                    v = vr.to(tl.float32)
-                sc = _score(v, w, D, eps)
-                m_new = tl.maximum(mx, sc)
+            for j0 in range(0, num_rows, ROWS):
+                rm = (j0 + ridx) < num_rows
+                v = tl.load(src + (j0 + ridx).to(tl.int64)[:, None] * stride_br + offs[None, :],
+                            mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
+                sc = tl.sum(v * w[None, :], 1) * tl.rsqrt(tl.sum(v * v, 1) / D + eps)
+                sc = tl.where(rm, sc, float("-inf"))
+                m_new = tl.maximum(mx, tl.max(sc, 0))
                 alpha = tl.exp(mx - m_new)
-                pj = tl.exp(sc - m_new)
-                den = den * alpha + pj
-                h = h * alpha + pj * v
+                p = tl.exp(sc - m_new)
+                den = den * alpha + tl.sum(p, 0)
+                h = h * alpha + tl.sum(p[:, None] * v, 0)
                 mx = m_new
-                src += stride_br
-            h = h / den
+            vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+            if APPEND:
+                tl.store(BANK + num_rows * stride_br + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
+            v = vr.to(tl.float32)
+            sc = _score(v, w, D, eps)
+            m_new = tl.maximum(mx, sc)
+            alpha = tl.exp(mx - m_new)
+            pj = tl.exp(sc - m_new)
+            h = (h * alpha + pj * v) / (den * alpha + pj)
             tl.store(H_OUT + t * stride_ht + offs, h, mask=m)
             if HAS_NORM:
                 rs = tl.rsqrt(tl.sum(h * h, 0) / D + norm_eps)
                 nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
                 tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
         else:
-            _attn_res_blocked(BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt,
+            _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt,
                               stride_pt, stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND, HAS_NORM, S_PAD,
                               BLOCK_D)
 
 
 @_interp.kjit
-def _attn_res_blocked(BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt, stride_pt,
+def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt, stride_pt,
                       stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND: tl.constexpr, HAS_NORM: tl.constexpr,
                       S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token when its row spans several blocks: scores (pass 1), mix (pass 2, from L2), norm (pass 3)."""
@@ -151,7 +170,7 @@ def _attn_res_blocked(BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows,
         ss += v * v
         dt += v * w
         if APPEND:
-            tl.store(BANK_NEW + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
+            tl.store(BANK + num_rows * stride_br + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
     sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
     scores = tl.where(sidx == num_rows, sc, scores)
     mx = tl.max(scores, 0)
@@ -182,30 +201,53 @@ def _attn_res_blocked(BANK, BANK_NEW, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows,
             tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
 
 
+#: (device index) -> multiprocessor count; (tune key) -> (meta, options, programs per SM) of the picked config.
+#: Both skip per-call host work at decode sizes, where the launch, not the kernel, is the cost.
+_N_SM: dict[int, int] = {}
+_PLANS: dict[tuple, tuple[dict, dict, int]] = {}
+
+
+def _n_sm(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _N_SM:
+        _N_SM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _N_SM[idx]
+
+
 def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, config):
     T, D = prefix.shape
     if T == 0:
         return
+    interp = interpreting()
+    n_sm = 1 if interp else _n_sm(prefix.device)
+    hn = h if hn is None else hn
+    has_norm = norm_weight is not None
 
-    n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(prefix.device).multi_processor_count
-
-    def launch(cfg):
-        meta, opts = tune.split(cfg)
-        per_sm = meta.pop("PROGS_PER_SM", 0)
+    def run(meta, opts, per_sm):
         nprog = T if per_sm == 0 else min(T, per_sm * n_sm)
         _interp.launch(_attn_res_kernel, (nprog,),
-            bank, bank[min(num_rows, bank.shape[0] - 1)], prefix, weight, norm_weight if norm_weight is not None else weight, h, hn if hn is not None else h,
-            num_rows, T, D, nprog, triton.cdiv(T, nprog), bank.stride(0), bank.stride(1), prefix.stride(0), h.stride(0),
-            (hn if hn is not None else h).stride(0), float(eps), float(norm_eps),
-            APPEND=append, HAS_NORM=norm_weight is not None, S_PAD=sources_pad(num_rows + 1), ONE_BLOCK=meta["BLOCK_D"] >= D,
+            bank, prefix, weight, norm_weight if has_norm else weight, h, hn,
+            num_rows, T, D, nprog, triton.cdiv(T, nprog), bank.stride(0), bank.stride(1), prefix.stride(0),
+            h.stride(0), hn.stride(0), float(eps), float(norm_eps),
+            APPEND=append, HAS_NORM=has_norm, S_PAD=sources_pad(num_rows + 1), ONE_BLOCK=meta["BLOCK_D"] >= D,
             **meta, **opts)
 
-    if config is None:
+    def plan(cfg):
+        meta, opts = tune.split(cfg)
+        return meta, opts, meta.pop("PROGS_PER_SM", 0)
+
+    if config is not None:
+        run(*plan(config))
+        return
+    key = (D, tune.pow2(T), bank.dtype, prefix.dtype, has_norm)
+    p = None if interp else _PLANS.get(key)
+    if p is None:
         # timing must not append twice into a live bank: tune on the non-appending variant's shape
-        configs = tune.configs(ATTNRES_CONFIGS)
-        key = (D, tune.pow2(T), bank.dtype, prefix.dtype, norm_weight is not None)
-        config = tune.pick("attn_res", key, configs, launch, can_time=not append)
-    launch(config)
+        cfg = tune.pick("attn_res", key, tune.configs(ATTNRES_CONFIGS), lambda c: run(*plan(c)), can_time=not append)
+        p = plan(cfg)
+        if not interp and tune._CACHE.get(("attn_res", key)) is cfg:
+            _PLANS[key] = p  # only a timed (cached) choice is final
+    run(*p)
 
 
 def _check(bank, num_rows, prefix, append):
@@ -267,13 +309,15 @@ def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float, config: di
     return h
 
 
-def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024, one_block: bool = False):
+def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024, one_block: bool = False,
+                  rows: int = 1):
     """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa``."""
     p = "*" + dtype
-    sig = {"BANK": p, "BANK_NEW": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
+    sig = {"BANK": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
            "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "n_iter": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
            "stride_ht": "i32", "stride_hnt": "i32", "eps": "fp32", "norm_eps": "fp32"}
-    consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ONE_BLOCK=one_block)
+    consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ONE_BLOCK=one_block,
+                  ROWS=rows)
     for k in consts:
         sig[k] = "constexpr"
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}

@@ -15,9 +15,12 @@ Oracle: :func:`k3rocm.model.mla.mla_decode`, :func:`k3rocm.model.mla.mla_cache_w
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
@@ -29,7 +32,7 @@ LOG2E = 1.4426950408889634
 
 #: split (attention) kernel configs per backend
 DECODE_CONFIGS: dict[str, list[dict]] = {
-    # chosen so that ptxas reports no spills at K3 dims (sm_90), except the two BLOCK_H=64 wgmma tiles
+    # chosen so that ptxas (12.8, sm_90a) reports no spills at K3 dims, except BLOCK_H=64 x BLOCK_N=64
     "cuda": [
         dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=3),
@@ -38,6 +41,9 @@ DECODE_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=2),
         dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=3),
         dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
+        # 64 heads as the M of the wgmma tiles with twice the key tile of the 16-row one, still spill-free:
+        # the 96-head (TP1) shape, where the op is matrix-bound
+        dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
     ],
     "hip": [
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, waves_per_eu=1, matrix_instr_nonkdim=16, kpack=1),
@@ -93,7 +99,9 @@ def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_l
     tl.store(base + R + d, kr.to(CACHE.dtype.element_ty), mask=d < DR)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("H", "TQ", "ROWS", "NSEQ", "min_chunk"))
 def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
@@ -159,13 +167,13 @@ def _mla_decode_split_kernel(
             lat = lat.to(ql.dtype)
             kr = kr.to(qr.dtype)
         sc = tl.dot(qr, kr, tl.dot(ql, tl.trans(lat)))  # one accumulator
-        sc = sc * qk_scale
         vis = ok[None, :] & (pos[None, :] <= last[:, None])
         sc = tl.where(vis, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        # the scale (> 0) is folded into the exponent, one fma per score; m_i is kept in scaled units
+        m_new = tl.maximum(m_i, tl.max(sc, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
+        p = tl.exp2(sc * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
         m_i = m_new
@@ -177,7 +185,9 @@ def _mla_decode_split_kernel(
     tl.store(lse_ptr, tl.where(has, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("H", "TQ", "ROWS", "NSEQ", "num_splits"))
 def _mla_decode_merge_kernel(
     PART, LSE, WVC, G, O,
     H, TQ, ROWS, NSEQ, num_splits,
@@ -263,17 +273,26 @@ def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: i
 
     Aims at ~2 programs per multiprocessor (``n_sm``) with slices no shorter than ``MIN_SPLIT_TOKENS``,
     sized from the batch's *total* context so that one long sequence among short ones is cut as finely as
-    the work needs, and capped so the fp32 partial buffer stays under ``PARTIAL_BUDGET``.
+    the work needs, and capped so the fp32 partial buffer stays under ``PARTIAL_BUDGET``. Among the split
+    counts from half to twice that aim, the one whose program count ``n_seq * groups * splits`` fills whole
+    waves of ``n_sm`` programs best is taken (ties: the nearest to the aim): equal programs in 2.4 waves run
+    as long as in 3.
     """
     groups = triton.cdiv(rows, block_h)
     target = 2 * n_sm
+    L = max(context_lens_max, 1)
     chunk = max(MIN_SPLIT_TOKENS, triton.cdiv(max(total_tokens, 1) * groups, target))
     chunk = triton.cdiv(chunk, SPLIT_ALIGN) * SPLIT_ALIGN
-    splits = max(1, triton.cdiv(max(context_lens_max, 1), chunk))
-    cap = max(1, PARTIAL_BUDGET // max(1, n_seq * rows * R * 4))
-    if splits > cap:
-        splits = cap
-        chunk = triton.cdiv(triton.cdiv(max(context_lens_max, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    splits = max(1, triton.cdiv(L, chunk))
+    cap = max(1, min(PARTIAL_BUDGET // max(1, n_seq * rows * R * 4), L // MIN_SPLIT_TOKENS))
+    if splits > 1:
+        def fill(sp: int) -> float:
+            progs = n_seq * groups * sp
+            return progs / (triton.cdiv(progs, n_sm) * n_sm)
+        cands = range(max(1, (splits + 1) // 2), min(2 * splits, max(cap, splits)) + 1)
+        splits = max(cands, key=lambda sp: (round(fill(sp), 3), -abs(sp - splits)))
+    splits = min(splits, max(1, PARTIAL_BUDGET // max(1, n_seq * rows * R * 4)))
+    chunk = triton.cdiv(triton.cdiv(L, splits), SPLIT_ALIGN) * SPLIT_ALIGN
     return splits, chunk
 
 
@@ -298,7 +317,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
-        ConfigError: inconsistent widths or non-contiguous cache rows. Any rank / rope width / head count
+        ConfigError: inconsistent widths, non-contiguous cache rows, or a scale that is not positive. Any rank / rope width / head count
             runs (widths padded to :func:`~k3rocm.kernels.mla.prefill.pad_dim` in the kernel and masked).
     """
     N, Tq, H, Dn = q_nope.shape
@@ -312,6 +331,8 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
                           f"q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)} are inconsistent")
     if R < 1 or Dr < 1:
         raise ConfigError(f"mla_decode: kv_lora_rank {R} and qk_rope_head_dim {Dr} must be at least 1")
+    if not scale > 0 or (kv_scale is not None and not kv_scale > 0):
+        raise ConfigError(f"mla_decode: softmax scale {scale} and kv_scale {kv_scale} must be positive")
     if kv_cache.stride(-1) != 1:
         raise ConfigError("mla_decode: kv_cache rows must be contiguous")
     if out is None:
@@ -341,19 +362,25 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             gate = gate.contiguous()
     gt = gate if gate is not None else out.view(N, Tq, H * Dv)
     n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
-    splits, chunk = num_splits_for(max_context_len, total, N, rows, R, n_sm)
-    min_chunk = MIN_SPLIT_TOKENS
-    if num_splits is not None:  # the caller's count: every sequence cut into that many slices of >= 64 tokens
-        splits = max(1, int(num_splits))
-        chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), SPLIT_ALIGN) * SPLIT_ALIGN
-        min_chunk = SPLIT_ALIGN
-    part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
-    lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
+    min_chunk = MIN_SPLIT_TOKENS if num_splits is None else SPLIT_ALIGN
+
+    def plan(block_h: int) -> tuple[int, int]:
+        """(splits, chunk) for head groups of ``block_h`` rows (the grid's program count depends on it)."""
+        if num_splits is not None:  # the caller's count: every sequence cut into that many slices of >= 64 tokens
+            sp = max(1, int(num_splits))
+            return sp, triton.cdiv(triton.cdiv(max(max_context_len, 1), sp), SPLIT_ALIGN) * SPLIT_ALIGN
+        return num_splits_for(max_context_len, total, N, rows, R, n_sm, block_h=block_h)
+
     fold = float(kv_scale) if (fp8 and kv_scale is not None) else 1.0
     qk_scale = float(scale) * LOG2E * fold
+    bufs: dict = {}
 
     def launch(cfg: dict) -> None:
         meta, opts = tune.split(cfg)
+        splits, _chunk = plan(meta["BLOCK_H"])
+        part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
+        lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
+        bufs.update(part=part, lse=lse, splits=splits)
         grid = (triton.cdiv(rows, meta["BLOCK_H"]), splits, N)
         _interp.launch(_mla_decode_split_kernel, grid,
             q_lat, q_r, kv_cache, bt, cl, part, lse,
@@ -365,13 +392,14 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
     if config is None:
         # every count in the key is a power-of-two bucket: a new batch size, head count or context length
         # reuses the tuned pick instead of timing while serving
+        splits, chunk = plan(16)
         key = (tune.pow2(rows), R, Dr, page, kv_cache.dtype, tune.pow2(splits), tune.pow2(chunk), tune.pow2(N))
         config = tune.pick("mla_decode", key, tune.configs(DECODE_CONFIGS), launch)
     launch(config)
     meta, opts = tune.split(tune.configs(REDUCE_CONFIGS)[0])
     meta["BLOCK_R"] = min(meta["BLOCK_R"], pad_dim(R))
     _interp.launch(_mla_decode_merge_kernel, (H, triton.cdiv(N * Tq, meta["BLOCK_M"])),
-        part, lse, wv, gt, out, H, Tq, rows, N, splits,
+        bufs["part"], bufs["lse"], wv, gt, out, H, Tq, rows, N, bufs["splits"],
         wv.stride(0), wv.stride(1), gt.stride(0), gt.stride(1), out.stride(0), out.stride(1), out.stride(2),
         R=R, DV=Dv, BDV=tune.pow2(Dv), HAS_GATE=gate is not None, **meta, **opts)
     return out

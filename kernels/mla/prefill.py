@@ -11,11 +11,14 @@ Oracle: :func:`k3rocm.model.mla.mla_prefill`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
@@ -59,7 +62,9 @@ def load_cols(ptrs, col_ok, DENSE: tl.constexpr):
         return tl.load(ptrs, mask=col_ok, other=0.0)
 
 
-@_interp.kjit
+# compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
+# batch size, length or bank depth never compiles while serving
+@partial(JITFunction, do_not_specialize=("num_m_blocks",))
 def _mla_prefill_kernel(
     Q, KN, KR, V, O, G, CUQ, CUK,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_krt, stride_vt, stride_vh,
@@ -115,10 +120,10 @@ def _mla_prefill_kernel(
         kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
         kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
         s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
-        s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # the scale is folded into the exponent (one fma per score): m_i is kept in scaled units
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
@@ -134,13 +139,12 @@ def _mla_prefill_kernel(
         kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
         kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
         s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
-        s = s * qk_scale
         vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: -inf stays -inf
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
@@ -171,8 +175,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     Returns:
         o ``[Tq, H, Dv]`` in ``q.dtype`` (or ``out``'s).
     Raises:
-        ConfigError: inconsistent shapes, or a head dim below 1. Any other head dims run: they are padded to
-            :func:`pad_dim` inside the kernel and masked.
+        ConfigError: inconsistent shapes, a head dim below 1, or a scale that is not positive. Any other head
+            dims run: they are padded to :func:`pad_dim` inside the kernel and masked.
     """
     Tq, H, Dq = q.shape
     Tk, _, Dn = k_nope.shape
@@ -189,6 +193,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     for name, d in (("qk_nope_head_dim", Dn), ("qk_rope_head_dim", Dr), ("v_head_dim", Dv)):
         if d < 1:
             raise ConfigError(f"mla_prefill: {name}={d} must be at least 1")
+    if not scale > 0:
+        raise ConfigError(f"mla_prefill: softmax scale {scale} must be positive (the kernel folds it into exp2)")
     N = cu_seqlens_q.shape[0] - 1
     if out is None:
         out = torch.empty(Tq, H, Dv, dtype=q.dtype, device=q.device)

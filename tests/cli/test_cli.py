@@ -179,17 +179,18 @@ def test_commands_merge_into_one_report(golden_dir, tmp_path):
 
 
 def test_wrong_kernel_fails_validate_with_exit_1(golden_ckpt, tmp_path, monkeypatch):
-    good = registry.implementations("attn_res")["torch"].fn
-    saved = registry._REGISTRY.get("attn_res", {}).get("torch")
+    good = registry.implementations("attn_res_norm")["torch"].fn
+    saved = registry._REGISTRY.get("attn_res_norm", {}).get("torch")
     # an AttnRes kernel that drops the current block's prefix weight a little: a plausible softmax bug
-    registry.register("attn_res", "torch", lambda src, w, eps, *a, **k: good(src, w * 0.5, eps, *a, **k))
+    registry.register("attn_res_norm", "torch",
+                      lambda bank, rows, pre, w, *a, **k: good(bank, rows, pre, w * 0.5, *a, **k))
     try:
         r = run(["validate", "--checkpoint", golden_ckpt, "--out", tmp_path], code=1)
     finally:
         if saved is None:
-            registry._REGISTRY["attn_res"].pop("torch")
+            registry._REGISTRY["attn_res_norm"].pop("torch")
         else:
-            registry._REGISTRY["attn_res"]["torch"] = saved
+            registry._REGISTRY["attn_res_norm"]["torch"] = saved
     line = one_line_error(r)
     assert line.startswith("error: correctness tier failed")
     rep = json.loads((tmp_path / "report.json").read_text())

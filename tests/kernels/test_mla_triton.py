@@ -82,6 +82,8 @@ def test_prefill_deterministic_and_errors(K):
         assert torch.equal(a, b)
     with pytest.raises(ConfigError):
         P.mla_prefill(q[..., :-1].to(DEV), *args[1:])
+    with pytest.raises(ConfigError):  # the kernels fold the scale into exp2 of a running max: it must be > 0
+        P.mla_prefill(*args[:-1], -0.1)
 
 
 @pytest.mark.parametrize("dn,dr,dv,H", [(24, 6, 20, 3), (40, 10, 8, 5)])
@@ -230,6 +232,13 @@ def test_split_plan_bounds(K):
     assert s * 256 * 96 * 512 * 4 <= D.PARTIAL_BUDGET
     s1, c1 = D.num_splits_for(1, 1, 1, 12, 512, 132)
     assert s1 == 1 and c1 >= 1
+    # whole waves: 64 sequences x 5 slices = 320 equal programs on 132 multiprocessors take 3 waves' time,
+    # 4 slices (256 programs) two
+    s2, c2 = D.num_splits_for(32768, 64 * 32768, 64, 12, 512, 132)
+    assert (s2, c2) == (4, 8192)
+    # the program count follows the head-group width: 64-row groups of 96 heads are cut into more slices
+    assert D.num_splits_for(8192, 64 * 8192, 64, 96, 512, 132, block_h=64)[0] > \
+        D.num_splits_for(8192, 64 * 8192, 64, 96, 512, 132, block_h=16)[0]
 
 
 def test_chunked_prefill_from_latent_cache(K):
