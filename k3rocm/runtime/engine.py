@@ -590,8 +590,9 @@ class Engine:
         Kernels take their tables' first fitting configs (tune mode ``"first"``), or with ``autotune`` are timed
         here (``"time"``) and frozen for serving. The engine must be idle; the warm-up requests run to completion
         or are aborted (caches left free). On a rank of a TP/EP layout the graphs are captured on first use
-        (every rank at the same step: the warm-up steps meet the buckets). On the CPU nothing compiles, so this
-        is a no-op unless ``force``.
+        (every rank at the same step), which the warm-up steps reach: a decode-only step at each decode-row
+        count of the plan (every ladder size up to ``pow2(max_num_seqs - 1)``) and a chunk of every token bucket.
+        On the CPU nothing compiles, so this is a no-op unless ``force``.
 
         Returns:
             ``{"graphs": [decode batch sizes], "mixed_graphs": [token buckets], "prefill_buckets": [pow2],
@@ -631,7 +632,9 @@ class Engine:
         def prompt(n: int, salt: int = 0) -> list[int]:
             return [3 + (5 * j + salt) % vocab for j in range(n)]
 
-        for n in plan["prefill_lengths"]:  # a fresh chunk of n tokens, then one decode row
+        # a fresh chunk of n tokens, then one decode row; longest first, so that a rank of a layout (capturing on
+        # first use) captures the mixed-step graphs largest first into their shared pool
+        for n in reversed(plan["prefill_lengths"]):
             self.generate([prompt(n)], 2)
         first = min(self.scheduler.max_num_batched_tokens, self.scheduler.long_prefill_threshold)
         for q in plan["continued_lengths"]:  # a first chunk, then q tokens continuing its context
@@ -642,6 +645,7 @@ class Engine:
                 pool.append(self.add_request(prompt(1, len(pool)), self.max_model_len - 1, ignore_eos=True))
             while any(self.where(r)["status"] in ("waiting", "prefill") for r in pool):
                 self.step()
+            self.step()  # nd decode rows alone: on a rank of a layout this captures the decode graph of pow2(nd)
             self.add_request(prompt(1, nd), 1, ignore_eos=True)
             self.step()
         for r in pool:
