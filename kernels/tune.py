@@ -10,12 +10,24 @@ A config (:data:`Config`) is a plain dict with three kinds of keys:
 
 Each family keeps, per kernel, one table ``{"cuda": [...], "hip": [...], "interpreter": [...]}`` keyed by
 the backend names of :func:`k3rocm.kernels.target.current_target`; these tables are the only place vendor
-knobs live (DESIGN.md §5). The lists are public, so tests run every config. :func:`pick` chooses one config
-of a list for a shape; ``K3ROCM_TUNE=0`` turns its timing off (each list's first fitting config).
+knobs live (DESIGN.md §5). The lists are public, so tests run every config; each list is ordered best-first
+(by the family's kernel benchmark). :func:`pick` chooses one config of a list for a shape.
+
+How :func:`pick` chooses is the process's tune **mode** (:func:`mode`, a context manager):
+
+* ``"time"`` (default: kernel benchmarks and tests): a key seen for the first time is timed over its candidates;
+* ``"first"`` (the serving engine's default): each list's first fitting config, never timed and never cached, so
+  a kernel compiles one config per specialisation however many shape keys serving meets;
+* ``"frozen"`` (a serving engine after a timed warm-up): the choice timed earlier for the key, else the first
+  fitting config; never times.
+
+``K3ROCM_TUNE=0`` turns timing off in every mode; ``K3ROCM_TUNE=1`` asks the engine for a timed warm-up
+(``"time"`` while warming up, ``"frozen"`` while serving) instead of ``"first"``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any, Callable
@@ -26,7 +38,8 @@ import triton.testing
 from k3rocm.errors import ConfigError
 from k3rocm.kernels.target import current_target, interpreting
 
-__all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "configs", "split", "pick", "pow2", "pow2_ladder", "LISTENERS"]
+__all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", "pick", "mode", "current_mode",
+           "pow2", "pow2_ladder", "spec_cover", "LISTENERS"]
 
 #: a launch configuration (see the module docstring for its keys)
 Config = dict[str, Any]
@@ -35,6 +48,10 @@ LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim"
 SELECT_KEYS = ("max_rows", "kind")
 
 _CACHE: dict[tuple, Config] = {}
+
+#: the tune modes (see the module docstring)
+MODES = ("time", "first", "frozen")
+_MODE = ["time"]
 
 #: ``fn(name, key)`` called each time :func:`pick` times the candidates of kernel ``name`` at shape ``key`` (an
 #: autotune run; :class:`k3rocm.kernels.compile_watch.CompileWatch` counts them)
@@ -65,25 +82,48 @@ def split(cfg: Config, interp: bool | None = None) -> tuple[dict, dict]:
     return meta, opts
 
 
+@contextlib.contextmanager
+def mode(m: str):
+    """Within: :func:`pick` chooses in tune mode ``m`` (``"time"``, ``"first"`` or ``"frozen"``; module
+    docstring); the previous mode is restored on exit. Raises ConfigError for another name."""
+    if m not in MODES:
+        raise ConfigError(f"tune mode {m!r} is not one of {', '.join(MODES)}")
+    prev = _MODE[0]
+    _MODE[0] = m
+    try:
+        yield m
+    finally:
+        _MODE[0] = prev
+
+
+def current_mode() -> str:
+    """The tune mode :func:`pick` chooses in now (see :func:`mode`)."""
+    return _MODE[0]
+
+
 def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config], None] | None = None,
          rows: float | None = None, can_time: bool = True) -> Config:
     """Choose the config of ``candidates`` for kernel ``name`` at the shape ``key``.
 
     1. ``rows`` given: the first candidate whose ``max_rows`` (default unbounded) is >= ``rows``, else the
        last one, is the only candidate.
-    2. A choice already timed for ``(name, key)`` in this process is returned.
-    3. Without ``run``, with one candidate, under the interpreter, with ``K3ROCM_TUNE=0``, during CUDA/HIP
-       graph capture or when ``can_time`` is False: the first candidate (not cached).
-    4. Else each candidate is timed by ``run(cfg)`` (median of ``triton.testing.do_bench``; configs that fail
+    2. Tune mode ``"first"`` (:func:`mode`): the first candidate (not timed, not cached).
+    3. A choice already timed for ``(name, key)`` in this process is returned.
+    4. Without ``run``, with one candidate, under the interpreter, with ``K3ROCM_TUNE=0``, in tune mode
+       ``"frozen"``, during CUDA/HIP graph capture or when ``can_time`` is False: the first candidate (not
+       cached).
+    5. Else each candidate is timed by ``run(cfg)`` (median of ``triton.testing.do_bench``; configs that fail
        to compile or launch are skipped) and the fastest is cached for ``(name, key)``. ``run`` must be safe to
        repeat (no in-place side effects).
     """
     if rows is not None:
         candidates = [next((c for c in candidates if rows <= c.get("max_rows", math.inf)), candidates[-1])]
+    if _MODE[0] == "first":
+        return candidates[0]
     ck = (name, key)
     if ck in _CACHE:
         return _CACHE[ck]
-    if (run is None or len(candidates) == 1 or not can_time or interpreting()
+    if (run is None or len(candidates) == 1 or not can_time or interpreting() or _MODE[0] == "frozen"
             or os.environ.get("K3ROCM_TUNE") == "0" or _capturing()):
         return candidates[0]
     for fn in list(LISTENERS):
@@ -116,3 +156,20 @@ def pow2_ladder(limit: int) -> list[int]:
     while out[-1] < int(limit):
         out.append(out[-1] * 2)
     return out
+
+
+def spec_cover(limit: int) -> list[int]:
+    """Counts ``1..limit`` that meet every way a kernel can specialise on a count ``n`` of ``1..limit`` and every
+    :func:`pow2` bucket of it: ``{min(b, limit), min(b, limit) - 1}`` over :func:`pow2_ladder` (``b >= 1``).
+
+    Triton specialises an integer argument on ``== 1`` and on divisibility by 16; an argument ``c * n`` (a
+    stride, ``rows = Tq * H``) therefore only on ``n == 1`` and on ``min(v2(n), 4)`` (``v2``: the exponent of 2
+    in ``n``). The powers of two ``2^k <= limit`` give every ``v2`` that ``1..limit`` holds, their
+    predecessors the odd counts; so running a kernel at the counts of the cover compiles every
+    specialisation that any count up to ``limit`` needs. At most ``2 * (1 + ceil(log2(limit)))`` counts.
+    """
+    out: set[int] = set()
+    for b in pow2_ladder(limit):
+        top = min(b, int(limit))
+        out.update(x for x in (top, top - 1) if x >= 1)
+    return sorted(out)

@@ -10,7 +10,8 @@ aborted, and the result holds what completed.
 
 With an engine, the watchdog runs between engine steps (a step that never returns cannot be
 interrupted in-process; the endpoint client checks it while streaming). An engine is first warmed up
-(``engine.warm_up()``: every decode graph and prefill bucket compiled, tuned and captured); the measured phase
+(``engine.warm_up()``: every graph captured and every kernel specialisation serving can meet compiled, in
+seconds and compiles it reports); the measured phase
 runs under a :class:`~k3rocm.kernels.compile_watch.CompileWatch` (Triton compilations and autotune runs, per
 kernel: both must be 0 for a serving engine), and after it :func:`k3rocm.bench.breakdown.step_breakdown` times
 one decode and one mixed step per op family.

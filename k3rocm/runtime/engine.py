@@ -29,6 +29,9 @@ size of a ladder; if capture fails (an op that syncs with the host) the engine s
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -37,6 +40,7 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.kernels import tune
+from k3rocm.kernels.compile_watch import CompileWatch
 from k3rocm.errors import ConfigError, PlanError
 from k3rocm.runtime import registry
 from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
@@ -138,6 +142,10 @@ class Engine:
         record_logits: keep the whole-vocabulary logits ``[N, V]`` fp32 (CPU) of each step's sampled rows in
             :attr:`last_logits` (gathered over the ranks' vocabulary slices; for validation — serving never
             gathers logits whole).
+        autotune: time the kernels' configs during :meth:`warm_up` (tune mode ``"time"``, then ``"frozen"``
+            while serving); default False (``K3ROCM_TUNE=1`` makes it True): every kernel takes its table's first
+            fitting config (tune mode ``"first"``), so serving compiles one config per kernel specialisation and
+            warm-up is mostly compile time (:mod:`k3rocm.kernels.tune`).
 
     Raises:
         ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU), or a ``matmul_dtype`` other
@@ -151,7 +159,7 @@ class Engine:
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
                  graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None,
                  matmul_dtype: torch.dtype | str | None = AUTO, par: Parallel | None = None,
-                 record_logits: bool = False):
+                 record_logits: bool = False, autotune: bool | None = None):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
@@ -183,6 +191,12 @@ class Engine:
             name, impl = registry.select(op, override, **shape)
             self.ops[op] = impl.fn
             self.op_impls[op] = name
+        self.ops["mla_decode"] = self._static_split_plan(self.ops["mla_decode"])
+        # ---- tuning: serving never times a kernel (module docstring of k3rocm.kernels.tune)
+        if autotune is None:
+            autotune = os.environ.get("K3ROCM_TUNE") == "1"
+        self.autotune = bool(autotune)
+        self._tune_mode = "frozen" if self.autotune else "first"
         # ---- weights: this rank's, on the engine device in the engine dtype (the one Weights protocol)
         self.weights = as_weights(cfg, weights).cast(self.device, self.dtype)
         self.w = WeightView(self.weights, memo=True)
@@ -203,7 +217,10 @@ class Engine:
         self.kda = KDAStatePool(mcfg, num_slots, self.device)
         self.scheduler = Scheduler(self.mla, self.kda, max_num_seqs=min(max_batch, num_slots),
                                    max_num_batched_tokens=max_num_batched_tokens)
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # block-table rows padded to 4 int32 (16 bytes): a row handed to a kernel on its own (a chunk continuing
+        # a cached context) starts 16-byte aligned at every slot, so no kernel specialises on the slot's parity
+        blocks = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = -(-blocks // 4) * 4
         # host block table by slot, kept across steps (see _block_rows): row owner = (seq id, block count)
         self._table = torch.zeros(num_slots, self.max_blocks_per_seq, dtype=torch.int32)
         self._table_owner: list[tuple[int, int] | None] = [None] * num_slots
@@ -228,19 +245,33 @@ class Engine:
         self._mixed_pool: Any = None
         self.mixed_error = ""
         self.graph_error = ""
-        self._graph_mode = False
-        # a captured mla_decode must not size its work from the live context lengths (a host sync): kernels
-        # that accept a static bound get max_model_len and one fixed split count
-        import inspect
-        try:
-            params = inspect.signature(self.ops["mla_decode"]).parameters
-        except (TypeError, ValueError):
-            params = {}
-        self._graph_kw = {k: v for k, v in (("max_context_len", max_model_len),
-                                             ("num_splits", max(1, min(8, max_model_len // 512))))
-                          if k in params}
         self.graph_note = "off (CPU)" if not on_gpu else ("on" if self.cuda_graphs else "off (disabled)")
         self.mixed_note = self.graph_note
+
+    def _static_split_plan(self, fn: Any) -> Any:
+        """``fn`` (an ``mla_decode`` op) with a split plan fixed by the engine's limits where ``fn`` takes one
+        (``num_splits`` / ``max_context_len``; the oracle's does not and is returned as is): one token per row
+        (decode rows, eager or captured) -> ``min(8, max(1, max_model_len // 512))`` splits of a
+        ``max_model_len`` context; several (a prefill chunk continuing a cached context) -> one split. Each
+        sequence still reads only its own context (the kernel takes the lengths on the device), so a captured
+        graph never sizes its work from live lengths (a host sync), and no split count derived from them reaches
+        a kernel: the eager and the captured decode run the same shapes, and a kernel specialises only on the
+        counts of rows and sequences (:func:`k3rocm.kernels.tune.spec_cover`). A caller's own plan wins."""
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "num_splits" not in params or "max_context_len" not in params:
+            return fn
+        rows_plan = {"num_splits": max(1, min(8, self.max_model_len // 512)), "max_context_len": self.max_model_len}
+        chunk_plan = {"num_splits": 1, "max_context_len": self.max_model_len}
+
+        @functools.wraps(fn)
+        def mla_decode(q_nope, *args, **kw):
+            for k, v in (rows_plan if q_nope.shape[1] == 1 else chunk_plan).items():
+                kw.setdefault(k, v)
+            return fn(q_nope, *args, **kw)
+        return mla_decode
 
     # ------------------------------------------------------------------ description
     def describe(self) -> dict:
@@ -342,7 +373,6 @@ class Engine:
         model's mixers on the paged view (``short_conv`` + ``kda_prefill`` from the slot's state; ``mla_prefill``
         for fresh sequences, per-chunk absorbed ``mla_decode`` when a chunk continues a cached context)."""
         cfg, mcfg, w, ops = self.cfg, self.dec.mixer_cfg, self.w, self.ops
-        kw = self._graph_kw if self._graph_mode else {}
 
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
             parts = []
@@ -350,7 +380,7 @@ class Engine:
                 xd = x[:nd]
                 if cfg.layer_type(i) != "kda":
                     parts.append(mla_decode_rows(xd, w, i, mcfg, ops, self.mla.kv_cache[i], dec["slot_ids"], dec["pos"],
-                                                 dec["block_rows"], **kw))
+                                                 dec["block_rows"]))
                 elif cfg.family == "k3":
                     parts.append(kda_decode_rows(xd, w, i, mcfg, ops, self.kda.conv[i], self.kda.state[i],
                                                  dec["slot_ids"]))
@@ -434,6 +464,10 @@ class Engine:
         Sampling runs on the device (:meth:`Parallel.greedy`: argmax, lowest id on ties; on a TP rank one
         small all-gather of each rank's (max, id)), inside the graph where one ran; the host reads back only
         the sampled token ids (the step's one synchronisation)."""
+        with tune.mode(self._tune_mode):
+            return self._execute(sb)
+
+    def _execute(self, sb: "StepBatch") -> tuple[list[int], bool]:
         dev = self.device
         nd, rows = sb.num_decode, sb.rows.tolist()
         for slot, start, _, _ in rows[nd:]:
@@ -515,26 +549,75 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
     def prefill_buckets(self) -> list[int]:
-        """The prefill-chunk lengths warm-up runs: the powers of two up to the step's token budget (and below
-        ``max_model_len``), the buckets kernels key their shapes on (:func:`k3rocm.kernels.tune.pow2`)."""
+        """The :func:`~k3rocm.kernels.tune.pow2` buckets of a step's prefill tokens: the powers of two up to the
+        step's token budget (and below ``max_model_len``), the buckets kernels key their shapes on."""
         top = max(1, min(self.scheduler.max_num_batched_tokens, self.max_model_len - 2))
         return [b for b in tune.pow2_ladder(top) if b <= top]
 
+    def warm_up_plan(self) -> dict[str, list[int]]:
+        """The counts :meth:`warm_up` runs, enumerated from the engine's limits with
+        :func:`k3rocm.kernels.tune.spec_cover` (every specialisation and every pow2 bucket of the counts a step
+        can carry, ``O(log)`` of each limit):
+
+        * ``prefill_lengths``: one fresh prompt chunk of each length of the cover of the step budget (tokens of a
+          step's chunks; the longest chunk sizes ``mla_prefill``'s blocks);
+        * ``continued_lengths``: a chunk of each length >= 2 of that cover continuing a cached context of one
+          full first chunk (``mla_decode`` on a chunk's queries), where prompt and output fit ``max_model_len``
+          (one query meets the decode rows' shapes, below);
+        * ``decode_rows``: a step of each decode-row count of the cover of ``min(max_num_seqs, budget) - 1``
+          beside a one-token prefill chunk (the eager decode mixers of a mixed step).
+        """
+        budget = self.scheduler.max_num_batched_tokens
+        first = min(budget, self.scheduler.long_prefill_threshold)
+        lengths = tune.spec_cover(max(1, min(budget, self.max_model_len - 2)))
+        most = min(self.scheduler.max_num_seqs, budget) - 1  # decode rows a step can carry beside a chunk
+        rows = tune.spec_cover(most) if most >= 1 else []
+        return {"prefill_lengths": lengths,
+                "continued_lengths": [q for q in lengths
+                                      if 2 <= q <= first and first + q + 1 <= self.max_model_len],
+                "decode_rows": rows}
+
     @torch.no_grad()
     def warm_up(self, force: bool = False) -> dict:
-        """Compile, tune and capture what serving meets, before anything is measured: every decode graph of
-        the ladder and every piecewise graph of a mixed-step token bucket (captured now, not on first use) and,
-        per prefill bucket of :meth:`prefill_buckets`, one
-        prefill-only step and one mixed step (a decode row beside the chunk). The engine must be idle; the
-        warm-up requests run to completion (caches left as they were).
+        """Compile, tune and capture everything serving can meet, before anything is measured.
 
-        On a rank of a TP/EP layout the graphs are captured on first use instead (every rank at the same step).
-        On the CPU nothing compiles, so this is a no-op unless ``force``. Returns ``{"graphs": [sizes],
-        "mixed_graphs": [token buckets], "prefill_buckets": [lengths]}`` of what ran."""
+        1. Every decode graph of the ladder and every piecewise graph of a mixed-step token bucket (captured
+           now, not on first use): every row-wise op of a step then runs at a bucket size only.
+        2. The steps of :meth:`warm_up_plan`: the eager token mixers of steps carrying prefill chunks meet every
+           specialisation of their token, chunk and decode-row counts (``mla_decode``'s split plan is fixed by
+           the engine's limits, :meth:`_static_split_plan`, so no context length reaches a kernel).
+
+        Kernels take their tables' first fitting configs (tune mode ``"first"``), or with ``autotune`` are timed
+        here (``"time"``) and frozen for serving. The engine must be idle; the warm-up requests run to completion
+        or are aborted (caches left free). On a rank of a TP/EP layout the graphs are captured on first use
+        (every rank at the same step), which the warm-up steps reach: a decode-only step at each decode-row
+        count of the plan (every ladder size up to ``pow2(max_num_seqs - 1)``) and a chunk of every token bucket.
+        On the CPU nothing compiles, so this is a no-op unless ``force``.
+
+        Returns:
+            ``{"graphs": [decode batch sizes], "mixed_graphs": [token buckets], "prefill_buckets": [pow2],
+            **warm_up_plan(), "seconds": wall s, "compiles": n, "autotune_runs": n, "tune_mode": mode}``
+            (compiles as :class:`~k3rocm.kernels.compile_watch.CompileWatch` counts them; 0 on the CPU).
+        """
         if self.device.type != "cuda" and not force:
             return {"graphs": [], "mixed_graphs": [], "prefill_buckets": []}
-        # on a rank of a layout a capture issues collectives, so the ranks capture in lockstep inside execute
-        # (on first use) and only the prefill buckets run here, as steps every rank runs
+        t0 = time.perf_counter()
+        serve_mode = self._tune_mode
+        self._tune_mode = "time" if self.autotune else "first"
+        try:
+            with CompileWatch() as watch, tune.mode(self._tune_mode):
+                plan = self._warm_up(self.warm_up_plan())
+        finally:
+            self._tune_mode = serve_mode
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        c = watch.summary()
+        return {"graphs": sorted(self._graphs), "mixed_graphs": sorted(self._mixed),
+                "prefill_buckets": self.prefill_buckets(), **plan, "seconds": round(time.perf_counter() - t0, 3),
+                "compiles": c["compiles"] if c["available"] else None, "autotune_runs": c["autotune_runs"],
+                "tune_mode": "time, then frozen" if self.autotune else "first"}
+
+    def _warm_up(self, plan: dict[str, list[int]]) -> dict[str, list[int]]:
         alone = self.par.world == 1
         if self.cuda_graphs and alone:
             for size in self.graph_sizes:
@@ -544,19 +627,32 @@ class Engine:
             for size in reversed(self.mixed_sizes):  # largest first: the smaller fit in its pool
                 if size not in self._mixed and self._capture_mixed(size) is None:
                     break  # mixed steps stay eager and say why
-        buckets = self.prefill_buckets()
-        vocab = self.cfg.vocab_size
-        for b in buckets:
-            prompt = [3 + (5 * j) % max(1, vocab - 3) for j in range(b)]
-            self.generate([prompt], 2)  # a prefill-only step of b tokens, then one decode row
-            if self.scheduler.max_num_seqs >= 2 and b + 4 <= self.max_model_len:
-                a = self.add_request(prompt[:1], 3, ignore_eos=True)
-                while self.where(a)["status"] != "decode" and self.has_unfinished():
-                    self.step()
-                self.add_request(prompt, 2, ignore_eos=True)  # its chunk rides beside a's decode row
-                while self.has_unfinished():
-                    self.step()
-        return {"graphs": sorted(self._graphs), "mixed_graphs": sorted(self._mixed), "prefill_buckets": buckets}
+        vocab = max(1, self.cfg.vocab_size - 3)
+
+        def prompt(n: int, salt: int = 0) -> list[int]:
+            return [3 + (5 * j + salt) % vocab for j in range(n)]
+
+        # a fresh chunk of n tokens, then one decode row; longest first, so that a rank of a layout (capturing on
+        # first use) captures the mixed-step graphs largest first into their shared pool
+        for n in reversed(plan["prefill_lengths"]):
+            self.generate([prompt(n)], 2)
+        first = min(self.scheduler.max_num_batched_tokens, self.scheduler.long_prefill_threshold)
+        for q in plan["continued_lengths"]:  # a first chunk, then q tokens continuing its context
+            self.generate([prompt(first + q, 1)], 1)
+        pool: list[int] = []
+        for nd in plan["decode_rows"]:  # nd decode rows beside a one-token chunk
+            while len(pool) < nd:
+                pool.append(self.add_request(prompt(1, len(pool)), self.max_model_len - 1, ignore_eos=True))
+            while any(self.where(r)["status"] in ("waiting", "prefill") for r in pool):
+                self.step()
+            self.step()  # nd decode rows alone: on a rank of a layout this captures the decode graph of pow2(nd)
+            self.add_request(prompt(1, nd), 1, ignore_eos=True)
+            self.step()
+        for r in pool:
+            self.abort(r)
+        while self.has_unfinished():
+            self.step()
+        return plan
 
     # ------------------------------------------------------------------ CUDA/HIP graphs
     def _graph_decode(self, ids: torch.Tensor, dec: dict) -> torch.Tensor | None:
@@ -601,7 +697,6 @@ class Engine:
         try:
             s = torch.cuda.Stream(device=dev)
             s.wait_stream(torch.cuda.current_stream(dev))
-            self._graph_mode = True
             with torch.cuda.stream(s):  # warm-up on padding only (writes nothing)
                 self._forward(st["ids"], size, st, None, rows)
             torch.cuda.current_stream(dev).wait_stream(s)
@@ -613,9 +708,7 @@ class Engine:
                 st["tokens"] = self.par.greedy(st["logits"])  # sampling on the device, inside the graph
             # the collectives captured into the graph: what every replay issues
             st["comm"] = stats.delta(stats.snapshot(), before) if stats is not None else {}
-            self._graph_mode = False
         except Exception as e:  # an op synchronises with the host: stay eager and say so
-            self._graph_mode = False
             import traceback
             self.graph_error = traceback.format_exc(limit=-6)
             self.cuda_graphs = False

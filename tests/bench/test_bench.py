@@ -258,8 +258,8 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
 
 
 def test_bench_rows_fail_on_measured_compiles_and_draw_the_breakdown():
-    """A point whose measured phase compiled or tuned fails its stage with one row naming the kernels; the
-    breakdown becomes rows and one stacked bar per step kind."""
+    """A point whose measured phase compiled or tuned fails its stage with one row naming the kernels; warm-up's
+    seconds and compiles are rows; the breakdown becomes rows and one stacked bar per step kind."""
     from k3rocm.validation.evidence import Stage
     from k3rocm.validation.render import _series_svg
     from k3rocm.validation.tiers.performance import _breakdown_rows, _compile_rows
@@ -276,6 +276,15 @@ def test_bench_rows_fail_on_measured_compiles_and_draw_the_breakdown():
     _compile_rows(st, "bench", "c4", bad, "measured")
     assert st.status == "failed" and len(st.failures) == 2
     assert "_kda_conv_kernel x3" in st.failures[0].detail and "kda_conv x1" in st.failures[1].detail
+    # a GPU warm-up says how long it took and how much it compiled (informational rows before the checks)
+    warm = {"compiles": ok["compiles"], "warmup": {"ladder": {**ok["warmup"]["ladder"], "seconds": 41.5,
+                                                              "compiles": 57, "autotune_runs": 0,
+                                                              "tune_mode": "first"}}}
+    st = Stage("bench")
+    _compile_rows(st, "bench", "c4", warm, "measured")
+    rows = {e.name: e for e in st.evidence}
+    assert st.status == "passed" and rows["c4.warmup.seconds"].value == 41.5
+    assert rows["c4.warmup.compiles"].value == 57 and "first" in rows["c4.warmup.seconds"].detail
     part = {"ms": {"KDA": 1.0, "MLA": 2.0, "host + other": 0.5}, "wall_ms": 3.5, "num_decode": 2,
             "num_prefill_tokens": 0}
     st = Stage("bench")

@@ -59,3 +59,57 @@ def test_watch_counts_compiles_through_the_triton_hook_and_chains_it():
         restored = knobs.jit_post_compile_hook
         knobs.jit_post_compile_hook = prev
     assert restored is not w._on_compile  # the watch put the earlier hook back
+
+
+def _v2_class(n: int) -> tuple[bool, int]:
+    """How Triton specialises an argument ``c * n``: on ``n == 1`` and on the exponent of 2 in ``n`` up to 4."""
+    return n == 1, min((n & -n).bit_length() - 1, 4)
+
+
+def test_spec_cover_meets_every_specialisation_and_bucket_with_a_bounded_count():
+    for limit in (1, 2, 3, 5, 15, 16, 17, 63, 64, 255, 256, 4096):
+        cover = tune.spec_cover(limit)
+        assert cover == sorted(set(cover)) and 1 <= cover[0] and cover[-1] <= limit
+        assert len(cover) <= 2 * (1 + math.ceil(math.log2(max(limit, 1))))
+        everything = range(1, limit + 1)
+        assert {_v2_class(n) for n in everything} <= {_v2_class(n) for n in cover}
+        assert {tune.pow2(n) for n in everything} <= {tune.pow2(n) for n in cover}
+    assert tune.spec_cover(64) == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64]
+
+
+def test_tune_modes(monkeypatch):
+    """"time" times a new key and caches it; "first" takes the first fitting candidate, cached choice or not,
+    and never times; "frozen" returns a choice timed before, else the first, and never times; the mode is restored
+    on exit and an unknown one refused."""
+    monkeypatch.setattr(tune, "interpreting", lambda: False)
+    monkeypatch.setattr(tune, "_capturing", lambda: False)
+    monkeypatch.delenv("K3ROCM_TUNE", raising=False)
+    timed = []
+    monkeypatch.setattr(tune.triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    cands = [{"BLOCK": 16}, {"BLOCK": 32}]
+
+    def run(c):
+        timed.append(c["BLOCK"])
+        if c["BLOCK"] == 16:
+            raise RuntimeError("out of resources")  # skipped: BLOCK 32 is the timed choice
+
+    name = "mode_test_kernel"
+    try:
+        assert tune.current_mode() == "time"
+        with tune.mode("first"):
+            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 16} and timed == []
+            assert tune.pick(name, ("a",), [{"BLOCK": 8, "max_rows": 4}, {"BLOCK": 64}], run, rows=9) == {"BLOCK": 64}
+        assert tune.current_mode() == "time"
+        assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 32} and timed == [16, 32]
+        with tune.mode("first"):
+            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 16}  # the cache is not consulted
+        with tune.mode("frozen"):
+            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 32}  # timed before
+            assert tune.pick(name, ("b",), cands, run) == {"BLOCK": 16}  # never seen: first, not timed
+        assert timed == [16, 32] and (name, ("b",)) not in tune._CACHE
+        with pytest.raises(tune.ConfigError):
+            with tune.mode("fastest"):
+                pass
+    finally:
+        for k in ("a", "b"):
+            tune._CACHE.pop((name, (k,)), None)

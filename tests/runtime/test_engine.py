@@ -180,12 +180,12 @@ def test_engine_gpu_matches_oracle(tiny, prompts_and_ref):
 @pytest.mark.gpu
 def test_engine_gpu_graphs_equal_eager_bf16(tiny):
     """On a GPU, auto-selected kernels, bf16 weights and bf16 matmuls: decoding through captured CUDA/HIP graphs
-    gives exactly the greedy tokens of eager decoding at batch 1, 2, 8 and 64 (same prompts). Every batch size is
-    a graph-ladder size and all prompts have one length and are prefilled in one step, so each decode step runs
-    the same shapes both ways; max_model_len 256 makes the graph's static mla_decode split plan (one split of
-    256 tokens) the one eager decoding derives from the live context lengths. With 3 live sequences (graph
-    padded to 4) the padded row's logits are finite and every expert id the router produced, also those of
-    the replayed graph, lies in 0 .. num_experts-1."""
+    gives exactly the greedy tokens of eager decoding at batch 1, 2, 8 and 64 (same prompts), and every step ran a
+    graph (the one prefill step the piecewise graph of its token bucket, each decode step batch b's decode graph).
+    Every batch size is a graph-ladder size and all prompts have one length and are prefilled in one step (b * L
+    tokens, a power of two), so each step runs the same shapes both ways; eager and captured mla_decode take the
+    engine's one static split plan. With 3 live sequences (graph padded to 4) the padded row's logits are finite
+    and every expert id the router produced, also those of the replayed graphs, lies in 0 .. num_experts-1."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA or ROCm GPU")
     cfg = tiny[0]
@@ -199,9 +199,12 @@ def test_engine_gpu_graphs_equal_eager_bf16(tiny):
             assert e.matmul_dtype is torch.bfloat16 and e.describe()["matmul_dtype"] == "bfloat16"
             out[graphs] = e.generate(prompts[:b], n)
             used = [s.graph for s in e.step_log]
-            if graphs:
-                assert e.describe()["cuda_graphs"] == "on", e.graph_error or e.describe()["cuda_graphs"]
-                assert sum(used) == n - 1 and e.describe()["graph_batch_sizes"] == [b], (used, e.describe())
+            if graphs:  # every step replays a graph: the prefill step its token bucket's, the n - 1 decode steps batch b's
+                d = e.describe()
+                assert d["cuda_graphs"] == "on", e.graph_error or d["cuda_graphs"]
+                assert d["mixed_graphs"] == "on", e.mixed_error or d["mixed_graphs"]
+                assert len(used) == n and all(used), (used, d)
+                assert d["graph_batch_sizes"] == [b] and d["mixed_graph_token_buckets"] == [b * L], d
             else:
                 assert not any(used)
             assert e.mla.num_free_blocks == e.mla.num_blocks and e.kda.num_free == e.kda.num_slots
@@ -223,13 +226,17 @@ def test_engine_gpu_graphs_equal_eager_bf16(tiny):
     toks = e.generate(prompts[:3], n)
     assert all(len(o) == n for o in toks)
     assert e.describe()["cuda_graphs"] == "on", e.graph_error or e.describe()["cuda_graphs"]
-    assert [s.graph for s in e.step_log].count(True) == n - 1 and e.describe()["graph_batch_sizes"] == [4]
+    assert all(s.graph for s in e.step_log) and len(e.step_log) == n
+    assert e.describe()["graph_batch_sizes"] == [4] and e.describe()["mixed_graph_token_buckets"] == [32]
     torch.cuda.synchronize()
     logits = e._graphs[4]["logits"]  # the last replay's logits, padding row included
     assert logits.shape == (4, cfg.vocab_size) and bool(torch.isfinite(logits).all())
     captured = [(i, w) for cap, i, w in seen if cap]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    assert len(captured) == n_moe and all(i.shape == (4, cfg.num_experts_per_token) for i, _ in captured)
+    k = cfg.num_experts_per_token
+    # one router call per MoE layer in each captured graph: the decode graph (4 rows), the mixed one (32 rows)
+    assert sorted(i.shape[0] for i, _ in captured) == [4] * n_moe + [32] * n_moe
+    assert all(i.shape[1] == k for i, _ in captured)
     for cap, ids, wts in seen:
         assert bool(((ids >= 0) & (ids < cfg.num_experts)).all()), (cap, ids)
         assert bool(torch.isfinite(wts).all()), (cap, wts)
@@ -271,17 +278,30 @@ def test_prefill_buckets_cover_every_chunk_length_and_warm_up_runs(tiny):
     assert {pow2(n) for n in range(1, eng.scheduler.max_num_batched_tokens + 1)} <= set(b)
     out = eng.warm_up(force=True)
     assert out["prefill_buckets"] == b and out["graphs"] == [] and out["mixed_graphs"] == []
+    plan = eng.warm_up_plan()
+    assert plan == {"prefill_lengths": [1, 2, 3, 4], "continued_lengths": [2, 3, 4], "decode_rows": [1]}
+    assert {k: out[k] for k in plan} == plan and out["compiles"] in (0, None) and out["autotune_runs"] == 0
+    assert out["tune_mode"] == "first" and out["seconds"] > 0
     assert not eng.has_unfinished() and eng.mla.num_free_blocks == eng.mla.num_blocks
+    assert eng.kda.num_free == eng.kda.num_slots
     kinds = {(s.num_decode > 0, s.num_prefill_tokens > 0) for s in eng.step_log}
     assert {(False, True), (True, True), (True, False)} <= kinds  # prefill-only, mixed and decode steps ran
+    # every planned chunk length ran fresh and as a continuation of a cached first chunk (budget 4 tokens)
+    fresh = {s.prefill_sizes[0] for s in eng.step_log if len(s.prefill_sizes) == 1 and s.prefill_contexts[0] ==
+             s.prefill_sizes[0] and not s.num_decode}
+    cont = {s.prefill_sizes[0] for s in eng.step_log if len(s.prefill_sizes) == 1 and s.prefill_contexts[0] > 4}
+    assert set(plan["prefill_lengths"]) <= fresh and set(plan["continued_lengths"]) <= cont
     assert eng.warm_up() == {"graphs": [], "mixed_graphs": [], "prefill_buckets": []}  # CPU: nothing to compile
 
 
 @pytest.mark.gpu
 def test_engine_gpu_no_compiles_after_warm_up(tiny):
-    """On a GPU with the auto-selected kernels: after warm_up() and one warm-up pass, serving requests of random
-    prompt lengths and output lengths at random arrival points compiles no Triton kernel and times no tune.pick
-    candidate (each kernel's shape keys are bucketed; every decode graph is captured)."""
+    """On a GPU with the auto-selected kernels: after warm_up() alone, serving bursts of random numbers of
+    concurrent requests (1 .. 2 x max_batch at once, queued beyond max_batch) of random prompt lengths (1 ..
+    120 tokens: chunked beyond the 64-token budget, so chunks continue cached contexts) and random output
+    lengths, joining at random steps, compiles no Triton kernel and times no tune.pick candidate (the serving
+    policy: each table's first config); every step replays a graph. Warm-up says how long it took and how many
+    kernels it compiled (what a cold start pays; fewer when earlier tests compiled them in this process)."""
     import random
 
     from k3rocm.kernels.compile_watch import CompileWatch
@@ -292,23 +312,30 @@ def test_engine_gpu_no_compiles_after_warm_up(tiny):
     eng = _engine(tiny, device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16, max_batch=8,
                   max_num_batched_tokens=64, block_size=16, max_model_len=256)
     ladder = eng.warm_up()
-    assert ladder["graphs"] == eng.graph_sizes or not eng.cuda_graphs, eng.describe()["cuda_graphs"]
+    assert eng.describe()["cuda_graphs"] == "on" and eng.describe()["mixed_graphs"] == "on", eng.describe()
+    assert ladder["graphs"] == eng.graph_sizes and ladder["mixed_graphs"] == eng.mixed_sizes, ladder
+    assert ladder["seconds"] > 0 and (ladder["compiles"] is None or ladder["compiles"] >= 0), ladder
+    assert ladder["autotune_runs"] == 0 and ladder["tune_mode"] == "first", ladder
     rng = random.Random(7)
-
-    def load(n):
-        for _ in range(n):
-            L = rng.randint(1, 120)
-            eng.add_request([rng.randrange(3, cfg.vocab_size) for _ in range(L)], rng.randint(2, 24), ignore_eos=True)
-            for _ in range(rng.randint(0, 3)):
+    concurrent = set()
+    step0 = len(eng.step_log)
+    with CompileWatch() as w:
+        for _ in range(12):
+            for _ in range(rng.randint(1, 2 * eng.scheduler.max_num_seqs)):
+                L = rng.randint(1, 120)
+                eng.add_request([rng.randrange(3, cfg.vocab_size) for _ in range(L)], rng.randint(1, 24),
+                                ignore_eos=True)
+            for _ in range(rng.randint(0, 6)):
                 if eng.has_unfinished():
                     eng.step()
+                    concurrent.add(len(eng.scheduler.running))
         while eng.has_unfinished():
             eng.step()
-
-    load(8)  # the warm-up requests of a benchmark
-    with CompileWatch() as w:
-        load(24)
+            concurrent.add(len(eng.scheduler.running))
     assert w.total == 0, w.summary()
+    steps = eng.step_log[step0:]
+    assert len(concurrent) >= 4 and any(s.num_decode and s.num_prefill_tokens for s in steps)
+    assert all(s.graph for s in steps), [s for s in steps if not s.graph][:3]
 
 
 def test_bucket_padded_mixed_steps_give_the_oracle_tokens(tiny, prompts_and_ref):
@@ -371,3 +398,27 @@ def test_engine_gpu_mixed_graphs_equal_padded_eager(tiny):
     b._forward = padded
     assert b.generate(prompts, 7) == out_a
     assert a.mla.num_free_blocks == a.mla.num_blocks
+
+
+def test_engine_runs_kernels_untimed_with_a_static_split_plan(tiny, prompts_and_ref):
+    """Steps run in tune mode "first" (each table's first config; "frozen" with autotune) and an mla_decode that
+    takes a split plan gets the engine's fixed one — decode rows: min(8, max_model_len // 512) splits of a
+    max_model_len context, a chunk continuing a cached context: one split — never one sized from live context
+    lengths; the tokens stay the oracle's. The oracle's own op (no plan arguments) is left as it is."""
+    from k3rocm.kernels import tune
+    from k3rocm.model.mla import mla_decode
+
+    prompts, ref, n = prompts_and_ref
+    seen = []
+
+    def planned(q_nope, *args, num_splits=None, max_context_len=None, **kw):
+        seen.append((q_nope.shape[1], num_splits, max_context_len, tune.current_mode()))
+        return mla_decode(q_nope, *args, **kw)
+
+    eng = _engine(tiny, max_model_len=1100)
+    assert eng.ops["mla_decode"] is mla_decode and eng._tune_mode == "first"  # the oracle takes no plan
+    eng.ops["mla_decode"] = eng._static_split_plan(planned)
+    assert eng.generate(prompts, n) == ref
+    assert {(tq, s, m, mode) for tq, s, m, mode in seen if tq == 1} == {(1, 2, 1100, "first")}
+    assert {(s, m, mode) for tq, s, m, mode in seen if tq > 1} == {(1, 1100, "first")}  # 13 tokens > budget 8
+    assert _engine(tiny, autotune=True)._tune_mode == "frozen"

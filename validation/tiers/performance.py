@@ -244,6 +244,15 @@ def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
     after = (f"after warm-up of {len(ladder.get('graphs', []))} decode graphs, "
              f"{len(ladder.get('mixed_graphs', []))} mixed-step graphs and prefill buckets "
              f"{ladder.get('prefill_buckets', [])}" if ladder else "after the warm-up requests")
+    if ladder.get("seconds") is not None:
+        stage.add(info(tier, f"{tag}.warmup.seconds", round(float(ladder["seconds"]), 3), "s", level=lv,
+                       detail=f"engine.warm_up(): graphs captured, the kernels of every step shape serving can meet "
+                              f"compiled (tune mode {ladder.get('tune_mode', '?')})"))
+        wc = ladder.get("compiles")
+        stage.add(info(tier, f"{tag}.warmup.compiles", int(wc) if wc is not None else "not counted",
+                       "kernels" if wc is not None else "", level=lv,
+                       detail=f"Triton compilations during warm-up; {int(ladder.get('autotune_runs') or 0)} "
+                              "tune.pick timing runs"))
     if c.get("available", True):
         names = ", ".join(f"{k} x{v}" for k, v in c.get("compiled", {}).items())
         stage.add(check(tier, f"{tag}.measured.compiles", int(c["compiles"]), eq=0, unit="kernels", level=lv,
