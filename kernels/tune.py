@@ -48,6 +48,7 @@ LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim"
 SELECT_KEYS = ("max_rows", "kind")
 
 _CACHE: dict[tuple, Config] = {}
+_FIT: dict[tuple, Config] = {}  # per (name, key): the first candidate that launched (see _first_fit)
 
 #: the tune modes (see the module docstring)
 MODES = ("time", "first", "frozen")
@@ -107,25 +108,26 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
 
     1. ``rows`` given: the first candidate whose ``max_rows`` (default unbounded) is >= ``rows``, else the
        last one, is the only candidate.
-    2. Tune mode ``"first"`` (:func:`mode`): the first candidate (not timed, not cached).
+    2. Tune mode ``"first"`` (:func:`mode`): the first candidate that launches on this device (not timed;
+       :func:`_first_fit`).
     3. A choice already timed for ``(name, key)`` in this process is returned.
     4. Without ``run``, with one candidate, under the interpreter, with ``K3ROCM_TUNE=0``, in tune mode
-       ``"frozen"``, during CUDA/HIP graph capture or when ``can_time`` is False: the first candidate (not
-       cached).
+       ``"frozen"``, during CUDA/HIP graph capture or when ``can_time`` is False: the first candidate that
+       launches (:func:`_first_fit`; under the interpreter or during capture simply the first).
     5. Else each candidate is timed by ``run(cfg)`` (median of ``triton.testing.do_bench``; configs that fail
        to compile or launch are skipped) and the fastest is cached for ``(name, key)``. ``run`` must be safe to
        repeat (no in-place side effects).
     """
     if rows is not None:
         candidates = [next((c for c in candidates if rows <= c.get("max_rows", math.inf)), candidates[-1])]
-    if _MODE[0] == "first":
-        return candidates[0]
     ck = (name, key)
+    if _MODE[0] == "first":
+        return _first_fit(ck, candidates, run if can_time else None)
     if ck in _CACHE:
         return _CACHE[ck]
     if (run is None or len(candidates) == 1 or not can_time or interpreting() or _MODE[0] == "frozen"
             or os.environ.get("K3ROCM_TUNE") == "0" or _capturing()):
-        return candidates[0]
+        return _first_fit(ck, candidates, run if can_time else None)
     for fn in list(LISTENERS):
         fn(name, key)
     best, best_t = None, math.inf
@@ -138,6 +140,28 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
             best, best_t = cfg, t
     _CACHE[ck] = best if best is not None else candidates[0]
     return _CACHE[ck]
+
+
+def _first_fit(ck: tuple, candidates: list[Config], run: Callable[[Config], None] | None) -> Config:
+    """The first of ``candidates`` that compiles and launches on this device (``run(cfg)`` once each, in order;
+    a config over the device's shared memory or registers raises at launch and is passed over), remembered per
+    ``ck``. Without ``run``, under the interpreter or during graph capture (nothing may launch outside the
+    graph): the remembered fit, else the first candidate. Not a timing run (:data:`LISTENERS` are not told)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    fit = _FIT.get(ck)
+    if fit is not None:
+        return fit
+    if run is None or interpreting() or _capturing():
+        return candidates[0]
+    for cfg in candidates:
+        try:
+            run(cfg)
+        except Exception:  # out of resources on this device (or a config this backend cannot build): next
+            continue
+        _FIT[ck] = cfg
+        return cfg
+    return candidates[0]  # none launches: the caller's own launch raises the first config's error
 
 
 def _capturing() -> bool:

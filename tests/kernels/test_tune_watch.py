@@ -78,38 +78,48 @@ def test_spec_cover_meets_every_specialisation_and_bucket_with_a_bounded_count()
 
 
 def test_tune_modes(monkeypatch):
-    """"time" times a new key and caches it; "first" takes the first fitting candidate, cached choice or not,
-    and never times; "frozen" returns a choice timed before, else the first, and never times; the mode is restored
+    """"time" times a new key and caches it; "first" takes the first candidate that launches on the device (a
+    config that raises, e.g. over the shared memory, is passed over), remembered per key, and never times;
+    "frozen" returns a choice timed before, else the first that launches, and never times; the mode is restored
     on exit and an unknown one refused."""
     monkeypatch.setattr(tune, "interpreting", lambda: False)
     monkeypatch.setattr(tune, "_capturing", lambda: False)
     monkeypatch.delenv("K3ROCM_TUNE", raising=False)
-    timed = []
-    monkeypatch.setattr(tune.triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
-    cands = [{"BLOCK": 16}, {"BLOCK": 32}]
+    runs, benched = [], []
+
+    def bench(fn, **kw):
+        benched.append(1)
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(tune.triton.testing, "do_bench", bench)
+    cands = [{"BLOCK": 16}, {"BLOCK": 32}, {"BLOCK": 64}]
 
     def run(c):
-        timed.append(c["BLOCK"])
+        runs.append(c["BLOCK"])
         if c["BLOCK"] == 16:
-            raise RuntimeError("out of resources")  # skipped: BLOCK 32 is the timed choice
+            raise RuntimeError("out of resources: shared memory")  # never chosen on this device
 
     name = "mode_test_kernel"
     try:
         assert tune.current_mode() == "time"
         with tune.mode("first"):
-            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 16} and timed == []
+            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 32} and runs == [16, 32] and not benched
+            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 32} and runs == [16, 32]  # remembered
             assert tune.pick(name, ("a",), [{"BLOCK": 8, "max_rows": 4}, {"BLOCK": 64}], run, rows=9) == {"BLOCK": 64}
+            # a call that must not be repeated (can_time=False) is never run by the pick: the first candidate
+            assert tune.pick(name, ("c",), cands, run, can_time=False) == {"BLOCK": 16} and runs == [16, 32]
         assert tune.current_mode() == "time"
-        assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 32} and timed == [16, 32]
-        with tune.mode("first"):
-            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 16}  # the cache is not consulted
+        runs.clear()
+        assert tune.pick(name, ("t",), cands, run) == {"BLOCK": 32} and runs == [16, 32, 64] and len(benched) == 3
         with tune.mode("frozen"):
-            assert tune.pick(name, ("a",), cands, run) == {"BLOCK": 32}  # timed before
-            assert tune.pick(name, ("b",), cands, run) == {"BLOCK": 16}  # never seen: first, not timed
-        assert timed == [16, 32] and (name, ("b",)) not in tune._CACHE
+            assert tune.pick(name, ("t",), cands, run) == {"BLOCK": 32}  # timed before
+            assert tune.pick(name, ("b",), cands, run) == {"BLOCK": 32}  # never timed: the first that launches
+        assert len(benched) == 3 and (name, ("b",)) not in tune._CACHE
         with pytest.raises(tune.ConfigError):
             with tune.mode("fastest"):
                 pass
     finally:
-        for k in ("a", "b"):
+        for k in ("a", "b", "c", "t"):
             tune._CACHE.pop((name, (k,)), None)
+            tune._FIT.pop((name, (k,)), None)
