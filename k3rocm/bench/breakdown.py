@@ -25,6 +25,7 @@ decode step with the profiler set, and returns both breakdowns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Callable
 
@@ -35,7 +36,7 @@ __all__ = ["FAMILIES", "OP_FAMILY", "StepProfiler", "step_breakdown"]
 FAMILIES = ("KDA", "MLA", "router", "experts", "dense/shared MLP", "AttnRes", "lm_head", "collectives",
             "host + other")
 #: engine op -> family (ops not listed fall to the family they are called from)
-OP_FAMILY = {"moe_router": "router", "moe_experts": "experts", "attn_res": "AttnRes"}
+OP_FAMILY = {"moe_router": "router", "moe_experts": "experts", "attn_res_norm": "AttnRes"}
 
 
 class StepProfiler:
@@ -73,6 +74,9 @@ class StepProfiler:
                 self._stack[-1][2] += el
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
+        # wraps: callers that look at an op's signature (moe_block's fused-routing check) see the op's own, so a
+        # profiled step takes the same path as a served one
+        @functools.wraps(fn)
         def timed(*a, **k):
             with self.family(name):
                 return fn(*a, **k)

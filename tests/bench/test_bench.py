@@ -253,6 +253,7 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
     for part in (mixed, dec):
         fams = part["ms"]
         assert fams["KDA"] > 0 and fams["MLA"] > 0 and fams["lm_head"] > 0 and fams["experts"] > 0
+        assert fams["AttnRes"] > 0 and fams["router"] > 0  # every op family the step runs is attributed
         assert all(v >= 0 for v in fams.values()) and sum(fams.values()) == pytest.approx(part["wall_ms"], rel=1e-3)
     assert eng.profiler is None and "channel" not in vars(eng.dec) and "_mix" not in vars(eng)  # all undone
 
@@ -338,3 +339,20 @@ def test_endpoint_url_forms_all_post_to_v1_completions():
                       ("http://h:8000/v1/", "/v1/completions"), ("http://h:8000/v1/completions", "/v1/completions"),
                       ("http://h:8000/proxy/v1", "/proxy/v1/completions")):
         assert OpenAIClient(url).path == want, url
+
+
+def test_profiled_ops_keep_their_signature():
+    """The breakdown's timing wrapper keeps the op's signature, so code that picks a path from it (the MoE block's
+    fused routing looks for ``experts`` / ``dispatch`` parameters) takes the served path while profiled."""
+    import inspect
+    import types
+
+    from k3rocm.bench.breakdown import StepProfiler
+
+    def moe_router(x, gate_weight, bias, top_k, renormalize=True, scaling=1.0, experts=None):
+        return x
+
+    prof = StepProfiler(types.SimpleNamespace(device=torch.device("cpu")))
+    wrapped = prof._wrap("router", moe_router)
+    assert "experts" in inspect.signature(wrapped).parameters
+    assert wrapped(3, None, None, 1) == 3 and prof.seconds["router"] >= 0.0
