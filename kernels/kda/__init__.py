@@ -29,8 +29,7 @@ TRITON_IMPLS = (
     ("short_conv", short_conv, None, "Triton causal depthwise conv + SiLU, varlen, conv state in/out"),
     ("kda_prefill", kda_prefill, _prefill_supports,
      f"Triton chunked WY/UT KDA, chunk {BT}, 16x16 sub-blocks, bf16 operands, fp32 state"),
-    ("kda_decode", kda_decode, None,
-     "Triton fused KDA decode over (row, head, V tile): conv, gate, L2, state step, gated RMSNorm, conv shift"),
+    ("kda_decode", kda_decode, None, "Triton fused KDA decode (conv, gate, L2, state step, gated RMSNorm)"),
 )
 
 
@@ -65,9 +64,8 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
-                   slot_ids="*i32", oraw="*fp32", ssq="*fp32", count="*i32", out=p, H="i32", scale="fp32",
-                   lower_bound="fp32", eps="fp32", K="constexpr", V="constexpr", W="constexpr", WP="constexpr",
-                   BV="constexpr", NVB="constexpr")
+                   slot_ids="*i32", out=p, H="i32", scale="fp32", lower_bound="fp32", eps="fp32",
+                   K="constexpr", V="constexpr", W="constexpr", BV="constexpr")
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]
     ot = configs.OUT["cuda"][0]
@@ -83,6 +81,6 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"]), True,
          _opts(configs.STATE)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
-        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, NVB=K // bv), False,
+        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=bv), False,
          _opts(configs.DECODE)),
     ]

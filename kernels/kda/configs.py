@@ -36,12 +36,10 @@ _CUDA = {
     "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
             dict(BV=32, BK=64, num_warps=4, num_stages=1)],
-    # BV = V: one program per (row, head) finishes in registers; BV < V: more, smaller programs (many heads).
-    # sm_90 registers (ptxas): 255 (BV 128, 8 warps), 204 (64, 8), 163 (32, 4), 161 (16, 2). Ordered by the
-    # H200 timings of gpu-runs/bench_kda.py (2026-12-02: BV 32 fastest at B64 H12, B64 H96 and B256 H12, then
-    # 16, 128, 64): the untimed pick serving uses takes the first that launches
-    "decode": [dict(BV=32, num_warps=4, num_stages=1), dict(BV=16, num_warps=2, num_stages=1),
-               dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=8, num_stages=1)],
+    # decode: the fused one-launch kernel of b5aae80 (0.053 / 0.291 / 0.152 ms at B64 H12 / B64 H96 / B256 H12 on
+    # an H200), kept over the V-tiled rewrite that measured slower on every row (BENCHMARKS, 2026-12-02)
+    "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
+               dict(BV=32, num_warps=4, num_stages=1), dict(BV=128, num_warps=16, num_stages=1)],
 }
 
 _HIP = {
@@ -56,8 +54,8 @@ _HIP = {
     "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
-    "decode": [dict(BV=128, num_warps=16, waves_per_eu=0), dict(BV=32, num_warps=4, waves_per_eu=0),
-               dict(BV=64, num_warps=8, waves_per_eu=0), dict(BV=16, num_warps=4, waves_per_eu=2)],
+    "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
+               dict(BV=16, num_warps=4, waves_per_eu=2)],
 }
 
 
