@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import time
 
 import torch
@@ -37,7 +36,9 @@ from triton.testing import do_bench as _do_bench
 
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_config, gemm_name, moe_experts, moe_router
+from k3rocm.bench import wall_ms
 from k3rocm.kernels.target import current_target
+from k3rocm.validation.evidence import git_sha
 from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu, kernel_layout
 from k3rocm.kernels.mx.layout import check_repack
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = args.device
     E, D, I, H, K = (16, 64, 64, 128, 4) if args.small else (E_K3, D_K3, I_K3, H_K3, K_K3)
     expert_bytes = 3 * D * I // 2 + 3 * D * I // 32
-    do_bench = _do_bench if dev == "cuda" else _wall_ms
+    do_bench = _do_bench if dev == "cuda" else wall_ms
     torch.manual_seed(0)
     ew = dict(w13_packed=torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, device=dev),
               w13_scale=torch.randint(119, 122, (E, 2 * I, D // 32), dtype=torch.uint8, device=dev),
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,
-                commit=_commit())
+                commit=git_sha()[:12])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
         json.dump(dict(meta=meta, repack=repack, goals=goals, rows=rows), f, indent=1)
@@ -311,22 +312,6 @@ def main(argv: list[str] | None = None) -> None:
     print(md)
 
 
-def _wall_ms(fn) -> float:
-    """CPU stand-in for ``do_bench`` (one warm call, then the median of 3 wall-clock runs, ms)."""
-    fn()
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[1]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "?"
 
 
 def _cell(v, nd=3) -> str:

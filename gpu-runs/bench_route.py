@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import time
 
 import torch
@@ -35,7 +34,9 @@ import triton
 import triton.testing as tt
 
 from k3rocm.kernels.moe.ops import dispatch_gpu, gemm_pick, moe_route, moe_router
+from k3rocm.bench import wall_ms
 from k3rocm.kernels.target import current_target
+from k3rocm.validation.evidence import git_sha
 
 E_K3, H_K3, K_K3, SCALING = 896, 7168, 16, 2.446
 COPY_BW = 4.2e12  # B/s, measured copy bandwidth (H200)
@@ -43,27 +44,11 @@ GOAL_US_AT_64 = 15.0
 FIELDS = ("sorted_pair", "pos", "counts", "offsets", "block_expert", "block_start")
 
 
-def _wall_ms(fn) -> float:
-    """CPU stand-in for ``do_bench`` (one warm call, then the median of 3 wall-clock runs, ms)."""
-    fn()
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[1]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "?"
 
 
 def bench_row(T, E, H, K, dev, graphs: bool) -> dict:
     """One token count: times in microseconds, equality of the two paths, the goal at 64 tokens."""
-    eager = (lambda f: tt.do_bench(f, warmup=25, rep=100)) if dev == "cuda" else _wall_ms
+    eager = (lambda f: tt.do_bench(f, warmup=25, rep=100)) if dev == "cuda" else wall_ms
     g = torch.Generator(device=dev).manual_seed(T)
     x = torch.randn(T, H, device=dev, generator=g).bfloat16()
     gate = (torch.randn(E, H, device=dev, generator=g) * H ** -0.5).bfloat16()
@@ -140,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,
-                commit=_commit(), experts=E, hidden=H, top_k=K)
+                commit=git_sha()[:12], experts=E, hidden=H, top_k=K)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "route_bench.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -128,3 +130,14 @@ def script_module(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+# ------------------------------------------------------------------------------------------------ interpreter
+def run_module_in_interpreter(test_file: str, timeout_s: float = 600) -> None:
+    """Run the test module ``test_file`` in a fresh pytest process with ``TRITON_INTERPRET=1`` (for modules whose
+    kernels must be interpreted but whose process may already hold compiled-mode Triton); fails with the child's
+    output when any of its tests fails."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-x"],
+                         env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]

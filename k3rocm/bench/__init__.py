@@ -105,6 +105,19 @@ class BenchResult:
         return d
 
 
+def wall_ms(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Median wall-clock milliseconds of ``repeats`` calls of ``fn`` after one warm call: the CPU stand-in for
+    ``triton.testing.do_bench`` in the ``gpu-runs/`` benchmark scripts' CPU smoke runs (their timings there mean
+    nothing; the scripts' code paths are what is checked)."""
+    fn()
+    ts = []
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
 def outputs_digest(engine: Any, records: Sequence[RequestRecord], ids: dict[int, int]) -> str:
     """sha256 of the greedy output tokens of ``records`` (in request-id order) as ``engine`` produced them: two
     runs of the same seeded load served the same tokens exactly when their digests are equal (e.g. a TP/EP run

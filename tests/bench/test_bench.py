@@ -356,3 +356,20 @@ def test_profiled_ops_keep_their_signature():
     wrapped = prof._wrap("router", moe_router)
     assert "experts" in inspect.signature(wrapped).parameters
     assert wrapped(3, None, None, 1) == 3 and prof.seconds["router"] >= 0.0
+
+
+def test_wall_ms_is_the_median_after_a_warm_call():
+    """``wall_ms`` (the scripts' CPU stand-in for do_bench) calls once to warm, then times ``repeats`` calls and
+    returns their median in milliseconds."""
+    from k3rocm.bench import wall_ms
+
+    delays = iter([0.0, 0.030, 0.001, 0.010])  # warm call, then three timed calls: 30, 1, 10 ms
+    calls = []
+
+    def fn():
+        d = next(delays)
+        calls.append(d)
+        time.sleep(d)
+
+    ms = wall_ms(fn, repeats=3)
+    assert len(calls) == 4 and 8.0 <= ms < 25.0  # the middle one (10 ms), never the 30 ms or 1 ms call

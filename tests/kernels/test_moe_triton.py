@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -23,7 +21,7 @@ import torch
 from k3rocm.model import moe as M
 from k3rocm.model.common import situ_glu
 
-from tests.helpers import REPO, latent_layer_inputs, near_tie_router_inputs, random_experts, script_module
+from tests.helpers import run_module_in_interpreter, latent_layer_inputs, near_tie_router_inputs, random_experts, script_module
 
 
 GPU = torch.cuda.is_available()
@@ -35,10 +33,7 @@ def test_in_interpreter_child_process():
     """On a machine without a GPU: every test below, in a fresh process with TRITON_INTERPRET=1."""
     if not CHILD:
         pytest.skip("kernels run in this process (GPU present or TRITON_INTERPRET=1 already)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"],
-                         env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+    run_module_in_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")
