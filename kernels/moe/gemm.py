@@ -436,6 +436,26 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
 
 
 @triton.jit
+def write_block_table(bexp_ptr, bstart_ptr, UB, experts, live, counts, start, BLOCK_M: tl.constexpr,
+                      BLOCK_UB: tl.constexpr):
+    """The GEMMs' block table from per-expert row counts, in the calling program: every one of the ``UB`` slots
+    first reset (expert −1, start 0), then expert ``experts[i]`` (where ``live[i]``) gets ``ceil(counts[i] /
+    BLOCK_M)`` consecutive blocks, in expert order, each with its first sorted row (``start[i] + j * BLOCK_M``).
+    Shared by both groupings (``moe_dispatch_kernel`` and the fused routing's ``router.bucket_pairs``)."""
+    ru = tl.arange(0, BLOCK_UB)
+    tl.store(bexp_ptr + ru, tl.full((BLOCK_UB,), -1, tl.int32), mask=ru < UB)
+    tl.store(bstart_ptr + ru, tl.zeros((BLOCK_UB,), dtype=tl.int32), mask=ru < UB)
+    tl.debug_barrier()
+    blocks = tl.where(live, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.cumsum(blocks, 0) - blocks
+    for j in range(0, tl.max(blocks, 0)):
+        b = first_block + j
+        mb = (j < blocks) & (b < UB)
+        tl.store(bexp_ptr + b, experts, mask=mb)
+        tl.store(bstart_ptr + b, start + j * BLOCK_M, mask=mb)
+
+
+@triton.jit
 def moe_dispatch_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, counts_ptr, offsets_ptr,
                         bexp_ptr, bstart_ptr, run_ptr, UB,
                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -485,14 +505,4 @@ def moe_dispatch_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, count
         tl.debug_barrier()
         tl.store(run_ptr + re, run)
         tl.debug_barrier()
-    ru = tl.arange(0, BLOCK_UB)
-    tl.store(bexp_ptr + ru, tl.full((BLOCK_UB,), -1, tl.int32), mask=ru < UB)
-    tl.store(bstart_ptr + ru, tl.zeros((BLOCK_UB,), dtype=tl.int32), mask=ru < UB)
-    tl.debug_barrier()
-    blocks = tl.where(re < num_local, (counts + BLOCK_M - 1) // BLOCK_M, 0)
-    first_block = tl.cumsum(blocks, 0) - blocks
-    for j in range(0, tl.max(blocks, 0)):
-        b = first_block + j
-        mb = (j < blocks) & (b < UB)
-        tl.store(bexp_ptr + b, re, mask=mb)
-        tl.store(bstart_ptr + b, start + j * BLOCK_M, mask=mb)
+    write_block_table(bexp_ptr, bstart_ptr, UB, re, re < num_local, counts, start, BLOCK_M, BLOCK_UB)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from k3rocm.kernels.moe.gemm import write_block_table
+
 
 @triton.jit
 def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_PER_SPLIT, stride_x, stride_w, stride_ps, stride_pt,
@@ -129,17 +131,7 @@ def bucket_pairs(ids_ptr, rowpos_ptr, gcount_ptr, T, G, first, num_local, sorted
         row = tl.where(valid, first_row + before + inside, off_rank)
         tl.store(sorted_ptr + row, pidx, mask=pm)
         tl.store(pos_ptr + pidx, tl.where(valid, row, -1), mask=pm)
-    ru = tl.arange(0, BLOCK_UB)
-    tl.store(bexp_ptr + ru, tl.full((BLOCK_UB,), -1, tl.int32), mask=ru < UB)
-    tl.store(bstart_ptr + ru, tl.zeros((BLOCK_UB,), dtype=tl.int32), mask=ru < UB)
-    tl.debug_barrier()
-    blocks = tl.where(lm, (counts + BLOCK_M - 1) // BLOCK_M, 0)
-    first_block = tl.cumsum(blocks, 0) - blocks
-    for j in range(0, tl.max(blocks, 0)):
-        b = first_block + j
-        mb = (j < blocks) & (b < UB)
-        tl.store(bexp_ptr + b, rl, mask=mb)
-        tl.store(bstart_ptr + b, start + j * BLOCK_M, mask=mb)
+    write_block_table(bexp_ptr, bstart_ptr, UB, rl, lm, counts, start, BLOCK_M, BLOCK_UB)
 
 
 @triton.jit
