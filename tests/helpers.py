@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -136,7 +137,10 @@ def script_module(name: str) -> ModuleType:
 def run_module_in_interpreter(test_file: str, timeout_s: float = 600) -> None:
     """Run the test module ``test_file`` in a fresh pytest process with ``TRITON_INTERPRET=1`` (for modules whose
     kernels must be interpreted but whose process may already hold compiled-mode Triton); fails with the child's
-    output when any of its tests fails."""
+    output when any of its tests fails. Skips when kernels run in this process anyway (a GPU is present, or
+    ``TRITON_INTERPRET=1`` is already set)."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("kernels run in this process (GPU present or TRITON_INTERPRET=1 already)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-x"],
                          env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
