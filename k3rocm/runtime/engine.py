@@ -655,6 +655,16 @@ class Engine:
         return plan
 
     # ------------------------------------------------------------------ CUDA/HIP graphs
+    @staticmethod
+    def _bucket_graph(sizes: list[int], graphs: dict[int, Any], capture: Any, n: int) -> dict | None:
+        """The graph of the smallest bucket of ``sizes`` holding ``n`` rows, captured by ``capture(size)`` on
+        first use; None when no bucket holds ``n`` or the capture failed."""
+        size = next((b for b in sizes if b >= n), None)
+        if size is None:
+            return None
+        g = graphs.get(size)
+        return g if g is not None else capture(size)
+
     def _graph_decode(self, ids: torch.Tensor, dec: dict) -> torch.Tensor | None:
         """Replay (capturing on first use) the decode graph of the smallest ladder size >= N; padding rows get
         token 0 (a valid id: finite activations, in-range expert ids), slot −1 and context 0. Returns the greedy
@@ -662,14 +672,9 @@ class Engine:
         next replay: never cloned), or None when graphs are unavailable (then the engine stays eager and says
         why)."""
         n = ids.numel()
-        size = next((b for b in self.graph_sizes if b >= n), None)
-        if size is None:
-            return None
-        g = self._graphs.get(size)
+        g = self._bucket_graph(self.graph_sizes, self._graphs, self._capture, n)
         if g is None:
-            g = self._capture(size)
-            if g is None:
-                return None
+            return None
         g["ids"].zero_()
         g["ids"][:n] = ids
         g["slot_ids"].fill_(-1)
@@ -742,14 +747,10 @@ class Engine:
         the next piece reads. Returns ``(tokens [N], logits [N, V_local])`` (views into the graph's buffers) or
         None (no bucket fits, or capture failed: then mixed steps stay eager and :meth:`describe` says why)."""
         t, n = ids.numel(), len(sample_rows)
-        size = next((b for b in self.mixed_sizes if b >= t), None)
-        if size is None or n > self._mixed_rows():
-            return None
-        g = self._mixed.get(size)
+        g = None if n > self._mixed_rows() else self._bucket_graph(self.mixed_sizes, self._mixed,
+                                                                    self._capture_mixed, t)
         if g is None:
-            g = self._capture_mixed(size)
-            if g is None:
-                return None
+            return None
         g["ids"].zero_()
         g["ids"][:t] = ids
         g["rows"].zero_()
