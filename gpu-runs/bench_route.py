@@ -1,6 +1,6 @@
 """Benchmark the MoE routing of one K3 layer: router + dispatch, the two-step path against the fused one.
 
-Problem (K3_FACTS §2, §5): router input hidden 7168 (bf16), 896 experts, top-16, FP32 logits, sigmoid, biased
+Problem (K3_FACTS §2, §5): router input hidden 7168 (fp32 as the engine passes it, or bf16: ``--x-dtype``), 896 experts, top-16, FP32 logits, sigmoid, biased
 top-k, renormalised x 2.446; the pairs grouped by expert for the grouped GEMM (all 896 experts local, M
 blocks of the ``BLOCK_M`` the expert GEMM picks at that size). Paths:
 
@@ -46,15 +46,18 @@ FIELDS = ("sorted_pair", "pos", "counts", "offsets", "block_expert", "block_star
 
 
 
-def bench_row(T, E, H, K, dev, graphs: bool) -> dict:
+def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
     """One token count: times in microseconds, equality of the two paths, the goal at 64 tokens."""
     eager = (lambda f: tt.do_bench(f, warmup=25, rep=100)) if dev == "cuda" else wall_ms
     g = torch.Generator(device=dev).manual_seed(T)
-    x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    x = torch.randn(T, H, device=dev, generator=g)
+    if x_dtype == "bf16":
+        x = x.bfloat16()
     gate = (torch.randn(E, H, device=dev, generator=g) * H ** -0.5).bfloat16()
     bias = torch.rand(E, device=dev, generator=g) * 0.01
     if dev != "cuda":  # the interpreter's bf16 tl.dot is not trustworthy: the router's fp32 path
         x, gate = x.float(), gate.float()
+    r0 = dict(x_dtype=str(x.dtype).replace("torch.", ""))
     bm = gemm_pick(T * K, E)["BLOCK_M"]  # the BLOCK_M the expert GEMM runs (and the model routes for)
 
     def old():
@@ -68,7 +71,7 @@ def bench_row(T, E, H, K, dev, graphs: bool) -> dict:
     same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(
         torch.equal(getattr(a[2], f), getattr(b[2], f)) for f in FIELDS)
     ids = a[0]
-    r = dict(tokens=T, block_m=bm, same=same,
+    r = dict(tokens=T, block_m=bm, same=same, **r0,
              floor_us=E * H * x.element_size() / COPY_BW * 1e6,
              old_router_us=eager(lambda: moe_router(x, gate, bias, K, scaling=SCALING)) * 1e3,
              old_dispatch_us=eager(lambda: dispatch_gpu(ids, 0, E, bm)) * 1e3,
@@ -92,7 +95,7 @@ def markdown(meta, rows) -> str:
     def f(v):
         return "—" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
 
-    out = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+    out = [f"router input {rows[0].get('x_dtype', '?') if rows else '?'}; device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
            f"commit {meta['commit']}", "",
            f"### Routing per MoE layer (hidden {meta['hidden']}, {meta['experts']} experts, top-{meta['top_k']}), µs",
            "",
@@ -113,13 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--out", default="gpu-runs/results")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replays")
+    ap.add_argument("--x-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="router input: fp32 (what the engine passes: fp32 activations, split into bf16 parts in "
+                         "the kernel) or bf16")
     ap.add_argument("--small", action="store_true", help="smoke run: 64 experts, hidden 128, top-4")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (Triton interpreter, TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
     E, H, K = (64, 128, 4) if args.small else (E_K3, H_K3, K_K3)
     rows = []
     for T in args.tokens:
-        r = bench_row(T, E, H, K, args.device, not args.no_graphs)
+        r = bench_row(T, E, H, K, args.device, not args.no_graphs, args.x_dtype)
         rows.append(r)
         print(json.dumps(r), flush=True)
     meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",

@@ -84,16 +84,27 @@ def isa_cases() -> list[tuple]:
                   {"hip": {"num_warps": 8}, "cuda": {"num_warps": 8}}))
     rsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "D": "i32",
             "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
-            "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr"}
+            "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr",
+            "SPLIT_X": "constexpr"}
     for rc in ROUTER_CONFIGS["hip"]:
-        rconst = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False}
+        rconst = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False,
+                  "SPLIT_X": 0}
         ropts = {"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]}
         cases.append((f"router_logits[t{rc['BLOCK_T']}e{rc['BLOCK_E']}k{rc['BLOCK_K']}]", router_logits_kernel,
                       rsig, rconst, True, {"hip": ropts, "cuda": ropts}))
+    # the engine's path: fp32 activations split into three bf16 parts times the bf16 gate, on the matrix unit
+    for rc in ROUTER_CONFIGS["hip"]:
+        cases.append((f"router_logits_split[t{rc['BLOCK_T']}e{rc['BLOCK_E']}k{rc['BLOCK_K']}]", router_logits_kernel,
+                      {**rsig, "x_ptr": "*fp32"},
+                      {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False,
+                       "SPLIT_X": 1}, True,
+                      {"hip": {"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]},
+                       "cuda": {"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]}}))
     # the fp32 validation path (IEEE fp32 products): compiles everywhere; FMA on sm_90, so no matrix expectation
     rc = ROUTER_CONFIGS["hip"][0]
     cases.append(("router_logits_fp32_ieee", router_logits_kernel, {**rsig, "x_ptr": "*fp32", "w_ptr": "*fp32"},
-                  {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": True}, False,
+                  {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": True,
+                   "SPLIT_X": 0}, False,
                   {"hip": {"num_warps": 4, "num_stages": 2}, "cuda": {"num_warps": 4, "num_stages": 2}}))
     cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"])]
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",

@@ -97,8 +97,10 @@ LAYOUT_TILES: dict[str, tuple[int, int]] = {"cuda": (128, 128), "hip": (128, 128
 
 
 ROUTER_CONFIGS: dict[str, list[Config]] = {
-    # <= 64 tokens: one token tile, so the 12.8 MB K3 gate is read once (splits over K fill the SMs)
-    "cuda": [router_config(64, 64, 128, 8, 3, max_rows=64), router_config(16, 128, 128, 4, 4, max_rows=256),
+    # <= 16 tokens: a 16-row tile (the smallest MMA M; a 64-row one multiplies 4-16x padding rows, and
+    # three bf16 products per step on the split path); <= 64 tokens: one token tile, so the 12.8 MB K3 gate is
+    # read once (splits over K fill the SMs)
+    "cuda": [router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64), router_config(16, 128, 128, 4, 4, max_rows=256),
              router_config(64, 128, 64, 4, 3)],
     "hip": [router_config(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
     "interpreter": [router_config(16, 128, 256, 4, 1)],  # large tiles: fewer interpreted programs

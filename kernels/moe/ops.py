@@ -48,7 +48,10 @@ def _router_logits(x, gate_weight, top_k, config):
     E = gate_weight.shape[0]
     if not 0 < top_k <= E:
         raise ConfigError(f"moe_router: top_k {top_k} must be in 1..{E} (num_experts_per_token)")
-    if gate_weight.dtype != x.dtype:  # never narrow one side to the other's format: widen both (FP32 router)
+    split = 0
+    if x.dtype == torch.float32 and gate_weight.dtype == torch.bfloat16:
+        split = 2 if interpreting() else 1  # fp32 x as three exact bf16 parts times the bf16 gate (router.py)
+    elif gate_weight.dtype != x.dtype:  # never narrow one side to the other's format: widen both (FP32 router)
         x, gate_weight = x.float(), gate_weight.float()
     x = x.contiguous()
     gate_weight = gate_weight.contiguous()
@@ -63,7 +66,8 @@ def _router_logits(x, gate_weight, top_k, config):
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(E, cfg["BLOCK_E"]), splits)](
         x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_K=cfg["BLOCK_K"], IEEE=x.dtype == torch.float32,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_K=cfg["BLOCK_K"],
+        IEEE=x.dtype == torch.float32 and not split, SPLIT_X=split,
         **tune.split(cfg)[1])
     return x, part, splits
 
@@ -72,9 +76,10 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
                renormalize: bool = True, scaling: float = 1.0, config=None, experts: Any = None) -> tuple:
     """Triton router; same contract as ``k3rocm.model.moe.moe_router`` (FP32 logits, lowest-id ties).
 
-    x ``[T, D]`` and gate_weight ``[E, D]`` are used in x's dtype: bf16 (the serving path: exact products,
-    fp32 accumulation) or fp32 (the validation path and the interpreter, whose bf16 ``tl.dot`` is not
-    trustworthy; fp32 products in IEEE precision, never TF32). Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
+    x ``[T, D]`` and gate_weight ``[E, D]``: both bf16 (exact products, fp32 accumulation); fp32 x with the bf16
+    gate (the engine: x split into three exact bf16 parts on the matrix unit, fp32 math up to summation order,
+    the gate never widened; emulated in fp32 under the interpreter, whose bf16 ``tl.dot`` is not trustworthy);
+    both fp32 (the validation path: IEEE products, never TF32); other mixes widen both to fp32. Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
     Two launches (logits, top-k).
 
     ``experts`` (the layer's packed ``ExpertWeights``, as :func:`moe_experts` takes them): fused routing —
@@ -86,7 +91,7 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     if experts is None:
         return _route(x, gate_weight, bias, top_k, renormalize, scaling, config, None)[:2]
     first, num_local = _local_experts(experts)
-    block_m = gemm_pick(x.shape[0] * top_k, num_local)["BLOCK_M"]
+    block_m = gemm_pick(x.shape[0] * top_k, num_local, num_experts=gate_weight.shape[0])["BLOCK_M"]
     return moe_route(x, gate_weight, bias, top_k, first, num_local, block_m, renormalize, scaling, config)
 
 
@@ -134,7 +139,9 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     wts = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     if group is not None and T == 0:
-        return ids, wts, dispatch_gpu(ids, group[0], group[1], group[2])
+        d = dispatch_gpu(ids, group[0], group[1], group[2])
+        d.num_experts = E
+        return ids, wts, d
     if T == 0:
         return ids, wts, None
     b = bias.float().contiguous() if bias is not None else part
@@ -151,7 +158,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                     torch.empty(num_local, dtype=torch.int64, device=dev),
                     torch.empty(num_local + 1, dtype=torch.int64, device=dev),
                     torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
-                    block_m)
+                    block_m, E)
     block_l = triton.next_power_of_2(num_local + 1)
     bt = bucket_tokens or max(1, min(ROUTER_BUCKET_TOKENS[current_target().backend], 16384 // block_l))
     groups = triton.cdiv(T, bt)
@@ -187,6 +194,7 @@ class GpuDispatch:
     block_expert: torch.Tensor
     block_start: torch.Tensor
     block_m: int
+    num_experts: int | None = None  # global experts the pairs were routed over (None: all local)
 
 
 # decode-sized dispatch runs as one Triton program (one launch instead of ~35 small torch ops, whose launch
@@ -312,11 +320,18 @@ def _local_experts(experts: Any) -> tuple[int, int]:
     return int(_get(experts, "first_expert") or 0), _get(experts, "w13_packed").shape[0]
 
 
-def gemm_pick(pairs: int, num_local: int, config: tune.Config | None = None) -> tune.Config:
-    """The grouped-GEMM config :func:`moe_experts` runs for ``pairs`` (token, expert) pairs over ``num_local``
-    local experts: ``config`` if given, else the first of ``GEMM_CONFIGS`` whose ``max_rows`` covers the mean
-    pairs per active expert, keyed on its power of two (never a raw length: no specialisation per batch).
-    The fused routing groups its pairs for this config's ``BLOCK_M``."""
+def gemm_pick(pairs: int, num_local: int, config: tune.Config | None = None,
+              num_experts: int | None = None) -> tune.Config:
+    """The grouped-GEMM config :func:`moe_experts` runs for ``pairs`` (token, expert) pairs (all ranks' pairs,
+    ``T * top_k``) over ``num_local`` local experts of ``num_experts`` (the global count; None: all local):
+    ``config`` if given, else the first of ``GEMM_CONFIGS`` whose ``max_rows`` covers the mean pairs per active
+    local expert, keyed on its power of two (never a raw length: no specialisation per batch). Under expert
+    parallelism a rank expects ``pairs * num_local / num_experts`` of the pairs (uniform routing), so a rank of
+    EP16 at 256 tokens (4096 pairs, 256 local over 56 experts: ~5 rows each) takes the narrow-M tile, not the
+    64-row one the all-local estimate (73 rows) would. The fused routing groups its pairs for this config's
+    ``BLOCK_M``."""
+    if num_experts and num_experts > num_local:
+        pairs = math.ceil(pairs * num_local / num_experts)
     rows = pairs / max(1, min(num_local, pairs))  # mean pairs per active expert
     return config or tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
 
@@ -364,7 +379,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         a = a.contiguous()
         a_s = a  # unused placeholder pointer
     fmt = "e4m3" if a8 else _act_format(a.dtype)
-    cfg = gemm_pick(P, E_loc, config)
+    cfg = gemm_pick(P, E_loc, config, num_experts=dispatch.num_experts if dispatch is not None else None)
     if dispatch is None:
         d = dispatch_gpu(topk_ids, first, E_loc, cfg["BLOCK_M"])
     elif (dispatch.block_m != cfg["BLOCK_M"] or dispatch.sorted_pair.numel() != P

@@ -104,10 +104,13 @@ def test_decode_kernel_compiles_for_amd(target):
 def test_sm90_router_configs_compile():
     sig = next(c for c in isa_cases() if c[0].startswith("router_logits["))[2]
     for rc in ROUTER_CONFIGS["cuda"]:
-        consts = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False}
-        rep = compile_kernel(router_logits_kernel, sig, consts, "sm_90", name="router_logits",
-                             options={"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]}, expects_matrix=True)
-        assert rep.ok, rep.problems()
+        for split, xt in ((0, "*bf16"), (1, "*fp32")):  # bf16 x, and the engine's fp32 x split into bf16 parts
+            consts = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False,
+                      "SPLIT_X": split}
+            rep = compile_kernel(router_logits_kernel, {**sig, "x_ptr": xt}, consts, "sm_90", name="router_logits",
+                                 options={"num_warps": rc["num_warps"], "num_stages": rc["num_stages"]},
+                                 expects_matrix=True)
+            assert rep.ok, rep.problems()
 
 
 def test_other_kernels_all_targets():
@@ -116,6 +119,7 @@ def test_other_kernels_all_targets():
     cases = [c for c in isa_cases() if not c[0].startswith("gemm_")] + list(mx_cases())
     assert any(c[0].startswith("router_logits") for c in cases)
     assert any(c[0] == "router_logits_fp32_ieee" for c in cases)
+    assert any(c[0].startswith("router_logits_split[") for c in cases)
     for name, fn, sig, consts, expects, opts in cases:
         for target in ("gfx950", "gfx942", "sm_90"):
             backend = "hip" if target.startswith("gfx") else "cuda"

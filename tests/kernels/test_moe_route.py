@@ -174,10 +174,12 @@ def test_experts_take_the_routed_dispatch(tk, T, first, num_local):
     ew = _experts_on(random_experts(E, D, 64, seed=5), tk.dev, first, num_local)
     xd = x.to(tk.dev, tk.act_dtype)
     ids, wts, d = tk.ops.moe_router(xd, gate.to(tk.dev, tk.act_dtype), bias.to(tk.dev), k, experts=ew)
-    assert d.block_m == tk.ops.gemm_pick(T * k, num_local)["BLOCK_M"]
+    # the rank's share of the pairs sizes the tile (num_experts: the global count)
+    cfg = tk.ops.gemm_pick(T * k, num_local, num_experts=E)
+    assert d.block_m == cfg["BLOCK_M"] and d.num_experts == E
     _same_dispatch(d, tk.ops.dispatch_gpu(ids, first, num_local, d.block_m, one_program=True))
     xl = x.to(tk.dev)
-    alone = tk.ops.moe_experts(xl, ids, wts, ew, poison=True)
+    alone = tk.ops.moe_experts(xl, ids, wts, ew, poison=True, config=cfg)
     given = tk.ops.moe_experts(xl, ids, wts, ew, poison=True, dispatch=d)
     assert torch.isfinite(given).all() and torch.equal(given, alone)
 
@@ -258,3 +260,13 @@ def test_bench_route_script_runs(tk, tmp_path):
     assert bench.main(["--small", "--device", tk.dev, "--tokens", "3", "--no-graphs", "--out", str(tmp_path)]) == 0
     assert "| 3 |" in (tmp_path / "route_bench.md").read_text()
     assert (tmp_path / "route_bench.json").exists()
+
+
+def test_gemm_pick_counts_the_ranks_share_of_pairs(tk):
+    # 256 pairs over 16 local experts: 16 rows each when all experts are local, 4 when the 16 are a quarter of
+    # 64 (expert parallelism: the rank expects 64 of the 256 pairs), so a narrower tile may be picked
+    table = tk.ops.tune.configs(tk.ops.GEMM_CONFIGS)
+    covering = lambda rows: next(c for c in table if rows <= c.get("max_rows", float("inf")))  # noqa: E731
+    assert tk.ops.gemm_pick(256, 16) == covering(16) != covering(4)
+    assert tk.ops.gemm_pick(256, 16, num_experts=64) == covering(4)
+    assert tk.ops.gemm_pick(256, 16, num_experts=16) == tk.ops.gemm_pick(256, 16)

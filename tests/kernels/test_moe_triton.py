@@ -78,6 +78,21 @@ def test_router_exact_ids(tk, T, E, D, k):
     torch.testing.assert_close(wts.cpu(), rw, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T,E,D,k", [(1, 16, 64, 4), (7, 128, 256, 16), (33, 64, 96, 8)])
+def test_router_fp32_x_bf16_gate(tk, T, E, D, k):
+    """The engine's call: fp32 activations (not bf16-representable) with the BF16 gate, split into three bf16
+    parts in the kernel: ids equal the fp32 oracle's and the weights carry fp32 accuracy (one bf16 part alone
+    is ~1e-3 off, which this tolerance rejects)."""
+    g = torch.Generator().manual_seed(100 + T)
+    x = torch.randn(T, D, generator=g)
+    w = (torch.randn(E, D, generator=g) * D ** -0.5).bfloat16()
+    bias = torch.randn(E, generator=g) * 0.01
+    ids, wts = tk.moe.moe_router(x.to(tk.dev), w.to(tk.dev), bias.to(tk.dev), k)
+    rid, rw = M.moe_router(x.double(), w.double(), bias.double(), k)
+    assert (ids.cpu() == rid).all()
+    torch.testing.assert_close(wts.cpu().double(), rw.double(), rtol=2e-6, atol=1e-7)
+
+
 def test_router_near_ties(tk):
     x, w, bias = near_tie_router_inputs(5, 64, 64, 16)
     ids, _ = tk.moe.moe_router(x.to(tk.dev, tk.act_dtype), w.to(tk.dev, tk.act_dtype), bias.to(tk.dev), 64)
