@@ -46,12 +46,24 @@ def current_target() -> Target:
 
     ``Target("interpreter", "cpu")`` under ``TRITON_INTERPRET=1``; else the active Triton driver's target
     (``Target("cuda", "90")``, ``Target("hip", "gfx950")``). Without an active driver (no GPU, or no Triton)
-    the torch build decides: ``"hip"`` for a ROCm build (``torch.version.hip``), else ``"cuda"``; ``arch=""``. Read at every call (tests switch ``TRITON_INTERPRET`` within one process).
+    the torch build decides: ``"hip"`` for a ROCm build (``torch.version.hip``), else ``"cuda"``; ``arch=""``.
+    ``TRITON_INTERPRET`` is read at every call (tests switch it within one process); the driver's answer is
+    remembered per device.
     """
     if interpreting():
         return Target("interpreter", "cpu")
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    hit = _DRIVER_TARGETS.get(dev)
+    if hit is not None:
+        return hit
     try:
         t = triton.runtime.driver.active.get_current_target()
     except Exception:  # no GPU driver on this machine (or no Triton)
         return Target("hip" if getattr(torch.version, "hip", None) else "cuda", "")
-    return Target(t.backend, str(t.arch))
+    _DRIVER_TARGETS[dev] = out = Target(t.backend, str(t.arch))
+    return out
+
+
+#: device index -> the driver's target: asked once per device (the driver query reads the device's capability;
+#: ~750 calls per mixed step of the K3 rank cost ~9 ms of host time on the H200 host, 2026-12-02)
+_DRIVER_TARGETS: dict[int, Target] = {}

@@ -202,6 +202,9 @@ class Batch:
         slots: ``[N]`` int64 cache slot of each sequence (``arange(N)`` when None).
         start_pos: ``[N]`` int64 tokens already cached per sequence before this step.
         decode: True when every sequence contributes exactly one token (the decode kernels run).
+        cu_host: the same offsets as a host list, or None. Where cu_seqlens lives on the device (the serving
+            engine) the mixers read the offsets here, so no layer waits for the device to drain to read them
+            (the K3 rank's mixed step read them 5 times per layer before: ~450 device->host syncs per step).
     """
 
     cu_seqlens: torch.Tensor
@@ -209,14 +212,37 @@ class Batch:
     slots: torch.Tensor | None = None
     start_pos: torch.Tensor | None = None
     decode: bool = False
+    cu_host: list[int] | None = None
+    _on_device: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def device_ints(self, key: str, values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+        """``values`` as a ``dtype`` tensor on ``device``, made once per batch and ``key`` and shared by every
+        layer (a GPU copy goes through pinned memory, non-blocking: ``torch.tensor(..., device=cuda)`` would wait
+        for the device to drain, once per layer). Callers must not write the tensor."""
+        dev = torch.device(device)
+        k = (key, dtype, str(dev))
+        t = self._on_device.get(k)
+        if t is None:
+            t = torch.tensor(values, dtype=dtype)
+            t = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+            self._on_device[k] = t
+        return t
 
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
 
+    def cu_list(self) -> list[int]:
+        """The offsets ``[N+1]`` as host ints (:attr:`cu_host` when given, else read from cu_seqlens)."""
+        return list(self.cu_host) if self.cu_host is not None else [int(c) for c in self.cu_seqlens.tolist()]
+
+    def cu_host_tensor(self) -> torch.Tensor:
+        """The offsets as a host int32 tensor (for ops that read them on the host only)."""
+        return torch.tensor(self.cu_list(), dtype=torch.int32)
+
     @property
     def seqlens(self) -> list[int]:
-        cu = self.cu_seqlens.tolist()
+        cu = self.cu_list()
         return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
     def slot_list(self) -> list[int]:
@@ -301,7 +327,7 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     form = "k3" if cfg.family == "k3" else "kimi_linear"
     cache = batch.cache
     dev = x.device
-    slots = torch.tensor(batch.slot_list(), dtype=torch.int64, device=dev)
+    slots = batch.device_ints("slots", batch.slot_list(), torch.int64, dev)
     if batch.decode and cache is not None and form == "k3":
         return kda_decode_rows(x, w, layer, cfg, ops, cache.conv[layer], cache.ssm[layer], slots.to(torch.int32))
     a = _kda_inputs(x, w, layer, cfg)
@@ -318,8 +344,10 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         qkv.append(y)
         finals.append(fin)
     q, k, v = (t.reshape(1, T, H, K) for t in qkv)
+    # the prefill reads the offsets on the host only (its chunk table): hand it the host copy where there is one
+    cu_read = batch.cu_host_tensor() if batch.cu_host is not None else cu
     o, state = ops["kda_prefill"](q, k, v, a["decay"].unsqueeze(0), a["beta"].unsqueeze(0), a["A_log"], a["dt_bias"],
-                                  initial_state=init, cu_seqlens=cu, scale=None, lower_bound=cfg.gate_lower_bound,
+                                  initial_state=init, cu_seqlens=cu_read, scale=None, lower_bound=cfg.gate_lower_bound,
                                   gate_form=form)
     if cache is not None:
         for j in range(3):
@@ -414,7 +442,7 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     slots = batch.slot_list()
     dev = x.device
     if cache is not None:
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_list()
         for n in range(batch.num_seqs):
             if starts[n] + cu[n + 1] - cu[n] > cache.max_len:
                 raise ConfigError(f"sequence {n}: {starts[n] + cu[n + 1] - cu[n]} tokens exceed the cache capacity "
@@ -427,7 +455,7 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     q, latent, k_rope = mla_project(x, w, layer, cfg)
     scale = (Dn + Dr) ** -0.5
     if cache is not None:
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_list()
         bs = cache.block_size
         pos = []
         for n in range(batch.num_seqs):  # on the block table's device (CPU for K3Cache, the GPU for the engine's)
@@ -440,16 +468,20 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     if cache is None or all(s == 0 for s in starts):
         kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(x.shape[0], H, Dn + Dv)
         cu_t = batch.cu_seqlens.to(dev)
-        o = ops["mla_prefill"](q, kvb[..., :Dn].contiguous(), k_rope, kvb[..., Dn:].contiguous(), cu_t, cu_t, scale)
+        extra = {}
+        if batch.cu_host is not None and _takes(ops["mla_prefill"], "max_seqlen_q"):
+            extra["max_seqlen_q"] = max(batch.seqlens, default=0)  # else read from the device offsets
+        o = ops["mla_prefill"](q, kvb[..., :Dn].contiguous(), k_rope, kvb[..., Dn:].contiguous(), cu_t, cu_t, scale,
+                               **extra)
     else:
         w_kc, w_vc = mla_kv_split(w, layer, cfg)
         outs = []
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_list()
         for n in range(batch.num_seqs):
             a, b = cu[n], cu[n + 1]
             if b == a:
                 continue
-            ctx = torch.tensor([starts[n] + b - a], dtype=torch.int32, device=dev)
+            ctx = batch.device_ints(f"context{n}", [starts[n] + b - a], torch.int32, dev)
             o_n = ops["mla_decode"](q[a:b, :, :Dn].unsqueeze(0).contiguous(), q[a:b, :, Dn:].unsqueeze(0).contiguous(),
                                     cache.kv[layer], cache.block_table[slots[n]:slots[n] + 1].to(dev), ctx,
                                     w_kc, w_vc, scale)

@@ -497,7 +497,7 @@ class Engine:
             cu = torch.zeros(p.shape[0] + 1, dtype=torch.int32)
             cu[1:] = p[:, 2].cumsum(0)
             pre = Batch(self._to_dev(cu), self._paged_view(p[:, 0], block_rows[nd:]), p[:, 0].clone(),
-                        p[:, 1].clone())
+                        p[:, 1].clone(), cu_host=cu.tolist())
         out = None
         if self.cuda_graphs and self.profiler is None:
             if nd and pre is None:

@@ -120,3 +120,20 @@ def test_fp32_math_unchanged_by_the_engine_view(tiny_ckpt, tiny_cfg):
         b = fn(memo, L.resolve_ops(), setup())
         assert torch.equal(a, b), name
     assert not any(k.startswith("cat:") for k in memo._memo)
+
+
+def test_batch_host_offsets_and_shared_device_ints():
+    # the engine hands the mixers the offsets on the host (no per-layer device read) and shares per-step
+    # index tensors across layers; both must describe exactly the batch's device offsets
+    from k3rocm.model.layer import Batch
+
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    b = Batch(cu, slots=torch.tensor([2, 0, 1]), cu_host=[0, 3, 3, 10])
+    assert b.cu_list() == cu.tolist() and b.seqlens == [3, 0, 7]
+    assert torch.equal(b.cu_host_tensor(), cu)
+    assert Batch(cu).cu_list() == [0, 3, 3, 10]  # no host copy: read from the tensor
+    s1 = b.device_ints("slots", b.slot_list(), torch.int64, "cpu")
+    assert s1.tolist() == [2, 0, 1] and s1.dtype == torch.int64
+    assert b.device_ints("slots", b.slot_list(), torch.int64, "cpu") is s1  # made once per batch
+    assert b.device_ints("slots", b.slot_list(), torch.int32, "cpu") is not s1
+    assert Batch(cu, slots=torch.tensor([1, 2, 0])).device_ints("slots", [1, 2, 0], torch.int64, "cpu").tolist() == [1, 2, 0]
