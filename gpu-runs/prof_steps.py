@@ -1,0 +1,89 @@
+"""Where an engine step's time goes, kernel by kernel and on the host: wraps a ``k3rocm`` CLI run.
+
+After each ``Engine.warm_up`` returns, every step is logged to ``$PROF_OUT/steps.jsonl`` (decode rows, prefill
+tokens, graphed or not, step ms). Steps ``PROF_AFTER .. PROF_AFTER + PROF_N - 1`` (counted from the warm-up's
+end) are profiled:
+
+* default: ``torch.profiler`` (CUDA activity, graph replays included) per step; device time per kernel is
+  summed per step kind (decode-only / carrying prefill) into ``$PROF_OUT/kernels_<n>.txt`` (ms per step,
+  calls per step, µs per call);
+* ``PROF_MODE=cprofile``: ``cProfile`` of each step, host functions by own and cumulative time, in
+  ``$PROF_OUT/cprof_<i>.txt`` (profiling inflates the host time ~2x; the shares are the evidence).
+
+Usage (on the GPU machine, the package importable)::
+
+    PROF_OUT=out/k3 PROF_AFTER=15 PROF_N=110 python gpu-runs/prof_steps.py bench --synthetic --preset k3 \
+        --profile mi355x-8 --tp 16 --ep 16 --rank 0 --concurrency 64 --input-len 256 --output-len 64 \
+        --num-prompts 64 --warmups 4 --out out/k3
+
+``PROF_AFTER`` past the run's last step only logs the steps. The bench's own figures are disturbed inside the
+profiled window; use a separate run for them.
+"""
+import os, sys, time, json, functools, collections
+import torch
+from torch.profiler import profile, ProfilerActivity
+from k3rocm.runtime import engine as E
+OUTD = os.environ.get("PROF_OUT", "/tmp/prof"); os.makedirs(OUTD, exist_ok=True)
+AFTER = int(os.environ.get("PROF_AFTER", "30")); N = int(os.environ.get("PROF_N", "24"))
+state = {"warm": 0, "n": 0}
+agg = {"decode": collections.defaultdict(lambda: [0.0, 0]), "mixed": collections.defaultdict(lambda: [0.0, 0])}
+steps = {"decode": [], "mixed": []}
+LOG = open(os.path.join(OUTD, "steps.jsonl"), "w", buffering=1)
+wu = E.Engine.warm_up
+def warm_up(self, *a, **k):
+    r = wu(self, *a, **k); state["warm"] += 1; state["n"] = 0; return r
+E.Engine.warm_up = warm_up
+st = E.Engine.step
+def step(self, *a, **k):
+    i = state["n"]; state["n"] += 1
+    on = state["warm"] and AFTER <= i < AFTER + N
+    if not on:
+        t = time.perf_counter(); r = st(self, *a, **k)
+        if state["warm"]:
+            s = self.step_log[-1]
+            LOG.write(json.dumps({"i": i, "nd": s.num_decode, "pre": s.num_prefill_tokens, "graph": s.graph, "ms": round(s.seconds*1e3, 3) if hasattr(s, "seconds") else None, "wall_ms": round((time.perf_counter()-t)*1e3, 3)}) + "\n")
+        return r
+    if os.environ.get("PROF_MODE") == "cprofile":
+        import cProfile, pstats, io
+        torch.cuda.synchronize(); t = time.perf_counter()
+        pr = cProfile.Profile(); pr.enable()
+        r = st(self, *a, **k)
+        pr.disable(); torch.cuda.synchronize()
+        s = self.step_log[-1]
+        buf = io.StringIO(); ps = pstats.Stats(pr, stream=buf)
+        buf.write(f"== step {i} nd={s.num_decode} pre={s.num_prefill_tokens} graph={s.graph} wall {(time.perf_counter()-t)*1e3:.1f} ms\n")
+        ps.sort_stats("tottime").print_stats(45); ps.sort_stats("cumulative").print_stats(60)
+        open(os.path.join(OUTD, f"cprof_{i}.txt"), "w").write(buf.getvalue())
+        return r
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        r = st(self, *a, **k); torch.cuda.synchronize()
+    s = self.step_log[-1]
+    kind = "mixed" if s.num_prefill_tokens else "decode"
+    tot = 0.0
+    for ev in p.key_averages():
+        dt = getattr(ev, "self_device_time_total", None)
+        if dt is None: dt = ev.self_cuda_time_total
+        if dt <= 0: continue
+        a_ = agg[kind][ev.key]; a_[0] += dt; a_[1] += ev.count; tot += dt
+    steps[kind].append({"i": i, "nd": s.num_decode, "pre": s.num_prefill_tokens, "graph": s.graph, "gpu_us": round(tot, 1)})
+    LOG.write(json.dumps(steps[kind][-1] | {"kind": kind, "profiled": True}) + "\n")
+    if i == AFTER + N - 1: dump()
+    return r
+E.Engine.step = step
+def dump():
+    with open(os.path.join(OUTD, f"kernels_{state['warm']}.txt"), "w") as f:
+        for kind in ("decode", "mixed"):
+            n = len(steps[kind])
+            if not n: continue
+            tot = sum(v[0] for v in agg[kind].values())
+            f.write(f"== {kind}: {n} steps, device time per step {tot/n/1e3:.3f} ms; steps {steps[kind][:6]}\n")
+            for k, (t, c) in sorted(agg[kind].items(), key=lambda kv: -kv[1][0])[:45]:
+                f.write(f"{t/n/1e3:9.3f} ms/step {100*t/tot:5.1f}%  {c/n:7.1f} calls/step  {t/max(c,1):8.1f} us/call  {k[:110]}\n")
+    for kind in agg: agg[kind].clear(); steps[kind].clear()
+from k3rocm.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    pass
+dump()
