@@ -53,6 +53,11 @@ def resolve_ops(ops: Mapping[str, Callable] | None = None) -> dict[str, Callable
 # ---------------------------------------------------------------------------------------------------------
 
 
+#: rows of a concatenated projection are padded to a multiple of this (16-byte aligned bf16 product rows and
+#: whole 64-wide GEMM tiles)
+FUSED_ROW_ALIGN = 64
+
+
 class WeightView:
     """Read-only access to a :class:`~k3rocm.model.weights.Weights` by model-relative checkpoint name.
 
@@ -117,7 +122,12 @@ class WeightView:
         ``(W [sum out_i, in], [out_i, ...])``, built once — when this view memoises (the engine's: one GEMM
         then replaces ``len(names)``); None for a view that does not memoise (the oracle multiplies each weight
         alone, so its numerics never change) or weights that cannot be stacked. The concatenation is a second
-        copy of those weights next to the source's."""
+        copy of those weights next to the source's.
+
+        ``W`` has ``FUSED_ROW_ALIGN``-aligned rows: zero rows pad ``sum out_i`` up (their output columns are
+        dropped by :func:`linears`). A rank's KDA projections sum to an odd-aligned width (K3 at TP16:
+        4 x 768 + 6 + 128 = 3,206 outputs), whose product rows cuBLAS can only run on a 2-element-aligned
+        kernel (``cutlass_80_wmma ... align2``, 25 us per call on the H200 profile of 2026-12-02)."""
         if self._memo is None:
             return None
 
@@ -125,7 +135,11 @@ class WeightView:
             ts = [self(n) for n in names]
             if any(t.dim() != 2 for t in ts) or len({(t.dtype, t.device, t.shape[1]) for t in ts}) != 1:
                 return None
-            return torch.cat(ts, 0), [t.shape[0] for t in ts]
+            sizes = [t.shape[0] for t in ts]
+            pad = -sum(sizes) % FUSED_ROW_ALIGN
+            if pad:
+                ts.append(ts[0].new_zeros(pad, ts[0].shape[1]))
+            return torch.cat(ts, 0), sizes
         return self.derived("cat:" + "|".join(names), build)
 
 
@@ -139,7 +153,8 @@ def linears(x: torch.Tensor, w: WeightView, names: tuple[str, ...]) -> list[torc
     if fused is None:
         return [linear(x, w(n)) for n in names]
     cat, sizes = fused
-    return list(torch.split(linear(x, cat), sizes, dim=-1))
+    pad = cat.shape[0] - sum(sizes)  # alignment rows (WeightView.fused), not returned
+    return list(torch.split(linear(x, cat), sizes + [pad] if pad else sizes, dim=-1))[:len(sizes)]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -137,3 +137,28 @@ def test_batch_host_offsets_and_shared_device_ints():
     assert b.device_ints("slots", b.slot_list(), torch.int64, "cpu") is s1  # made once per batch
     assert b.device_ints("slots", b.slot_list(), torch.int32, "cpu") is not s1
     assert Batch(cu, slots=torch.tensor([1, 2, 0])).device_ints("slots", [1, 2, 0], torch.int64, "cpu").tolist() == [1, 2, 0]
+
+
+def test_fused_rows_padded_to_alignment_and_dropped():
+    # odd projection widths (a TP rank's KDA: 4 x 768 + 6 + 128) get zero rows up to FUSED_ROW_ALIGN; the split
+    # returns exactly the named widths, equal to one GEMM per weight
+    g = torch.Generator().manual_seed(3)
+    ws = {"model.a.weight": torch.randn(6, 32, generator=g).bfloat16(),
+          "model.b.weight": torch.randn(13, 32, generator=g).bfloat16()}
+
+    class Src:
+        def get(self, name):
+            return ws.get(name)
+
+    view = L.WeightView(Src(), prefix="model.", memo=True)
+    cat, sizes = view.fused(("a.weight", "b.weight"))
+    assert sizes == [6, 13] and cat.shape == (L.FUSED_ROW_ALIGN, 32)
+    assert torch.equal(cat[:6], ws["model.a.weight"]) and torch.equal(cat[6:19], ws["model.b.weight"])
+    assert not cat[19:].any()
+    x = torch.randn(5, 32, generator=g)
+    with matmul_dtype(torch.bfloat16):
+        ya, yb = L.linears(x, view, ("a.weight", "b.weight"))
+        ra, rb = (L.linear(x, ws[f"model.{n}.weight"]) for n in ("a", "b"))
+    assert ya.shape == (5, 6) and yb.shape == (5, 13)
+    torch.testing.assert_close(ya, ra, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(yb, rb, rtol=1e-2, atol=1e-2)
