@@ -135,7 +135,7 @@ def synthetic_options(f):
                           "of the profile's GPUs as it needs; default: the profile's)."),
         click.option("--preset", default=None, metavar="NAME",
                      callback=not_empty("pass a preset name (k3, k3-tiny, k3-prefix-N, ...) or omit it"),
-                     help="With --synthetic: the preset config (k3, k3-tiny, k3-prefix-N, kimi-linear-48b-a3b; "
+                     help="With --synthetic: the preset config (k3, k3-tiny, k3-tiny-tp8, k3-prefix-N, kimi-linear-48b-a3b; "
                           "default k3-tiny), or take it from --checkpoint's config.json."),
         click.option("--synthetic", is_flag=True,
                      help="Random weights made directly in device memory for one rank (--rank) of a layout "
@@ -255,7 +255,7 @@ class Progress:
 
 def _extra(failed: int = 0, tokens: int | None = None) -> str:
     """``", 2 failed, 1,234 tokens"``: failed requests counted apart from the finished ones, tokens so far."""
-    return (f", {failed:,} failed" if failed else "") + (f", {tokens:,} tokens" if tokens else "")
+    return (f", {failed:,} failed" if failed else "") + (f", {tokens:,} token{'' if tokens == 1 else 's'}" if tokens else "")
 
 
 def write_stages(session, stages) -> Path:

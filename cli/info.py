@@ -126,7 +126,7 @@ Examples:
 @checkpoint_option
 @click.option("--preset", default=None, metavar="NAME",
               callback=not_empty("pass k3, k3-tiny, k3-prefix-N or kimi-linear-48b-a3b, or omit it"),
-              help="Plan a preset config instead of a checkpoint: k3, k3-tiny, k3-prefix-N, kimi-linear-48b-a3b.")
+              help="Plan a preset config instead of a checkpoint: k3, k3-tiny, k3-tiny-tp8, k3-prefix-N, kimi-linear-48b-a3b.")
 @profile_option
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the profile's).")
 @click.option("--ep", type=int, default=None, help="Expert-parallel degree, a divisor of tp (default: the profile's).")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import re
 
+from pathlib import Path
+
 import click
 from rich.table import Table
 
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
+from k3rocm.checkpoint.verify import MANIFEST_NAME
 from k3rocm.cli.common import (Progress, common_options, console, finish, handle_errors, make_session, not_empty,
                                print_stages, synthetic_options, write_stages)
 from k3rocm.cli.info import print_plan
@@ -56,7 +59,7 @@ def _print_load(session) -> None:
         rep = session.load_report
     except K3Error:
         return  # the load tier already reported why
-    t = Table(title=f"load: {rep.tensors_verified:,}/{rep.tensors_planned:,} tensors verified by checksum")
+    t = Table(title=f"load: {rep.tensors_verified:,}/{rep.tensors_planned:,} tensors match the files read (checksum)")
     for col in ("rank", "planned GB", "loaded GB", "device GB", "s", "GB/s"):
         t.add_column(col)
     for r in rep.ranks:
@@ -69,6 +72,10 @@ def _print_load(session) -> None:
             f"{rep.raw_read_gbps:.2f} GB/s (load / raw = {rep.load_vs_raw:.2f})"
             + ("" if rep.page_cache_dropped else "; the page cache could not be bypassed here (no O_DIRECT), so the raw "
                "figure may come from memory"), highlight=False)
+    ck = getattr(session, "checkpoint_dir", None)
+    if ck is not None and not getattr(session, "synthetic", False) and not (Path(ck) / MANIFEST_NAME).is_file():
+        c.print(f"note: no {MANIFEST_NAME} in {ck}: the files themselves are not checked against known hashes "
+                f"(write one from a trusted copy: k3rocm checkpoint verify --write-manifest)", highlight=False)
 
 
 @click.command("validate", epilog="""\b

@@ -416,8 +416,13 @@ def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool 
         raise PlanError(f"{where}: tp={tp} needs {tp} GPUs but the profile has {profile.device_count}; "
                         f"use tp <= {profile.device_count} (one process per GPU)")
     if tp % ep:
+        fix = ""
+        if hint:  # only layouts that pass every check: a suggestion must never lead to the next error
+            good = [e for t, e in valid_layouts(cfg, profile) if t == tp]
+            fix = ("; with tp=" + str(tp) + " try ep=" + " or ep=".join(map(str, good)) if good
+                   else "; " + _valid_hint(cfg, profile))
         raise PlanError(f"{where}: ep={ep} must divide tp={tp} (experts split by EP, then by intermediate "
-                        f"inside each EP group); try ep={tp}")
+                        f"inside each EP group){fix}")
     if cfg.num_kda_layers and cfg.kda_num_heads % tp:
         raise PlanError(f"{where}: {cfg.kda_num_heads} KDA heads are not divisible by tp={tp}; "
                         f"{_valid_hint(cfg, profile) if hint else ''}")

@@ -282,9 +282,21 @@ def test_plan_of_a_broken_checkpoint_is_refused(tmp_path, golden_ckpt):
 
 def test_load_prints_the_plan_before_loading_and_the_proof_after(golden_ckpt, tmp_path):
     out = run(["load", "--checkpoint", golden_ckpt, "--out", tmp_path / "r"]).output
-    plan_at, tiers_at, proof_at = out.find("plan: k3-tiny"), out.find("tier"), out.find("tensors verified by checksum")
+    plan_at, tiers_at, proof_at = out.find("plan: k3-tiny"), out.find("tier"), out.find("tensors match the files read")
     assert 0 <= plan_at < tiers_at < proof_at, out
     assert "per-rank weight bytes" in out and "1,492/1,492" in out and "load / raw" in out
+
+
+def test_load_without_a_manifest_says_the_files_are_not_checked(golden_ckpt, tmp_path):
+    # the load's checksums compare the device copy with the files as read: without a manifest a corrupted file
+    # passes them, and the run must say so (console and report), never suggest the files were proven intact
+    d = tmp_path / "ck"
+    shutil.copytree(golden_ckpt, d)
+    (d / "k3rocm-manifest.json").unlink(missing_ok=True)
+    out = run(["load", "--checkpoint", d, "--out", tmp_path / "r"]).output
+    assert "no k3rocm-manifest.json" in out and "not checked against known hashes" in out
+    ev = {e["name"]: e for e in json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["load"]["evidence"]}
+    assert ev["manifest.sha256"]["value"] == "absent" and "NOT checked" in ev["manifest.sha256"]["detail"]
 
 
 @pytest.mark.parametrize("args,what", [

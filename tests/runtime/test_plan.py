@@ -108,6 +108,12 @@ def test_non_divisible_heads_and_experts():
         plan(replace(cfg, num_experts=12, kda_num_heads=8, num_attention_heads=8), big, tp=8, ep=8)
     with pytest.raises(PlanError, match="must divide tp"):
         plan(cfg, cpu, tp=4, ep=3)
+    # the suggestion names only layouts that pass every check (tp=3 has none for 4 heads: ep=3 would fail next)
+    with pytest.raises(PlanError) as e:
+        plan(cfg, cpu, tp=3, ep=2)
+    assert "must divide tp" in str(e.value) and "try ep=3" not in str(e.value) and "tp=4/ep=2" in str(e.value)
+    with pytest.raises(PlanError, match=r"with tp=4 try ep=2 or ep=4$"):  # ep=1 cuts MXFP4 scale groups
+        plan(cfg, cpu, tp=4, ep=3)
     with pytest.raises(PlanError, match="needs 16 GPUs"):
         plan(preset("k3"), big, tp=16, ep=16)
 

@@ -40,6 +40,12 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         stage.add(info("load", "manifest.extra_files", len(extra), "files",
                        detail=("files beside the checkpoint that the manifest does not list (unchecked, not "
                                "corruption): " + ", ".join(extra))[:200] if extra else "none"))
+    else:
+        stage.add(info("load", "manifest.sha256", "absent",
+                       detail=f"no {MANIFEST_NAME} beside the checkpoint: the files are NOT checked against known "
+                              f"hashes (the load's checksums compare the device copy with the files as read, so a "
+                              f"corrupted file passes them); write one from a trusted copy with 'k3rocm checkpoint "
+                              f"verify --write-manifest'"))
     plc = session.placement
     _placement_rows(stage, plc, "load")
     run = session.run_placement
