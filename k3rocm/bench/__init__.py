@@ -322,7 +322,7 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
         hang = hang or hang2
         steps = getattr(target, "step_log", [])[step0:]
         if breakdown and go and hang is None and hasattr(target, "dec") and not target.has_unfinished():
-            parts = step_breakdown(target)
+            parts = step_breakdown(target, rows=concurrency)
         desc = target.describe() if hasattr(target, "describe") else {}
     elif hasattr(target, "drive"):
         wrecs, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")

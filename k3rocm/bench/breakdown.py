@@ -18,8 +18,8 @@ subtracted from the outer one). The families:
 A synchronised eager step is slower than a graphed one: the shares say where device time goes, the
 absolute figures are an upper bound (reported with the step's wall time).
 
-:func:`step_breakdown` drives an idle engine through one mixed step (decode row + prefill chunk) and one
-decode step with the profiler set, and returns both breakdowns.
+:func:`step_breakdown` drives an idle engine through one mixed step (decode rows + a prefill chunk) and one
+decode step with the profiler set (the bench: at its point's concurrency), and returns both breakdowns.
 """
 
 from __future__ import annotations
@@ -135,21 +135,33 @@ class StepProfiler:
                 "num_decode": st.num_decode, "num_prefill_tokens": st.num_prefill_tokens}
 
 
-def step_breakdown(engine: Any, prompt_len: int = 32) -> dict:
-    """Per-family breakdown of one mixed step (one decode row + a ``prompt_len``-token prefill chunk) and one
-    decode step (two rows) of ``engine``, which must be idle. Returns ``{"mixed": {...}, "decode": {...}}``
-    (each :meth:`StepProfiler.step`'s dict; a kind the engine could not form, e.g. a chunk budget below
-    ``prompt_len + 1``, is absent). The requests run to completion and leave the caches as they were.
-    The sequence runs twice and the second pass is reported: eager steps at unbucketed token counts compile
-    kernels serving never meets, and a compile is not the step's time."""
-    n = max(1, min(int(prompt_len), engine.scheduler.max_num_batched_tokens - 1, engine.max_model_len - 8))
-    vocab = engine.cfg.vocab_size
-    prompt = [3 + (7 * j) % max(1, vocab - 3) for j in range(n)]
+def step_breakdown(engine: Any, prompt_len: int = 32, rows: int = 2) -> dict:
+    """Per-family breakdown of one mixed step (``rows - 1`` decode rows + a ``prompt_len``-token prefill chunk)
+    and one decode step (``rows`` rows) of ``engine``, which must be idle. ``rows``: the decode rows (the bench
+    passes its point's concurrency), at least 2, at most the engine's ``max_num_seqs``. Returns
+    ``{"mixed": {...}, "decode": {...}}`` (each :meth:`StepProfiler.step`'s dict, with its row and token
+    counts; a kind the engine could not form, e.g. a chunk budget below ``prompt_len + 1``, is absent). The
+    requests end (aborted, or run to completion) and leave the caches as they were. The sequence runs twice and
+    the second pass is reported: eager steps at unbucketed token counts compile kernels serving never meets,
+    and a compile is not the step's time."""
+    sched = engine.scheduler
+    rows = max(2, min(int(rows), sched.max_num_seqs))
+    n = max(1, min(int(prompt_len), sched.max_num_batched_tokens - 1, engine.max_model_len - 8))
+    vocab = max(1, engine.cfg.vocab_size - 3)
+    prompt = [3 + (7 * j) % vocab for j in range(n)]
+    short = max(1, min(8, n))  # the decode rows' own prompts: short, so their prefill is a few steps
+    # enough tokens to stay in decode through their own prefill steps and the two profiled steps
+    budget = max(6, min(256, engine.max_model_len - short - 2))
 
     def once() -> dict:
         out: dict = {}
-        a = engine.add_request(prompt, 6, ignore_eos=True)
-        while engine.where(a)["status"] != "decode" and engine.has_unfinished():
+        live = [engine.add_request([3 + (11 * j + 5 * i) % vocab for j in range(short)], budget, ignore_eos=True)
+                for i in range(rows - 1)]
+
+        def decoding() -> bool:
+            return all(engine.where(a)["status"] == "decode" for a in live)
+
+        while not decoding() and engine.has_unfinished():
             engine.step()
         b = engine.add_request(prompt[::-1], 4, ignore_eos=True)
         with StepProfiler(engine) as prof:
@@ -158,10 +170,12 @@ def step_breakdown(engine: Any, prompt_len: int = 32) -> dict:
                 out["mixed"] = r
             while engine.where(b)["status"] == "prefill" and engine.has_unfinished():
                 engine.step()
-            if engine.where(b)["status"] == "decode" and engine.where(a)["status"] == "decode":
+            if engine.where(b)["status"] == "decode" and decoding():
                 r = prof.step()
                 if r["num_decode"] and not r["num_prefill_tokens"]:
                     out["decode"] = r
+        for a in live:
+            engine.abort(a)  # a finished request is left as it is
         while engine.has_unfinished():
             engine.step()
         return out

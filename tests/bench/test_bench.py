@@ -248,8 +248,9 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
     assert c["compiles"] == 0 and c["autotune_runs"] == 0 and c["compiled"] == {} and c["tuned"] == {}
     assert set(res.breakdown) == {"mixed", "decode"}
     mixed, dec = res.breakdown["mixed"], res.breakdown["decode"]
-    assert mixed["num_decode"] == 1 and mixed["num_prefill_tokens"] > 0
-    assert dec["num_decode"] == 2 and dec["num_prefill_tokens"] == 0
+    # at the point's concurrency (3): a chunk beside 2 decode rows, then a 3-row decode step
+    assert mixed["num_decode"] == 2 and mixed["num_prefill_tokens"] > 0
+    assert dec["num_decode"] == 3 and dec["num_prefill_tokens"] == 0
     for part in (mixed, dec):
         fams = part["ms"]
         assert fams["KDA"] > 0 and fams["MLA"] > 0 and fams["lm_head"] > 0 and fams["experts"] > 0
