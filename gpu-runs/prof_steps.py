@@ -26,6 +26,12 @@ from k3rocm.runtime import engine as E
 OUTD = os.environ.get("PROF_OUT", "/tmp/prof"); os.makedirs(OUTD, exist_ok=True)
 AFTER = int(os.environ.get("PROF_AFTER", "30")); N = int(os.environ.get("PROF_N", "24"))
 state = {"warm": 0, "n": 0}
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
 agg = {"decode": collections.defaultdict(lambda: [0.0, 0]), "mixed": collections.defaultdict(lambda: [0.0, 0])}
 steps = {"decode": [], "mixed": []}
 LOG = open(os.path.join(OUTD, "steps.jsonl"), "w", buffering=1)
@@ -45,19 +51,19 @@ def step(self, *a, **k):
         return r
     if os.environ.get("PROF_MODE") == "cprofile":
         import cProfile, pstats, io
-        torch.cuda.synchronize(); t = time.perf_counter()
+        sync(); t = time.perf_counter()
         pr = cProfile.Profile(); pr.enable()
         r = st(self, *a, **k)
-        pr.disable(); torch.cuda.synchronize()
+        pr.disable(); sync()
         s = self.step_log[-1]
         buf = io.StringIO(); ps = pstats.Stats(pr, stream=buf)
         buf.write(f"== step {i} nd={s.num_decode} pre={s.num_prefill_tokens} graph={s.graph} wall {(time.perf_counter()-t)*1e3:.1f} ms\n")
         ps.sort_stats("tottime").print_stats(45); ps.sort_stats("cumulative").print_stats(60)
         open(os.path.join(OUTD, f"cprof_{i}.txt"), "w").write(buf.getvalue())
         return r
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        r = st(self, *a, **k); torch.cuda.synchronize()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as p:
+        r = st(self, *a, **k); sync()
     s = self.step_log[-1]
     kind = "mixed" if s.num_prefill_tokens else "decode"
     tot = 0.0
@@ -82,8 +88,10 @@ def dump():
                 f.write(f"{t/n/1e3:9.3f} ms/step {100*t/tot:5.1f}%  {c/n:7.1f} calls/step  {t/max(c,1):8.1f} us/call  {k[:110]}\n")
     for kind in agg: agg[kind].clear(); steps[kind].clear()
 from k3rocm.cli.main import main
+code = 0
 try:
     main(sys.argv[1:])
-except SystemExit as e:
-    pass
+except SystemExit as e:  # the CLI's own exit status is this script's
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 dump()
+sys.exit(code)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The engine at K3 depth on one GPU, with synthetic weights (no checkpoint on disk), in one deadline:
+#
+#   gpu-runs/gpu_engine.sh RESULTS_DIR [STEPS]
+#
+# STEPS (default "p4 k3 prof cprof etest"), each with its own time limit, all inside DEADLINE seconds (default
+# 540: one call of a 10-minute machine slot):
+#   p4     k3rocm bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 (input 256 / output
+#          64, 64 prompts): the decode-step goals of docs/BENCHMARKS.md, every step logged (p4_steps/steps.jsonl)
+#   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64
+#   prof   the K3 rank again with torch.profiler over steps 75..114 after warm-up (the last chunk steps and the
+#          widest decode steps): device time per kernel per step kind in prof/kernels_1.txt
+#   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
+#   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
+# RESULTS_DIR/steps.tsv lists each step's exit status and seconds. Needs the package importable (pip install -e
+# . or PYTHONPATH). The profiled runs disturb their own bench figures: quote p4 / k3 for those.
+set -u
+R=${1:?usage: gpu-runs/gpu_engine.sh RESULTS_DIR [STEPS]}
+STEPS=${2:-p4 k3 prof cprof etest}
+SCALE=${SWEEP_SCALE:-1}
+PY=${PYTHON:-python3}
+K3="$PY -m k3rocm.cli.main"
+HERE=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 COLUMNS=160
+STEP_TAG=engine
+. "$HERE/steps.sh"
+START=$(date +%s); DEADLINE=${DEADLINE:-540}
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+lim() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo $(( l > 5 ? l - 3 : 1 )); }
+A="--input-len 256 --output-len 64 --num-prompts 64"
+RANK="--synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --concurrency 64 $A --warmups 4"
+for s in $STEPS; do
+  if [ "$(left)" -lt 20 ]; then printf '%s\tskipped\t0\n' "$s" >>"$R/steps.tsv"; continue; fi
+  case $s in
+    p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 170)" $PY "$HERE/prof_steps.py" bench \
+          --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
+    k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim 140)" $PY "$HERE/prof_steps.py" bench \
+          $RANK --out "$R/k3" ;;
+    prof) PROF_OUT=$R/prof PROF_AFTER=75 PROF_N=40 step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \
+          $RANK --out "$R/k3_prof" ;;
+    cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
+          "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
+    etest) step etest "$(lim 70)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest)" >&2 ;;
+  esac
+done
+cat "$R/steps.tsv"
