@@ -347,26 +347,25 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         return kda_decode_rows(x, w, layer, cfg, ops, cache.conv[layer], cache.ssm[layer], slots.to(torch.int32))
     a = _kda_inputs(x, w, layer, cfg)
     cu = batch.cu_seqlens.to(dev)
-    conv_states = [None, None, None]
     init = None
     if cache is not None:
-        conv_states = [cache.conv[layer][slots, j].clone() for j in range(3)]
         init = cache.ssm[layer][slots].clone()
-    qkv = []
-    finals = []
-    for j, raw in enumerate((a["q"], a["k"], a["v"])):
-        y, fin = ops["short_conv"](raw.unsqueeze(0), a["conv"][j], conv_states[j], cu)
-        qkv.append(y)
-        finals.append(fin)
-    q, k, v = (t.reshape(1, T, H, K) for t in qkv)
+    # the depthwise conv is per channel, so q | k | v run as one conv over their 3P channels: one launch (and
+    # one sequence table) instead of three, the same arithmetic per channel; the cache's [slots, 3, P, W-1]
+    # conv state is that channel order already
+    P = a["q"].shape[1]
+    cw = w.derived(f"kda_conv_qkv:{layer}", lambda: torch.cat(a["conv"], 0))
+    st = cache.conv[layer][slots].reshape(-1, 3 * P, cw.shape[-1] - 1) if cache is not None else None  # a copy
+    y, fin = ops["short_conv"](torch.cat([a["q"], a["k"], a["v"]], -1).unsqueeze(0), cw, st, cu)
+    finals = fin.reshape(fin.shape[0], 3, P, fin.shape[-1])
+    q, k, v = (y[..., j * P:(j + 1) * P].reshape(1, T, H, K) for j in range(3))
     # the prefill reads the offsets on the host only (its chunk table): hand it the host copy where there is one
     cu_read = batch.cu_host_tensor() if batch.cu_host is not None else cu
     o, state = ops["kda_prefill"](q, k, v, a["decay"].unsqueeze(0), a["beta"].unsqueeze(0), a["A_log"], a["dt_bias"],
                                   initial_state=init, cu_seqlens=cu_read, scale=None, lower_bound=cfg.gate_lower_bound,
                                   gate_form=form)
     if cache is not None:
-        for j in range(3):
-            cache.conv[layer][slots, j] = f32(finals[j])
+        cache.conv[layer][slots] = f32(finals)
         cache.ssm[layer][slots] = f32(state)
     o = o.reshape(T, H, K)
     o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"].reshape(T, H, K))
