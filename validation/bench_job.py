@@ -289,7 +289,8 @@ def _engine_body(session: Session, bench: BenchOptions, pts: BenchPoints, bar: P
     """The stage body of a run on the built-in engine: load, then one point per concurrency."""
     def body(stage: Stage) -> None:
         with bar:
-            session.load(progress=bar.callback("loading"))
+            # --synthetic makes the weights on the device; nothing is read from a checkpoint
+            session.load(progress=bar.callback("generating random weights" if session.synthetic else "loading"))
             bar.note(sweep_work(bench, pts))
             results, stopped = run_sweep(stage, pts.concurrencies, lambda c: run_bench_point(
                 session, concurrency=c, input_len=pts.input_len, output_len=pts.output_len,
