@@ -12,8 +12,8 @@
 #          widest decode steps): device time per kernel per step kind in prof/kernels_1.txt
 #   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
-# RESULTS_DIR/steps.tsv lists each step's exit status and seconds. Needs the package importable (pip install -e
-# . or PYTHONPATH). The profiled runs disturb their own bench figures: quote p4 / k3 for those.
+# RESULTS_DIR/steps.tsv lists each step's exit status and seconds. Uses the installed package, else assembles it
+# under /tmp (K3ROCM_PKG_DIR) from this checkout. The profiled runs disturb their own bench figures: quote p4 / k3.
 set -u
 R=${1:?usage: gpu-runs/gpu_engine.sh RESULTS_DIR [STEPS]}
 STEPS=${2:-p4 k3 prof cprof etest}
@@ -21,8 +21,17 @@ SCALE=${SWEEP_SCALE:-1}
 PY=${PYTHON:-python3}
 K3="$PY -m k3rocm.cli.main"
 HERE=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$R"
+mkdir -p "$R"; R=$(cd "$R" && pwd)
 export PYTHONUNBUFFERED=1 COLUMNS=160
+if ! $PY -c "import k3rocm.kernels, k3rocm.cli" 2>/dev/null; then
+  # not installed: assemble pyproject.toml's package layout (package-dir) under /tmp, with the tests beside it,
+  # and run from there (from the repository root, `import k3rocm` would find the bare k3rocm/ first)
+  ROOT=$(cd "$HERE/.." && pwd); PK=${K3ROCM_PKG_DIR:-/tmp/k3rocm_pkg}
+  rm -rf "$PK"; mkdir -p "$PK"; cp -a "$ROOT/k3rocm" "$ROOT/tests" "$ROOT/gpu-runs" "$ROOT/pyproject.toml" "$PK/"
+  for d in kernels cli validation hwprofiles; do rm -rf "$PK/k3rocm/$d"; cp -a "$ROOT/$d" "$PK/k3rocm/$d"; done
+  export PYTHONPATH=$PK${PYTHONPATH:+:$PYTHONPATH}
+  cd "$PK"; HERE=$PK/gpu-runs
+fi
 STEP_TAG=engine
 . "$HERE/steps.sh"
 START=$(date +%s); DEADLINE=${DEADLINE:-540}
