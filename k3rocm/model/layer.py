@@ -126,8 +126,9 @@ class WeightView:
 
         ``W`` has ``FUSED_ROW_ALIGN``-aligned rows: zero rows pad ``sum out_i`` up (their output columns are
         dropped by :func:`linears`). A rank's KDA projections sum to an odd-aligned width (K3 at TP16:
-        4 x 768 + 6 + 128 = 3,206 outputs), whose product rows cuBLAS can only run on a 2-element-aligned
-        kernel (``cutlass_80_wmma ... align2``, 25 us per call on the H200 profile of 2026-12-02)."""
+        4 x 768 + 6 + 128 = 3,206 outputs), whose product rows are only 2-element aligned, which restricts
+        cuBLAS to its align-2 kernels (the H200 profile of 2026-12-02 shows ``cutlass_80_wmma ... align2`` at 25
+        us per call, most likely this product)."""
         if self._memo is None:
             return None
 
