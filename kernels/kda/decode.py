@@ -47,6 +47,22 @@ def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl
 
 
 @_interp.kjit
+def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v, K: tl.constexpr, V: tl.constexpr):
+    """The delta-rule step on state columns ``cols`` of the slot's ``[K, V]`` head state (columns of S are
+    independent): ``S <- diag(e^g) S; S <- S + beta k (v - S^T k)^T``, written back; returns ``o = S^T q`` for
+    those columns. A padding row (``valid`` 0) loads zeros and stores nothing."""
+    sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + cols[None, :]
+    smask = (valid + 0 * offs_k[:, None] + 0 * cols[None, :]) > 0
+    S = tl.load(sp, mask=smask, other=0.0)
+    S = S * eg[:, None]
+    pred = tl.sum(S * k[:, None], 0)
+    S += k[:, None] * (beta * (v - pred))[None, :]
+    o = tl.sum(S * q[:, None], 0)
+    tl.store(sp, S, mask=smask)
+    return o
+
+
+@_interp.kjit
 def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
                    conv_pool, state_pool, slot_ids, out, H, scale, lower_bound, eps,
                    K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BV: tl.constexpr):
@@ -74,14 +90,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     if BV == V:
         # whole state tile at once: the output stays in fp32 registers through the norm
         v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W)
-        sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_v[None, :]
-        smask = (valid + 0 * offs_k[:, None] + 0 * offs_v[None, :]) > 0
-        S = tl.load(sp, mask=smask, other=0.0)
-        S = S * eg[:, None]
-        pred = tl.sum(S * k[:, None], 0)
-        S += k[:, None] * (beta * (v - pred))[None, :]
-        o = tl.sum(S * q[:, None], 0)
-        tl.store(sp, S, mask=smask)
+        o = _state_step(state_pool, slot, hh, H, offs_k, offs_v, valid, eg, k, q, beta, v, K, V)
         rstd = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
     else:
         # the state is walked in [K, BV] column blocks (columns of S are independent in the delta rule); each
@@ -91,14 +100,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         for vb in range(0, V // BV):
             offs_b = vb * BV + tl.arange(0, BV)
             vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W)
-            sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + offs_b[None, :]
-            smask = (valid + 0 * offs_k[:, None] + 0 * offs_b[None, :]) > 0
-            S = tl.load(sp, mask=smask, other=0.0)
-            S = S * eg[:, None]
-            pred = tl.sum(S * k[:, None], 0)
-            S += k[:, None] * (beta * (vblk - pred))[None, :]
-            ob = tl.sum(S * q[:, None], 0)
-            tl.store(sp, S, mask=smask)
+            ob = _state_step(state_pool, slot, hh, H, offs_k, offs_b, valid, eg, k, q, beta, vblk, K, V)
             ss += tl.sum(ob * ob, 0)
             tl.store(obase + offs_b, ob.to(out.dtype.element_ty))
         tl.debug_barrier()
