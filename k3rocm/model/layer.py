@@ -536,8 +536,10 @@ def dense_mlp(x: torch.Tensor, w: WeightView, prefix: str, cfg: K3Config) -> tor
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=512)
 def _takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` has a parameter ``name`` (an op implementation's optional capability)."""
+    """Whether ``fn`` has a parameter ``name`` (an op implementation's optional capability). Remembered per
+    function: the eager mixers ask it every layer of every step, and ``inspect.signature`` is not cheap."""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
