@@ -253,8 +253,8 @@ class Batch:
         return list(self.cu_host) if self.cu_host is not None else [int(c) for c in self.cu_seqlens.tolist()]
 
     def cu_host_tensor(self) -> torch.Tensor:
-        """The offsets as a host int32 tensor (for ops that read them on the host only)."""
-        return torch.tensor(self.cu_list(), dtype=torch.int32)
+        """The offsets as a host int32 tensor (for ops that read them on the host only), made once per batch."""
+        return self.device_ints("cu_seqlens", self.cu_list(), torch.int32, "cpu")
 
     @property
     def seqlens(self) -> list[int]:

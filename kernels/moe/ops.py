@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -79,8 +79,8 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     x ``[T, D]`` and gate_weight ``[E, D]``: both bf16 (exact products, fp32 accumulation); fp32 x with the bf16
     gate (the engine: x split into three exact bf16 parts on the matrix unit, fp32 math up to summation order,
     the gate never widened; emulated in fp32 under the interpreter, whose bf16 ``tl.dot`` is not trustworthy);
-    both fp32 (the validation path: IEEE products, never TF32); other mixes widen both to fp32. Returns ``(ids [T, k] int32, weights [T, k] fp32)``.
-    Two launches (logits, top-k).
+    both fp32 (the validation path: IEEE products, never TF32); other mixes widen both to fp32.
+    Returns ``(ids [T, k] int32, weights [T, k] fp32)``. Two launches (logits, top-k).
 
     ``experts`` (the layer's packed ``ExpertWeights``, as :func:`moe_experts` takes them): fused routing —
     returns ``(ids, weights, GpuDispatch)`` from :func:`moe_route`, the pairs grouped for these local experts
@@ -139,9 +139,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     wts = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     if group is not None and T == 0:
-        d = dispatch_gpu(ids, group[0], group[1], group[2])
-        d.num_experts = E
-        return ids, wts, d
+        return ids, wts, replace(dispatch_gpu(ids, group[0], group[1], group[2]), num_experts=E)
     if T == 0:
         return ids, wts, None
     b = bias.float().contiguous() if bias is not None else part
