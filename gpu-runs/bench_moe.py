@@ -9,8 +9,9 @@ FLOPs over the measured bf16 matrix rate. Timing: ``triton.testing.do_bench`` (m
 
 Goal table (one row per size: the whole layer at 64 / 512 / 8192 tokens and the EP8 slice — 112 local experts of
 896, first 0, the rank seeing every token's routing, pairs outside its slice dropped — at 64 and 512 tokens):
-ours (A16W4, the size's picked config, weights in the tiled kernel layout made by ``ops.kernel_layout``, and the
-same in the checkpoint layout), the MXFP4 byte floor, the fraction, bf16 ``torch._grouped_mm`` on the same
+ours (A16W4, the size's picked config, weights in the tiled kernel layout made by ``ops.kernel_layout``, the
+same in the checkpoint layout, and the tiled layout with the decode's general two-multiply variant that the
+one-multiply one replaces where every scale byte is <= 128), the MXFP4 byte floor, the fraction, bf16 ``torch._grouped_mm`` on the same
 (local) pairs, and OpenAI's ``matmul_ogs`` through ``gpu-runs/peer_ogs.py`` (``time_matmul_ogs``; "not run:
 <reason>" when that file is absent or raises). The repack (time, bytes, and the byte-exact check of both tensors
 against the checkpoint) is reported once for the layer.
@@ -36,6 +37,7 @@ from triton.testing import do_bench as _do_bench
 
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_config, gemm_name, moe_experts, moe_router
+from k3rocm.kernels.moe import ops as moe_ops
 from k3rocm.bench import wall_ms
 from k3rocm.kernels.target import current_target
 from k3rocm.validation.evidence import git_sha
@@ -124,6 +126,14 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
         r["ours_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg))
         r["ours_checkpoint_layout_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg))
         r["fraction"] = r["floor_ms"] / r["ours_ms"]
+        if cfg["kind"] in ("dq", "dqn"):  # the decode's general variant (two multiplies per pair), same weights
+            real = moe_ops.fused_scale_ok
+            moe_ops.fused_scale_ok = lambda _s: False
+            try:
+                r["ours_general_decode_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4",
+                                                                           config=cfg))
+            finally:
+                moe_ops.fused_scale_ok = real
     except Exception as e:  # noqa: BLE001
         r["ours_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     if w13_bf is not None:
@@ -324,12 +334,13 @@ def _goal_markdown(meta, repack, goals) -> str:
            f"Repack of one layer into the kernel layout: {repack['repack_ms']:.1f} ms, {repack['layout_bytes']:,} B "
            f"(checkpoint {repack['checkpoint_bytes']:,} B); byte-exact check of both tensors against the checkpoint: "
            f"passed, {repack['check_ms']:.1f} ms.", "",
-           "| row | experts used | config | ours ms (tiled layout) | ours ms (checkpoint layout) | MXFP4 floor ms | "
-           "fraction | bf16 grouped_mm ms | matmul_ogs ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| row | experts used | config | ours ms (tiled layout) | ours ms (checkpoint layout) | "
+           "ours ms (tiled, general decode) | MXFP4 floor ms | fraction | bf16 grouped_mm ms | matmul_ogs ms |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for g in goals:
         out.append(f"| {g['row']} | {g['experts_used']} | {g['config']} | {_cell(g.get('ours_ms', g.get('ours_error')))}"
-                   f" | {_cell(g.get('ours_checkpoint_layout_ms'))} | {g['floor_ms']:.3f} ({g['floor_kind']}) | "
+                   f" | {_cell(g.get('ours_checkpoint_layout_ms'))} | {_cell(g.get('ours_general_decode_ms'))} | "
+                   f"{g['floor_ms']:.3f} ({g['floor_kind']}) | "
                    f"{_cell(g.get('fraction'), 2)} | {_cell(g.get('bf16_grouped_mm_ms'))} | {_cell(g.get('matmul_ogs'))} |")
     return "\n".join(out) + "\n"
 

@@ -12,6 +12,9 @@
 #          widest decode steps): device time per kernel per step kind in prof/kernels_1.txt
 #   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
+#   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled)
+#   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
+#          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/
 # RESULTS_DIR/steps.tsv lists each step's exit status and seconds. Uses the installed package, else assembles it
 # under /tmp (K3ROCM_PKG_DIR) from this checkout. The profiled runs disturb their own bench figures: quote p4 / k3.
 set -u
@@ -42,7 +45,7 @@ RANK="--synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --conc
 for s in $STEPS; do
   if [ "$(left)" -lt 20 ]; then printf '%s\tskipped\t0\n' "$s" >>"$R/steps.tsv"; continue; fi
   case $s in
-    p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 170)" $PY "$HERE/prof_steps.py" bench \
+    p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 200)" $PY "$HERE/prof_steps.py" bench \
           --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
     k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim 140)" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3" ;;
@@ -51,7 +54,10 @@ for s in $STEPS; do
     cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
     etest) step etest "$(lim 70)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest)" >&2 ;;
+    mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim 160)" $PY -m pytest -q -p no:cacheprovider \
+          tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ;;
+    moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest moe)" >&2 ;;
   esac
 done
 cat "$R/steps.tsv"

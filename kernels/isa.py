@@ -9,7 +9,9 @@ the kernels are HIP-ready (HARDWARE.md, "Ahead-of-time compile").
 Each kernel family (``k3rocm.kernels.<family>``) exposes ``isa_cases()`` returning a list of
 ``(name, fn, signature, constexprs, expects_matrix)`` or the same with a 6th element
 ``options: dict[str, dict]`` keyed by backend (``"hip"`` / ``"cuda"``) with compile options
-(``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``).
+(``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``); a backend's entry may
+also carry ``"constexprs"``: values that replace the case's constexprs on that backend (a kernel with a
+CUDA-only inline-PTX branch switches it off for HIP this way).
 """
 
 from __future__ import annotations
@@ -195,6 +197,7 @@ def run_isa(targets: tuple[str, ...] = TARGETS, families: tuple[str, ...] | None
             backend = "hip" if t.startswith("gfx") else "cuda"
             if progress:
                 progress(f"{name} -> {t}")
-            out.append(compile_kernel(fn, sig, consts, t, name=name, options=opts.get(backend, {}),
+            o = dict(opts.get(backend, {}))
+            out.append(compile_kernel(fn, sig, {**consts, **o.pop("constexprs", {})}, t, name=name, options=o,
                                       expects_matrix=expects))
     return out

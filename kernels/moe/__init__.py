@@ -68,11 +68,13 @@ def isa_cases() -> list[tuple]:
                 name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, a8, cfg, "hip")
                 cuda_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                 cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
-    # the A16W4 decode-path GEMM (the CUDA list's kind "dq"; it also compiles spill-free for gfx950/gfx942)
+    # the A16W4 decode-path GEMM (the CUDA list's kind "dq"; it also compiles spill-free for gfx950/gfx942, without
+    # its inline-PTX bf16x2 multiplies there), in its one-multiply variant (every K3 layer) and the general one
     for gated in (True, False):
-        for cfg in (GEMM_CONFIGS["cuda"][0], GEMM_CONFIGS["cuda"][-1]):
-            name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda")
-            hip_opts = {"num_warps": cfg["num_warps"], "num_stages": 2}
+        for cfg, fused in ((GEMM_CONFIGS["cuda"][0], True), (GEMM_CONFIGS["cuda"][-1], True),
+                           (GEMM_CONFIGS["cuda"][0], False)):
+            name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda", fused_scale=fused)
+            hip_opts = {"num_warps": cfg["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
             cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
     # the one-program dispatch at K3 size (896 local experts, up to 8192 pairs), as ops.dispatch_gpu launches it
     dpsig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",

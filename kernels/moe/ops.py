@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -310,6 +311,33 @@ def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: boo
     return lay
 
 
+#: id(scale tensor) -> (weak reference to it, its version counter, whether every byte is <= FUSED_SCALE_MAX).
+#: The weak reference proves the entry is for this very tensor (a new tensor may reuse a freed one's id) and
+#: drops the entry when the tensor goes. (A WeakKeyDictionary would compare tensors with ``==``: elementwise.)
+_FUSED_OK: dict[int, tuple[Any, int, bool]] = {}
+
+#: largest E8M0 byte for which the decode path folds its 2^126 into the scale: 2^(s-1) <= 2^127 (bf16's largest
+#: power of two). A scale above 2 (s > 128) means a 32-weight block whose largest |value| is >= 8.
+FUSED_SCALE_MAX = 128
+
+
+def fused_scale_ok(scale: torch.Tensor) -> bool:
+    """Whether the decode-path GEMM may run its one-multiply decode (``FUSED_SCALE``) on weights with these
+    E8M0 ``scale`` bytes (any shape, uint8): every byte <= :data:`FUSED_SCALE_MAX`. Checked once per tensor
+    (one device reduction and one host read; remembered until the tensor changes in place or is freed). During
+    CUDA graph capture an unchecked tensor is not read (that would synchronise): the answer is then False, the
+    general decode, which is exact for every scale."""
+    key = id(scale)
+    hit = _FUSED_OK.get(key)
+    if hit is not None and hit[0]() is scale and hit[1] == scale._version:
+        return hit[2]
+    if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    ok = scale.numel() == 0 or int(scale.max()) <= FUSED_SCALE_MAX
+    _FUSED_OK[key] = (weakref.ref(scale, lambda _r, k=key: _FUSED_OK.pop(k, None)), scale._version, ok)
+    return ok
+
+
 def _local_experts(experts: Any) -> tuple[int, int]:
     """``(first_expert, local expert count)`` of packed experts; ConfigError when they are not packed MXFP4."""
     if _get(experts, "w13_packed") is None or _get(experts, "w2_packed") is None:
@@ -411,6 +439,11 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
     dq = cfg["kind"] in ("dq", "dqn") and not a8 and a.dtype == torch.bfloat16
     interp = interpreting()
+    # the decode's one-multiply variant where the scales allow it (every K3 layer: s <= 128), and its packed
+    # bf16x2 multiplies in PTX on CUDA (the interpreter decodes in fp32, HIP in Triton's own bf16 ops)
+    ptx = dq and not interp and current_target().backend == "cuda"
+    fs13 = dq and fused_scale_ok(_get(experts, "w13_scale"))
+    fs2 = dq and fused_scale_ok(_get(experts, "w2_scale"))
 
     def run_w13():
         if dq:
@@ -419,7 +452,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 inter, D, inter, a.stride(0), *g13[2:6], h.stride(0),
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=cfg["kind"] == "dq", F32=interp,
-                TILE_N=g13[6], TILE_K=g13[7], **opts)
+                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
             a, a_s, g13[0], g13[1], h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -438,7 +471,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 D, inter, 0, h.stride(0), *g2[2:6], y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=cfg["kind"] == "dq", F32=interp,
-                TILE_N=g2[6], TILE_K=g2[7], **opts)
+                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,

@@ -66,6 +66,23 @@ def test_sm90_configs_compile(a8):
                     f"{rep.name}: {rep.matrix_ops}"
 
 
+def test_sm90_decode_multiplies_are_packed_bf16x2():
+    # the decode path's scale products run as inline-PTX bf16x2 multiplies on the 32-bit words (one per pair of
+    # weights in the one-multiply variant, two in the general one); HIP compiles the same source without them
+    cfg = GEMM_CONFIGS["cuda"][0]
+    for gated in (True, False):
+        fused = _compile(dq_isa_case(gated, cfg, "cuda", fused_scale=True), "sm_90")
+        general = _compile(dq_isa_case(gated, cfg, "cuda", fused_scale=False), "sm_90")
+        for rep in (fused, general):
+            assert rep.error is None, rep.error
+            assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+        n_f, n_g = fused.asm.count("mul.rn.bf16x2"), general.asm.count("mul.rn.bf16x2")
+        assert n_f > 0 and n_g == 2 * n_f, (n_f, n_g)
+        assert "0x7E807E80" in general.asm and "0x7E807E80" not in fused.asm
+        hip = _compile(dq_isa_case(gated, cfg, "hip", fused_scale=True), "gfx942")
+        assert hip.error is None and "mul.rn.bf16x2" not in hip.asm, hip.error
+
+
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])
 def test_amd_tiled_layout_no_spills(target):
     # the tiled weight layout (the one made at load): every HIP config of both GEMMs spill-free; gfx950 in

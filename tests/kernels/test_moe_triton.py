@@ -278,16 +278,19 @@ def test_fp16_and_fp32_activations(tk):
 # ---------------------------------------------------------------------------------------- decode path (kind "dq")
 
 
-def _decode_probe(tk, packed, scale):
-    """Run ``mxfp4_decode_tile`` + ``mxfp4_k_order`` on one tile; returns (decoded fp32 [N, K], K order [N, K])."""
+def _decode_probe(tk, packed, scale, fused=False):
+    """Run ``mxfp4_decode_tile`` + ``mxfp4_k_order`` on one tile; returns (decoded fp32 [N, K], K order [N, K]).
+    ``fused``: the one-multiply variant (scales <= 128); on a CUDA GPU both run their PTX bf16x2 multiplies."""
     from k3rocm.kernels.moe.gemm import mxfp4_decode_probe_kernel
+    from k3rocm.kernels.target import current_target
 
     N, K = packed.shape[0], packed.shape[1] * 2
     out = torch.full((N, K), float("nan"), device=tk.dev)
     idx = torch.arange(K, dtype=torch.int32, device=tk.dev).repeat(N, 1)
     order = torch.full_like(idx, -1)
     mxfp4_decode_probe_kernel[(1,)](packed.to(tk.dev), scale.to(tk.dev), out, idx, order, BN=N, BK=K,
-                                    F32=not GPU)
+                                    F32=not GPU, FUSED_SCALE=fused,
+                                    PTX=GPU and current_target().backend == "cuda")
     return out.cpu(), order.cpu()
 
 
@@ -301,15 +304,17 @@ def _all_codes_tile(scales):
     return packed, s
 
 
-@pytest.mark.parametrize("lo,hi", [(2, 65), (65, 128), (128, 191), (191, 253)])
-def test_decode_every_code_and_scale_bit_exact(tk, lo, hi):
-    # every code x every scale whose products are bf16 normals: bit-equal to the MXFP4 oracle rounded to bf16
+@pytest.mark.parametrize("lo,hi,fused", [(2, 65, False), (65, 128, False), (128, 191, False), (191, 253, False),
+                                         (2, 65, True), (65, 129, True)])
+def test_decode_every_code_and_scale_bit_exact(tk, lo, hi, fused):
+    # every code x every scale whose products are bf16 normals: bit-equal to the MXFP4 oracle rounded to bf16;
+    # the one-multiply variant over every scale it may run with (2..128; 0 and 1 below)
     from k3rocm.mx import dequantize_mxfp4
 
     for start in range(lo, hi, 32):
         sc = [min(start + i, hi - 1) for i in range(32)]
         packed, s = _all_codes_tile(sc)
-        got, order = _decode_probe(tk, packed, s)
+        got, order = _decode_probe(tk, packed, s, fused)
         ref = dequantize_mxfp4(packed, s).bfloat16().float()
         perm = order[0].long()
         assert sorted(perm.tolist()) == list(range(64))
@@ -317,14 +322,58 @@ def test_decode_every_code_and_scale_bit_exact(tk, lo, hi):
         assert (got == 0).any() and (got.signbit() & (got == 0)).any()  # +0 and -0 codes both present
 
 
-def test_decode_extreme_scales(tk):
-    # E8M0 0 (2^-127: results are bf16 subnormals) and 253/254 (6 x 2^127 overflows to inf, as in fp32)
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_extreme_scales(tk, fused):
+    # E8M0 0 (2^-127: results are bf16 subnormals) and 253/254 (6 x 2^127 overflows to inf, as in fp32); the
+    # one-multiply variant at the ends of its range (0, 1: subnormal results; 127, 128: its largest multiplier)
     from k3rocm.mx import dequantize_mxfp4
 
-    packed, s = _all_codes_tile([0, 1, 253, 254] * 8)
-    got, order = _decode_probe(tk, packed, s)
+    packed, s = _all_codes_tile(([0, 1, 127, 128] if fused else [0, 1, 253, 254]) * 8)
+    got, order = _decode_probe(tk, packed, s, fused)
     ref = dequantize_mxfp4(packed, s).bfloat16().float()[:, order[0].long()]
     assert torch.equal(got.nan_to_num(), ref.nan_to_num()), f"{(got != ref).sum()} elements differ"
+    if fused:
+        assert (ref.abs() < 2.0 ** -126).any() and (ref != 0).any()  # the subnormal results are in the tile
+
+
+def test_fused_scale_ok_reads_each_tensor_once(tk, monkeypatch):
+    # the one-multiply decode only where every scale byte is <= 128; the answer is remembered per tensor and
+    # redone after an in-place change
+    ops = tk.moe.ops
+    s = torch.full((3, 8, 4), 120, dtype=torch.uint8, device=tk.dev)
+    assert ops.fused_scale_ok(s)
+    s[2, 7, 3] = ops.FUSED_SCALE_MAX
+    assert ops.fused_scale_ok(s)
+    s[1, 0, 0] = ops.FUSED_SCALE_MAX + 1
+    assert not ops.fused_scale_ok(s)
+    calls = []
+    real_max = torch.Tensor.max
+    monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: calls.append(1) or real_max(self, *a, **k))
+    assert not ops.fused_scale_ok(s) and not calls  # remembered
+    assert ops.fused_scale_ok(torch.empty(0, dtype=torch.uint8, device=tk.dev))
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["scales<=128", "a-scale-of-130"])
+def test_experts_fused_and_general_decode_agree(tk, monkeypatch, big):
+    # the decode kernel's two scale variants give bit-identical outputs (the same exact bf16 weights), and weights
+    # with a scale byte above 128 take the general one and still match the oracle
+    x, ids, wts, ew = _case(9, 8, 128, 64, 4, seed=91)
+    if big:  # one block of expert 3's w1 rows and of its w2 rows at 2^3: |weights| up to 48
+        ew["w13_scale"][3, 5, 1] = 130
+        ew["w2_scale"][3, 7, 0] = 130
+    ref = _ref_a16w4(x, ids, wts, ew)
+    ewd = _to(ew, tk.dev)
+    assert tk.moe.ops.fused_scale_ok(ewd["w13_scale"]) is (not big)
+    cfg = next(c for c in tk.configs if c["kind"] == "dq")
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd, "situ", "a16w4", 4.0, 25.0, cfg)
+    auto, _ = tk.moe.ops._experts_impl(*args, poison=True)
+    assert _rel(auto, ref) < TOL["a16w4"], f"rel err {_rel(auto, ref):.3g}"
+    if big:
+        assert torch.isfinite(auto).all()
+    else:
+        monkeypatch.setattr(tk.moe.ops, "fused_scale_ok", lambda s: False)
+        general, _ = tk.moe.ops._experts_impl(*args, poison=True)
+        assert torch.equal(auto, general)
 
 
 def test_decode_k_order_matches_activation_order(tk):
