@@ -11,7 +11,8 @@ Goal table (one row per size: the whole layer at 64 / 512 / 8192 tokens and the 
 896, first 0, the rank seeing every token's routing, pairs outside its slice dropped — at 64 and 512 tokens):
 ours (A16W4, the size's picked config, weights in the tiled kernel layout made by ``ops.kernel_layout``, the
 same in the checkpoint layout, and the tiled layout with the decode's general two-multiply variant that the
-one-multiply one replaces where every scale byte is <= 128), the MXFP4 byte floor, the fraction, bf16 ``torch._grouped_mm`` on the same
+one-multiply one replaces where every scale byte is <= 128),
+the MXFP4 byte floor, the fraction, bf16 ``torch._grouped_mm`` on the same
 (local) pairs, and OpenAI's ``matmul_ogs`` through ``gpu-runs/peer_ogs.py`` (``time_matmul_ogs``; "not run:
 <reason>" when that file is absent or raises). The repack (time, bytes, and the byte-exact check of both tensors
 against the checkpoint) is reported once for the layer.

@@ -354,14 +354,14 @@ def mxfp4_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mxfp4_decode_probe_kernel(w_ptr, s_ptr, o_ptr, idx_ptr, oi_ptr, BN: tl.constexpr, BK: tl.constexpr,
-                              F32: tl.constexpr, FUSED_SCALE: tl.constexpr = False):
+                              F32: tl.constexpr, FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False):
     """Check aid: decode one contiguous tile ``w [BN, BK/2] u8``, ``s [BN, BK/32] u8`` into ``o [BN, BK]`` fp32
     with :func:`mxfp4_decode_tile`, and apply :func:`mxfp4_k_order` to ``idx [BN, BK]`` int32 -> ``oi``
     (so a test sees both the values and the K order the GEMM uses)."""
     rn = tl.arange(0, BN)
     wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])
     s = tl.load(s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-    w = mxfp4_decode_tile(wd, s, BN, BK, F32, True, FUSED_SCALE)
+    w = mxfp4_decode_tile(wd, s, BN, BK, F32, True, FUSED_SCALE, PTX)
     tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
     idx = tl.load(idx_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :])
     tl.store(oi_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], mxfp4_k_order(idx, BN, BK))
@@ -421,16 +421,20 @@ def moe_gemm_dq_kernel(
             a = a.to(tl.float32)
         if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
             at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
-            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, True, FUSED_SCALE, PTX)
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, True,
+                                    FUSED_SCALE, PTX)
             acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
             if GATED:
-                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, True, FUSED_SCALE, PTX)
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, True,
+                                        FUSED_SCALE, PTX)
                 acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
         else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
-            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, False, FUSED_SCALE, PTX)
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, False,
+                                    FUSED_SCALE, PTX)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee" if F32 else None)
             if GATED:
-                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False, FUSED_SCALE, PTX)
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False,
+                                        FUSED_SCALE, PTX)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
         dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
         wg_ptrs += dv // 4
