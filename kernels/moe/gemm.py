@@ -274,21 +274,6 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
             lo = (lo * _TWO_POW_126) * sb
             hi = (hi * _TWO_POW_126) * sb
     return tl.join(lo, hi)
-    if F32:
-        # the Triton interpreter multiplies bf16 as integers and drops bf16 subnormals when widening: build
-        # the fp32 patterns (same values, fp32 subnormal for e = 0) and scale in fp32 there (exact as well)
-        lo = (bits << 16).to(tl.float32, bitcast=True)
-        hi = (bits & -65536).to(tl.float32, bitcast=True)
-    else:  # packed bf16 multiplies (2 elements per instruction on sm_90)
-        lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    if FUSED_SCALE:  # sb = 2^126 * scale: one exact product
-        lo = lo * sb
-        hi = hi * sb
-    else:
-        lo = (lo * _TWO_POW_126) * sb
-        hi = (hi * _TWO_POW_126) * sb
-    return tl.join(lo, hi)
 
 
 @triton.jit
@@ -305,9 +290,9 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
             interpreter, whose bf16 arithmetic, bf16 widening and bf16 ``tl.dot`` are not IEEE).
         MMA_ORDER: permute K for a Hopper MMA whose register operand is this tile (below); False: natural order.
         FUSED_SCALE: fold the decode's 2^126 into the scale (``2^(s-1)``, one multiply per element pair instead
-            of two; on sm_90 a w1|w3 k-step of m16n128k128 drops from 561 to 497 SASS instructions per thread).
+            of two; on sm_90 a w1|w3 k-step of m16n128k128 drops from 561 to 463 SASS instructions per thread).
             Valid only when every scale byte of the tile is <= 128 (2^(s-1) <= 2^127, the largest bf16 power
-            of two): the caller checks the whole tensor once (``ops.fused_scale_ok``); 129..254 give inf.
+            of two): the caller checks the whole tensor once (``ops.fused_scale_ok``); 129 gives inf, 130..254 wrap into the sign bit (wrong values).
     Returns:
         ``[BLOCK_N, BLOCK_K]`` bf16 (fp32 with ``F32``), bit-equal to ``k3rocm.mx.dequantize_mxfp4`` rounded
         to bf16 (exact: an E2M1 value times a power of two is a bf16 number unless it leaves the bf16 range).
