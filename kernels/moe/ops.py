@@ -326,15 +326,18 @@ def fused_scale_ok(scale: torch.Tensor) -> bool:
     E8M0 ``scale`` bytes (any shape, uint8): every byte <= :data:`FUSED_SCALE_MAX`. Checked once per tensor
     (one device reduction and one host read; remembered until the tensor changes in place or is freed). During
     CUDA graph capture an unchecked tensor is not read (that would synchronise): the answer is then False, the
-    general decode, which is exact for every scale."""
+    general decode, which is exact for every scale. An inference-mode tensor has no version counter: it is
+    checked once and then taken as unchanged (weights loaded under ``torch.inference_mode`` are not written
+    again). A tiled ``kernel_layout`` carries its own flag (``TiledMxfp4.max_scale``, read at repack)."""
     key = id(scale)
+    version = -1 if scale.is_inference() else scale._version
     hit = _FUSED_OK.get(key)
-    if hit is not None and hit[0]() is scale and hit[1] == scale._version:
+    if hit is not None and hit[0]() is scale and hit[1] == version:
         return hit[2]
     if scale.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     ok = scale.numel() == 0 or int(scale.max()) <= FUSED_SCALE_MAX
-    _FUSED_OK[key] = (weakref.ref(scale, lambda _r, k=key: _FUSED_OK.pop(k, None)), scale._version, ok)
+    _FUSED_OK[key] = (weakref.ref(scale, lambda _r, k=key: _FUSED_OK.pop(k, None)), version, ok)
     return ok
 
 
@@ -442,8 +445,13 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     # the decode's one-multiply variant where the scales allow it (every K3 layer: s <= 128), and its packed
     # bf16x2 multiplies in PTX on CUDA (the interpreter decodes in fp32, HIP in Triton's own bf16 ops)
     ptx = dq and not interp and current_target().backend == "cuda"
-    fs13 = dq and fused_scale_ok(_get(experts, "w13_scale"))
-    fs2 = dq and fused_scale_ok(_get(experts, "w2_scale"))
+    # (a tiled layout carries its own scales: the flag is the one read at repack, never the checkpoint tensors')
+    if lay is None:
+        fs13 = dq and fused_scale_ok(_get(experts, "w13_scale"))
+        fs2 = dq and fused_scale_ok(_get(experts, "w2_scale"))
+    else:
+        fs13 = dq and lay.w13.max_scale <= FUSED_SCALE_MAX
+        fs2 = dq and lay.w2.max_scale <= FUSED_SCALE_MAX
 
     def run_w13():
         if dq:

@@ -57,6 +57,7 @@ class TiledMxfp4:
     tile_n: int
     tile_k: int
     repack_s: float = 0.0
+    max_scale: int = 255
 
     @property
     def num_experts(self) -> int:
@@ -116,9 +117,10 @@ def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n:
         return x.reshape(E, nt, kt, groups * tile_n * per_row)
 
     data = torch.cat([tiles(packed, tk // 2), tiles(scale, tk // 32)], dim=3).contiguous()
+    max_scale = int(scale.max()) if scale.numel() else -1  # one reduction + host read, at load only
     if sync:
         torch.cuda.synchronize(packed.device)
-    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0)
+    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0, max_scale)
 
 
 def _untile(t: TiledMxfp4) -> tuple[torch.Tensor, torch.Tensor]:

@@ -376,6 +376,39 @@ def test_experts_fused_and_general_decode_agree(tk, monkeypatch, big):
         assert torch.equal(auto, general)
 
 
+def test_tiled_layout_takes_its_own_scale_flag(tk):
+    # a tiled kernel_layout carries its scales: the one-multiply choice is the layout's (read at repack), never
+    # the checkpoint tensors' -- which may be absent, or (here) disagree with the layout
+    x, ids, wts, ew = _case(9, 8, 128, 64, 4, seed=93)
+    ew["w13_scale"][3, 5, 1] = 130
+    ew["w2_scale"][3, 7, 0] = 130
+    ref = _ref_a16w4(x, ids, wts, ew)
+    ewd = _to(ew, tk.dev)
+    lay = tk.moe.ops.kernel_layout(ewd, check=True)
+    assert lay.w13.max_scale == 130 and lay.w2.max_scale == 130
+    cfg = next(c for c in tk.configs if c["kind"] == "dq")
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    small = dict(ewd, w13_scale=ewd["w13_scale"].clamp(max=120), w2_scale=ewd["w2_scale"].clamp(max=120),
+                 kernel_layout=lay)
+    gone = dict(ewd, w13_scale=None, w2_scale=None, kernel_layout=lay)
+    for name, ewt in (("disagreeing checkpoint scales", small), ("no checkpoint scales", gone)):
+        out = tk.moe.moe_experts(*args, ewt, config=cfg, poison=True)
+        assert torch.isfinite(out).all() and _rel(out, ref) < TOL["a16w4"], f"{name}: rel err {_rel(out, ref):.3g}"
+    fine = tk.moe.ops.kernel_layout(_to(_case(9, 8, 128, 64, 4, seed=93)[3], tk.dev))
+    assert fine.w13.max_scale <= tk.moe.ops.FUSED_SCALE_MAX and fine.w2.max_scale <= tk.moe.ops.FUSED_SCALE_MAX
+
+
+def test_fused_scale_ok_on_inference_tensors(tk):
+    # weights loaded under torch.inference_mode have no version counter; the check still answers, once
+    ops = tk.moe.ops
+    with torch.inference_mode():
+        s = torch.full((2, 4, 4), 100, dtype=torch.uint8, device=tk.dev)
+        b = s.clone()
+        b[1, 2, 3] = 200
+    assert ops.fused_scale_ok(s) and not ops.fused_scale_ok(b)
+    assert ops.fused_scale_ok(s) and not ops.fused_scale_ok(b)
+
+
 def test_decode_k_order_matches_activation_order(tk):
     # the weight and activation K permutations are the same map, so a dot product over K is unchanged
     g = torch.Generator().manual_seed(3)
