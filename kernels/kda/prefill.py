@@ -401,7 +401,7 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 
 def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
                 lower_bound=-5.0, gate_form="k3", out_dtype: torch.dtype = torch.float32,
-                config: dict | None = None):
+                config: dict | None = None, products: str | None = None):
     """Triton chunked KDA prefill; contract of :func:`k3rocm.model.kda.kda_prefill`.
 
     Args: as the oracle (q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` in fp32 / bf16 / fp16, decay_raw
@@ -410,21 +410,27 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"intra": cfg, "state": cfg,
         "out": cfg}`` entries of the :mod:`configs` tables to force (tests; a missing entry is tuned); default:
         :func:`k3rocm.kernels.tune.pick`, keyed on powers of two of the token and sequence counts.
+        ``products``: how the matrix products run. ``"ieee"``: IEEE fp32 operands throughout (fp32 FMA on
+        Hopper, fp32 MFMA on CDNA); ``"split"``: split-bf16 operands on the bf16 matrix unit (:func:`_mm`, ~16
+        mantissa bits) and the UT solve's off-diagonal block products at the backend's fp32 precision, whatever
+        the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); None: by
+        input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"split"``).
     Returns:
         ``(o [B, T, H, V] out_dtype, final_state [N, H, K, V] fp32)``.
     Raises:
         ConfigError: gate form other than ``"k3"``, ``lower_bound < -10`` (the in-chunk decay factorisation
-        would overflow fp32), K or V not a power of two >= 16, or inconsistent shapes.
+        would overflow fp32), K or V not a power of two >= 16, ``products`` not one of None / "ieee" /
+        "split", or inconsistent shapes.
     Note: reads ``cu_seqlens`` on the host once (to build the chunk table); not for graph capture.
     """
     _, o, ht = prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state, cu_seqlens, scale,
-                                lower_bound, gate_form, out_dtype, config)
+                                lower_bound, gate_form, out_dtype, config, products)
     return o, ht
 
 
 def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
                      lower_bound=-5.0, gate_form="k3", out_dtype: torch.dtype = torch.float32,
-                     config: dict | None = None):
+                     config: dict | None = None, products: str | None = None):
     """:func:`kda_prefill`, also returning its launches one by one (to time each kernel alone).
 
     Args, raises: as :func:`kda_prefill`. Runs the prefill once (tuning each kernel first where needed).
@@ -435,6 +441,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if products not in (None, "ieee", "split"):
+        raise ConfigError(f"kda_prefill (triton): products {products!r} is not one of None, 'ieee', 'split'")
     if gate_form != "k3":
         raise ConfigError(f"kda_prefill (triton): gate form {gate_form!r} is not supported; use the torch oracle")
     if lower_bound < -10.0 or lower_bound > 0.0:
@@ -470,7 +478,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     chunk_tok, chunk_len, seq_chunk = chunk_table(cu_host, dev)
     NC = chunk_tok.numel()
     f32 = torch.float32
-    exact = q.dtype == f32
+    exact = products == "ieee" if products is not None else q.dtype == f32
     # fp32 inputs: IEEE fp32 dots. Otherwise split-bf16 products (see _mm) with fp32 accumulation; the UT
     # solve's block products at the backend's fp32 precision; every intermediate buffer fp32 (bf16 storage of
     # qg, kg, w, u, Aqk, v' or the chunk states alone measured ~7e-3 relative RMS in the interpreter).
@@ -524,7 +532,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
                            K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd, **meta, **opts)
 
     # bounded specialisation: token and sequence counts enter the key as powers of two
-    key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype)
+    key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, exact)
     launches = []
     for name, table, run, parts in (
             ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra))),

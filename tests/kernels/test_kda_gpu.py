@@ -264,6 +264,20 @@ def test_prefill_tuned_default():
     assert torch.equal(o1, o) and torch.equal(s1, s)
 
 
+def test_prefill_split_products_on_fp32_inputs():
+    """The serving engine's call: fp32 activations with ``products="split"`` (split-bf16 products, the UT solve's
+    block products in TF32 on sm_90) against the oracle, twice bit-identical."""
+    from k3rocm.kernels.kda import prefill as P
+    a = inputs(1, 1000, 12, torch.float32, state=True)
+    want_o, want_s = oracle(a)
+    o, s = P.kda_prefill(**a, products="split")
+    e = (rel_rms(o, want_o), rel_rms(s, want_s))
+    _log(test="prefill_fp32_split", rel_rms_o=e[0], rel_rms_state=e[1])
+    assert max(e) <= BF16_REL_RMS
+    o1, s1 = P.kda_prefill(**a, products="split")
+    assert torch.equal(o1, o) and torch.equal(s1, s)
+
+
 def test_continuation_and_decay_bounds():
     from k3rocm.kernels.kda import prefill as P
     cfg = first_configs()

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from k3rocm.errors import ConfigError
 from k3rocm.kernels import tune
 
 from k3rocm.kernels.kda import configs as KC
@@ -114,6 +115,26 @@ def test_prefill_state_continuation():
     o2, s2 = KPRE.kda_prefill(**rest, initial_state=s1)
     torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s2, s, rtol=1e-5, atol=1e-5)
+
+
+def _rel_rms(got, want):
+    return ((got.float() - want.float()).pow(2).mean().sqrt() / want.float().pow(2).mean().sqrt()).item()
+
+
+def test_prefill_products_split_on_fp32_inputs():
+    """fp32 inputs with ``products="split"`` (the serving engine in a bf16 matmul scope) take the split-bf16
+    products: within 3e-4 relative RMS of the oracle, and not the IEEE path's result (which is within 1e-5)."""
+    a = make_prefill(1, 70, 2, D, _gen(), state=True)
+    want_o, want_s = O.kda_recurrent(**a)
+    ieee_o, ieee_s = KPRE.kda_prefill(**a, products="ieee")
+    split_o, split_s = KPRE.kda_prefill(**a, products="split")
+    close(ieee_o, want_o, 1e-5)
+    assert _rel_rms(split_o, want_o) < 3e-4 and _rel_rms(split_s, want_s) < 3e-4
+    assert not torch.equal(split_o, ieee_o), "products='split' ran the IEEE path"
+    with pytest.raises(ConfigError, match="products"):
+        KPRE.kda_prefill(**a, products="tf32")
+    with pytest.raises(ConfigError, match="products"):
+        O.kda_prefill(**a, products="bf16")
 
 
 def test_prefill_launches_one_by_one():

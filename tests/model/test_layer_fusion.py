@@ -162,3 +162,28 @@ def test_fused_rows_padded_to_alignment_and_dropped():
     assert ya.shape == (5, 6) and yb.shape == (5, 13)
     torch.testing.assert_close(ya, ra, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(yb, rb, rtol=1e-2, atol=1e-2)
+
+
+def test_kda_mixer_asks_for_split_products_in_a_bf16_scope(tiny):
+    # the engine (bf16 matmul scope, fp32 activations) asks the prefill kernel for its split-bf16 products; the
+    # oracle (no scope) asks nothing, and an implementation without the parameter is called without it
+    cfg, weights = tiny
+    kda = cfg.layer_types.index("kda")
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(int(torch.empty(()).uniform_() * 1e6)))
+    seen = []
+    real = L.resolve_ops()["kda_prefill"]
+
+    def spy(*a, products=None, **k):
+        seen.append(products)
+        return real(*a, **k)
+
+    def plain(*a, **k):
+        seen.append("plain")
+        return real(*a, **k)
+
+    for scope, impl in ((torch.bfloat16, spy), (None, spy), (torch.bfloat16, plain)):
+        ops = dict(L.resolve_ops(), kda_prefill=impl)
+        with matmul_dtype(scope):
+            y = L.kda_mixer(x, L.WeightView(weights), kda, cfg, ops, L.Batch(torch.tensor([0, 5], dtype=torch.int32)))
+        assert torch.isfinite(y).all()
+    assert seen == ["split", None, "plain"]
