@@ -95,7 +95,27 @@ def prefill_kernel_ms(a) -> dict:
     return res
 
 
-def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None):
+def kernel_breakdown(fn, iters: int = 5, top: int = 12) -> list[dict]:
+    """Device time per kernel of ``fn()`` (torch.profiler, ``iters`` calls after one warm call): the ``top``
+    kernels by time, each ``{"kernel", "us_per_call", "launches_per_call"}`` (us of device time per ``fn()``)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
+        if us > 0:
+            out.append(dict(kernel=e.key[:90], us_per_call=us / iters, launches_per_call=e.count / iters))
+    out.sort(key=lambda r: -r["us_per_call"])
+    return out[:top]
+
+
+def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None, kernels=False):
     import triton.testing as tt
 
     from k3rocm.kernels.kda import decode as DE
@@ -124,6 +144,13 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
             if ref:
                 row["ratio_ours_over_fla"] = t_ours / ref
         row["fla_ref_brief_ms"] = FLA_REF_MS.get(name)
+        if kernels:  # where each implementation's time goes, kernel by kernel
+            row["ours_kernels"] = kernel_breakdown(ours)
+            if with_fla:
+                try:
+                    row["fla_kernels"] = kernel_breakdown(fla_prefill_fn(a, False))
+                except Exception as e:
+                    row["fla_kernels_error"] = f"{type(e).__name__}: {e}"[:200]
         rows.append(row)
         print(json.dumps(row), flush=True)
         del a
@@ -241,6 +268,8 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--only", default="decode,prefill,accuracy",
                     help="comma list of parts, run in this order (decode first: fla's prefill autotuning is slow)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile each prefill row kernel by kernel (ours and fla's chunk_kda, torch.profiler)")
     ap.add_argument("--prefill", default=None, metavar="BxTxH,...",
                     help="prefill rows to run instead of the default four, e.g. 1x32768x12,4x8192x12")
     args = ap.parse_args()
@@ -259,7 +288,7 @@ def main():
     rows = []
     for part in parts:
         if part in ("decode", "prefill"):
-            rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel)
+            rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels)
     acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -283,6 +312,13 @@ def main():
             ks = [r[f"{n}_ms"] for n in ("gate", "intra", "state", "out")]
             lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
                          f"{r['conv_qkv_ms']:.3f} |")
+    for r in rows:
+        for who in ("ours", "fla"):
+            ks = r.get(f"{who}_kernels")
+            if ks:
+                lines += ["", f"{r['row']}, {who}, device time per call by kernel (torch.profiler):", "",
+                          "| kernel | us per call | launches per call |", "|---|---|---|"]
+                lines += [f"| `{k['kernel']}` | {k['us_per_call']:.1f} | {k['launches_per_call']:g} |" for k in ks]
     with open(os.path.join(args.out, "kda_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

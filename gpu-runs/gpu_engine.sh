@@ -9,10 +9,15 @@
 #          64, 64 prompts): the decode-step goals of docs/BENCHMARKS.md, every step logged (p4_steps/steps.jsonl)
 #   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64
 #   prof   the K3 rank again with torch.profiler over steps 75..114 after warm-up (the last chunk steps and the
-#          widest decode steps): device time per kernel per step kind in prof/kernels_1.txt
+#          widest decode steps; K3_PROF_AFTER / K3_PROF_N move and size the window): device time per kernel per
+#          step kind in prof/kernels_1.txt
 #   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
 #   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled)
+#   ktest  the KDA GPU tests selected by KDA_TESTS (a pytest -k expression; default: the per-config, tuned-default
+#          and fp32-split tests), figures into RESULTS_DIR/kda_gpu.jsonl
+#   kda    gpu-runs/bench_kda.py prefill rows with the per-launch and per-kernel tables (ours and fla's chunk_kda
+#          where fla is importable), into RESULTS_DIR/kda/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/
 # RESULTS_DIR/steps.tsv lists each step's exit status and seconds. Uses the installed package, else assembles it
@@ -49,15 +54,18 @@ for s in $STEPS; do
           --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
     k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim 140)" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3" ;;
-    prof) PROF_OUT=$R/prof PROF_AFTER=75 PROF_N=40 step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \
+    prof) PROF_OUT=$R/prof PROF_AFTER=${K3_PROF_AFTER:-75} PROF_N=${K3_PROF_N:-40} step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3_prof" ;;
     cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
     etest) step etest "$(lim 70)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
     mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim 160)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ;;
+    ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \
+          tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
+    kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" --only prefill,accuracy --kernels --out "$R/kda" ;;
     moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda moe)" >&2 ;;
   esac
 done
 cat "$R/steps.tsv"
