@@ -207,6 +207,79 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
     return rows
 
 
+#: precision variants the sweep times and checks (``kda_prefill(products=...)``; prefill.PRODUCTS)
+SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",))}
+
+
+def gate_sweep(a) -> dict:
+    """The prefill's gate kernel alone on the row's inputs at each ``num_warps`` (it ships with the intra
+    kernel's launch options), its buffers as the prefill makes them (fp32)."""
+    import triton.testing as tt
+
+    from k3rocm.kernels import _interp
+    from k3rocm.kernels.kda import prefill as P
+    B, T, H, K = a["q"].shape
+    TT = B * T
+    ct, cl, _ = P.chunk_table([b * T for b in range(B + 1)], "cuda")
+    NC = ct.numel()
+    f32 = dict(dtype=torch.float32, device="cuda")
+    g, qg, kg = (torch.empty(TT, H, K, **f32) for _ in range(3))
+    gl = torch.empty(NC, H, K, **f32)
+    q, k = (a[n].reshape(TT, H, K) for n in ("q", "k"))
+    dr = a["decay_raw"].reshape(TT, H * K)
+    res = {}
+    for nw in (1, 2, 4, 8, 16):
+        fn = lambda nw=nw: _interp.launch(P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl,  # noqa
+                                          g, qg, kg, gl, K ** -0.5, -5.0, H, K=K, BT=P.BT, num_warps=nw)
+        try:
+            fn()
+            res[f"gate_ms[num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
+        except Exception as e:
+            res[f"gate_error[num_warps={nw}]"] = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
+def sweep(rows=((1, 8192, 96), (1, 131072, 12))) -> list[dict]:
+    """Where each launch could go: per row, every config of the state and out kernels timed alone, the gate
+    kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
+    config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
+    import triton.testing as tt
+
+    from k3rocm.kernels import tune
+    from k3rocm.kernels.kda import configs as KC
+    from k3rocm.kernels.kda import prefill as P
+    from k3rocm.model import kda as O
+    out = []
+    acc_in = prefill_inputs(1, 4096, 12, seed=7)
+    acc_in["initial_state"] = torch.randn(1, 12, D, D, device="cuda") * 0.1
+    want_o, want_s = O.kda_prefill(**acc_in)
+    rr = lambda x, y: ((x.float() - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt()).item()  # noqa: E731
+    for B, T, H in rows:
+        a = prefill_inputs(B, T, H)
+        res = dict(row=f"prefill B{B} T{T} H{H}")
+        first = {"intra": tune.configs(KC.INTRA)[0]}
+        for kind, table in (("state", KC.STATE), ("out", KC.OUT)):
+            for c in tune.configs(table):
+                launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=dict(first, **{kind: c}))
+                fn = dict(launches)[kind]
+                res[f"{kind}_ms[{json.dumps(c, sort_keys=True)}]"] = tt.do_bench(fn, warmup=10, rep=50)
+        res.update(gate_sweep(a))
+        for name, prod in SWEEP_VARIANTS.items():
+            launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=first, products=prod)
+            for nm, fn in launches:
+                res[f"{name}:{nm}_ms"] = tt.do_bench(fn, warmup=10, rep=50)
+            res[f"{name}:total_ms"] = sum(res[f"{name}:{nm}_ms"] for nm, _ in launches)
+            if (B, T, H) == rows[0]:
+                o, st = P.kda_prefill(**acc_in, products=prod)
+                res[f"{name}:rel_rms_o"] = rr(o, want_o)
+                res[f"{name}:rel_rms_state"] = rr(st, want_s)
+        print(json.dumps(res), flush=True)
+        out.append(res)
+        del a
+        torch.cuda.empty_cache()
+    return out
+
+
 def accuracy(with_fla=True):
     """Relative RMS error of ours and fla's against the fp32 oracle (bf16 inputs, B1 T4096 H12)."""
     from k3rocm.kernels.kda import prefill as P
@@ -267,7 +340,8 @@ def main():
     ap.add_argument("--warm", default=None)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--only", default="decode,prefill,accuracy",
-                    help="comma list of parts, run in this order (decode first: fla's prefill autotuning is slow)")
+                    help="comma list of parts among decode, prefill, accuracy, sweep, run in this order (decode first: "
+                         "fla's prefill autotuning is slow)")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile each prefill row kernel by kernel (ours and fla's chunk_kda, torch.profiler)")
     ap.add_argument("--prefill", default=None, metavar="BxTxH,...",
@@ -290,11 +364,12 @@ def main():
         if part in ("decode", "prefill"):
             rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels)
     acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
+    sw = sweep() if "sweep" in parts else []
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)
     with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
-        json.dump(dict(info=info, accuracy=acc, rows=rows), f, indent=1)
+        json.dump(dict(info=info, accuracy=acc, rows=rows, sweep=sw), f, indent=1)
     lines = [f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, {info['date']}", "",
              "| row | ours ms | fla ms (fused gate) | fla ms (precomputed gate) | ours/fla | floor ms | frac of floor |",
              "|---|---|---|---|---|---|---|"]

@@ -56,7 +56,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     K="constexpr", BT="constexpr")
     intra_sig = dict(q=p, k=p, v=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, w=b, u=b,
                      scale="fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr", BC="constexpr",
-                     PREC="constexpr", OPD="constexpr")
+                     PREC="constexpr", OPD="constexpr", WOPD="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr")
@@ -75,7 +75,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.INTRA)),
-        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1), True,
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1, WOPD=1), True,
          _opts(configs.INTRA)),
         ("prefill_state", _state_kernel, state_sig,
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"]), True,

@@ -48,15 +48,19 @@ BC = 16  # rows per sub-block
 def _mm(a, b, OPD: tl.constexpr):
     """``a @ b`` with fp32 accumulation. ``OPD``: 0 fp32 operands (IEEE); 1 three bf16 products on the matrix
     unit (``v_mfma_f32_*_bf16`` / bf16 wgmma): with ``x = x_hi + x_lo`` split into two bf16 parts,
-    ``a_hi b_hi + a_hi b_lo + a_lo b_hi`` (about 16 mantissa bits, finer than TF32; one bf16 product alone
-    leaves ~1e-2 relative RMS in the output, where ``v' = u - w h`` and ``o = qg h + Aqk v'`` cancel);
-    2 the same split multiplied in fp32 (the interpreter, whose bf16 ``tl.dot`` is wrong)."""
+    ``a_hi b_hi + a_hi b_lo + a_lo b_hi`` (about 16 mantissa bits, finer than TF32); 2 the same split multiplied
+    in fp32 (the interpreter, whose bf16 ``tl.dot`` is wrong); 3 one bf16 product (operands rounded to bf16,
+    8 mantissa bits); 4 the same rounding multiplied in fp32 (interpreter)."""
     a = a.to(tl.float32)
     b = b.to(tl.float32)
     if OPD == 0:
         return tl.dot(a, b, input_precision="ieee")
     ah = a.to(tl.bfloat16)
     bh = b.to(tl.bfloat16)
+    if OPD == 3:
+        return tl.dot(ah, bh)
+    if OPD == 4:
+        return tl.dot(ah.to(tl.float32), bh.to(tl.float32), input_precision="ieee")
     al = (a - ah.to(tl.float32)).to(tl.bfloat16)
     bl = (b - bh.to(tl.float32)).to(tl.bfloat16)
     if OPD == 1:
@@ -230,10 +234,11 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
 @_interp.kjit
 def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                  OPD: tl.constexpr):
+                  OPD: tl.constexpr, WOPD: tl.constexpr):
     """Phases 2-4 of a chunk in one program: A and Aqk in 16 x 16 blocks (Aqk stored), the UT solve
     ``M = (I + A)^-1`` kept in fp32 registers (never stored), then ``w = M (beta k e^G)``, ``u = M (beta v)``
-    (stored). Products of inputs use :func:`_mm` with ``OPD``; the solve's block products use ``PREC``."""
+    (stored). A and Aqk take :func:`_mm` with ``OPD``, w and u with ``WOPD``; the solve's block products
+    ``PREC``."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
@@ -265,10 +270,10 @@ def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H
                   input_precision=PREC)
     m30 = -tl.dot(m33, tl.dot(a30, m00, input_precision=PREC) + tl.dot(a31, m10, input_precision=PREC)
                   + tl.dot(a32, m20, input_precision=PREC), input_precision=PREC)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 0, m00, m00, m00, m00, K, V, BC, OPD)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 1, m10, m11, m11, m11, K, V, BC, OPD)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 2, m20, m21, m22, m22, K, V, BC, OPD)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 3, m30, m31, m32, m33, K, V, BC, OPD)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 0, m00, m00, m00, m00, K, V, BC, WOPD)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 1, m10, m11, m11, m11, K, V, BC, WOPD)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 2, m20, m21, m22, m22, K, V, BC, WOPD)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, 3, m30, m31, m32, m33, K, V, BC, WOPD)
 
 
 @_interp.kjit
@@ -399,9 +404,40 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
     return packed[:NC], packed[NC:2 * NC], packed[2 * NC:]
 
 
+#: Where each product of the prefill runs and which intermediates are stored in bf16 (benchmark sweeps pass
+#: such a dict as ``products``). Parts: ``pair`` (A, Aqk), ``wu`` (w, u), ``state`` (v' = u - w h, the state
+#: step), ``out`` (o = qg h + Aqk v'): ``"ieee"`` (fp32 operands), ``"split"`` (split-bf16, :func:`_mm`) or
+#: ``"bf16"`` (one bf16 product); ``solve``: the UT solve's off-diagonal block products, ``"ieee"`` or
+#: ``"backend"`` (TF32 on sm_90, fp32 MFMA on CDNA); ``store``: names among qg, kg, w, u, vnew, aqk, hbuf kept
+#: in bf16 (the rest fp32).
+PRODUCTS = {
+    "ieee": dict(pair="ieee", wu="ieee", state="ieee", out="ieee", solve="ieee", store=()),
+    "split": dict(pair="split", wu="split", state="split", out="split", solve="backend", store=()),
+}
+_STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf")
+
+
+def _precision(products, dtype: torch.dtype) -> dict:
+    """The per-part precision of ``products`` (None, a :data:`PRODUCTS` name, or a dict overriding "split")."""
+    if products is None:
+        products = "ieee" if dtype == torch.float32 else "split"
+    if isinstance(products, dict):
+        bad = [kk for kk in products if kk not in PRODUCTS["split"]]
+        out = dict(PRODUCTS["split"], **products)
+        ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in ("pair", "wu", "state", "out"))
+              and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"]))
+        if ok:
+            out["store"] = tuple(sorted(out["store"]))
+            return out
+    elif products in PRODUCTS:
+        return PRODUCTS[products]
+    raise ConfigError(f"kda_prefill (triton): products {products!r} is not one of None, 'ieee', 'split' "
+                      "(or a dict of parts, see prefill.PRODUCTS)")
+
+
 def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
                 lower_bound=-5.0, gate_form="k3", out_dtype: torch.dtype = torch.float32,
-                config: dict | None = None, products: str | None = None):
+                config: dict | None = None, products: str | dict | None = None):
     """Triton chunked KDA prefill; contract of :func:`k3rocm.model.kda.kda_prefill`.
 
     Args: as the oracle (q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` in fp32 / bf16 / fp16, decay_raw
@@ -414,7 +450,8 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         Hopper, fp32 MFMA on CDNA); ``"split"``: split-bf16 operands on the bf16 matrix unit (:func:`_mm`, ~16
         mantissa bits) and the UT solve's off-diagonal block products at the backend's fp32 precision, whatever
         the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); None: by
-        input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"split"``).
+        input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"split"``); a dict of parts (:data:`PRODUCTS`) for
+        precision sweeps (``gpu-runs/bench_kda.py --precision``).
     Returns:
         ``(o [B, T, H, V] out_dtype, final_state [N, H, K, V] fp32)``.
     Raises:
@@ -430,7 +467,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
 
 def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
                      lower_bound=-5.0, gate_form="k3", out_dtype: torch.dtype = torch.float32,
-                     config: dict | None = None, products: str | None = None):
+                     config: dict | None = None, products: str | dict | None = None):
     """:func:`kda_prefill`, also returning its launches one by one (to time each kernel alone).
 
     Args, raises: as :func:`kda_prefill`. Runs the prefill once (tuning each kernel first where needed).
@@ -441,8 +478,6 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if products not in (None, "ieee", "split"):
-        raise ConfigError(f"kda_prefill (triton): products {products!r} is not one of None, 'ieee', 'split'")
     if gate_form != "k3":
         raise ConfigError(f"kda_prefill (triton): gate form {gate_form!r} is not supported; use the torch oracle")
     if lower_bound < -10.0 or lower_bound > 0.0:
@@ -478,22 +513,20 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     chunk_tok, chunk_len, seq_chunk = chunk_table(cu_host, dev)
     NC = chunk_tok.numel()
     f32 = torch.float32
-    exact = products == "ieee" if products is not None else q.dtype == f32
-    # fp32 inputs: IEEE fp32 dots. Otherwise split-bf16 products (see _mm) with fp32 accumulation; the UT
-    # solve's block products at the backend's fp32 precision; every intermediate buffer fp32 (bf16 storage of
-    # qg, kg, w, u, Aqk, v' or the chunk states alone measured ~7e-3 relative RMS in the interpreter).
-    opd = 0 if exact else (2 if interpreting() else 1)
-    prec = "ieee" if exact else None
-    bdt = f32
+    prec_parts = _precision(products, q.dtype)
+    lvl = {"ieee": 0, "split": 2 if interpreting() else 1, "bf16": 4 if interpreting() else 3}
+    opd = {part: lvl[prec_parts[part]] for part in ("pair", "wu", "state", "out")}
+    prec = "ieee" if prec_parts["solve"] == "ieee" else None
+    bf = lambda name: torch.bfloat16 if name in prec_parts["store"] else f32  # noqa: E731
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
-    qg = C.empty(TT, H, K, dtype=bdt, device=dev)
-    kg = C.empty(TT, H, K, dtype=bdt, device=dev)
-    w = C.empty(TT, H, K, dtype=bdt, device=dev)
-    u = C.empty(TT, H, V, dtype=bdt, device=dev)
-    vnew = C.empty(TT, H, V, dtype=bdt, device=dev)
-    aqk = C.empty(TT, H, BT, dtype=bdt, device=dev)
+    qg = C.empty(TT, H, K, dtype=bf("qg"), device=dev)
+    kg = C.empty(TT, H, K, dtype=bf("kg"), device=dev)
+    w = C.empty(TT, H, K, dtype=bf("w"), device=dev)
+    u = C.empty(TT, H, V, dtype=bf("u"), device=dev)
+    vnew = C.empty(TT, H, V, dtype=bf("vnew"), device=dev)
+    aqk = C.empty(TT, H, BT, dtype=bf("aqk"), device=dev)
     glast = C.empty(max(NC, 1), H, K, dtype=f32, device=dev)
-    hbuf = C.empty(max(NC, 1), H, K, V, dtype=bdt, device=dev)
+    hbuf = C.empty(max(NC, 1), H, K, V, dtype=bf("hbuf"), device=dev)
     o = C.empty(B, T, H, V, dtype=out_dtype, device=dev)
     ht = C.empty(N, H, K, V, dtype=f32, device=dev)
     h0 = initial_state.to(f32).contiguous() if initial_state is not None else ht
@@ -509,7 +542,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         meta, opts = tune.split(c)
         if NC:
             _interp.launch(_intra_kernel, (NC, H), qc, kc, vc, br, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
-                           K=K, V=V, BT=BT, BC=BC, PREC=prec, OPD=opd, **meta, **opts)
+                           K=K, V=V, BT=BT, BC=BC, PREC=prec, OPD=opd["pair"], WOPD=opd["wu"], **meta, **opts)
 
     def launch_gate_intra(c):  # tuned together: the gate kernel takes the intra kernel's launch options
         launch_gate(c)
@@ -521,7 +554,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if N:
             _interp.launch(_state_kernel, (N, H, V // bv), kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk,
                            chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
-                           OPD=opd, **meta, **opts)
+                           OPD=opd["state"], **meta, **opts)
 
     def launch_out(c):
         meta, opts = tune.split(c)
@@ -529,10 +562,10 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         bk = min(meta.pop("BK"), K)
         if NC:
             _interp.launch(_out_kernel, (NC, H, V // bv), qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
-                           K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd, **meta, **opts)
+                           K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd["out"], **meta, **opts)
 
     # bounded specialisation: token and sequence counts enter the key as powers of two
-    key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, exact)
+    key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, tuple(sorted((kk, str(vv)) for kk, vv in prec_parts.items())))
     launches = []
     for name, table, run, parts in (
             ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra))),
