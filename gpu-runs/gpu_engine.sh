@@ -17,7 +17,7 @@
 #   ktest  the KDA GPU tests selected by KDA_TESTS (a pytest -k expression; default: the per-config, tuned-default
 #          and fp32-split tests), figures into RESULTS_DIR/kda_gpu.jsonl
 #   kda    gpu-runs/bench_kda.py prefill rows with the per-launch and per-kernel tables (ours and fla's chunk_kda
-#          where fla is importable), into RESULTS_DIR/kda/
+#          where fla is importable; KDA_BENCH_ARGS replaces those arguments), into RESULTS_DIR/kda/
 #   ksweep gpu-runs/bench_kda.py --only sweep: every state / out config, the gate per num_warps and the precision
 #          variants (time per launch, accuracy), into RESULTS_DIR/ksweep/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
@@ -65,7 +65,7 @@ for s in $STEPS; do
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ;;
     ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
-    kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" --only prefill,accuracy --kernels --out "$R/kda" ;;
+    kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
     ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla --out "$R/ksweep" ;;
     moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
     *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep moe)" >&2 ;;

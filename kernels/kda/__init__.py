@@ -74,7 +74,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.INTRA)),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.GATE)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1, WOPD=1), True,
          _opts(configs.INTRA)),
         ("prefill_state", _state_kernel, state_sig,
