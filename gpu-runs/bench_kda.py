@@ -208,7 +208,8 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
 
 
 #: precision variants the sweep times and checks (``kda_prefill(products=...)``; prefill.PRODUCTS)
-SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",))}
+SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)),
+                  "w in bf16": dict(w="bf16", wh="bf16", store=("w",))}
 
 
 def gate_sweep(a) -> dict:

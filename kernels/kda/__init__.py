@@ -42,8 +42,9 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     """Every KDA kernel at the K3 head size, for ahead-of-time compilation.
 
     Returns ``(name, fn, signature, constexprs, expects_matrix, options_by_backend)`` tuples. The prefill
-    kernels are compiled as bf16 inputs run them: bf16 operands on the matrix unit (``OPD = 1``), the UT
-    solve's block products at the backend's default fp32 precision (``PREC = None``).
+    kernels are compiled as bf16 inputs run them (``prefill.PRODUCTS["split"]``): split-bf16 operands on the
+    matrix unit (``OPD = WOPD = UOPD = WHOPD = 1``), the UT solve's block products at the backend's default fp32
+    precision (``PREC = None``).
     """
     p = f"*{dtype}"
     b = "*fp32"  # the prefill's intermediate buffers
@@ -56,10 +57,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     K="constexpr", BT="constexpr")
     intra_sig = dict(q=p, k=p, v=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, w=b, u=b,
                      scale="fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr", BC="constexpr",
-                     PREC="constexpr", OPD="constexpr", WOPD="constexpr")
+                     PREC="constexpr", OPD="constexpr", WOPD="constexpr", UOPD="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
-                     BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr")
+                     BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
@@ -75,10 +76,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.GATE)),
-        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1, WOPD=1), True,
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1, WOPD=1, UOPD=1),
+         True,
          _opts(configs.INTRA)),
         ("prefill_state", _state_kernel, state_sig,
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"]), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1), True,
          _opts(configs.STATE)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, BV=bv), False,

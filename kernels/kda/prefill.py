@@ -18,11 +18,12 @@ Four launches:
 4. ``_out_kernel`` — one program per (chunk, head, BV columns), all chunks in parallel:
    ``o = qg h_c + Aqk v'``.
 
-Precision (bf16 / fp16 inputs): every product of inputs, intermediates and states runs on the bf16 matrix
-unit with fp32 accumulation, as three bf16 products of a hi / lo split (:func:`_mm`); fp32 stays in the gate,
-``G``, ``e^(G_L)``, the diagonal-block inverses of the UT solve (IEEE fp32), its other 16 x 16 block products
-(backend fp32 precision: TF32 on sm_90, fp32 MFMA on CDNA), the running state, and the intermediate buffers. fp32 inputs:
-IEEE fp32 products throughout.
+Precision (bf16 / fp16 inputs, and fp32 inputs with ``products="split"``): every product of inputs,
+intermediates and states runs on the bf16 matrix unit with fp32 accumulation, as three bf16 products of a
+hi / lo split (:func:`_mm`; :data:`PRODUCTS` says what one bf16 product costs in each place); fp32 stays in
+the gate, ``G``, ``e^(G_L)``, the diagonal-block inverses of the UT solve (IEEE fp32), its other 16 x 16 block
+products (backend fp32 precision: TF32 on sm_90, fp32 MFMA on CDNA), the running state, and the intermediate
+buffers. fp32 inputs by default: IEEE fp32 products throughout.
 
 Chunks never cross a sequence boundary, so one launch serves a packed batch of long prefills and 1-token
 sequences. Algebra: Yang et al. 2024 (DeltaNet over sequence length), Kimi Linear report 2025 (KDA);
@@ -213,40 +214,41 @@ def _bkv(k, v, gbuf, braw, t0, L, hh, H, j: tl.constexpr, K: tl.constexpr, V: tl
 
 @_interp.kjit
 def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33,
-        K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr):
+        K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
     """w_i = sum_{j<=i} M_ij (beta k e^G)_j, u_i = sum_{j<=i} M_ij (beta v)_j for the four blocks i; stored.
     Each block j's ``beta k e^G`` and ``beta v`` is made once (j outer, all four accumulators live), and each
-    w_i / u_i sums its terms in ascending j as before."""
+    w_i / u_i sums its terms in ascending j as before. The products of w take :func:`_mm` with ``WOPD``, those
+    of u with ``UOPD``."""
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 0, K, V, BC)
-    w0, w1 = _mm2(m00, m10, bk, OPD)
-    w2, w3 = _mm2(m20, m30, bk, OPD)
-    u0, u1 = _mm2(m00, m10, bv, OPD)
-    u2, u3 = _mm2(m20, m30, bv, OPD)
+    w0, w1 = _mm2(m00, m10, bk, WOPD)
+    w2, w3 = _mm2(m20, m30, bk, WOPD)
+    u0, u1 = _mm2(m00, m10, bv, UOPD)
+    u2, u3 = _mm2(m20, m30, bv, UOPD)
     _store_rows(w, w0, t0, L, hh, H, 0, K, BC)
     _store_rows(u, u0, t0, L, hh, H, 0, V, BC)
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 1, K, V, BC)
-    d1, d2 = _mm2(m11, m21, bk, OPD)
+    d1, d2 = _mm2(m11, m21, bk, WOPD)
     w1 += d1
     w2 += d2
-    w3 += _mm(m31, bk, OPD)
-    d1, d2 = _mm2(m11, m21, bv, OPD)
+    w3 += _mm(m31, bk, WOPD)
+    d1, d2 = _mm2(m11, m21, bv, UOPD)
     u1 += d1
     u2 += d2
-    u3 += _mm(m31, bv, OPD)
+    u3 += _mm(m31, bv, UOPD)
     _store_rows(w, w1, t0, L, hh, H, 1, K, BC)
     _store_rows(u, u1, t0, L, hh, H, 1, V, BC)
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 2, K, V, BC)
-    d2, d3 = _mm2(m22, m32, bk, OPD)
+    d2, d3 = _mm2(m22, m32, bk, WOPD)
     w2 += d2
     w3 += d3
-    d2, d3 = _mm2(m22, m32, bv, OPD)
+    d2, d3 = _mm2(m22, m32, bv, UOPD)
     u2 += d2
     u3 += d3
     _store_rows(w, w2, t0, L, hh, H, 2, K, BC)
     _store_rows(u, u2, t0, L, hh, H, 2, V, BC)
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 3, K, V, BC)
-    w3 += _mm(m33, bk, OPD)
-    u3 += _mm(m33, bv, OPD)
+    w3 += _mm(m33, bk, WOPD)
+    u3 += _mm(m33, bv, UOPD)
     _store_rows(w, w3, t0, L, hh, H, 3, K, BC)
     _store_rows(u, u3, t0, L, hh, H, 3, V, BC)
 
@@ -283,10 +285,10 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
 @_interp.kjit
 def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                  OPD: tl.constexpr, WOPD: tl.constexpr):
+                  OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
     """Phases 2-4 of a chunk in one program: A and Aqk in 16 x 16 blocks (Aqk stored), the UT solve
     ``M = (I + A)^-1`` kept in fp32 registers (never stored), then ``w = M (beta k e^G)``, ``u = M (beta v)``
-    (stored). A and Aqk take :func:`_mm` with ``OPD``, w and u with ``WOPD``; the solve's block products
+    (stored). A and Aqk take :func:`_mm` with ``OPD``, w ``WOPD``, u ``UOPD``; the solve's block products
     ``PREC``."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
@@ -319,7 +321,8 @@ def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H
                   input_precision=PREC)
     m30 = -tl.dot(m33, tl.dot(a30, m00, input_precision=PREC) + tl.dot(a31, m10, input_precision=PREC)
                   + tl.dot(a32, m20, input_precision=PREC), input_precision=PREC)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, K, V, BC, WOPD)
+    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, K, V, BC, WOPD,
+        UOPD)
 
 
 @_interp.kjit
@@ -341,10 +344,11 @@ def _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, ok, hh, H, offs_v,
 @_interp.kjit
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  OPD: tl.constexpr, PF: tl.constexpr):
+                  OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
-    The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`.
+    The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`,
+    ``w h_c`` with ``WHOPD`` and ``kg^T v'`` with ``OPD``.
     ``PF = 1``: the next chunk's tiles are loaded while the current one is computed (they do not depend on the
     state), so their memory latency leaves the serial chain, for twice the tile registers; ``PF = 0``: each
     chunk's tiles are loaded at the top of its step."""
@@ -375,7 +379,7 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         mr = (rows < L)[:, None]
         ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
         tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
-        vn = u_c - _mm(w_c, h, OPD)
+        vn = u_c - _mm(w_c, h, WHOPD)
         tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
         h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
         if PF:
@@ -451,15 +455,24 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 
 
 #: Where each product of the prefill runs and which intermediates are stored in bf16 (benchmark sweeps pass
-#: such a dict as ``products``). Parts: ``pair`` (A, Aqk), ``wu`` (w, u), ``state`` (v' = u - w h, the state
-#: step), ``out`` (o = qg h + Aqk v'): ``"ieee"`` (fp32 operands), ``"split"`` (split-bf16, :func:`_mm`) or
-#: ``"bf16"`` (one bf16 product); ``solve``: the UT solve's off-diagonal block products, ``"ieee"`` or
-#: ``"backend"`` (TF32 on sm_90, fp32 MFMA on CDNA); ``store``: names among qg, kg, w, u, vnew, aqk, hbuf kept
-#: in bf16 (the rest fp32).
+#: such a dict as ``products``). Parts: ``pair`` (A, Aqk), ``w`` (w = M beta k e^G), ``u`` (u = M beta v),
+#: ``wh`` (w h_c in v' = u - w h_c), ``kv`` (the state step kg^T v'), ``out`` (o = qg h + Aqk v'): ``"ieee"``
+#: (fp32 operands), ``"split"`` (split-bf16, :func:`_mm`) or ``"bf16"`` (one bf16 product); ``solve``: the UT
+#: solve's off-diagonal block products, ``"ieee"`` or ``"backend"`` (TF32 on sm_90, fp32 MFMA on CDNA);
+#: ``store``: names among qg, kg, w, u, vnew, aqk, hbuf kept in bf16 (the rest fp32).
+#:
+#: ``"split"`` (the default for bf16 / fp16 inputs) splits every product. Measured in the interpreter (K = V =
+#: 128, T = 256, fp16-exact inputs; rel. RMS on o / final state): all split 5e-5 / 3e-5; one bf16 product in u,
+#: the state step, Aqk or the output 3e-3 to 6e-3 at ordinary decays. The two products that make and apply w
+#: (``w`` and ``wh``, w stored in bf16) cost nothing at ordinary decays (1e-4 / 3e-5: the next chunks' residuals
+#: ``u - w h`` correct an error in the prediction while the state forgets) but 3.8e-3 / 4.8e-3 where the decay
+#: is near 1 (``dt_bias`` shifted by -12, nothing forgotten), past the 3e-3 bound, so they stay split.
 PRODUCTS = {
-    "ieee": dict(pair="ieee", wu="ieee", state="ieee", out="ieee", solve="ieee", store=()),
-    "split": dict(pair="split", wu="split", state="split", out="split", solve="backend", store=()),
+    "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=()),
+    "split": dict(pair="split", w="split", u="split", wh="split", kv="split", out="split", solve="backend",
+                  store=()),
 }
+_PARTS = ("pair", "w", "u", "wh", "kv", "out")
 _STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf")
 
 
@@ -470,7 +483,7 @@ def _precision(products, dtype: torch.dtype) -> dict:
     if isinstance(products, dict):
         bad = [kk for kk in products if kk not in PRODUCTS["split"]]
         out = dict(PRODUCTS["split"], **products)
-        ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in ("pair", "wu", "state", "out"))
+        ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in _PARTS)
               and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"]))
         if ok:
             out["store"] = tuple(sorted(out["store"]))
@@ -561,7 +574,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     f32 = torch.float32
     prec_parts = _precision(products, q.dtype)
     lvl = {"ieee": 0, "split": 2 if interpreting() else 1, "bf16": 4 if interpreting() else 3}
-    opd = {part: lvl[prec_parts[part]] for part in ("pair", "wu", "state", "out")}
+    opd = {part: lvl[prec_parts[part]] for part in _PARTS}
     prec = "ieee" if prec_parts["solve"] == "ieee" else None
     bf = lambda name: torch.bfloat16 if name in prec_parts["store"] else f32  # noqa: E731
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
@@ -589,7 +602,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         meta, opts = tune.split(c)
         if NC:
             _interp.launch(_intra_kernel, (NC, H), qc, kc, vc, br, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
-                           K=K, V=V, BT=BT, BC=BC, PREC=prec, OPD=opd["pair"], WOPD=opd["wu"], **meta, **opts)
+                           K=K, V=V, BT=BT, BC=BC, PREC=prec, OPD=opd["pair"], WOPD=opd["w"], UOPD=opd["u"],
+                           **meta, **opts)
 
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
         launch_gate(c)
@@ -601,7 +615,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if N:
             _interp.launch(_state_kernel, (N, H, V // bv), kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk,
                            chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
-                           OPD=opd["state"], **meta, **opts)
+                           OPD=opd["kv"], WHOPD=opd["wh"], **meta, **opts)
 
     def launch_out(c):
         meta, opts = tune.split(c)

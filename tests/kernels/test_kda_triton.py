@@ -138,16 +138,18 @@ def test_prefill_products_split_on_fp32_inputs():
 
 
 def test_prefill_precision_parts():
-    """The per-part form of ``products`` (benchmark sweeps): each part's bf16 variant and bf16 storage run and stay
-    near the oracle (one bf16 product: 8 mantissa bits), and differ from the split default; bad parts raise."""
-    a = make_prefill(1, 40, 2, D, _gen(), state=True)
-    want_o, _ = O.kda_recurrent(**a)
-    split_o, _ = KPRE.kda_prefill(**a, products="split")
-    for prod in (dict(pair="bf16"), dict(wu="bf16"), dict(state="bf16"), dict(out="bf16"), dict(store=("hbuf", "w"))):
+    """The per-part form of ``products`` (benchmark sweeps): each part's bf16 variant and bf16 storage run and
+    stay near the oracle (one bf16 product: 8 mantissa bits), and differ from the split default; bad parts
+    raise. T = 70: two chunks, so the state step reaches the output too."""
+    a = make_prefill(1, 70, 2, D, _gen(), state=True)
+    want_o, want_s = O.kda_recurrent(**a)
+    split_o, split_s = KPRE.kda_prefill(**a, products="split")
+    for prod in (dict(pair="bf16"), dict(u="bf16"), dict(kv="bf16"), dict(out="bf16"),
+                 dict(w="bf16", wh="bf16", store=("w",)), dict(store=("hbuf", "w"))):
         o, s = KPRE.kda_prefill(**a, products=prod)
-        assert torch.isfinite(s).all() and _rel_rms(o, want_o) < 3e-2, prod
-        assert not torch.equal(o, split_o), f"{prod} ran the split path"
-    for bad in (dict(pair="tf32"), dict(store=("h",)), dict(solve="bf16"), dict(outs="bf16")):
+        assert _rel_rms(o, want_o) < 3e-2 and _rel_rms(s, want_s) < 3e-2, prod
+        assert not (torch.equal(o, split_o) and torch.equal(s, split_s)), f"{prod} ran the split path"
+    for bad in (dict(pair="tf32"), dict(store=("h",)), dict(solve="bf16"), dict(outs="bf16"), dict(wu="bf16")):
         with pytest.raises(ConfigError, match="products"):
             KPRE.kda_prefill(**a, products=bad)
 
