@@ -38,6 +38,7 @@ Exit codes: 0 ok, 1 a validation tier failed, 2 bad input or usage, 3 environmen
 Across GPUs: the profile's [parallel] tp/ep decide the processes (one per GPU; gloo processes on a
 cpu profile); this process is rank 0. Across nodes: torchrun ... -m k3rocm.cli <command> on every
 node. K3ROCM_DIST_TIMEOUT (seconds, default 300) bounds every collective. See README "Across GPUs".
+K3ROCM_SOURCE_COMMIT names the commit of a source copy without git metadata; reports mark it "(declared)".
 """
 
 
@@ -110,6 +111,13 @@ def main(argv=None) -> None:
         if torchrun_follower():
             follow()
             sys.exit(0)
+    from k3rocm.errors import ConfigError
+    from k3rocm.hw import declared_commit
+    try:  # checked before any work, so a malformed value never surfaces only when the report is written
+        declared_commit()
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     if not isinstance(sys.stdout, _PipeSafeStdout):
         sys.stdout = _PipeSafeStdout(sys.stdout)
     if not isinstance(sys.stderr, _PipeSafeStdout):  # `2>&1 | head`: progress lines go to a closed pipe too

@@ -168,6 +168,29 @@ def package_version(name: str) -> str | None:
         return None
 
 
+#: environment variable naming the commit of a source tree that is not a git checkout (an unpacked copy on a
+#: borrowed machine): the evidence report's ``git_sha`` then says this commit, marked as declared
+SOURCE_COMMIT_ENV = "K3ROCM_SOURCE_COMMIT"
+
+
+def declared_commit() -> str | None:
+    """The commit in ``$K3ROCM_SOURCE_COMMIT`` (7-40 hex digits, optionally ``-dirty``; any case), lower-cased, or
+    None when unset or empty.
+
+    Raises:
+        ConfigError: the variable is set to anything else (one line naming it and the form it needs).
+    """
+    raw = os.environ.get(SOURCE_COMMIT_ENV, "").strip()
+    if not raw:
+        return None
+    sha, dirty = (raw[:-6], "-dirty") if raw.lower().endswith("-dirty") else (raw, "")
+    if not (7 <= len(sha) <= 40 and all(c in "0123456789abcdefABCDEF" for c in sha)):
+        from k3rocm.errors import ConfigError
+        raise ConfigError(f"{SOURCE_COMMIT_ENV}={raw!r} is not a commit: give 7-40 hex digits, optionally with "
+                          "-dirty (e.g. the output of `git rev-parse HEAD`), or unset it")
+    return sha.lower() + dirty
+
+
 def _amdsmi_readings(n: int) -> tuple[list[dict], str | None]:
     try:
         import amdsmi  # type: ignore[import-not-found]  # optional package: absent on most machines

@@ -35,7 +35,7 @@ from typing import Any
 
 from k3rocm.checkpoint.verify import shard_fingerprints
 from k3rocm.errors import ConfigError
-from k3rocm.hw import package_version, relevant_env, torch_build
+from k3rocm.hw import declared_commit, package_version, relevant_env, torch_build
 
 SCHEMA = "k3rocm.report/1"
 LEVELS = ("measured", "measured-fallback", "projected", "external")
@@ -274,7 +274,16 @@ def _stage_rank(k: str) -> int:
 
 # ---------------------------------------------------------------------------- reproduction block
 def git_sha() -> str:
-    """Git commit of the toolkit source (``-dirty`` appended when the tree has changes), or ``unknown``."""
+    """Git commit of the toolkit source (``-dirty`` appended when the tree has changes), or ``unknown``; where
+    ``$K3ROCM_SOURCE_COMMIT`` declares the commit of a copied tree (no git metadata there, or stale), that
+    commit with `` (declared)`` appended.
+
+    Raises:
+        ConfigError: ``$K3ROCM_SOURCE_COMMIT`` is set but not a commit (``k3rocm.hw.declared_commit``).
+    """
+    declared = declared_commit()
+    if declared:
+        return f"{declared} (declared)"
     src = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True,

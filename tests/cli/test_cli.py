@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import os
 import subprocess
 import sys
 
@@ -67,6 +68,17 @@ def test_help_and_a_preset_plan_import_neither_torch_nor_triton(args):
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("heavy: []"), r.stdout[-300:]
+
+
+@pytest.mark.parametrize("value", ["not-a-sha", "abc12", "g" * 40, "0123456789abcdef0123456789abcdef012345678"])
+def test_malformed_source_commit_is_one_line_exit_2(value):
+    """A malformed $K3ROCM_SOURCE_COMMIT stops every command before it works (not when its report is written)."""
+    env = dict(os.environ, K3ROCM_SOURCE_COMMIT=value)
+    r = subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", "plan", "--preset", "k3",
+                        "--profile", "mi355x-8"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-300:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: K3ROCM_SOURCE_COMMIT=") and "hex" in lines[0], r.stderr
 
 
 def test_profiles_env_and_kernels_list():

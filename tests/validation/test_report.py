@@ -132,6 +132,7 @@ def test_a_failing_tier_drops_the_stale_stages_after_it():
 
 
 def test_reproduction_block_contents(tmp_path, golden_ckpt, monkeypatch):
+    monkeypatch.delenv("K3ROCM_SOURCE_COMMIT", raising=False)
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("UNRELATED_VAR", "x")
     b = reproduction_block(command="k3rocm validate", checkpoint=str(golden_ckpt), config_hash="c", seed=11)
@@ -241,3 +242,20 @@ def test_html_plots_have_unique_ids(tmp_path):
     assert html.count("<svg") == 3 and len(ids) == len(set(ids))
     refs = re.findall(r'url\(#([^)]+)\)', html) + re.findall(r'href="#([^"]+)"', html)
     assert set(refs) <= set(ids)
+
+
+@pytest.mark.parametrize("value,want", [("ABCDEF1", "abcdef1 (declared)"), ("0" * 40 + "-DIRTY", "0" * 40 + "-dirty (declared)"),
+                                        ("", None)])
+def test_declared_source_commit(monkeypatch, value, want):
+    """A copied tree without git metadata declares its commit; the report marks it as declared. Unset or empty:
+    the git answer as before."""
+    from k3rocm.validation.evidence import git_sha
+    monkeypatch.setenv("K3ROCM_SOURCE_COMMIT", value)
+    got = git_sha()
+    if want is None:
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", got)
+    else:
+        assert got == want
+    monkeypatch.setenv("K3ROCM_SOURCE_COMMIT", "xyz")
+    with pytest.raises(ConfigError, match="K3ROCM_SOURCE_COMMIT"):
+        git_sha()
