@@ -22,7 +22,9 @@
 #          variants (time per launch, accuracy), into RESULTS_DIR/ksweep/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/
-# RESULTS_DIR/steps.tsv lists each step's exit status and seconds. Uses the installed package, else assembles it
+# RESULTS_DIR/steps.tsv lists each step's exit status and seconds. On a copied tree without git metadata, run it as
+# `K3ROCM_SOURCE_COMMIT=$(git rev-parse HEAD) gpu-runs/gpu_engine.sh ...` (the sha written out where the copy has
+# no git) so the reports name the commit. Uses the installed package, else assembles it
 # under /tmp (K3ROCM_PKG_DIR) from this checkout. The profiled runs disturb their own bench figures: quote p4 / k3.
 set -u
 R=${1:?usage: gpu-runs/gpu_engine.sh RESULTS_DIR [STEPS]}
