@@ -116,9 +116,14 @@ def run_sweep(stage: Stage, concurrencies: list[int], point: Callable[[int], dic
             results.append(point(c))
             if stop_after(results[-1]):
                 break
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        c = concurrencies[len(results)]
+        kept = isinstance(getattr(e, "result", None), dict)  # PointInterrupted: measured, breakdown cut
+        if kept:
+            results.append(e.result)
         stage.add(info("bench", "sweep.interrupted", True, level="measured",
-                       detail=f"interrupted (Ctrl-C) during concurrency {concurrencies[len(results)]}: "
+                       detail=f"interrupted (Ctrl-C) during concurrency {c}"
+                              f"{' after its measured phase (its step breakdown was cut)' if kept else ''}: "
                               f"{len(results)} of {len(concurrencies)} points finished and are kept"))
         return results, True
     return results, False

@@ -434,7 +434,9 @@ def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint:
     return rep
 
 
-def _fresh(p: Path, why: str) -> Report:
+def keep_previous(p: Path) -> Path:
+    """Copy the report ``p`` to ``report.previous-<time>[-n].json`` beside it (never over an earlier copy) and
+    return the copy's path."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
     keep = p.with_name(f"report.previous-{stamp}.json")
     n = 1
@@ -442,9 +444,21 @@ def _fresh(p: Path, why: str) -> Report:
         keep = p.with_name(f"report.previous-{stamp}-{n}.json")
         n += 1
     shutil.copyfile(p, keep)
+    return keep
+
+
+def _fresh(p: Path, why: str) -> Report:
+    keep = keep_previous(p)
     print(f"note: {p} not merged into ({why}); starting a new report, the old one is kept as {keep.name}",
           file=sys.stderr)
     return Report()
+
+
+def replaced_passing_stages(rep: "Report", stages: list[Stage]) -> list[str]:
+    """Tiers whose passed stage in ``rep`` the failed or interrupted ``stages`` would replace (their measurements
+    would be lost from the merged report)."""
+    return [s.tier for s in stages if s.status != "passed" and s.tier in rep.stages
+            and rep.stages[s.tier].status == "passed"]
 
 
 class Timer:

@@ -15,11 +15,13 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
 from k3rocm.errors import K3Error, os_error
-from k3rocm.validation.evidence import LEVELS, Report, Stage, atomic_write, load_report, report_lock
+from k3rocm.validation.evidence import (LEVELS, Report, Stage, atomic_write, keep_previous, load_report,
+                                        replaced_passing_stages, report_lock)
 
 LEVEL_COLORS = {"measured": "#1a7f37", "measured-fallback": "#9a6700", "projected": "#0969da",
                 "external": "#8250df"}
@@ -339,6 +341,11 @@ def update_report(out_dir: str | Path, reproduction: dict, stages: list[Stage], 
     try:
         with report_lock(out_dir):
             rep = load_report(out_dir, config_hash, checkpoint, profile)
+            lost = replaced_passing_stages(rep, stages)
+            if lost:  # an interrupted or failed run replaces a passed stage: its figures stay in a kept copy
+                keep = keep_previous(Path(out_dir) / "report.json")
+                print(f"note: this run's {', '.join(lost)} stage did not pass and replaces the passed one in "
+                      f"{Path(out_dir) / 'report.json'}; the previous report is kept as {keep.name}", file=sys.stderr)
             rep.merge_run(reproduction, stages)
             return write_report(rep, out_dir)
     except K3Error:

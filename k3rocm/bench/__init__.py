@@ -32,7 +32,7 @@ from k3rocm.bench.roofline import fraction_of_roofline
 from k3rocm.errors import ConfigError
 from k3rocm.runtime.sizing import StepRoofline
 
-__all__ = ["BenchResult", "run_bench", "sweep"]
+__all__ = ["BenchResult", "PointInterrupted", "run_bench", "sweep"]
 
 
 @dataclass
@@ -306,6 +306,7 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     dog = _Watchdog(watchdog_factor)
     compiles: dict = {}
     parts: dict = {}
+    cut = False  # Ctrl-C during the step breakdown, after the measured phase
     if _is_engine(target):
         # imported here: both import torch and Triton, which `k3rocm --help` and `plan` never load (tests/cli)
         from k3rocm.bench.breakdown import step_breakdown
@@ -322,7 +323,10 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
         hang = hang or hang2
         steps = getattr(target, "step_log", [])[step0:]
         if breakdown and go and hang is None and hasattr(target, "dec") and not target.has_unfinished():
-            parts = step_breakdown(target, rows=concurrency)
+            try:
+                parts = step_breakdown(target, rows=concurrency)
+            except KeyboardInterrupt:  # the point is measured: keep it (without its breakdown) for the caller
+                cut, parts = True, {}
         desc = target.describe() if hasattr(target, "describe") else {}
     elif hasattr(target, "drive"):
         wrecs, hang, _, _ = target.drive(plan.warmups, concurrency, dog, progress, "warmup")
@@ -340,9 +344,21 @@ def run_bench(target: Any, concurrency: int, input_len: int, output_len: int, nu
     wsum = _warmup_summary(wrecs, len(plan.warmups))
     if _is_engine(target) and ladder is not None:
         wsum["ladder"] = ladder
-    return BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
-                       metrics, recs, hang, desc, roof, wsum, collective_summary(steps),
-                       outputs_digest(target, recs, eids) if _is_engine(target) else None, compiles, parts)
+    res = BenchResult(concurrency, input_len, output_len, len(plan.requests), len(plan.warmups), range_ratio, seed,
+                      metrics, recs, hang, desc, roof, wsum, collective_summary(steps),
+                      outputs_digest(target, recs, eids) if _is_engine(target) else None, compiles, parts)
+    if cut:
+        raise PointInterrupted(res)
+    return res
+
+
+class PointInterrupted(KeyboardInterrupt):
+    """Ctrl-C after a point's measured phase, during its step breakdown: ``result`` is the measured point (a
+    :class:`BenchResult`, or the caller's dict of it) without the breakdown, for the sweep to keep."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self.result = result
 
 
 def sweep(target: Any, concurrencies: Sequence[int], input_len: int, output_len: int, stop_on_hang: bool = True,

@@ -259,6 +259,41 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
     assert eng.profiler is None and "channel" not in vars(eng.dec) and "_mix" not in vars(eng)  # all undone
 
 
+def test_ctrl_c_during_the_breakdown_keeps_the_measured_point(golden_ckpt, one_thread, monkeypatch):
+    """Ctrl-C after the measured phase (during the step breakdown) raises PointInterrupted carrying the point's
+    measured result without a breakdown, so a sweep keeps it."""
+    import k3rocm.bench.breakdown as BD
+    from k3rocm.bench import PointInterrupted
+    from k3rocm.runtime.engine import Engine
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(BD, "step_breakdown", cut)
+    cfg, w = load_ckpt(golden_ckpt)
+    eng = Engine(cfg, w, max_batch=2, max_num_batched_tokens=16, block_size=4, max_model_len=32)
+    with pytest.raises(PointInterrupted) as ei:
+        run_bench(eng, concurrency=2, input_len=8, output_len=3, num_prompts=4, warmups=0, seed=5)
+    res = ei.value.result
+    assert res.metrics["completed"] == 4 and res.metrics["failed"] == 0 and res.breakdown == {}
+    assert res.to_dict(per_request=False)["concurrency"] == 2
+
+
+def test_a_sweep_keeps_a_point_cut_after_its_measured_phase():
+    from k3rocm.bench import PointInterrupted
+    from k3rocm.validation.bench_job import run_sweep
+    from k3rocm.validation.evidence import Stage
+
+    def point(c):
+        if c == 2:
+            raise PointInterrupted({"concurrency": 2, "completed": 3})
+        return {"concurrency": c, "completed": 3}
+    st = Stage("bench")
+    results, stopped = run_sweep(st, [1, 2, 4], point)
+    assert stopped and [r["concurrency"] for r in results] == [1, 2]
+    row = next(e for e in st.evidence if e.name == "sweep.interrupted")
+    assert "concurrency 2 after its measured phase" in row.detail and "2 of 3 points" in row.detail
+
+
 def test_bench_rows_fail_on_measured_compiles_and_draw_the_breakdown():
     """A point whose measured phase compiled or tuned fails its stage with one row naming the kernels; warm-up's
     seconds and compiles are rows; the breakdown becomes rows and one stacked bar per step kind."""

@@ -259,3 +259,20 @@ def test_declared_source_commit(monkeypatch, value, want):
     monkeypatch.setenv("K3ROCM_SOURCE_COMMIT", "xyz")
     with pytest.raises(ConfigError, match="K3ROCM_SOURCE_COMMIT"):
         git_sha()
+
+
+def test_a_failed_or_interrupted_run_keeps_the_passed_stage_it_replaces(tmp_path, capsys):
+    """An interrupted bench (or any stage that did not pass) replacing a passed one in the same --out keeps the
+    previous report as report.previous-*.json with a note; a passing rerun replaces it with no copy."""
+    from k3rocm.validation.render import update_report
+    update_report(tmp_path, _repro("h"), [_stage("env"), _stage("bench")], config_hash="h")
+    good = json.loads((tmp_path / "report.json").read_text())
+    bad = _stage("bench")
+    bad.status = "error"
+    update_report(tmp_path, _repro("h"), [bad], config_hash="h")
+    kept = sorted(tmp_path.glob("report.previous-*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == good
+    assert "bench stage did not pass" in capsys.readouterr().err
+    assert json.loads((tmp_path / "report.json").read_text())["stages"]["bench"]["status"] == "error"
+    update_report(tmp_path, _repro("h"), [_stage("bench")], config_hash="h")  # error -> passed: nothing to keep
+    assert len(list(tmp_path.glob("report.previous-*.json"))) == 1

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from k3rocm.bench import run_bench
+from k3rocm.bench import PointInterrupted, run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.runtime.sizing import StepRoofline
 from k3rocm.validation.evidence import Stage, check, info
@@ -46,14 +46,20 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
         roof = StepRoofline.from_config(session.config, bw, peak, kv_bytes=kvbytes,
                                         trunk_dtype_bytes=None if wbytes == 2 else wbytes)
     ngpu = session.world  # the ranks (one GPU each; gloo processes on a cpu profile) that serve the load
-    res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
-                    warmups=warmups, seed=session.opts.seed,
-                    progress=(lambda phase, done, total, **kw: progress(done, total, phase=phase, **kw))
-                    if progress else None,
-                    num_gpus=ngpu, roofline=roof)
+    ceilings = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
+                "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
+    try:
+        res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
+                        warmups=warmups, seed=session.opts.seed,
+                        progress=(lambda phase, done, total, **kw: progress(done, total, phase=phase, **kw))
+                        if progress else None,
+                        num_gpus=ngpu, roofline=roof)
+    except PointInterrupted as e:  # Ctrl-C after the measured phase: the point goes to the sweep as measured
+        d = e.result.to_dict(per_request=False)
+        d["roofline_ceilings"] = ceilings
+        raise PointInterrupted(d) from None
     d = res.to_dict(per_request=False)
-    d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
-                              "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
+    d["roofline_ceilings"] = ceilings
     return d
 
 
