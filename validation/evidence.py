@@ -264,6 +264,7 @@ class Report:
         self.reproduction["stage_seconds"] = {k: timings[k] for k in sorted(timings, key=_stage_rank)}
         self.reproduction["thresholds"] = thresholds
         self.history.append({"time": now_iso(), "command": reproduction.get("command", ""),
+                             "git_sha": (reproduction.get("software") or {}).get("git_sha", "unknown"),
                              "stages": [s.tier for s in stages],
                              "status": {s.tier: s.status for s in stages}})
 
@@ -274,16 +275,23 @@ def _stage_rank(k: str) -> int:
 
 # ---------------------------------------------------------------------------- reproduction block
 def git_sha() -> str:
-    """Git commit of the toolkit source (``-dirty`` appended when the tree has changes), or ``unknown``; where
-    ``$K3ROCM_SOURCE_COMMIT`` declares the commit of a copied tree (no git metadata there, or stale), that
-    commit with `` (declared)`` appended.
+    """Git commit of the toolkit source (``-dirty`` appended when the tree has changes), or ``unknown``. Where
+    ``$K3ROCM_SOURCE_COMMIT`` declares the commit of a copied tree: that commit with `` (declared)`` when git
+    knows none (a copy without git metadata), with `` (declared; git says <sha>)`` when git names another one.
 
     Raises:
         ConfigError: ``$K3ROCM_SOURCE_COMMIT`` is set but not a commit (``k3rocm.hw.declared_commit``).
     """
     declared = declared_commit()
-    if declared:
+    found = _git_head()
+    if not declared or declared == found:
+        return found
+    if found == "unknown":
         return f"{declared} (declared)"
+    return f"{declared} (declared; git says {found})"
+
+
+def _git_head() -> str:
     src = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True,

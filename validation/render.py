@@ -232,6 +232,28 @@ def _badge(text: str, color: str) -> str:
     return f'<span class="badge" style="background:{color}">{html.escape(text)}</span>'
 
 
+def _html_context(r: dict) -> list[str]:
+    """The header lines of the Markdown report (checkpoint, profile, kernels, device, software), as HTML."""
+    e = html.escape
+    sw = r.get("software", {}) or {}
+    dev = r.get("device", {}) or {}
+    out = ["<ul class=\"context\">",
+           f"<li>checkpoint <code>{e(str(r.get('checkpoint')))}</code> (config sha256 "
+           f"<code>{e(str(r.get('config_hash'))[:16])}</code>)</li>",
+           f"<li>profile <code>{e(str(r.get('profile')))}</code>; kernels <code>{e(str(r.get('kernels')))}</code></li>",
+           f"<li>device {e(str(dev.get('sku', '?')))} × {e(str(dev.get('count', '?')))} "
+           f"({e(str(dev.get('arch', '?')))}, backend {e(str(dev.get('backend', '?')))})"
+           + (" — the machine that sent the load" if r.get("endpoint") else "") + "</li>"]
+    if isinstance(r.get("endpoint"), dict):
+        ep = r["endpoint"]
+        out.append(f"<li>benchmarked server {e(str(ep.get('url')))} ({e(str(ep.get('gpus')))} GPUs, "
+                   f"{e(str(ep.get('gpus_source')))}); the checkpoint above only gave the prompts' vocabulary</li>")
+    out += [f"<li>k3rocm {e(str(sw.get('k3rocm')))} @ <code>{e(str(sw.get('git_sha')))}</code>; torch "
+            f"{e(str(sw.get('torch')))} ({e(str(sw.get('torch_build')))}), triton {e(str(sw.get('triton')))}, "
+            f"aiter {e(str(sw.get('aiter')))}</li>", "</ul>"]
+    return out
+
+
 def render_html(rep: Report) -> str:
     """A self-contained HTML page: summary, legend of levels, per-stage tables with badges, inline SVG plots."""
     d = rep.to_dict()
@@ -242,6 +264,7 @@ def render_html(rep: Report) -> str:
            f"<h1>k3rocm report {_badge(d['status'], STATUS_COLORS.get(d['status'], '#6e7781'))}</h1>",
            f"<p>schema <code>{e(d['schema'])}</code> · updated {e(d['updated'])} · command "
            f"<code>{e(str(r.get('command', '')))}</code></p>",
+           *_html_context(r),
            "<p>Levels of proof: " + " ".join(
                _badge(f"{lv} ({d['evidence_levels'].get(lv, 0)})", LEVEL_COLORS[lv]) for lv in LEVELS) + "</p>",
            "<table><tr><th>stage</th><th>status</th><th>seconds</th><th>rows</th><th>failures</th></tr>"]

@@ -660,6 +660,9 @@ def require_dir_for_output(out: str | Path, keep: bool = True) -> Path:
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--out {p}: exists and is not a directory; choose another report directory")
+    if p.is_symlink() and not p.exists():
+        raise ConfigError(f"--out {p}: is a symbolic link that leads nowhere (dangling, or a loop); choose another "
+                          "report directory")
     for name in ("report.json", "report.md", "report.html", ".report.lock"):
         q = p / name
         if (q.exists() and not q.is_file()) or (q.is_symlink() and not q.exists()):

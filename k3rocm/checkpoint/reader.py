@@ -117,6 +117,9 @@ def _safe_shard_path(root: Path, name: object, index_file: Path) -> Path:
     if not any(real.is_relative_to(d) for d in _allowed_roots(root)):
         raise CheckpointError(f"{index_file}: shard {name!r} resolves to {real}, outside the checkpoint "
                               "directory (symlink?); copy the file into the directory")
+    if p.exists() and not p.is_file():
+        raise CheckpointError(f"{root}: shard {name!r} named by the index is a directory or special file, not a "
+                              "shard; replace it with the shard file")
     if not p.is_file():
         raise CheckpointError(f"{root}: shard {name!r} named by the index is missing; re-download it")
     return p

@@ -365,3 +365,14 @@ def test_index_metadata_leniency(ck):
         doc["metadata"] = meta
         _write_index(ck, doc)
         assert open_checkpoint(ck, check_scales=False).total_size == want
+
+
+def test_a_shard_that_is_a_directory_is_named_as_such(tmp_path):
+    # the index names a shard that exists as a directory: say so, not "missing"
+    from k3rocm.checkpoint.reader import _safe_shard_path
+    from k3rocm.errors import CheckpointError
+    (tmp_path / "model-00001-of-00002.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="is a directory or special file"):
+        _safe_shard_path(tmp_path, "model-00001-of-00002.safetensors", tmp_path / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match="is missing"):
+        _safe_shard_path(tmp_path, "model-00002-of-00002.safetensors", tmp_path / "model.safetensors.index.json")

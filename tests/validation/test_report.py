@@ -244,21 +244,27 @@ def test_html_plots_have_unique_ids(tmp_path):
     assert set(refs) <= set(ids)
 
 
-@pytest.mark.parametrize("value,want", [("ABCDEF1", "abcdef1 (declared)"), ("0" * 40 + "-DIRTY", "0" * 40 + "-dirty (declared)"),
+@pytest.mark.parametrize("value,want", [("ABCDEF1", "abcdef1"), ("0" * 40 + "-DIRTY", "0" * 40 + "-dirty"),
                                         ("", None)])
 def test_declared_source_commit(monkeypatch, value, want):
-    """A copied tree without git metadata declares its commit; the report marks it as declared. Unset or empty:
-    the git answer as before."""
-    from k3rocm.validation.evidence import git_sha
+    """A copied tree declares its commit; the report marks it as declared, and names git's answer where git has
+    another one. Unset or empty: the git answer as before."""
+    import k3rocm.validation.evidence as EV
     monkeypatch.setenv("K3ROCM_SOURCE_COMMIT", value)
-    got = git_sha()
+    got = EV.git_sha()
     if want is None:
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?|unknown", got)
     else:
-        assert got == want
+        assert re.fullmatch(re.escape(want) + r" \(declared(; git says [0-9a-f]{40}(-dirty)?)?\)", got), got
+        monkeypatch.setattr(EV, "_git_head", lambda: "unknown")  # a copy without git metadata
+        assert EV.git_sha() == f"{want} (declared)"
+        monkeypatch.setattr(EV, "_git_head", lambda: "1" * 40)
+        assert EV.git_sha() == f"{want} (declared; git says {'1' * 40})"
+        monkeypatch.setattr(EV, "_git_head", lambda: want)  # the same commit: git's answer alone
+        assert EV.git_sha() == want
     monkeypatch.setenv("K3ROCM_SOURCE_COMMIT", "xyz")
     with pytest.raises(ConfigError, match="K3ROCM_SOURCE_COMMIT"):
-        git_sha()
+        EV.git_sha()
 
 
 def test_a_failed_or_interrupted_run_keeps_the_passed_stage_it_replaces(tmp_path, capsys):
@@ -276,3 +282,33 @@ def test_a_failed_or_interrupted_run_keeps_the_passed_stage_it_replaces(tmp_path
     assert json.loads((tmp_path / "report.json").read_text())["stages"]["bench"]["status"] == "error"
     update_report(tmp_path, _repro("h"), [_stage("bench")], config_hash="h")  # error -> passed: nothing to keep
     assert len(list(tmp_path.glob("report.previous-*.json"))) == 1
+
+
+def test_html_header_names_checkpoint_profile_device_and_commit():
+    # the HTML says what the Markdown header says: what was run, on what, from which source
+    rep = Report()
+    rep.merge_run(_repro("h"), [_stage("env")])
+    page = render_html(rep)
+    sw = rep.reproduction["software"]
+    assert "config sha256" in page and "profile <code>cpu</code>" in page and "device cpu" in page
+    assert f"@ <code>{sw['git_sha']}</code>" in page
+
+
+def test_out_that_is_a_dangling_link_or_loop_is_one_clear_line(tmp_path):
+    from k3rocm.validation.session import require_dir_for_output
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    gone = tmp_path / "gone"
+    gone.symlink_to(tmp_path / "nowhere")
+    for p in (loop, gone):
+        with pytest.raises(ConfigError, match="symbolic link that leads nowhere"):
+            require_dir_for_output(p)
+
+
+def test_figure_kind_names_detected_figures():
+    from types import SimpleNamespace
+
+    from k3rocm.validation.tiers.env import figure_kind
+    kinds = [figure_kind(SimpleNamespace(sources={"m": src}), "m")
+             for src in ("detected: this machine's memory", "assumption: 16 GiB", "AMD datasheet", "")]
+    assert kinds == ["detected", "assumed", "datasheet", "datasheet"]

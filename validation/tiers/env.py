@@ -12,9 +12,10 @@ from k3rocm.validation.session import Session
 
 def figure_kind(prof, source_key: str) -> str:
     """``"assumed"`` when the profile's source note for a figure says it is an assumption (the ``cpu``
-    profile's), else ``"datasheet"``."""
-    src = str(getattr(prof, "sources", {}).get(source_key, ""))
-    return "assumed" if src.lower().startswith("assumption") else "datasheet"
+    profile's), ``"detected"`` when it was read from this machine (the ``cpu`` profile's host memory), else
+    ``"datasheet"``."""
+    src = str(getattr(prof, "sources", {}).get(source_key, "")).lower()
+    return "assumed" if src.startswith("assumption") else ("detected" if src.startswith("detected") else "datasheet")
 
 
 def tier_env(session: Session, stage: Stage) -> None:
