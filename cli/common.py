@@ -129,7 +129,8 @@ def synthetic_options(f):
         click.option("--rank", type=int, default=None, metavar="R",
                      help="With --synthetic: the rank of the --tp/--ep layout this process runs (default 0)."),
         click.option("--ep", type=int, default=None,
-                     help="With --synthetic: expert-parallel degree, a divisor of --tp (default: the profile's)."),
+                     help="With --synthetic: expert-parallel degree, a divisor of --tp (default: the profile's where it "
+                          "divides --tp, else --tp)."),
         click.option("--tp", type=int, default=None,
                      help="With --synthetic: ranks of the layout (may exceed the profile's devices: as many "
                           "of the profile's GPUs as it needs; default: the profile's)."),

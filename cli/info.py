@@ -129,7 +129,8 @@ Examples:
               help="Plan a preset config instead of a checkpoint: k3, k3-tiny, k3-tiny-tp8, k3-prefix-N, kimi-linear-48b-a3b.")
 @profile_option
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the profile's).")
-@click.option("--ep", type=int, default=None, help="Expert-parallel degree, a divisor of tp (default: the profile's).")
+@click.option("--ep", type=int, default=None,
+              help="Expert-parallel degree, a divisor of tp (default: the profile's where it divides tp, else tp).")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--context-len", type=int, default=None, help="Tokens per sequence for the concurrency figure.")
 @click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")

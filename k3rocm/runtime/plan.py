@@ -431,8 +431,12 @@ def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool 
                         f"{_valid_hint(cfg, profile) if hint else ''}")
     if cfg.num_moe_layers:
         if cfg.num_experts % ep:
-            raise PlanError(f"{where}: {cfg.num_experts} routed experts are not divisible by ep={ep}; "
-                            f"choose ep from {_divisors(cfg.num_experts)}")
+            fix = f"choose ep from {_divisors(cfg.num_experts)}"
+            if hint:  # a suggestion must never lead to the next error: only layouts that pass every check
+                good = [e for t, e in valid_layouts(cfg, profile) if t == tp]
+                fix = (f"with tp={tp} try ep=" + " or ep=".join(map(str, good)) if good
+                       else f"no ep works with tp={tp}; {_valid_hint(cfg, profile)}")
+            raise PlanError(f"{where}: {cfg.num_experts} routed experts are not divisible by ep={ep}; {fix}")
         etp = tp // ep
         I = cfg.moe_intermediate_size
         if I % etp:

@@ -214,6 +214,18 @@ def test_layout_hint_lists_only_layouts_that_work():
         plan(cfg, prof, tp=t, ep=p, strict=False)  # each one plans (fit aside)
 
 
+def test_expert_split_refusal_suggests_only_layouts_that_work():
+    """tp=3 with the default ep (3): 896 experts do not split 3 ways, and no ep works with tp=3, so the message
+    names the working layouts instead of ep values that fail on the next check."""
+    cfg, prof = preset("k3"), load_profile("mi355x-8")
+    with pytest.raises(PlanError) as e:
+        plan(cfg, prof, tp=3)
+    msg = str(e.value)
+    assert "not divisible by ep=3" in msg and "no ep works with tp=3" in msg and "choose ep from" not in msg
+    named = [(int(t), int(p)) for t, p in re.findall(r"tp=(\d+)/ep=(\d+)", msg)]
+    assert named == valid_layouts(cfg, prof)
+
+
 def test_profile_file_plans_the_multi_node_layout_the_refusal_suggests(tmp_path):
     """A model that does not fit one node is refused with a tp/ep suggestion and how to plan it: a profile
     file (a shipped profile with another device count) given to --profile, which then plans that layout."""
