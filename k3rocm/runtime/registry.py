@@ -124,7 +124,8 @@ def parse_override(spec: str | None) -> dict[str, str]:
         if impl == "aiter":
             raise ConfigError(f"--kernels {spec!r}: aiter kernels are not part of k3rocm yet; use triton or torch")
         if impl not in IMPLS:
-            raise ConfigError(f"--kernels: unknown implementation {impl!r}; use triton, torch or auto")
+            where = f" for {op}" if op != "*" else ""
+            raise ConfigError(f"--kernels: unknown implementation {impl!r}{where}; use triton, torch or auto")
         if op in out:
             raise ConfigError(f"--kernels {spec!r}: {'every op' if op == '*' else op} is given twice; keep one")
         out[op] = impl

@@ -427,7 +427,8 @@ def test_empty_options_and_kernel_specs_are_one_line(golden_ckpt, tmp_path):
                          (["validate", "--kernels", "aiter", "--out", out], "not part of k3rocm"),
                          (["validate", "--level", "load", "--golden", golden_ckpt / "config.json", "--out", out],
                           "correctness tier"),
-                         (["validate", "--kernels", "moe_experts=fast", "--out", out], "unknown implementation")):
+                         (["validate", "--kernels", "moe_experts=fast", "--out", out],
+                          "unknown implementation 'fast' for moe_experts")):
         line = one_line_error(run([*args, "--checkpoint", golden_ckpt], code=2))
         assert needle in line, (args, line)
     assert not (tmp_path / "never").exists()
