@@ -74,39 +74,6 @@ def _mm(a, b, OPD: tl.constexpr):
 
 
 @_interp.kjit
-def _mm2(a1, a2, b, OPD: tl.constexpr):
-    """``(a1 @ b, a2 @ b)`` as two :func:`_mm` calls would give them, bit for bit, with ``b`` converted and
-    split once."""
-    a1 = a1.to(tl.float32)
-    a2 = a2.to(tl.float32)
-    b = b.to(tl.float32)
-    if OPD == 0:
-        return tl.dot(a1, b, input_precision="ieee"), tl.dot(a2, b, input_precision="ieee")
-    bh = b.to(tl.bfloat16)
-    h1 = a1.to(tl.bfloat16)
-    h2 = a2.to(tl.bfloat16)
-    if OPD == 3:
-        return tl.dot(h1, bh), tl.dot(h2, bh)
-    if OPD == 4:
-        return (tl.dot(h1.to(tl.float32), bh.to(tl.float32), input_precision="ieee"),
-                tl.dot(h2.to(tl.float32), bh.to(tl.float32), input_precision="ieee"))
-    bl = (b - bh.to(tl.float32)).to(tl.bfloat16)
-    l1 = (a1 - h1.to(tl.float32)).to(tl.bfloat16)
-    l2 = (a2 - h2.to(tl.float32)).to(tl.bfloat16)
-    if OPD == 1:
-        return (tl.dot(h1, bh) + tl.dot(h1, bl) + tl.dot(l1, bh), tl.dot(h2, bh) + tl.dot(h2, bl) + tl.dot(l2, bh))
-    else:
-        bh = bh.to(tl.float32)
-        bl = bl.to(tl.float32)
-        h1 = h1.to(tl.float32)
-        h2 = h2.to(tl.float32)
-        return (tl.dot(h1, bh, input_precision="ieee") + tl.dot(h1, bl, input_precision="ieee")
-                + tl.dot(l1.to(tl.float32), bh, input_precision="ieee"),
-                tl.dot(h2, bh, input_precision="ieee") + tl.dot(h2, bl, input_precision="ieee")
-                + tl.dot(l2.to(tl.float32), bh, input_precision="ieee"))
-
-
-@_interp.kjit
 def _at(ptr, t0, r, hh, H, cols, D: tl.constexpr):
     """Addresses of rows ``t0 + r`` (tokens), head ``hh``, columns ``cols`` of a ``[tokens, H, D]`` tensor. The
     int64 part is one scalar, ``(t0 H + hh) D``; the per-element offsets ``r H D + cols`` are int32 (a chunk
@@ -151,7 +118,8 @@ def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka
     kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
     Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
     kb = tl.where((r < L)[:, None], kj * tl.exp(Gref[None, :] - Gj), 0.0)
-    a, s = _mm2(ka, qa, tl.trans(kb), OPD)
+    a = _mm(ka, tl.trans(kb), OPD)
+    s = _mm(qa, tl.trans(kb), OPD)
     if i == j:
         ri = tl.arange(0, BC)[:, None]
         ci = tl.arange(0, BC)[None, :]
@@ -217,33 +185,27 @@ def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, m00, m10, m11, m20, m21, m22, m30,
         K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
     """w_i = sum_{j<=i} M_ij (beta k e^G)_j, u_i = sum_{j<=i} M_ij (beta v)_j for the four blocks i; stored.
     Each block j's ``beta k e^G`` and ``beta v`` is made once (j outer, all four accumulators live), and each
-    w_i / u_i sums its terms in ascending j as before. The products of w take :func:`_mm` with ``WOPD``, those
-    of u with ``UOPD``."""
+    w_i / u_i sums its terms in ascending j as before (the compiler shares the bf16 split of an operand that
+    several products use). The products of w take :func:`_mm` with ``WOPD``, those of u with ``UOPD``."""
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 0, K, V, BC)
-    w0, w1 = _mm2(m00, m10, bk, WOPD)
-    w2, w3 = _mm2(m20, m30, bk, WOPD)
-    u0, u1 = _mm2(m00, m10, bv, UOPD)
-    u2, u3 = _mm2(m20, m30, bv, UOPD)
+    w0, w1, w2, w3 = _mm(m00, bk, WOPD), _mm(m10, bk, WOPD), _mm(m20, bk, WOPD), _mm(m30, bk, WOPD)
+    u0, u1, u2, u3 = _mm(m00, bv, UOPD), _mm(m10, bv, UOPD), _mm(m20, bv, UOPD), _mm(m30, bv, UOPD)
     _store_rows(w, w0, t0, L, hh, H, 0, K, BC)
     _store_rows(u, u0, t0, L, hh, H, 0, V, BC)
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 1, K, V, BC)
-    d1, d2 = _mm2(m11, m21, bk, WOPD)
-    w1 += d1
-    w2 += d2
+    w1 += _mm(m11, bk, WOPD)
+    w2 += _mm(m21, bk, WOPD)
     w3 += _mm(m31, bk, WOPD)
-    d1, d2 = _mm2(m11, m21, bv, UOPD)
-    u1 += d1
-    u2 += d2
+    u1 += _mm(m11, bv, UOPD)
+    u2 += _mm(m21, bv, UOPD)
     u3 += _mm(m31, bv, UOPD)
     _store_rows(w, w1, t0, L, hh, H, 1, K, BC)
     _store_rows(u, u1, t0, L, hh, H, 1, V, BC)
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 2, K, V, BC)
-    d2, d3 = _mm2(m22, m32, bk, WOPD)
-    w2 += d2
-    w3 += d3
-    d2, d3 = _mm2(m22, m32, bv, UOPD)
-    u2 += d2
-    u3 += d3
+    w2 += _mm(m22, bk, WOPD)
+    w3 += _mm(m32, bk, WOPD)
+    u2 += _mm(m22, bv, UOPD)
+    u3 += _mm(m32, bv, UOPD)
     _store_rows(w, w2, t0, L, hh, H, 2, K, BC)
     _store_rows(u, u2, t0, L, hh, H, 2, V, BC)
     bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 3, K, V, BC)
@@ -510,13 +472,13 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         mantissa bits) and the UT solve's off-diagonal block products at the backend's fp32 precision, whatever
         the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); None: by
         input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"split"``); a dict of parts (:data:`PRODUCTS`) for
-        precision sweeps (``gpu-runs/bench_kda.py --precision``).
+        precision sweeps (``gpu-runs/bench_kda.py --only sweep``).
     Returns:
         ``(o [B, T, H, V] out_dtype, final_state [N, H, K, V] fp32)``.
     Raises:
         ConfigError: gate form other than ``"k3"``, ``lower_bound < -10`` (the in-chunk decay factorisation
         would overflow fp32), K or V not a power of two >= 16, ``products`` not one of None / "ieee" /
-        "split", or inconsistent shapes.
+        "split" / a valid dict of parts, or inconsistent shapes.
     Note: reads ``cu_seqlens`` on the host once (to build the chunk table); not for graph capture.
     """
     _, o, ht = prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state, cu_seqlens, scale,
