@@ -213,8 +213,8 @@ SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)),
 
 
 def gate_sweep(a) -> dict:
-    """The prefill's gate kernel alone on the row's inputs at each ``num_warps`` (it ships with the intra
-    kernel's launch options), its buffers as the prefill makes them (fp32)."""
+    """The prefill's gate kernel alone on the row's inputs at each ``num_warps`` (its shipped launch options are
+    ``configs.GATE``), its buffers as the prefill makes them (fp32)."""
     import triton.testing as tt
 
     from k3rocm.kernels import _interp

@@ -46,8 +46,7 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
         roof = StepRoofline.from_config(session.config, bw, peak, kv_bytes=kvbytes,
                                         trunk_dtype_bytes=None if wbytes == 2 else wbytes)
     ngpu = session.world  # the ranks (one GPU each; gloo processes on a cpu profile) that serve the load
-    ceilings = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
-                "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
+    cut = False
     try:
         res = run_bench(eng, concurrency, input_len, output_len, num_prompts=num_prompts, range_ratio=range_ratio,
                         warmups=warmups, seed=session.opts.seed,
@@ -55,11 +54,12 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
                         if progress else None,
                         num_gpus=ngpu, roofline=roof)
     except PointInterrupted as e:  # Ctrl-C after the measured phase: the point goes to the sweep as measured
-        d = e.result.to_dict(per_request=False)
-        d["roofline_ceilings"] = ceilings
-        raise PointInterrupted(d) from None
+        res, cut = e.result, True
     d = res.to_dict(per_request=False)
-    d["roofline_ceilings"] = ceilings
+    d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
+                              "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
+    if cut:
+        raise PointInterrupted(d) from None
     return d
 
 
