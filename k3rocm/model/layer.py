@@ -307,6 +307,29 @@ def _kda_inputs(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> di
             "o_norm": w.f32(p + "o_norm.weight")}
 
 
+#: the per-row tensors of :func:`_kda_inputs` (the rest are the layer's parameters)
+KDA_ROW_INPUTS = ("q", "k", "v", "decay", "beta", "gate")
+
+
+def kda_input_rows(a: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """:func:`_kda_inputs` of rows ``start:stop`` only (row views of the per-row tensors; parameters shared)."""
+    return {**a, **{n: a[n][start:stop] for n in KDA_ROW_INPUTS}}
+
+
+def kda_decode_core(a: dict[str, Any], cfg: K3Config, ops: Mapping[str, Callable], conv_state: torch.Tensor,
+                    ssm_state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """The fused ``kda_decode`` op on :func:`_kda_inputs` ``a`` of N rows, one token each: ``[N, H*V]`` fp32,
+    RMSNorm-ed and gated (the ``o_proj`` input). Padding rows (slot −1) give zeros and write nothing."""
+    return ops["kda_decode"](a["q"], a["k"], a["v"], a["decay"], a["beta"], a["gate"], a["conv"], a["A_log"],
+                             a["dt_bias"], a["o_norm"], conv_state, ssm_state, slot_ids, cfg.rms_norm_eps, None,
+                             cfg.gate_lower_bound)
+
+
+def kda_output(o: torch.Tensor, w: WeightView, layer: int) -> torch.Tensor:
+    """``o_proj`` of the KDA mixer: ``o [T, H*V]`` (normed, gated) -> ``[T, hidden]`` fp32."""
+    return linear(o, w(f"layers.{layer}.self_attn.o_proj.weight"))
+
+
 def kda_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
                     conv_state: torch.Tensor, ssm_state: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """KDA token mixer for one token per row through the fused ``kda_decode`` op (K3 gate form).
@@ -319,10 +342,7 @@ def kda_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, o
         ``[N, hidden]`` ``o_proj`` output.
     """
     a = _kda_inputs(x, w, layer, cfg)
-    o = ops["kda_decode"](a["q"], a["k"], a["v"], a["decay"], a["beta"], a["gate"], a["conv"], a["A_log"],
-                          a["dt_bias"], a["o_norm"], conv_state, ssm_state, slot_ids, cfg.rms_norm_eps, None,
-                          cfg.gate_lower_bound)
-    return linear(o, w(f"layers.{layer}.self_attn.o_proj.weight"))
+    return kda_output(kda_decode_core(a, cfg, ops, conv_state, ssm_state, slot_ids), w, layer)
 
 
 def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
@@ -338,15 +358,24 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
 
     With ``batch.cache``: conv and recurrent states are read from / written to the cache slots.
     """
+    cache = batch.cache
+    if batch.decode and cache is not None and cfg.family == "k3":
+        slots = batch.device_ints("slots", batch.slot_list(), torch.int64, x.device)
+        return kda_decode_rows(x, w, layer, cfg, ops, cache.conv[layer], cache.ssm[layer], slots.to(torch.int32))
+    return kda_output(kda_prefill_core(_kda_inputs(x, w, layer, cfg), w, layer, cfg, ops, batch), w, layer)
+
+
+def kda_prefill_core(a: dict[str, Any], w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
+                     batch: Batch) -> torch.Tensor:
+    """The sequence-dependent part of the KDA mixer on chunks (:func:`kda_mixer` without its projections):
+    :func:`_kda_inputs` ``a`` of the batch's T rows -> ``[T, H*K]`` fp32, RMSNorm-ed and gated (the ``o_proj``
+    input). Reads and writes the batch cache's conv / recurrent state of its slots."""
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
-    T = x.shape[0]
+    T = a["q"].shape[0]
     form = "k3" if cfg.family == "k3" else "kimi_linear"
     cache = batch.cache
-    dev = x.device
+    dev = a["q"].device
     slots = batch.device_ints("slots", batch.slot_list(), torch.int64, dev)
-    if batch.decode and cache is not None and form == "k3":
-        return kda_decode_rows(x, w, layer, cfg, ops, cache.conv[layer], cache.ssm[layer], slots.to(torch.int32))
-    a = _kda_inputs(x, w, layer, cfg)
     cu = batch.cu_seqlens.to(dev)
     init = None
     if cache is not None:
@@ -375,7 +404,7 @@ def kda_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         cache.ssm[layer][slots] = f32(state)
     o = o.reshape(T, H, K)
     o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"].reshape(T, H, K))
-    return linear(o.reshape(T, H * K), w(f"layers.{layer}.self_attn.o_proj.weight"))
+    return o.reshape(T, H * K)
 
 
 def mla_kv_split(w: WeightView, layer: int, cfg: K3Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,8 +458,18 @@ def mla_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, o
         pos: ``[N]`` int64 tokens cached before this one. block_rows: ``[N, blocks_per_seq]`` int32.
         decode_kw: passed to ``mla_decode`` (static bounds under graph capture).
     """
-    Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     q, latent, k_rope = mla_project(x, w, layer, cfg)
+    o = mla_decode_core(q, latent, k_rope, w, layer, cfg, ops, kv_cache, slot_ids, pos, block_rows, **decode_kw)
+    return mla_output(o, x, w, layer, cfg)
+
+
+def mla_decode_core(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w: WeightView, layer: int,
+                    cfg: K3Config, ops: Mapping[str, Callable], kv_cache: torch.Tensor, slot_ids: torch.Tensor,
+                    pos: torch.Tensor, block_rows: torch.Tensor, **decode_kw: Any) -> torch.Tensor:
+    """The cache part of :func:`mla_decode_rows` on :func:`mla_project`'s outputs of N rows (one token each):
+    write each row's latent + k_rope into its paged slot, then absorbed ``mla_decode``. Returns ``[N, H*Dv]``
+    (``q``'s dtype), the gate's input; padding rows (slot −1) write nothing and give zeros."""
+    Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     bs = kv_cache.shape[1]
     valid = slot_ids >= 0
     col = torch.clamp(pos // bs, max=block_rows.shape[1] - 1).unsqueeze(1)
@@ -441,7 +480,7 @@ def mla_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, o
     w_kc, w_vc = mla_kv_split(w, layer, cfg)
     o = ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(), kv_cache,
                           block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5, **decode_kw)
-    return mla_output(o, x, w, layer, cfg)
+    return o.reshape(q.shape[0], -1)
 
 
 def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
@@ -456,7 +495,6 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     decode -> :func:`mla_decode_rows`; cache with earlier context -> ``mla_cache_write`` + absorbed
     ``mla_decode`` per sequence (its queries as the last positions of the cached context).
     """
-    H, Dn, Dr, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     cache = batch.cache
     starts = batch.starts()
     slots = batch.slot_list()
@@ -473,6 +511,21 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
                                torch.tensor(starts, dtype=torch.int64, device=dev),
                                cache.block_table[slots_t].to(dev))
     q, latent, k_rope = mla_project(x, w, layer, cfg)
+    return mla_output(mla_prefill_core(q, latent, k_rope, w, layer, cfg, ops, batch), x, w, layer, cfg)
+
+
+def mla_prefill_core(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w: WeightView, layer: int,
+                     cfg: K3Config, ops: Mapping[str, Callable], batch: Batch) -> torch.Tensor:
+    """The sequence-dependent part of :func:`mla_mixer` on chunks, on :func:`mla_project`'s outputs of the
+    batch's T rows: the cache write (with a cache), then ``mla_prefill`` (fresh sequences) or absorbed
+    ``mla_decode`` per sequence (a chunk continuing a cached context). Returns the attention output
+    ``[T, H, Dv]``, the gate's input."""
+    H, Dn, Dr, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    T = q.shape[0]
+    cache = batch.cache
+    starts = batch.starts()
+    slots = batch.slot_list()
+    dev = q.device
     scale = (Dn + Dr) ** -0.5
     if cache is not None:
         cu = batch.cu_list()
@@ -486,7 +539,7 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         ops["mla_cache_write"](cache.kv[layer], slot_mapping, latent, k_rope)
 
     if cache is None or all(s == 0 for s in starts):
-        kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(x.shape[0], H, Dn + Dv)
+        kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(T, H, Dn + Dv)
         cu_t = batch.cu_seqlens.to(dev)
         extra = {}
         if batch.cu_host is not None and _takes(ops["mla_prefill"], "max_seqlen_q"):
@@ -507,7 +560,7 @@ def mla_mixer(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
                                     w_kc, w_vc, scale)
             outs.append(o_n[0])
         o = torch.cat(outs, 0)
-    return mla_output(o, x, w, layer, cfg)
+    return o
 
 
 def mla_has_output_gate(cfg: K3Config) -> bool:

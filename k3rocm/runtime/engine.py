@@ -22,8 +22,10 @@ shared MLPs, the LatentMoE down/up projections, lm_head) multiply in the weight 
 accumulation (``matmul_dtype``, default on a GPU with bf16/fp16 weights; see
 :func:`k3rocm.model.common.linear`) instead of widening every weight to fp32 per step. Sampling is
 greedy (argmax, lowest id on ties). Decode-only steps on a GPU replay CUDA/HIP graphs captured per batch
-size of a ladder; if capture fails (an op that syncs with the host) the engine stays eager and
-:meth:`Engine.describe` says why.
+size of a ladder; steps carrying prefill chunks replay piecewise graphs per token bucket, with only the
+chunks' sequence-dependent mixer work (``kda_prefill``, ``mla_prefill`` and their cache work) eager between
+the pieces (:meth:`Engine._graph_mixed`). If capture fails (an op that syncs with the host) the engine stays
+eager and :meth:`Engine.describe` says why.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from k3rocm.errors import ConfigError, PlanError
 from k3rocm.runtime import registry
 from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
 from k3rocm.model.decoder import Decoder, Parallel
-from k3rocm.model.layer import Batch, WeightView, kda_decode_rows, kda_mixer, mla_decode_rows, mla_mixer
+from k3rocm.model.layer import (Batch, WeightView, _kda_inputs, kda_decode_core, kda_decode_rows, kda_input_rows,
+                                kda_mixer, kda_output, kda_prefill_core, mla_decode_core, mla_decode_rows, mla_mixer,
+                                mla_output, mla_prefill_core, mla_project)
 from k3rocm.model.weights import as_weights
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -725,27 +729,88 @@ class Engine:
         return st
 
     # ------------------------------------------------------------------ piecewise graphs of mixed steps
-    def _padded_mix(self, nd: int, dec: dict | None, pre: Batch | None, t: int):
-        """The step's token mixer on the first ``t`` rows of a bucket-padded ``x [T_bucket, hidden]``; the padding
-        rows get zeros (every other op of a layer is row-wise, so padding rows never reach a real row)."""
-        inner = self._mix(nd, dec, pre)
+    def _padded_meta(self, dec: dict | None, nd: int, size: int, into: dict | None = None) -> dict:
+        """The decode-row tensors of a ``size``-row padded step: ``slot_ids [size]`` int32 (the ``nd`` decode rows'
+        slots, −1 after them), ``pos [size]`` int64 and ``block_rows [size, max_blocks_per_seq]`` int32 (zeros
+        after the decode rows). ``into``: a graph's static buffers, filled in place (else new tensors)."""
+        dev = self.device
+        m = into if into is not None else {
+            "slot_ids": torch.empty(size, dtype=torch.int32, device=dev),
+            "pos": torch.empty(size, dtype=torch.int64, device=dev),
+            "block_rows": torch.empty(size, self.max_blocks_per_seq, dtype=torch.int32, device=dev)}
+        m["slot_ids"].fill_(-1)
+        m["pos"].zero_()
+        m["block_rows"].zero_()
+        if nd:
+            m["slot_ids"][:nd] = dec["slot_ids"]
+            m["pos"][:nd] = dec["pos"]
+            m["block_rows"][:nd] = dec["block_rows"]
+        return m
 
+    def _mixer_rows(self, i: int, x: torch.Tensor, meta: dict) -> tuple[tuple, torch.Tensor]:
+        """The row-wise half of layer ``i``'s token mixer on every row of a padded step, with the decode rows'
+        cache work: the projections (:func:`~k3rocm.model.layer._kda_inputs` / ``mla_project``) of all rows, then
+        the decode op on all rows (``kda_decode``; ``mla_cache_write`` + absorbed ``mla_decode``) with ``meta``'s
+        slots — rows after the decode rows have slot −1 and come out zero. Returns ``(inputs, o)``: the
+        projections, for :meth:`_mixer_chunks`, and the ``o_proj`` / gate input ``o [rows, heads * head_dim]``,
+        whose chunk rows :meth:`_mixer_chunks` overwrites. Every shape is the step's row count: capturable."""
+        cfg, mcfg, w, ops = self.cfg, self.dec.mixer_cfg, self.w, self.ops
+        if cfg.layer_type(i) == "kda":
+            a = _kda_inputs(x, w, i, mcfg)
+            return a, kda_decode_core(a, mcfg, ops, self.kda.conv[i], self.kda.state[i], meta["slot_ids"])
+        q, latent, k_rope = mla_project(x, w, i, mcfg)
+        o = mla_decode_core(q, latent, k_rope, w, i, mcfg, ops, self.mla.kv_cache[i], meta["slot_ids"], meta["pos"],
+                            meta["block_rows"])
+        return (q, latent, k_rope), o
+
+    def _mixer_chunks(self, i: int, inputs: Any, nd: int, t: int, pre: Batch) -> torch.Tensor:
+        """The sequence-dependent half of layer ``i``'s token mixer on the prefill chunks (rows ``nd:t`` of
+        :meth:`_mixer_rows`' projections): ``kda_prefill_core`` (conv, ``kda_prefill``, norm and gate) or
+        ``mla_prefill_core`` (cache write, ``mla_prefill`` / per-chunk ``mla_decode``). Returns ``[t - nd, ...]``,
+        the chunk rows of ``o``."""
+        mcfg, w, ops = self.dec.mixer_cfg, self.w, self.ops
+        if self.cfg.layer_type(i) == "kda":
+            return kda_prefill_core(kda_input_rows(inputs, nd, t), w, i, mcfg, ops, pre)
+        q, latent, k_rope = inputs
+        return mla_prefill_core(q[nd:t], latent[nd:t], k_rope[nd:t], w, i, mcfg, ops, pre)
+
+    def _mixer_out(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The row-wise output of layer ``i``'s token mixer: ``o_proj`` (KDA) or gate and ``o_proj`` (MLA)."""
+        if self.cfg.layer_type(i) == "kda":
+            return kda_output(o, self.w, i)
+        return mla_output(o, x, self.w, i, self.dec.mixer_cfg)
+
+    def _padded_mix(self, nd: int, dec: dict | None, pre: Batch | None, t: int, meta: dict | None = None,
+                    cut: Any = None):
+        """The token mixer of a step padded to a bucket of rows (``x [T_bucket, hidden]``, the first ``t`` real:
+        ``nd`` decode rows, then the prefill chunks ``pre``), as its piecewise graph runs it: per layer
+        :meth:`_mixer_rows` on every row (projections, and the decode rows' cache work with slot −1 after them),
+        then the chunk rows of ``o`` replaced by :meth:`_mixer_chunks`, then :meth:`_mixer_out` on every row. Only
+        the chunk half depends on the chunks' layout; every other op is row-wise or skips slot −1, so padding rows
+        never reach a real row. ``meta``: the decode-row tensors (default :meth:`_padded_meta` of ``dec``).
+        ``cut(i, inputs, o)``: called between the two halves instead of running the chunk half (graph capture:
+        the piece ends there and each replay runs the chunk half eagerly)."""
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
-            y = inner(i, x[:t])
-            if x.shape[0] == t:
-                return y
-            return torch.cat([y, y.new_zeros(x.shape[0] - t, *y.shape[1:])], 0)
+            m = meta if meta is not None else self._padded_meta(dec, nd, x.shape[0])
+            inputs, o = self._mixer_rows(i, x, m)
+            if cut is not None:
+                cut(i, inputs, o)
+            elif pre is not None:
+                o[nd:t].copy_(self._mixer_chunks(i, inputs, nd, t, pre).reshape(t - nd, -1))
+            return self._mixer_out(i, x, o)
         return mix
 
     def _graph_mixed(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
                      sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run a step carrying prefill chunks through the piecewise graphs of its token bucket (the smallest of
-        :attr:`mixed_sizes` >= its tokens; captured on first use): graph piece ``k`` runs everything from the
-        token mixer of layer ``k - 1`` to the input of the token mixer of layer ``k`` (embedding first; final
-        AttnRes, norm, lm_head and greedy sampling last) on the padded tokens; the token mixers, whose work
-        depends on the chunks' layout, run eager between the pieces on the real rows, writing the static buffer
-        the next piece reads. Returns ``(tokens [N], logits [N, V_local])`` (views into the graph's buffers) or
-        None (no bucket fits, or capture failed: then mixed steps stay eager and :meth:`describe` says why)."""
+        :attr:`mixed_sizes` >= its tokens; captured on first use), as :meth:`_padded_mix` describes: graph piece
+        ``k`` runs everything from the chunk half of layer ``k - 1``'s token mixer to the chunk half of layer
+        ``k``'s (embedding first; final AttnRes, norm, lm_head and greedy sampling last) on the padded tokens —
+        the projections of every row, the decode rows' ``kda_decode`` / ``mla_decode`` and the output projections
+        included; only the chunk halves (``kda_prefill``, ``mla_prefill``, their conv and cache work) run eager
+        between the pieces, writing the chunk rows of the static buffer the next piece reads. Returns
+        ``(tokens [N], logits [N, V_local])`` (views into the graph's buffers) or None (no bucket fits, or capture
+        failed: then mixed steps stay eager and :meth:`describe` says why)."""
         t, n = ids.numel(), len(sample_rows)
         g = None if n > self._mixed_rows() else self._bucket_graph(self.mixed_sizes, self._mixed,
                                                                     self._capture_mixed, t)
@@ -755,13 +820,13 @@ class Engine:
         g["ids"][:t] = ids
         g["rows"].zero_()
         g["rows"][:n] = self._to_dev(torch.tensor(sample_rows, dtype=torch.int64))
-        mix = self._padded_mix(nd, dec, pre, t)
+        self._padded_meta(dec, nd, g["ids"].numel(), into=g["meta"])
         with matmul_dtype(self.matmul_dtype):
             for k, piece in enumerate(g["pieces"]):
                 piece.replay()
-                if k < len(g["mixers"]):
-                    i, x, out = g["mixers"][k]
-                    out.copy_(mix(i, x))
+                if k < len(g["mixers"]) and pre is not None:
+                    i, inputs, o = g["mixers"][k]
+                    o[nd:t].copy_(self._mixer_chunks(i, inputs, nd, t, pre).reshape(t - nd, -1))
         if self.par.stats is not None:
             for name, v in g["comm"].items():
                 self.par.stats.add(name, v["bytes"], 0.0, calls=v["calls"])
@@ -778,6 +843,7 @@ class Engine:
         dev = self.device
         st = {"ids": torch.zeros(size, dtype=torch.int64, device=dev),
               "rows": torch.zeros(self._mixed_rows(), dtype=torch.int64, device=dev)}
+        st["meta"] = self._padded_meta(None, 0, size)  # the decode rows' slots etc., refilled before each replay
         pieces: list = []
         mixers: list = []
         # one memory pool for every bucket (graphs replay one at a time and read their outputs before the next
@@ -789,29 +855,30 @@ class Engine:
         s = torch.cuda.Stream(device=dev)
         cur: list = []
 
-        def zero_mix(i: int, x: torch.Tensor) -> torch.Tensor:  # warm-up: the mixers are not part of a piece
-            return torch.zeros_like(x)
-
-        def cut(i: int, x: torch.Tensor) -> torch.Tensor:  # end the piece at the mixer's input, start the next
+        def cut(i: int, inputs: Any, o: torch.Tensor) -> None:
+            """End the piece after the mixer's row-wise half and start the next; the chunk half writes ``o``'s
+            chunk rows eagerly at each replay (``inputs`` and ``o`` stay alive with the graph)."""
             cur[0].capture_end()
             pieces.append(cur[0])
-            out = torch.zeros_like(x)  # the mixer's static output, written eagerly at each replay
-            mixers.append((i, x, out))
+            mixers.append((i, inputs, o))
             cur[0] = torch.cuda.CUDAGraph()
             cur[0].capture_begin(pool=pool)
-            return out
 
         try:
             s.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(s):
-                self._forward(st["ids"], 0, None, None, st["rows"], mix=zero_mix)
+                # warm-up on padding only (every row slot -1, no chunks: writes nothing), so the row-wise ops and
+                # the decode ops compile and tune at this size outside capture
+                self._forward(st["ids"], 0, None, None, st["rows"],
+                              mix=self._padded_mix(0, None, None, 0, meta=st["meta"]))
                 torch.cuda.synchronize(dev)
                 before = stats.snapshot() if stats is not None else {}
                 with matmul_dtype(self.matmul_dtype):
                     cur.append(torch.cuda.CUDAGraph())
                     cur[0].capture_begin(pool=pool)
                     try:
-                        logits = self._forward(st["ids"], 0, None, None, st["rows"], mix=cut)
+                        logits = self._forward(st["ids"], 0, None, None, st["rows"],
+                                               mix=self._padded_mix(0, None, None, 0, meta=st["meta"], cut=cut))
                         st["tokens"] = self.par.greedy(logits)
                     finally:
                         cur[0].capture_end()

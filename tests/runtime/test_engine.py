@@ -340,9 +340,10 @@ def test_engine_gpu_no_compiles_after_warm_up(tiny):
 
 def test_bucket_padded_mixed_steps_give_the_oracle_tokens(tiny, prompts_and_ref):
     """What a mixed-step graph computes, on the CPU: every step carrying prefill chunks padded to its pow2 token
-    bucket (token 0 in the padding), the token mixers on the real rows only (``_padded_mix``: zeros for the
-    padding rows) and a static sampled-row buffer of one row per sequence (padded with row 0) gives the
-    oracle's greedy tokens — padding rows never reach a real row."""
+    bucket (token 0 in the padding), each token mixer as the graph splits it (``_padded_mix``: projections and
+    the decode rows' decode ops on every row, slot -1 after the decode rows; the chunk rows then replaced by the
+    chunk half) and a static sampled-row buffer of one row per sequence (padded with row 0) gives the oracle's
+    greedy tokens — padding rows never reach a real row, and decode rows beside chunks decode."""
     from k3rocm.kernels.tune import pow2
 
     prompts, ref, n = prompts_and_ref
