@@ -62,7 +62,7 @@ for s in $STEPS; do
           $RANK --out "$R/k3_prof" ;;
     cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
-    etest) step etest "$(lim 70)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
+    etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
     mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim 160)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ;;
     ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \

@@ -78,6 +78,8 @@ def step(self, *a, **k):
     return r
 E.Engine.step = step
 def dump():
+    if not any(steps.values()):  # nothing profiled since the last dump: never overwrite a written table
+        return
     with open(os.path.join(OUTD, f"kernels_{state['warm']}.txt"), "w") as f:
         for kind in ("decode", "mixed"):
             n = len(steps[kind])
