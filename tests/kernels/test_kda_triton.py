@@ -212,7 +212,9 @@ def test_decode_every_config_padding(ci):
     sid = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=DEV)
     cp1, sp1 = cp.clone(), sp.clone()
     want = O.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5)
-    got = KDEC.kda_decode(*xs, ws, A_log, dt, onw, cp1, sp1, sid, 1e-5, config=cfg)
+    # a NaN-filled output buffer: a padding row must be written (zeros), not left as it was
+    out = torch.full((4, H * D), float("nan"), device=DEV)
+    got = KDEC.kda_decode(*xs, ws, A_log, dt, onw, cp1, sp1, sid, 1e-5, config=cfg, out=out)
     close(got, want, 1e-5)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     torch.testing.assert_close(sp1, sp, rtol=1e-5, atol=1e-5)  # untouched slots equal bit for bit
