@@ -127,18 +127,6 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
         r["ours_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg))
         r["ours_checkpoint_layout_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg))
         r["fraction"] = r["floor_ms"] / r["ours_ms"]
-        if cfg["kind"] in ("dq", "dqn"):  # the decode path's load forms one by one (ops.DQ_*), same weights
-            want = moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg)
-            for name, flags in (("plain_loads", (False, False)), ("scale_words_only", (True, False)),
-                                ("k_order_only", (False, True))):
-                keep = (moe_ops.DQ_SCALE_WORDS, moe_ops.DQ_K_ORDER)
-                moe_ops.DQ_SCALE_WORDS, moe_ops.DQ_K_ORDER = flags
-                try:
-                    r[f"ours_{name}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg))
-                    r[f"ours_{name}_same"] = bool(torch.equal(
-                        moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg), want))
-                finally:
-                    moe_ops.DQ_SCALE_WORDS, moe_ops.DQ_K_ORDER = keep
         if cfg["kind"] in ("dq", "dqn"):  # the decode's general variant (two multiplies per pair), same weights
             real = moe_ops.fused_scale_ok
             moe_ops.fused_scale_ok = lambda _s: False

@@ -284,7 +284,7 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
     Args:
         wd: ``[BLOCK_N, BLOCK_K/8]`` int32, the checkpoint bytes read as little-endian words (element 2i in
             the low nibble of byte i, K3_FACTS §4; word w holds elements 8w..8w+7, element 8w+j in nibble j).
-        s: ``[BLOCK_N, BLOCK_K/32]`` uint8 (or int32 holding 0..255) E8M0 scales (2^(s-127); 0 is 2^-127; 255 is not allowed: the
+        s: ``[BLOCK_N, BLOCK_K/32]`` uint8 E8M0 scales (2^(s-127); 0 is 2^-127; 255 is not allowed: the
             loader rejects it, here it would give inf / NaN).
         F32: decode to fp32 and scale in fp32 instead of packed bf16 (the same exact values; for the Triton
             interpreter, whose bf16 arithmetic, bf16 widening and bf16 ``tl.dot`` are not IEEE).
@@ -330,17 +330,6 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
 
 
 @triton.jit
-def _scale_tile(ptrs, SCALE_WORDS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K / 32]`` E8M0 scale bytes of one k-step: loaded as they are (u8), or from one
-    little-endian int32 word per row (``SCALE_WORDS``; byte i = scale of the row's 32-block i), as int32 0..255."""
-    if SCALE_WORDS:
-        sw = tl.load(ptrs)
-        return (sw[:, None] >> (8 * tl.arange(0, BLOCK_K // 32))[None, :]) & 0xFF
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
 def mxfp4_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Reorder the K axis of an activation tile ``[BLOCK_M, BLOCK_K]`` like :func:`mxfp4_decode_tile` does
     the weights (position 32c + 8j + 2t + b <- element 32c + 8t + 4b + j); a dot product over K is unchanged."""
@@ -372,8 +361,7 @@ def moe_gemm_dq_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
-    PTX: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False, A_KORDER: tl.constexpr = False,
-    OUT_KORDER: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -385,14 +373,7 @@ def moe_gemm_dq_kernel(
     multiples of 4.
     ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
     ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`. ``FUSED_SCALE``: one multiply per
-    decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128.
-    ``SCALE_WORDS`` (``BLOCK_K`` 128, every row's scale bytes of a k-step 4-byte aligned): each row's 4 scale
-    bytes of a k-step are read as one int32 word, which the compiler streams through the asynchronous copy
-    pipeline with the weight words (byte loads of the [BLOCK_N, 4] scale tile were synchronous: two DRAM round
-    trips per k-step, each behind a barrier). ``A_KORDER`` (``SWAP`` only): the activations are stored in
-    :func:`mxfp4_k_order`'s K order already (``ops.k_order``), so their rows load as contiguous vectors (in the
-    permuted order every element was a 2-byte load, outside the pipeline). ``OUT_KORDER`` (``GATED``): store h
-    in that K order (for the w2 GEMM reading it with ``A_KORDER``). Neither changes a product or a sum."""
+    decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -409,72 +390,51 @@ def moe_gemm_dq_kernel(
     rv, rs, up_v, up_s = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, G, TILE_N, TILE_K)
     # int32 words (row starts and the up distance are multiples of 4 bytes in both layouts)
     wg_ptrs = w_base + (rv // 4)[:, None] + rk8[None, :]
-    if SCALE_WORDS:  # one int32 word per row and k-step: the row's BLOCK_K / 32 = 4 scale bytes
-        sg_ptrs = ws_base.to(tl.pointer_type(tl.int32)) + rs // 4
-        su_ptrs = sg_ptrs + up_s // 4
-    else:
-        sg_ptrs = ws_base + rs[:, None] + rks[None, :]
-        su_ptrs = sg_ptrs + up_s
+    sg_ptrs = ws_base + rs[:, None] + rks[None, :]
     wu_ptrs = wg_ptrs + up_v // 4
-    if A_KORDER:  # the activation tile loaded as the MMA's [BLOCK_K, BLOCK_M] operand, K contiguous in memory
-        a_ptrs = a_ptr + arow[None, :] * stride_am + rk[:, None]
-    else:
-        a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
+    su_ptrs = sg_ptrs + up_s
+    a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
     if SWAP:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # the activation tile of each k-step is loaded one step ahead (the compiler does not pipeline these gathered
-    # rows: issued a step early, their L2 latency hides behind the step before)
-    amask = rmask[None, :] if A_KORDER else rmask[:, None]
-    a_next = tl.load(a_ptrs, mask=amask, other=0.0)
     for k0 in range(0, K, BLOCK_K):
-        a = a_next
-        a_ptrs += BLOCK_K
-        kmore = (k0 + BLOCK_K + rk) < K  # all true but on the last step (K is a multiple of BLOCK_K)
-        a_next = tl.load(a_ptrs, mask=amask & (kmore[:, None] if A_KORDER else kmore[None, :]), other=0.0)
+        a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         if F32:
             a = a.to(tl.float32)
         if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
-            if A_KORDER:
-                at = a
-            else:
-                at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
-            wg = mxfp4_decode_tile(tl.load(wg_ptrs), _scale_tile(sg_ptrs, SCALE_WORDS, BLOCK_K), BLOCK_N, BLOCK_K,
-                                   F32, True, FUSED_SCALE, PTX)
+            at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, True,
+                                    FUSED_SCALE, PTX)
             acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
             if GATED:
-                wu = mxfp4_decode_tile(tl.load(wu_ptrs), _scale_tile(su_ptrs, SCALE_WORDS, BLOCK_K), BLOCK_N,
-                                       BLOCK_K, F32, True, FUSED_SCALE, PTX)
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, True,
+                                        FUSED_SCALE, PTX)
                 acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
         else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
-            wg = mxfp4_decode_tile(tl.load(wg_ptrs), _scale_tile(sg_ptrs, SCALE_WORDS, BLOCK_K), BLOCK_N, BLOCK_K,
-                                   F32, False, FUSED_SCALE, PTX)
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, False,
+                                    FUSED_SCALE, PTX)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee" if F32 else None)
             if GATED:
-                wu = mxfp4_decode_tile(tl.load(wu_ptrs), _scale_tile(su_ptrs, SCALE_WORDS, BLOCK_K), BLOCK_N,
-                                       BLOCK_K, F32, False, FUSED_SCALE, PTX)
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False,
+                                        FUSED_SCALE, PTX)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
         dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
-        if SCALE_WORDS:
-            ds = ds // 4
         wg_ptrs += dv // 4
         sg_ptrs += ds
         if GATED:
             wu_ptrs += dv // 4
             su_ptrs += ds
+        a_ptrs += BLOCK_K
     orow = rows.to(tl.int64)
-    ocol = offs_n
-    if OUT_KORDER:  # element 32c + 8t + 4b + j of a 32-group at position 32c + 8j + 2t + b (mxfp4_k_order)
-        ocol = (offs_n // 32) * 32 + (offs_n % 4) * 8 + ((offs_n // 8) % 4) * 2 + (offs_n // 4) % 2
     if SWAP:
         omask = nmask[:, None] & rmask[None, :]
-        o_ptrs = out_ptr + orow[None, :] * stride_om + ocol[:, None]
+        o_ptrs = out_ptr + orow[None, :] * stride_om + offs_n[:, None]
     else:
         omask = rmask[:, None] & nmask[None, :]
-        o_ptrs = out_ptr + orow[:, None] * stride_om + ocol[None, :]
+        o_ptrs = out_ptr + orow[:, None] * stride_om + offs_n[None, :]
     if GATED:
         if ACT == "situ":
             h = _situ(acc_g, acc_u, BETA, BETA_LIN)
@@ -498,12 +458,11 @@ def isa_options(cfg: tune.Config, backend: str) -> dict:
 
 
 def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0),
-                fused_scale: bool = True, loads: bool = True) -> tuple:
+                fused_scale: bool = True) -> tuple:
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
     ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU); ``tiles``: (TILE_N, TILE_K) of the tiled
     weight layout, (0, 0) = checkpoint layout; ``fused_scale``: the variant for scale bytes <= 128 (what every
-    K3 layer runs) or the general one; ``loads``: the load forms ``ops`` takes at K3 sizes (scale words at
-    BLOCK_K 128, K-ordered activations for kind ``"dq"``), or the plain ones."""
+    K3 layer runs) or the general one."""
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16" if gated else "*fp32",
            "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32",
            "block_start_ptr": "*i32", "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
@@ -512,14 +471,11 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
               "SWAP": cfg["kind"] == "dq", "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
-              "FUSED_SCALE": fused_scale, "PTX": backend == "cuda",
-              "SCALE_WORDS": loads and cfg["BLOCK_K"] == 128, "A_KORDER": loads and cfg["kind"] == "dq",
-              "OUT_KORDER": loads and gated and cfg["kind"] == "dq"}
+              "FUSED_SCALE": fused_scale, "PTX": backend == "cuda"}
     for c in consts:
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)
-    lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + ("" if fused_scale else ",general-scale") \
-        + ("" if loads else ",plain-loads")
+    lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + ("" if fused_scale else ",general-scale")
     return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(cfg)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
             opts)
 

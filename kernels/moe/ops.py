@@ -268,30 +268,6 @@ def _act_format(dtype: torch.dtype) -> str:
     raise ConfigError(f"moe_experts: activation dtype {dtype} unsupported by the A16W4 kernel; pass bf16 or fp16")
 
 
-#: the decode path's scale-word loads and K-ordered activations (``gemm.moe_gemm_dq_kernel``); module switches so
-#: that tests can run the plain loads and compare bit for bit
-DQ_SCALE_WORDS = True
-DQ_K_ORDER = True
-
-
-def _scale_words_ok(g: tuple, block_k: int) -> bool:
-    """Whether every row's scale bytes of each k-step of a GEMM's weights (``g`` = (values, scales, expert
-    stride, row stride, scale expert stride, scale row stride, tile_n, tile_k) as ``_experts_impl`` passes them)
-    lie in one aligned int32 word: ``block_k`` 128 (4 bytes a step), scale strides and base 4-byte aligned, and
-    in the tiled layout a k-tile of a multiple of 128 (4, 8, ... scale bytes a row per chunk)."""
-    _, ws, _, _, s_e, s_n, tile_n, tile_k = g
-    if block_k != 128 or ws.data_ptr() % 4 or s_e % 4:
-        return False
-    return tile_k % 128 == 0 if tile_n else s_n % 4 == 0
-
-
-def k_order(a: torch.Tensor) -> torch.Tensor:
-    """``a [T, K]`` (K a multiple of 32) with each 32-group's K axis in :func:`gemm.mxfp4_k_order`'s order
-    (position ``32c + 8j + 2t + b`` holds element ``32c + 8t + 4b + j``): a contiguous copy, one elementwise pass."""
-    T, K = a.shape
-    return a.view(T, K // 32, 4, 2, 4).permute(0, 1, 4, 2, 3).reshape(T, K)
-
-
 def _fit_block_k(cfg_k: int, K: int) -> int:
     bk = cfg_k
     while bk > 32 and K % bk:
@@ -477,22 +453,14 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         fs13 = dq and lay.w13.max_scale <= FUSED_SCALE_MAX
         fs2 = dq and lay.w2.max_scale <= FUSED_SCALE_MAX
 
-    bk2 = _fit_block_k(cfg["BLOCK_K"], g2[7] or inter)
-    # the decode path's load forms (gemm.moe_gemm_dq_kernel; neither changes a product or a sum): scale words,
-    # and activations stored in the MMA's K order (x permuted once here, h written so by the w1|w3 epilogue)
-    sw13, sw2 = (dq and DQ_SCALE_WORDS and _scale_words_ok(g, bk) for g, bk in ((g13, bk1), (g2, bk2)))
-    korder = dq and DQ_K_ORDER and cfg["kind"] == "dq" and D % 32 == 0 and inter % 32 == 0
-    a13 = k_order(a) if korder else a
-
     def run_w13():
         if dq:
             moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
-                a13, g13[0], g13[1], h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                inter, D, inter, a13.stride(0), *g13[2:6], h.stride(0),
+                a, g13[0], g13[1], h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+                inter, D, inter, a.stride(0), *g13[2:6], h.stride(0),
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=cfg["kind"] == "dq", F32=interp,
-                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_WORDS=sw13, A_KORDER=korder,
-                OUT_KORDER=korder, **opts)
+                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
             a, a_s, g13[0], g13[1], h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -502,6 +470,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     if poison:
         y.fill_(float("nan"))
+    bk2 = _fit_block_k(cfg["BLOCK_K"], g2[7] or inter)
 
     def run_w2():
         if dq:
@@ -510,7 +479,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 D, inter, 0, h.stride(0), *g2[2:6], y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=cfg["kind"] == "dq", F32=interp,
-                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_WORDS=sw2, A_KORDER=korder, **opts)
+                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,

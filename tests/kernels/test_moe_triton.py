@@ -447,42 +447,6 @@ def test_every_cuda_config_code_path_small(tk):
         assert _rel(out, ref) < TOL["a16w4"], f"{C.gemm_name(cfg)}: rel err {_rel(out, ref):.3g}"
 
 
-@pytest.mark.parametrize("tiles", [None, (32, 128)], ids=["checkpoint", "tiled-k128"])
-def test_decode_load_forms_are_bit_identical(tk, tiles, monkeypatch):
-    # the decode kernel's scale words (BLOCK_K 128) and K-ordered activations (kind "dq": x permuted once, h written
-    # so by the w1|w3 epilogue) change only how bytes are loaded: every combination gives the plain loads' output
-    # bit for bit, at the shipped 128-wide k-steps (the CUDA list's decode configs), in both weight layouts
-    import k3rocm.kernels.moe.configs as C
-
-    x, ids, wts, ew = _case(5, 8, 128, 128, 4, seed=83)
-    ewd = _to(ew, tk.dev)
-    if tiles is not None:
-        ewd = dict(ewd, kernel_layout=tk.moe.ops.kernel_layout(ewd, tiles, check=True))
-    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev), ewd)
-    cfgs = [c for c in C.GEMM_CONFIGS["cuda"] if c["BLOCK_K"] == 128][:2] + [C.gemm_config(16, 32, 128, 4, 1, kind="dqn")]
-    ref = _ref_a16w4(x, ids, wts, ew)
-    for cfg in cfgs:
-        outs = {}
-        for words in (False, True):
-            for korder in (False, True):
-                monkeypatch.setattr(tk.moe.ops, "DQ_SCALE_WORDS", words)
-                monkeypatch.setattr(tk.moe.ops, "DQ_K_ORDER", korder)
-                outs[words, korder] = tk.moe.moe_experts(*args, config=cfg, poison=True)
-        plain = outs[False, False]
-        assert torch.isfinite(plain).all() and _rel(plain, ref) < TOL["a16w4"], C.gemm_name(cfg)
-        for key, out in outs.items():
-            assert torch.equal(out, plain), f"{C.gemm_name(cfg)} scale words / k order {key}: differs from plain loads"
-
-
-def test_k_order_is_the_kernels_activation_permutation(tk):
-    g = torch.Generator().manual_seed(5)
-    a = torch.randn(3, 96, generator=g)
-    got = tk.moe.ops.k_order(a)
-    for e in range(96):  # element 32c + 8t + 4b + j at position 32c + 8j + 2t + b
-        c, t, b, j = e // 32, (e // 8) % 4, (e // 4) % 2, e % 4
-        assert torch.equal(got[:, 32 * c + 8 * j + 2 * t + b], a[:, e])
-
-
 @pytest.mark.parametrize("tiles", [None, (16, 32)], ids=["backend", "chunk-spanning"])
 def test_kernel_layout_equals_checkpoint_layout(tk, tiles):
     # the tiled layout made at load is a permutation of the checkpoint's bytes: every config (and A8W4 on the
