@@ -48,10 +48,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         ``[..., D]`` fp32.
     """
     x = f32(x)
-    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * f32(weight)
-    return y
+    # torch's own RMSNorm: the same formula (bit-identical on the CPU), one fused kernel where the backend has one
+    # instead of six elementwise / reduction launches (~200 calls in a K3 rank's step)
+    return F.rms_norm(x, (x.shape[-1],), None if weight is None else f32(weight), eps)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
