@@ -97,11 +97,14 @@ LAYOUT_TILES: dict[str, tuple[int, int]] = {"cuda": (128, 128), "hip": (128, 128
 
 
 ROUTER_CONFIGS: dict[str, list[Config]] = {
-    # <= 16 tokens: a 16-row tile (the smallest MMA M; a 64-row one multiplies 4-16x padding rows, and
-    # three bf16 products per step on the split path); <= 64 tokens: one token tile, so the 12.8 MB K3 gate is
-    # read once (splits over K fill the SMs)
-    "cuda": [router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64), router_config(16, 128, 128, 4, 4, max_rows=256),
-             router_config(64, 128, 64, 4, 3)],
+    # H200 2026-12-02 (gpu-runs/bench_route.py, K3 gate, fp32 input split into three bf16 products, each config
+    # forced and graph-replayed, us at 4 / 64 / 256 tokens): t16e128k128w4s4 15.5 / 31.2 / 93.9,
+    # t16e64k128w4s3 15.8 / 31.0 / 101.0, t64e64k128w8s3 32.7 / 33.3 / 89.0, t64e128k64w4s3 18.5 / 18.2 / 31.2.
+    # So <= 16 tokens a 16-row tile, above that the 64 x 128 tile with 64-wide k-steps (it was last in the table
+    # and never served: 33.3 -> 18.2 us at 64 tokens, 93.9 -> 31.2 at 256); the other two stay as autotune
+    # candidates only
+    "cuda": [router_config(16, 128, 128, 4, 4, max_rows=16), router_config(64, 128, 64, 4, 3),
+             router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64)],
     "hip": [router_config(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
     "interpreter": [router_config(16, 128, 256, 4, 1)],  # large tiles: fewer interpreted programs
 }
