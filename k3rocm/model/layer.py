@@ -244,6 +244,14 @@ class Batch:
             self._on_device[k] = t
         return t
 
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()`` once per batch and ``key``, shared by every layer (what depends only on the batch's layout,
+        e.g. the MLA cache slots of its tokens: the same in each MLA layer of a step). Callers must not write it."""
+        k = ("memo", key)
+        if k not in self._on_device:
+            self._on_device[k] = make()
+        return self._on_device[k]
+
     @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
@@ -379,7 +387,7 @@ def kda_prefill_core(a: dict[str, Any], w: WeightView, layer: int, cfg: K3Config
     cu = batch.cu_seqlens.to(dev)
     init = None
     if cache is not None:
-        init = cache.ssm[layer][slots].clone()
+        init = cache.ssm[layer][slots]  # advanced indexing: already a copy
     # the depthwise conv is per channel, so q | k | v run as one conv over their 3P channels: one launch (and
     # one sequence table) instead of three, the same arithmetic per channel; the cache's [slots, 3, P, W-1]
     # conv state is that channel order already
@@ -403,7 +411,8 @@ def kda_prefill_core(a: dict[str, Any], w: WeightView, layer: int, cfg: K3Config
         cache.conv[layer][slots] = f32(finals)
         cache.ssm[layer][slots] = f32(state)
     o = o.reshape(T, H, K)
-    o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"].reshape(T, H, K))
+    # the gate is a column view of the projection GEMM: its sigmoid comes out contiguous, so the reshape is free
+    o = rms_norm(o, a["o_norm"], cfg.rms_norm_eps) * torch.sigmoid(a["gate"]).reshape(T, H, K)
     return o.reshape(T, H * K)
 
 
@@ -528,15 +537,17 @@ def mla_prefill_core(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     dev = q.device
     scale = (Dn + Dr) ** -0.5
     if cache is not None:
-        cu = batch.cu_list()
-        bs = cache.block_size
-        pos = []
-        for n in range(batch.num_seqs):  # on the block table's device (CPU for K3Cache, the GPU for the engine's)
-            tpos = torch.arange(starts[n], starts[n] + cu[n + 1] - cu[n], device=cache.block_table.device)
-            blocks = cache.block_table[slots[n]].to(torch.int64)[tpos // bs]
-            pos.append(blocks * bs + tpos % bs)
-        slot_mapping = (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)).to(dev)
-        ops["mla_cache_write"](cache.kv[layer], slot_mapping, latent, k_rope)
+        def slot_mapping_of_batch() -> torch.Tensor:
+            cu = batch.cu_list()
+            bs = cache.block_size
+            pos = []
+            for n in range(batch.num_seqs):  # on the block table's device (CPU for K3Cache, the engine's GPU)
+                tpos = torch.arange(starts[n], starts[n] + cu[n + 1] - cu[n], device=cache.block_table.device)
+                blocks = cache.block_table[slots[n]].to(torch.int64)[tpos // bs]
+                pos.append(blocks * bs + tpos % bs)
+            return (torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)).to(dev)
+        # the same slots in every MLA layer of the batch (one paged cache layout): made once, not per layer
+        ops["mla_cache_write"](cache.kv[layer], batch.memo("mla_slot_mapping", slot_mapping_of_batch), latent, k_rope)
 
     if cache is None or all(s == 0 for s in starts):
         kvb = linear(latent, w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(T, H, Dn + Dv)
