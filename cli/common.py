@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from k3rocm.errors import K3Error, os_error
+from k3rocm.errors import K3Error, Terminated, os_error
 from k3rocm.validation.evidence import command_line, reproduction_block
 from k3rocm.validation.render import update_report
 
@@ -61,6 +61,8 @@ def handle_errors(fn: Callable) -> Callable:
                 traceback.print_exc()
             err = os_error(e)
             fail(str(err), err.exit_code)
+        except Terminated:
+            fail("terminated (SIGTERM); what finished before it is in the report", 143)
         except KeyboardInterrupt:
             fail("interrupted", 130)
     return wrapper

@@ -97,8 +97,9 @@ def main(argv=None) -> None:
     ``--help``, exit 2, as every other expected failure does. SIGTERM (a job scheduler, ``timeout``) ends
     the run like Ctrl-C, so temporary directories are removed on the way out.
     """
-    def _term(signum, frame):  # raise in the main thread: the writers' cleanup handlers run
-        raise SystemExit(143)
+    def _term(signum, frame):  # raise in the main thread: the writers' cleanup handlers run, a sweep keeps its points
+        from k3rocm.errors import Terminated
+        raise Terminated()
 
     try:
         signal.signal(signal.SIGTERM, _term)

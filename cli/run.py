@@ -48,9 +48,11 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     print_plan(pl, s.config.name, where)
     with Progress() as bar:
         stages = run_tiers(s, "load", progress=bar.callback("loading"), on_start=lambda t: bar.stage(f"tier {t}"))
+    # the report is written before the tables print: a Ctrl-C while they print loses nothing
+    html = write_stages(s, stages)
     print_stages(stages, s)
     _print_load(s)
-    finish(stages, write_stages(s, stages))
+    finish(stages, html)
 
 
 def _print_load(session) -> None:
@@ -122,8 +124,10 @@ def validate_cmd(level, golden, synthetic, preset, tp, ep, rank, checkpoint, pro
         stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
     if stages:  # --synthetic: the random-weights row in the report (no-op otherwise)
         s.synthetic_rows(stages[-1], [], stages[-1].tier)
+    # the report is written before the tables print: a Ctrl-C while they print loses nothing
+    html = write_stages(s, stages)
     print_stages(stages, s)
-    finish(stages, write_stages(s, stages))
+    finish(stages, html)
 
 
 @click.command("bench", epilog="""\b
@@ -194,9 +198,11 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     s.preflight()
     stage = run_bench_job(s, bench, gpus, Progress())
     stages = [stage]
+    # the report is written before the tables print: a Ctrl-C while they print loses nothing
+    html = write_stages(s, stages)
     print_stages(stages, s)
     _print_bench(stage)
-    finish(stages, write_stages(s, stages))
+    finish(stages, html)
 
 
 def _print_bench(stage) -> None:

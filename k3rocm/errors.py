@@ -51,6 +51,11 @@ class ValidationFailed(K3Error):
     exit_code = 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, ``timeout``) raised in the main thread: it ends a run where Ctrl-C would, so a
+    sweep keeps its finished points and a report being written is finished first; the CLI exits 143."""
+
+
 class Interrupted(K3Error):
     """The user interrupted a run (Ctrl-C) after part of it finished; what finished is kept (exit 130)."""
 

@@ -21,7 +21,7 @@ from k3rocm.bench.client import OpenAIClient
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, request_counts
 from k3rocm.checkpoint import layout
 from k3rocm.config import preset
-from k3rocm.errors import ConfigError, HardwareError, Interrupted
+from k3rocm.errors import ConfigError, HardwareError, Interrupted, Terminated
 from k3rocm.profiles import load_profile
 from k3rocm.validation.evidence import Stage, info, now_iso
 from k3rocm.validation.session import EndpointTarget, Session
@@ -106,7 +106,7 @@ def run_sweep(stage: Stage, concurrencies: list[int], point: Callable[[int], dic
               stop_after: Callable[[dict], bool] = lambda r: False) -> tuple[list[dict], bool]:
     """Run ``point(c)`` for each concurrency in order; Ctrl-C ends the sweep and keeps the finished points.
 
-    Returns ``(results, interrupted)``. On an interrupt a ``sweep.interrupted`` row names how many points
+    Returns ``(results, interrupted)``: ``interrupted`` False, or ``"Ctrl-C"`` / ``"SIGTERM"``. On an interrupt a ``sweep.interrupted`` row names how many points
     finished (the caller adds their rows, then raises :class:`k3rocm.errors.Interrupted`). ``stop_after(result)``
     True ends the sweep after that point.
     """
@@ -121,17 +121,21 @@ def run_sweep(stage: Stage, concurrencies: list[int], point: Callable[[int], dic
         kept = isinstance(getattr(e, "result", None), dict)  # PointInterrupted: measured, breakdown cut
         if kept:
             results.append(e.result)
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         stage.add(info("bench", "sweep.interrupted", True, level="measured",
-                       detail=f"interrupted (Ctrl-C) during concurrency {c}"
+                       detail=f"interrupted ({how}) during concurrency {c}"
                               f"{' after its measured phase (its step breakdown was cut)' if kept else ''}: "
                               f"{len(results)} of {len(concurrencies)} points finished and are kept"))
-        return results, True
+        return results, how
     return results, False
 
 
-def _interrupted(results: list[dict], total: int) -> Interrupted:
-    return Interrupted(f"interrupted (Ctrl-C) after {len(results)} of {total} points; the finished points are in "
-                       "the report, marked interrupted")
+def _interrupted(results: list[dict], total: int, how: str = "Ctrl-C") -> Interrupted:
+    e = Interrupted(f"interrupted ({how}) after {len(results)} of {total} points; the finished points are in "
+                    "the report, marked interrupted")
+    if how == "SIGTERM":
+        e.exit_code = 143
+    return e
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -270,16 +274,59 @@ def check_capacity(session: Session, concurrencies: list[int], input_len: int, o
                           f"({fit:,} such sequences): lower --concurrency or the lengths")
 
 
+#: host memory the load generator and the engine's request records take per request and per token (token ids as
+#: Python ints, per-token timestamps, output lists), an upper estimate; a sweep point whose requests would take
+#: more than HOST_MEMORY_SHARE of the memory available is refused before anything is built
+HOST_BYTES_PER_REQUEST = 16 << 10
+HOST_BYTES_PER_TOKEN = 128
+HOST_MEMORY_SHARE = 0.5
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (what can be taken without swapping), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(bench: BenchOptions, pts: BenchPoints, available: int | None = None) -> None:
+    """Refuse a sweep whose largest point's requests (warm-up + measured, each up to ``input_len + output_len``
+    tokens) would take more than ``HOST_MEMORY_SHARE`` of the host memory available (``--concurrency 100000`` on
+    a laptop used to grow until the kernel killed the run, with no line and no report).
+
+    Raises:
+        ConfigError: the estimate, what is available, and what to lower.
+    """
+    avail = host_memory_available() if available is None else available
+    if not avail:
+        return
+    L = pts.input_len + pts.output_len
+    worst = max(pts.concurrencies, key=lambda c: sum(request_counts(c, bench.num_prompts, bench.warmups)))
+    n = sum(request_counts(worst, bench.num_prompts, bench.warmups))
+    need = n * (HOST_BYTES_PER_REQUEST + L * HOST_BYTES_PER_TOKEN)
+    if need > HOST_MEMORY_SHARE * avail:
+        raise ConfigError(f"--concurrency {worst}: {n:,} requests of up to {L:,} tokens would take about "
+                          f"{need / 1e9:.1f} GB of host memory, more than half of the {avail / 1e9:.1f} GB available; "
+                          "lower --concurrency or --num-prompts")
+
+
 def run_bench_job(session: Session, bench: BenchOptions, gpus: tuple[int, str] | None, bar: ProgressBar) -> Stage:
     """Run ``bench`` on a pre-flighted session: the points of :func:`resolve_points` through the built-in engine
     (:func:`~k3rocm.validation.tiers.performance.run_bench_point`) or against ``bench.endpoint``; ``gpus`` is
     :func:`check_options`' answer. Returns the ``bench`` stage (a K3Error during the run becomes its error).
 
     Raises:
-        ConfigError: a default that does not fit (:func:`resolve_points`, :func:`check_capacity`).
+        ConfigError: a default that does not fit (:func:`resolve_points`, :func:`check_capacity`), or a load the
+            host memory cannot hold (:func:`check_host_memory`).
         HardwareError: the endpoint cannot be reached (before anything is timed).
     """
     pts = resolve_points(session, bench)
+    check_host_memory(bench, pts)
     if bench.endpoint is None:
         check_capacity(session, pts.concurrencies, pts.input_len, pts.output_len)
         body = _engine_body(session, bench, pts, bar)
@@ -304,7 +351,7 @@ def _engine_body(session: Session, bench: BenchOptions, pts: BenchPoints, bar: P
         bench_rows(session, stage, results, tier="bench")
         session.synthetic_rows(stage, results, tier="bench")
         if stopped:
-            raise _interrupted(results, len(pts.concurrencies))
+            raise _interrupted(results, len(pts.concurrencies), stopped)
     return body
 
 
@@ -354,7 +401,7 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
             if e.name.endswith(".output_throughput_per_gpu"):
                 e.detail = f"output tok/s / {gpu_detail}"
         if stopped:
-            raise _interrupted(results, len(pts.concurrencies))
+            raise _interrupted(results, len(pts.concurrencies), stopped)
         last = results[-1] if results else {}
         if not last.get("completed"):
             raise HardwareError(_nothing_measured(endpoint, last))

@@ -15,11 +15,13 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
-from k3rocm.errors import K3Error, os_error
+from k3rocm.errors import K3Error, Terminated, os_error
 from k3rocm.validation.evidence import (LEVELS, Report, Stage, atomic_write, keep_previous, load_report,
                                         replaced_passing_stages, report_lock)
 
@@ -350,19 +352,43 @@ def _written(path: Path, text: str) -> bool:
         return False
 
 
+class _DeferSignals:
+    """Hold Ctrl-C (SIGINT) and SIGTERM while the report is written, then act on them: a run's measured stages are
+    never lost to an interrupt that lands in the second or two of writing (the writes are atomic, so an interrupt
+    there used to leave only the lock file). Outside the main thread signals cannot be caught here: no-op."""
+
+    def __enter__(self):
+        self.got: list[int] = []
+        self.old: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, lambda signum, frame: self.got.append(signum))
+        return self
+
+    def __exit__(self, *exc):
+        for sig, h in self.old.items():
+            signal.signal(sig, h)
+        if self.got and exc[0] is None:
+            if signal.SIGTERM in self.got:
+                raise Terminated()
+            raise KeyboardInterrupt
+        return False
+
+
 def update_report(out_dir: str | Path, reproduction: dict, stages: list[Stage], *, config_hash: str | None = None,
                   checkpoint: str | None = None, profile: str | None = None) -> dict[str, Path]:
     """Merge one command's ``stages`` into ``out_dir``'s report and write it, under :func:`report_lock`.
 
     Reading (:func:`load_report`, same checkpoint and profile only), merging (:meth:`Report.merge_run`) and
     writing (:func:`write_report`) happen while the lock is held, so two commands writing into one directory
-    at once both keep their stages and history entries. Returns the paths of report.json/md/html.
+    at once both keep their stages and history entries. Ctrl-C or SIGTERM during it takes effect once the report
+    is written (:class:`_DeferSignals`). Returns the paths of report.json/md/html.
 
     Raises:
         K3Error: an OS error as one line (see :func:`write_report`), or the lock timed out.
     """
     try:
-        with report_lock(out_dir):
+        with _DeferSignals(), report_lock(out_dir):
             rep = load_report(out_dir, config_hash, checkpoint, profile)
             lost = replaced_passing_stages(rep, stages)
             if lost:  # an interrupted or failed run replaces a passed stage: its figures stay in a kept copy

@@ -409,3 +409,22 @@ def test_wall_ms_is_the_median_after_a_warm_call():
 
     ms = wall_ms(fn, repeats=3)
     assert len(calls) == 4 and 8.0 <= ms < 25.0  # the middle one (10 ms), never the 30 ms or 1 ms call
+
+
+def test_sigterm_ends_a_sweep_like_ctrl_c_and_exits_143():
+    from k3rocm.errors import Terminated
+    from k3rocm.validation.bench_job import _interrupted, run_sweep
+    from k3rocm.validation.evidence import Stage
+
+    def point(c):
+        if c == 4:
+            raise Terminated()
+        return {"concurrency": c, "completed": 3}
+    st = Stage("bench")
+    results, stopped = run_sweep(st, [1, 2, 4, 8], point)
+    assert stopped == "SIGTERM" and [r["concurrency"] for r in results] == [1, 2]
+    row = next(e for e in st.evidence if e.name == "sweep.interrupted")
+    assert "SIGTERM" in row.detail and "2 of 4 points" in row.detail
+    e = _interrupted(results, 4, stopped)
+    assert e.exit_code == 143 and "SIGTERM" in str(e) and "\n" not in str(e)
+    assert _interrupted(results, 4).exit_code == 130

@@ -50,3 +50,18 @@ def test_endpoint_target_is_the_reports_endpoint_block():
     assert EndpointTarget("http://h:8000", 8, "from --endpoint-gpus").to_dict() == \
         {"url": "http://h:8000", "gpus": 8, "gpus_source": "from --endpoint-gpus"}
     assert Options().endpoint is None
+
+
+def test_a_sweep_the_host_memory_cannot_hold_is_refused_before_anything_runs(monkeypatch):
+    import k3rocm.validation.bench_job as BJ
+    from k3rocm.errors import ConfigError
+    from k3rocm.validation.bench_job import BenchOptions, BenchPoints, check_host_memory
+
+    gb = 10 ** 9
+    big = BenchPoints([1, 100_000], 64, 16)  # 1.2 M requests at the largest point: ~32 GB by the estimate
+    with pytest.raises(ConfigError, match=r"--concurrency 100000: 1,200,000 requests .* lower --concurrency"):
+        check_host_memory(BenchOptions(), big, available=24 * gb)
+    check_host_memory(BenchOptions(), BenchPoints([64], 1024, 1024), available=24 * gb)  # the K3 default: ~0.2 GB
+    check_host_memory(BenchOptions(num_prompts=10, warmups=0), big, available=24 * gb)  # few requests: fits
+    monkeypatch.setattr(BJ, "host_memory_available", lambda: None)
+    check_host_memory(BenchOptions(), big)  # memory unknown (no /proc/meminfo): no check

@@ -312,3 +312,30 @@ def test_figure_kind_names_detected_figures():
     kinds = [figure_kind(SimpleNamespace(sources={"m": src}), "m")
              for src in ("detected: this machine's memory", "assumption: 16 GiB", "AMD datasheet", "")]
     assert kinds == ["detected", "assumed", "datasheet", "datasheet"]
+
+
+@pytest.mark.parametrize("sig,exc", [("SIGINT", KeyboardInterrupt), ("SIGTERM", "Terminated")])
+def test_a_signal_while_the_report_is_written_waits_for_the_write(tmp_path, monkeypatch, sig, exc):
+    # Ctrl-C / SIGTERM landing while the report is written: every file is written, then the signal takes effect
+    # (it used to cut the atomic writes and leave only the lock file); the handlers are restored afterwards
+    import os
+    import signal
+
+    from k3rocm.errors import Terminated
+    import k3rocm.validation.render as R
+
+    exc = Terminated if exc == "Terminated" else exc
+    real = R.write_report
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def write_with_a_signal(rep, out):
+        os.kill(os.getpid(), getattr(signal, sig))  # delivered now: held until the write is done
+        return real(rep, out)
+
+    monkeypatch.setattr(R, "write_report", write_with_a_signal)
+    with pytest.raises(exc):
+        R.update_report(tmp_path, _repro("h"), [_stage("bench")], config_hash="h")
+    for name in ("report.json", "report.md", "report.html"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert {s: signal.getsignal(s) for s in before} == before
