@@ -85,7 +85,7 @@ def not_empty(what: str):
 
 
 def profile_option(f):
-    return click.option("--profile", default=None, metavar="NAME",
+    return click.option("--profile", default=None, metavar="NAME|FILE",
                         callback=not_empty("pass a profile name (see `k3rocm profiles`) or omit it to detect"),
                         help="Hardware profile (see `k3rocm profiles`), or a profile file (*.toml in the "
                              "format of hwprofiles/, e.g. a copy with another device count). Default: detected.")(f)
@@ -108,8 +108,8 @@ def debug_option(f):
 
 
 def seed_option(f):
-    return click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
-                        help="Seed of generated inputs (0 .. 2^63-1).")(f)
+    return click.option("--seed", default=0, type=click.IntRange(0, 2**63 - 1),
+                        help="Seed of generated inputs (0 .. 2^63-1; default 0).")(f)
 
 
 def common_options(f=None, *, kernels: bool = True):

@@ -153,11 +153,14 @@ second output token; output draws start at 2) and --num-prompts at least the lar
 With --endpoint the server runs its own kernels (--kernels is refused) and the tok/s/GPU figures
 divide by the GPUs that serve it: --endpoint-gpus N, else the device count of --profile; with
 neither the run is refused rather than assume 1.""")
-@click.option("--concurrency", default=None, metavar="N[,N...]", help="Concurrency, or a list: 1,8,64.")
-@click.option("--input-len", type=int, default=None, help="Prompt length L (drawn in [ratio*L, L]).")
-@click.option("--output-len", type=int, default=None,
-              help="Output length L, at least 2 (drawn in [max(2, ratio*L), L]; EOS ignored): with one output "
-                   "token there is no TPOT or ITL.")
+@click.option("--concurrency", default=None, metavar="N[,N...]",
+              help="Concurrent requests, or a list: 1,8,64. Default: 64 for an endpoint or a checkpoint of >= 1 GB "
+                   "on a GPU profile, else 4.")
+@click.option("--input-len", type=int, default=None, metavar="TOKENS",
+              help="Prompt length L in tokens (drawn in [ratio*L, L]). Default: 1024 (large runs, as above), else 64.")
+@click.option("--output-len", type=int, default=None, metavar="TOKENS",
+              help="Output length L in tokens, at least 2 (drawn in [max(2, ratio*L), L]; EOS ignored): with one "
+                   "output token there is no TPOT or ITL. Default: 1024 (large runs), else 16.")
 @click.option("--num-prompts", type=int, default=None,
               help="Measured requests per point (default 10 x concurrency); at least the largest concurrency.")
 @click.option("--range-ratio", type=float, default=DEFAULT_RANGE_RATIO, show_default=True,

@@ -326,9 +326,10 @@ def run_bench_job(session: Session, bench: BenchOptions, gpus: tuple[int, str] |
         HardwareError: the endpoint cannot be reached (before anything is timed).
     """
     pts = resolve_points(session, bench)
-    check_host_memory(bench, pts)
     if bench.endpoint is None:
         check_capacity(session, pts.concurrencies, pts.input_len, pts.output_len)
+    check_host_memory(bench, pts)  # after the model's own limits, whose lines name the cause more exactly
+    if bench.endpoint is None:
         body = _engine_body(session, bench, pts, bar)
     else:
         body = _endpoint_body(session, bench, pts, gpus, bar)

@@ -94,8 +94,12 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.add(info(tier, "dist.world", pl.world, "ranks", level=lv,
                        detail=f"processes serving the load: TP{pl.tp}/EP{pl.ep}, one per "
                               f"{'GPU' if session.device != 'cpu' else 'gloo rank on this host'}; rank 0 schedules"),
-                  info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}", level="projected",
-                       detail=f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"))
+                  # the layout that ran is what this run measured on; one rank of a larger layout (--rank) is not
+                  info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}",
+                       level="projected" if getattr(session, "rank", None) is not None else lv,
+                       detail=f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"
+                              + (f"; rank {session.rank} alone ran, the others are projected"
+                                 if getattr(session, "rank", None) is not None else "")))
     for r in results:
         c = r.get("concurrency")
         tag = f"c{c}"
@@ -144,12 +148,14 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                   f"ceilings of {ceil.get('profile')} ({ceil.get('kind', 'datasheet')})"),
                       info(tier, f"{tag}.roofline.measured_s", round(float(roof.get("total_measured_s", 0)), 6), "s",
                            level=lv, detail="sum of the same steps' measured times"),
+                      # a ratio whose numerator is a projection is as strong as the projection
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
-                           level=lv, detail="projected floor / measured time (1.0 = at the roofline), all steps"))
+                           level="projected",
+                           detail="projected floor / measured time (1.0 = at the roofline), all steps"))
             dec = roof.get("decode_only") or {}
             if dec.get("steps"):
                 stage.add(info(tier, f"{tag}.roofline.decode_fraction", round(float(dec["fraction"]), 6), "",
-                               level=lv, detail=f"the same over the {dec['steps']} steps that carried no prefill "
+                               level="projected", detail=f"the same over the {dec['steps']} steps that carried no prefill "
                                                 f"tokens (pure decode steps; median step "
                                                 f"{float(dec['median_fraction']):.3f})"))
         for t in getattr(session.profile, "targets", ()):
