@@ -774,6 +774,10 @@ class Engine:
         q, latent, k_rope = inputs
         return mla_prefill_core(q[nd:t], latent[nd:t], k_rope[nd:t], w, i, mcfg, ops, pre)
 
+    def _fill_chunks(self, i: int, inputs: Any, o: torch.Tensor, nd: int, t: int, pre: Batch) -> None:
+        """Write the chunk rows ``nd:t`` of layer ``i``'s ``o`` with :meth:`_mixer_chunks` (eager, between pieces)."""
+        o[nd:t].copy_(self._mixer_chunks(i, inputs, nd, t, pre).reshape(t - nd, -1))
+
     def _mixer_out(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The row-wise output of layer ``i``'s token mixer: ``o_proj`` (KDA) or gate and ``o_proj`` (MLA)."""
         if self.cfg.layer_type(i) == "kda":
@@ -790,13 +794,17 @@ class Engine:
         never reach a real row. ``meta``: the decode-row tensors (default :meth:`_padded_meta` of ``dec``).
         ``cut(i, inputs, o)``: called between the two halves instead of running the chunk half (graph capture:
         the piece ends there and each replay runs the chunk half eagerly)."""
+        made: dict = {}  # the decode-row tensors of each row count, made once for every layer
+
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
-            m = meta if meta is not None else self._padded_meta(dec, nd, x.shape[0])
+            m = meta if meta is not None else made.get(x.shape[0])
+            if m is None:
+                m = made[x.shape[0]] = self._padded_meta(dec, nd, x.shape[0])
             inputs, o = self._mixer_rows(i, x, m)
             if cut is not None:
                 cut(i, inputs, o)
             elif pre is not None:
-                o[nd:t].copy_(self._mixer_chunks(i, inputs, nd, t, pre).reshape(t - nd, -1))
+                self._fill_chunks(i, inputs, o, nd, t, pre)
             return self._mixer_out(i, x, o)
         return mix
 
@@ -825,8 +833,7 @@ class Engine:
             for k, piece in enumerate(g["pieces"]):
                 piece.replay()
                 if k < len(g["mixers"]) and pre is not None:
-                    i, inputs, o = g["mixers"][k]
-                    o[nd:t].copy_(self._mixer_chunks(i, inputs, nd, t, pre).reshape(t - nd, -1))
+                    self._fill_chunks(*g["mixers"][k], nd, t, pre)
         if self.par.stats is not None:
             for name, v in g["comm"].items():
                 self.par.stats.add(name, v["bytes"], 0.0, calls=v["calls"])
