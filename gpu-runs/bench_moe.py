@@ -60,7 +60,9 @@ CANDIDATES = [gemm_config(32, 128, 128, 4, 4), gemm_config(64, 128, 128, 8, 3),
               gemm_config(16, 64, 128, 4, 4, kind="dq"), gemm_config(16, 128, 128, 4, 4, kind="dq"),
               gemm_config(16, 128, 64, 4, 6, kind="dq"), gemm_config(32, 64, 128, 4, 4, kind="dq"),
               gemm_config(64, 128, 128, 8, 3, kind="dq"), gemm_config(128, 128, 128, 8, 3, kind="dq"),
-              gemm_config(128, 128, 64, 8, 3, kind="dqn")]
+              gemm_config(128, 128, 64, 8, 3, kind="dqn"),
+              # scale-prefetch variants (kernel SCALE_PF 2 / 1): per-word scales a step ahead, and the untransposed one
+              gemm_config(16, 128, 128, 8, 4, kind="dqw"), gemm_config(128, 128, 64, 8, 3, kind="dqnp")]
 
 
 def _candidate_fits(cfg: tune.Config, tokens: int) -> bool:
@@ -127,7 +129,7 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
         r["ours_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg))
         r["ours_checkpoint_layout_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg))
         r["fraction"] = r["floor_ms"] / r["ours_ms"]
-        if cfg["kind"] in ("dq", "dqn"):  # the decode's general variant (two multiplies per pair), same weights
+        if cfg["kind"] in DQ_KINDS:  # the decode's general variant (two multiplies per pair), same weights
             real = moe_ops.fused_scale_ok
             moe_ops.fused_scale_ok = lambda _s: False
             try:

@@ -13,7 +13,13 @@ import math
 from k3rocm.errors import ConfigError
 from k3rocm.kernels.tune import Config
 
-GEMM_KINDS = ("scaled", "dq", "dqn")
+GEMM_KINDS = ("scaled", "dq", "dqn", "dqp", "dqnp", "dqw")
+#: decode-path kinds (``moe_gemm_dq_kernel``); of those, the transposed product (decoded weights = the MMA's
+#: register operand) and the ones whose scales are read per weight word one k-step ahead (``SCALE_PF``)
+DQ_KINDS = ("dq", "dqn", "dqp", "dqnp", "dqw")
+SWAP_KINDS = ("dq", "dqp", "dqw")
+#: kind -> the decode kernel's ``SCALE_PF`` (1: scale tile read a k-step ahead; 2: the same, one byte per word)
+SCALE_PF_KINDS = {"dqp": 1, "dqnp": 1, "dqw": 2}
 
 
 def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
@@ -27,7 +33,10 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     weights as ``e2m1``; native scaled MFMA on gfx950), ``"dq"`` (``moe_gemm_dq_kernel``: integer decode
     of the nibbles to bf16, then ``tl.dot`` with the decoded weights as the register operand and the tokens as
     the narrow side; for Hopper, which has no FP4 hardware) or ``"dqn"`` (the same decode, tokens x weights
-    with the decoded weights staged in shared memory; for large groups). A8W4 always runs the
+    with the decoded weights staged in shared memory; for large groups); ``"dqp"`` / ``"dqnp"``: ``"dq"`` /
+    ``"dqn"`` with the scale tile read one k-step ahead into registers (``SCALE_PF=1`` of
+    ``moe_gemm_dq_kernel``: the synchronous scale load off the k-step chain; bit-identical); ``"dqw"``: ``"dq"``
+    with the scales read a step ahead one byte per weight word (``SCALE_PF=2``). A8W4 always runs the
     scaled kernel with E4M3 activations (the decode path has no A8 mode), and so do fp16 activations (the
     decode path produces bf16 weights); the tiles are the config's in every case.
 
@@ -71,6 +80,13 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # 128-row tiles 43% (2 blocks for 146 rows); 128 rows pay off from ~256 rows per expert
         gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dq"),
         gemm_config(128, 128, 64, 8, 3, kind="dq"),
+        # A/B variants, after the served entries (the pick takes the first fitting one, so serving is unchanged
+        # until they move up; bench_moe --sweep times every entry): the decode tiles above with the scale tile
+        # read one k-step ahead (kind "dqp"; sm_90 w1|w3 loop 448 -> 428 SASS instructions, the scale LDG issued
+        # a k-step before its use instead of right before a barrier)
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
+        gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
+        gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dqp"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
@@ -85,6 +101,10 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         gemm_config(16, 32, 64, 4, 1, max_rows=4, kind="dq"),
         gemm_config(32, 64, 32, 4, 1, kind="dq"),
         gemm_config(32, 64, 64, 4, 1),
+        # the scale-prefetch variants of the decode kernel (never picked: after the unbounded entry)
+        gemm_config(16, 32, 64, 4, 1, kind="dqp"),
+        gemm_config(16, 32, 64, 4, 1, kind="dqw"),
+        gemm_config(32, 64, 32, 4, 1, kind="dqnp"),
     ],
 }
 

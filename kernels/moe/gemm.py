@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import gemm_name
+from k3rocm.kernels.moe.configs import SCALE_PF_KINDS, SWAP_KINDS, gemm_name
 from k3rocm.kernels.mx.quant import mxfp8_quantize_tile
 
 
@@ -278,14 +278,16 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
 
 @triton.jit
 def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
-                      MMA_ORDER: tl.constexpr = True, FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False):
+                      MMA_ORDER: tl.constexpr = True, FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False,
+                      S_PER_WORD: tl.constexpr = False):
     """Decode one packed MXFP4 weight tile to bf16 (in the K order of :func:`mxfp4_k_order` by default).
 
     Args:
         wd: ``[BLOCK_N, BLOCK_K/8]`` int32, the checkpoint bytes read as little-endian words (element 2i in
             the low nibble of byte i, K3_FACTS §4; word w holds elements 8w..8w+7, element 8w+j in nibble j).
         s: ``[BLOCK_N, BLOCK_K/32]`` uint8 E8M0 scales (2^(s-127); 0 is 2^-127; 255 is not allowed: the
-            loader rejects it, here it would give inf / NaN).
+            loader rejects it, here it would give inf / NaN); with ``S_PER_WORD`` ``[BLOCK_N, BLOCK_K/8]``, the
+            scale of each word already repeated (word w's block is w // 4), so no broadcast is made here.
         F32: decode to fp32 and scale in fp32 instead of packed bf16 (the same exact values; for the Triton
             interpreter, whose bf16 arithmetic, bf16 widening and bf16 ``tl.dot`` are not IEEE).
         MMA_ORDER: permute K for a Hopper MMA whose register operand is this tile (below); False: natural order.
@@ -318,7 +320,8 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
     else:
         si = s.to(tl.int16)
         sb = tl.where(si == 0, 0x40, si << 7).to(tl.bfloat16, bitcast=True)
-    sb = tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)).reshape(BLOCK_N, BLOCK_K // 8)
+    if not S_PER_WORD:
+        sb = tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)).reshape(BLOCK_N, BLOCK_K // 8)
     p0 = _mxfp4_pair(wd, 6, 12, sb, F32, FUSED_SCALE, PTX)
     p1 = _mxfp4_pair(wd, 2, 8, sb, F32, FUSED_SCALE, PTX)
     p2 = _mxfp4_pair(wd, -2, 4, sb, F32, FUSED_SCALE, PTX)
@@ -361,7 +364,7 @@ def moe_gemm_dq_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
-    PTX: tl.constexpr = False,
+    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -373,7 +376,12 @@ def moe_gemm_dq_kernel(
     multiples of 4.
     ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
     ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`. ``FUSED_SCALE``: one multiply per
-    decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128."""
+    decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128.
+    ``SCALE_PF``: 0 = the E8M0 scales of a k-step read when it decodes (a synchronous load on the k-step chain).
+    1 (config kinds ``"dqp"`` / ``"dqnp"``): the ``[BLOCK_N, BLOCK_K/32]`` scale tile of step k+1 is read into
+    registers before step k's decode (the last step re-reads its own bytes), so its DRAM latency overlaps a whole
+    k-step. 2 (kind ``"dqw"``): the same one step ahead, read one byte per weight word (``[BLOCK_N, BLOCK_K/8]``
+    u8, word w takes its block's byte w // 4: no broadcast of the scales inside the decode). Bit-identical to the plain loads (same bytes, same decode)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -400,26 +408,39 @@ def moe_gemm_dq_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALE_PF == 2:  # one scale byte per weight word, the first k-step's read before the loop
+        sg_ptrs = ws_base + rs[:, None] + (rk8 // 4)[None, :]
+        su_ptrs = sg_ptrs + up_s
+    if SCALE_PF != 0:
+        sg_nxt = tl.load(sg_ptrs)
+        su_nxt = tl.load(su_ptrs) if GATED else sg_nxt
     for k0 in range(0, K, BLOCK_K):
+        if SCALE_PF != 0:  # this step's scales from registers; the next step's read now (none after the last)
+            # (after the last step: this step's bytes again, in bounds and unused; a select, not a mask)
+            dsp = tl.where(k0 + BLOCK_K < K, _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)[1], 0)
+            sg_cur = sg_nxt
+            su_cur = su_nxt
+            sg_nxt = tl.load(sg_ptrs + dsp)
+            su_nxt = tl.load(su_ptrs + dsp) if GATED else sg_nxt
         a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
         if F32:
             a = a.to(tl.float32)
         if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
             at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
-            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, True,
-                                    FUSED_SCALE, PTX)
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), sg_cur if SCALE_PF != 0 else tl.load(sg_ptrs), BLOCK_N,
+                                    BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2)
             acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
             if GATED:
-                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, True,
-                                        FUSED_SCALE, PTX)
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), su_cur if SCALE_PF != 0 else tl.load(su_ptrs), BLOCK_N,
+                                        BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2)
                 acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
         else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
-            wg = mxfp4_decode_tile(tl.load(wg_ptrs), tl.load(sg_ptrs), BLOCK_N, BLOCK_K, F32, False,
-                                    FUSED_SCALE, PTX)
+            wg = mxfp4_decode_tile(tl.load(wg_ptrs), sg_cur if SCALE_PF != 0 else tl.load(sg_ptrs), BLOCK_N,
+                                    BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee" if F32 else None)
             if GATED:
-                wu = mxfp4_decode_tile(tl.load(wu_ptrs), tl.load(su_ptrs), BLOCK_N, BLOCK_K, F32, False,
-                                        FUSED_SCALE, PTX)
+                wu = mxfp4_decode_tile(tl.load(wu_ptrs), su_cur if SCALE_PF != 0 else tl.load(su_ptrs), BLOCK_N,
+                                        BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
         dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
         wg_ptrs += dv // 4
@@ -470,8 +491,8 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
            "stride_om": "i32"}
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-              "SWAP": cfg["kind"] == "dq", "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
-              "FUSED_SCALE": fused_scale, "PTX": backend == "cuda"}
+              "SWAP": cfg["kind"] in SWAP_KINDS, "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
+              "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0)}
     for c in consts:
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)

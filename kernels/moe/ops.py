@@ -24,7 +24,7 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import GEMM_CONFIGS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
+from k3rocm.kernels.moe.configs import DQ_KINDS, GEMM_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
 from k3rocm.kernels.moe.gemm import moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_reduce_kernel
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
 from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, repack_mxfp4
@@ -440,7 +440,9 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     bk1 = _fit_block_k(cfg["BLOCK_K"], g13[7] or D)
 
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
-    dq = cfg["kind"] in ("dq", "dqn") and not a8 and a.dtype == torch.bfloat16
+    dq = cfg["kind"] in DQ_KINDS and not a8 and a.dtype == torch.bfloat16
+    swap = cfg["kind"] in SWAP_KINDS
+    spf = SCALE_PF_KINDS.get(cfg["kind"], 0)
     interp = interpreting()
     # the decode's one-multiply variant where the scales allow it (every K3 layer: s <= 128), and its packed
     # bf16x2 multiplies in PTX on CUDA (the interpreter decodes in fp32, HIP in Triton's own bf16 ops)
@@ -459,8 +461,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 a, g13[0], g13[1], h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 inter, D, inter, a.stride(0), *g13[2:6], h.stride(0),
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=cfg["kind"] == "dq", F32=interp,
-                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, **opts)
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=swap, F32=interp,
+                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
             a, a_s, g13[0], g13[1], h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
@@ -478,8 +480,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 h, g2[0], g2[1], y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 D, inter, 0, h.stride(0), *g2[2:6], y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=cfg["kind"] == "dq", F32=interp,
-                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, **opts)
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
+                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,

@@ -156,3 +156,33 @@ def test_one_program_dispatch_all_targets():
     for target in ("gfx950", "gfx942", "sm_90"):
         rep = compile_kernel(moe_dispatch_kernel, sig, consts, target, name="dispatch", options={"num_warps": 8})
         assert rep.ok, f"dispatch on {target}: {rep.problems()}"
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
+def test_scale_prefetch_variants_compile(target):
+    # the decode kernel's scale-prefetch variants (kinds "dqp" / "dqw" / "dqnp": SCALE_PF 1 / 2 / 1) on the
+    # tiled layout: bf16 wgmma on sm_90 (every CUDA-list entry of those kinds), bf16 MFMAs without spills on AMD
+    from k3rocm.kernels.moe.configs import SCALE_PF_KINDS
+
+    backend = "hip" if target.startswith("gfx") else "cuda"
+    if backend == "cuda":
+        cfgs = [c for c in GEMM_CONFIGS["cuda"] if c["kind"] in SCALE_PF_KINDS]
+        cfgs += [gemm_config(16, 128, 128, 8, 4, kind="dqw"), gemm_config(128, 128, 64, 8, 3, kind="dqnp")]
+    else:
+        # (dqw at m16n64k128 with 4 warps spills 9 SGPRs in w2 on gfx942; with 8 warps none)
+        cfgs = [gemm_config(16, 64, 128, 4, 2, kind="dqp"), gemm_config(16, 64, 128, 8, 2, kind="dqw")]
+    assert cfgs
+    for cfg in cfgs:
+        for gated in (True, False):
+            case = dq_isa_case(gated, cfg, backend, LAYOUT_TILES[backend])
+            if backend == "hip":
+                case = (*case[:3], {**case[3], "PTX": False}, *case[4:])
+            rep = _compile(case, target)
+            assert rep.error is None, rep.error
+            assert rep.ok, f"{rep.name} on {target}: {rep.problems()}"
+            if backend == "cuda":
+                assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), \
+                    f"{rep.name}: {rep.matrix_ops}"
+            else:
+                assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, rep.name
+                assert rep.matrix_ops and not any(SCALED_MFMA.match(op) for op in rep.matrix_ops), rep.matrix_ops

@@ -509,3 +509,32 @@ def test_one_program_dispatch_equals_torch_path(tk, T, k, E, first, num_local, b
         lo, hi = int(a.offsets[e]), int(a.offsets[e + 1])
         starts = sorted(int(s) for s in a.block_start[a.block_expert == e])
         assert starts == list(range(lo, hi, bm))
+
+
+@pytest.mark.parametrize("T,E,D,inter", [(1, 8, 64, 64), (3, 16, 64, 96), (9, 4, 128, 64)],
+                         ids=["one-row-one-kstep", "empty-experts", "rows-past-tile"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["checkpoint", "tiled"])
+def test_scale_prefetch_variants_bit_identical(tk, T, E, D, inter, tiled):
+    # kinds "dqp" / "dqw" / "dqnp" (scales read a k-step ahead; "dqw" one byte per word) give the plain decode
+    # kernel's bits: the same bytes decoded the same way, the same dot order. Edge shapes: one token (experts
+    # with 0 and 1 rows), a single k-step (the prefetch masked off at once: K = BLOCK_K = 64), 16 experts for 12
+    # pairs (most empty), 9 tokens on 4 experts (rows not a multiple of BLOCK_M=16), w2's K = 96 (k-steps of 32)
+    import k3rocm.kernels.moe.configs as C
+
+    x, ids, wts, ew = _case(T, E, D, inter, 4 if E >= 4 else E, seed=T + E)
+    ewd = _to(ew, tk.dev)
+    if tiled:
+        ewd = dict(ewd, kernel_layout=tk.moe.ops.kernel_layout(ewd, check=True))
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    pairs = [(C.gemm_config(16, 32, 64, 4, 1, kind="dq"), ("dqp", "dqw")),
+             (C.gemm_config(32, 64, 32, 4, 1, kind="dqn"), ("dqnp",))]
+    for base, kinds in pairs:
+        want = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=base)
+        assert torch.isfinite(want).all()
+        for kind in kinds:
+            cfg = dict(base, kind=kind)
+            stages: dict = {}
+            got, _ = tk.moe.ops._experts_impl(*args, ewd, "situ", "a16w4", 4.0, 25.0, cfg, poison=True,
+                                              stages=stages)
+            assert stages["kernel"] == kind
+            assert torch.equal(got, want), f"{C.gemm_name(cfg)}: differs from {C.gemm_name(base)}"
