@@ -45,7 +45,7 @@ __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", 
 Config = dict[str, Any]
 
 LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
-SELECT_KEYS = ("max_rows", "kind")
+SELECT_KEYS = ("max_rows", "kind", "split_k")
 
 _CACHE: dict[tuple, Config] = {}
 _FIT: dict[tuple, Config] = {}  # per (name, key): the first candidate that launched (see _first_fit)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from k3rocm.kernels import tune
 
 from .configs import GEMM_CONFIGS, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config, gemm_name, router_config
-from .gemm import dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_reduce_kernel
+from .gemm import (dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
+                   moe_reduce_kernel)
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
 from .router import router_logits_kernel, topk_isa_case
 
@@ -111,7 +112,17 @@ def isa_cases() -> list[tuple]:
     cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"])]
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
             "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
-            "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr"}
-    cases.append(("reduce_norm", moe_reduce_kernel, dsig, {"TOPK": 16, "NORM": True, "BLOCK_D": 4096}, False,
+            "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr", "stride_ys": "i32"}
+    cases.append(("reduce_norm", moe_reduce_kernel, dsig, {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 1},
+                  False, {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
+    # split-K: the reduction over 4 w2 partials per pair, and the w1|w3 finishing step (sum + SiTU-GLU)
+    cases.append(("reduce_norm_split4", moe_reduce_kernel, dsig,
+                  {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 4}, False,
+                  {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
+    fsig = {"part_ptr": "*fp32", "h_ptr": "*bf16", "offsets_ptr": "*i64", "num_local": "i32", "I": "i32",
+            "stride_ps": "i32", "stride_h": "i32", "SPLITS": "constexpr", "ACT": "constexpr", "BETA": "constexpr",
+            "BETA_LIN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_I": "constexpr"}
+    cases.append(("glu_finish_split4", moe_glu_finish_kernel, fsig,
+                  {"SPLITS": 4, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_R": 16, "BLOCK_I": 256}, False,
                   {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
     return cases

@@ -23,10 +23,16 @@ SCALE_PF_KINDS = {"dqp": 1, "dqnp": 1, "dqw": 2}
 
 
 def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                max_rows: float = math.inf, kind: str = "scaled", **launch) -> Config:
+                max_rows: float = math.inf, kind: str = "scaled", split_k: int = 1, **launch) -> Config:
     """One grouped-GEMM launch config: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
 
-    Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``.
+    Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``
+    (plus ``"split_k"`` when it is not 1).
+    ``split_k``: decode kinds only — each GEMM's K cut into up to ``split_k`` ranges of whole k-steps, one
+    program per range (``split_k`` times the programs in flight for decode-sized groups); fp32 partials summed
+    in a fixed order afterwards (w1|w3: ``moe_glu_finish_kernel`` adds them and applies the GLU; w2: the
+    per-token reduction adds them), so results are deterministic (no atomics) but not bit-equal to ``split_k=1``
+    (another fp32 summation order). A8W4 / fp16 activations (the scaled kernel) run unsplit.
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
     ``launch``: backend-only launch options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
     ``kind``: which A16W4 kernel runs — ``"scaled"`` (``moe_gemm_kernel``: ``tl.dot_scaled`` with the
@@ -45,14 +51,22 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     """
     if kind not in GEMM_KINDS:
         raise ConfigError(f"GEMM config kind {kind!r} is not one of {', '.join(GEMM_KINDS)}; fix kernels/moe/configs.py")
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-                max_rows=max_rows, kind=kind, **launch)
+    if split_k < 1 or (split_k > 1 and kind not in DQ_KINDS):
+        raise ConfigError(f"GEMM config split_k {split_k}: must be >= 1, and > 1 only for the decode kinds "
+                          f"{', '.join(DQ_KINDS)} (not {kind!r}); fix kernels/moe/configs.py")
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+               max_rows=max_rows, kind=kind, **launch)
+    if split_k > 1:
+        cfg["split_k"] = split_k
+    return cfg
 
 
 def gemm_name(cfg: Config) -> str:
-    """Short name of a GEMM config for reports: ``[kind-]m{M}n{N}k{K}w{warps}s{stages}`` (no prefix for scaled)."""
+    """Short name of a GEMM config for reports: ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[sk{split_k}]`` (no prefix
+    for scaled; the split suffix only when split_k > 1)."""
     pre = "" if cfg["kind"] == "scaled" else f"{cfg['kind']}-"
-    return f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
+    sk = f"sk{cfg['split_k']}" if cfg.get("split_k", 1) > 1 else ""
+    return f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}{sk}"
 
 
 def router_config(block_t: int, block_e: int, block_k: int, num_warps: int, num_stages: int,
@@ -87,6 +101,11 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
         gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
         gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dqp"),
+        # split-K for decode-sized groups (~1-6 rows per expert: a 64-token step has ~264 programs in flight for
+        # the 28 / 24 k-steps of w1|w3 / w2): 2 or 4 programs per tile, fp32 partials summed in a fixed order
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=2),
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=4),
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq", split_k=4),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
@@ -105,6 +124,9 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         gemm_config(16, 32, 64, 4, 1, kind="dqp"),
         gemm_config(16, 32, 64, 4, 1, kind="dqw"),
         gemm_config(32, 64, 32, 4, 1, kind="dqnp"),
+        # split-K (K = 64 / 96 in the tests: 2 / 3 k-steps of 32 in 2 ranges, the last one shorter)
+        gemm_config(16, 32, 32, 4, 1, kind="dqp", split_k=2),
+        gemm_config(32, 64, 32, 4, 1, kind="dqn", split_k=3),
     ],
 }
 

@@ -104,6 +104,50 @@ def _w_step(k0, G: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, BLO
 
 
 @triton.jit
+def _w_split(pid_s, K_PER, G: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """First element ``k_lo`` of split ``pid_s`` (``K_PER`` elements per split) and the byte offsets (values,
+    scales) of that element from a row's first bytes (see :func:`_w_rows`). Written so that the compiler can
+    prove the alignment the full-width loads need: ``k_lo`` a product with ``BLOCK_K``; in the tiled layout
+    ``K_PER`` is a multiple of ``TILE_K`` (``ops._split_k``), so a split starts at a chunk: offsets ``c * CHUNK``."""
+    if TILE_N == 0:
+        k_lo = (pid_s * (K_PER // BLOCK_K)) * BLOCK_K
+        return k_lo, k_lo // 2, k_lo // 32
+    else:
+        CHUNK: tl.constexpr = G * TILE_N * (TILE_K // 2 + TILE_K // 32)
+        c = pid_s * (K_PER // TILE_K)
+        return c * TILE_K, c * CHUNK, c * CHUNK
+
+
+@triton.jit
+def moe_glu_finish_kernel(part_ptr, h_ptr, offsets_ptr, num_local, I, stride_ps, stride_h,
+                          SPLITS: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Finish a split-K w1|w3 GEMM: ``h[r, n] = glu(sum_s g[s, r, n], sum_s u[s, r, n])`` for the sorted rows
+    below ``offsets[num_local]`` (the rows of this rank's experts; the partials of the others were never
+    written). part ``[SPLITS, 2, P, I]`` fp32 (``stride_ps`` elements per split, gate then up partials ``stride_ps
+    / 2`` apart, rows ``I`` apart); h ``[P, I]`` bf16 (``stride_h``). Splits added in order (deterministic); the
+    GLU (SiTU or SiLU, K3_FACTS §5) in fp32 as in the unsplit kernel's epilogue. Grid ``(cdiv(P, BLOCK_R),
+    cdiv(I, BLOCK_I))``."""
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rn = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    rmask = rr < tl.load(offsets_ptr + num_local)
+    m = rmask[:, None] & (rn < I)[None, :]
+    off = rr.to(tl.int64)[:, None] * I + rn[None, :]
+    g = tl.zeros((BLOCK_R, BLOCK_I), dtype=tl.float32)
+    u = tl.zeros((BLOCK_R, BLOCK_I), dtype=tl.float32)
+    pp = part_ptr + off
+    for sp in tl.static_range(SPLITS):  # (pointer steps: SPLITS * stride_ps may pass 2^31)
+        g += tl.load(pp, mask=m, other=0.0)
+        u += tl.load(pp + stride_ps // 2, mask=m, other=0.0)
+        pp += stride_ps
+    if ACT == "situ":
+        h = _situ(g, u, BETA, BETA_LIN)
+    else:
+        h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + rr.to(tl.int64)[:, None] * stride_h + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr,
     sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
@@ -194,9 +238,13 @@ def moe_gemm_kernel(
 
 @triton.jit
 def moe_reduce_kernel(y_ptr, pos_ptr, out_ptr, norm_w_ptr, normed_ptr, D, stride_y, stride_o, stride_n, eps,
-                      TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                      TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr = 1,
+                      stride_ys=0):
     """out[t] = sum_j y[pos[t*k+j]] (pos < 0: pair not on this rank), slot order; optional fused RMSNorm
-    (``normed[t] = rms_norm(out[t]) * w`` in fp32, stored in normed's dtype: the latent tail, K3_FACTS §5 step 4)."""
+    (``normed[t] = rms_norm(out[t]) * w`` in fp32, stored in normed's dtype: the latent tail, K3_FACTS §5 step 4).
+    ``SPLITS`` > 1: y holds the split-K partials of the w2 GEMM, ``[SPLITS, P, D]`` fp32 (``stride_ys`` elements
+    apart); each pair's partials are added split by split in order inside the slot order (fixed order: no atomics,
+    the same bits every run)."""
     t = tl.program_id(0)
     rd = tl.arange(0, BLOCK_D)
     dmask = rd < D
@@ -204,7 +252,13 @@ def moe_reduce_kernel(y_ptr, pos_ptr, out_ptr, norm_w_ptr, normed_ptr, D, stride
     for j in range(TOPK):
         p = tl.load(pos_ptr + t * TOPK + j)
         if p >= 0:
-            acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + rd, mask=dmask, other=0.0)
+            if SPLITS == 1:
+                acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + rd, mask=dmask, other=0.0)
+            else:
+                yp = y_ptr + p.to(tl.int64) * stride_y + rd
+                for sp in tl.static_range(SPLITS):  # (pointer steps: SPLITS * stride_ys may pass 2^31)
+                    acc += tl.load(yp, mask=dmask, other=0.0)
+                    yp += stride_ys
     tl.store(out_ptr + t.to(tl.int64) * stride_o + rd, acc, mask=dmask)
     if NORM:
         ms = tl.sum(acc * acc, axis=0) / D
@@ -360,11 +414,11 @@ def moe_gemm_dq_kernel(
     a_ptr, w_ptr, ws_ptr, out_ptr,
     sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
     N, K, HALF_N,
-    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER, stride_os,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
-    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0,
+    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -381,7 +435,14 @@ def moe_gemm_dq_kernel(
     1 (config kinds ``"dqp"`` / ``"dqnp"``): the ``[BLOCK_N, BLOCK_K/32]`` scale tile of step k+1 is read into
     registers before step k's decode (the last step re-reads its own bytes), so its DRAM latency overlaps a whole
     k-step. 2 (kind ``"dqw"``): the same one step ahead, read one byte per weight word (``[BLOCK_N, BLOCK_K/8]``
-    u8, word w takes its block's byte w // 4: no broadcast of the scales inside the decode). Bit-identical to the plain loads (same bytes, same decode)."""
+    u8, word w takes its block's byte w // 4: no broadcast of the scales inside the decode).
+    ``SPLIT_K`` > 1 (config ``split_k``): program ``(m, n, s)`` (grid axis 2 = the split) runs the k-steps of
+    ``[s * K_PER, min(K, (s + 1) * K_PER))`` (``K_PER`` a multiple of ``BLOCK_K``, and of ``TILE_K`` in the
+    tiled layout; the last split may be shorter)
+    and stores fp32 partials at ``out_ptr + s * stride_os`` (elements): w1|w3 the gate partials ``[P, I]`` and
+    the up partials ``stride_os / 2`` elements further (``moe_glu_finish_kernel`` adds them in split order and
+    applies the GLU), w2 the partials times the router weight, ``[P, D]`` per split (``moe_reduce_kernel`` with
+    ``SPLITS``). ``K_PER`` / ``stride_os`` are unused when ``SPLIT_K == 1``. Bit-identical to the plain loads (same bytes, same decode)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -396,12 +457,21 @@ def moe_gemm_dq_kernel(
     ws_base = ws_ptr + e.to(tl.int64) * stride_wse
     G: tl.constexpr = 2 if GATED else 1
     rv, rs, up_v, up_s = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, G, TILE_N, TILE_K)
+    if SPLIT_K > 1:  # this split's k range; its first value / scale byte of each row
+        pid_s = tl.program_id(2)
+        k_lo, dv0, ds0 = _w_split(pid_s, K_PER, G, TILE_N, TILE_K, BLOCK_K)
+        k_hi = tl.minimum(K, k_lo + K_PER)
+        rv += dv0
+        rs += ds0
+    else:
+        k_lo = 0
+        k_hi = K
     # int32 words (row starts and the up distance are multiples of 4 bytes in both layouts)
     wg_ptrs = w_base + (rv // 4)[:, None] + rk8[None, :]
     sg_ptrs = ws_base + rs[:, None] + rks[None, :]
     wu_ptrs = wg_ptrs + up_v // 4
     su_ptrs = sg_ptrs + up_s
-    a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :]
+    a_ptrs = a_ptr + arow[:, None] * stride_am + rk[None, :] + k_lo
     if SWAP:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -414,10 +484,10 @@ def moe_gemm_dq_kernel(
     if SCALE_PF != 0:
         sg_nxt = tl.load(sg_ptrs)
         su_nxt = tl.load(su_ptrs) if GATED else sg_nxt
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if SCALE_PF != 0:  # this step's scales from registers; the next step's read now (none after the last)
             # (after the last step: this step's bytes again, in bounds and unused; a select, not a mask)
-            dsp = tl.where(k0 + BLOCK_K < K, _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)[1], 0)
+            dsp = tl.where(k0 + BLOCK_K < k_hi, _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)[1], 0)
             sg_cur = sg_nxt
             su_cur = su_nxt
             sg_nxt = tl.load(sg_ptrs + dsp)
@@ -456,7 +526,12 @@ def moe_gemm_dq_kernel(
     else:
         omask = rmask[:, None] & nmask[None, :]
         o_ptrs = out_ptr + orow[:, None] * stride_om + offs_n[None, :]
-    if GATED:
+    if SPLIT_K > 1:
+        o_ptrs += pid_s.to(tl.int64) * stride_os
+    if GATED and SPLIT_K > 1:  # fp32 partials; the GLU after the sum (moe_glu_finish_kernel)
+        tl.store(o_ptrs, acc_g, mask=omask)
+        tl.store(o_ptrs + stride_os // 2, acc_u, mask=omask)
+    elif GATED:
         if ACT == "situ":
             h = _situ(acc_g, acc_u, BETA, BETA_LIN)
         else:
@@ -488,11 +563,12 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
            "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32",
            "block_start_ptr": "*i32", "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
            "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64", "stride_wsn": "i32",
-           "stride_om": "i32"}
+           "stride_om": "i32", "K_PER": "i32", "stride_os": "i64"}
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
               "SWAP": cfg["kind"] in SWAP_KINDS, "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
-              "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0)}
+              "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0),
+              "SPLIT_K": cfg.get("split_k", 1)}
     for c in consts:
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)

@@ -25,9 +25,10 @@ import triton
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import DQ_KINDS, GEMM_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
-from k3rocm.kernels.moe.gemm import moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_reduce_kernel
+from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
+                                     moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
-from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, repack_mxfp4
+from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting
 
@@ -268,6 +269,19 @@ def _act_format(dtype: torch.dtype) -> str:
     raise ConfigError(f"moe_experts: activation dtype {dtype} unsupported by the A16W4 kernel; pass bf16 or fp16")
 
 
+def _split_k(K: int, block_k: int, split_k: int, tile_k: int = 0) -> tuple[int, int]:
+    """``(K_PER, splits)`` of a split-K GEMM over ``K`` elements in k-steps of ``block_k``: at most ``split_k``
+    ranges of whole k-steps (of whole ``tile_k`` chunks of the tiled layout when ``tile_k``; ``block_k`` divides
+    it), ``K_PER`` elements each (the last one shorter when the steps do not divide evenly), none empty;
+    ``(K, 1)`` when unsplit."""
+    if split_k <= 1:
+        return K, 1
+    unit = max(block_k, tile_k)
+    steps = triton.cdiv(K, unit)
+    k_per = triton.cdiv(steps, min(split_k, steps)) * unit
+    return k_per, triton.cdiv(K, k_per)
+
+
 def _fit_block_k(cfg_k: int, K: int) -> int:
     bk = cfg_k
     while bk > 32 and K % bk:
@@ -455,37 +469,52 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         fs13 = dq and lay.w13.max_scale <= FUSED_SCALE_MAX
         fs2 = dq and lay.w2.max_scale <= FUSED_SCALE_MAX
 
+    # split-K (decode kinds): up to split_k ranges of whole k-steps per GEMM; fp32 partials [S, ..] summed after
+    sk = cfg.get("split_k", 1) if dq else 1
+    # split boundaries at whole chunks of the backend's layout tile in both layouts (the tiled layout needs them
+    # there for its full-width loads; the checkpoint layout takes the same ones so both give the same bits)
+    tile_k = LAYOUT_TILES["interpreter" if interp else current_target().backend][1]
+    kp1, s1 = _split_k(D, bk1, sk, g13[7] or fit_tile_k(tile_k, D))
+    part13 = torch.empty(s1, 2, P, inter, dtype=torch.float32, device=dev) if s1 > 1 else h
+    if poison and s1 > 1:
+        part13.fill_(float("nan"))
+
     def run_w13():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
-                a, g13[0], g13[1], h, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                inter, D, inter, a.stride(0), *g13[2:6], h.stride(0),
+            moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]), s1)](
+                a, g13[0], g13[1], part13, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
+                inter, D, inter, a.stride(0), *g13[2:6], inter if s1 > 1 else h.stride(0), kp1, 2 * P * inter,
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=swap, F32=interp,
-                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, **opts)
+                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, SPLIT_K=s1, **opts)
+            if s1 > 1:
+                moe_glu_finish_kernel[(triton.cdiv(P, 16), triton.cdiv(inter, 256))](
+                    part13, h, d.offsets, E_loc, inter, 2 * P * inter, h.stride(0), SPLITS=s1, ACT=act,
+                    BETA=float(beta), BETA_LIN=float(beta_lin), BLOCK_R=16, BLOCK_I=256, num_warps=4)
             return
         moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
             a, a_s, g13[0], g13[1], h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
             inter, D, inter, a.stride(0), a_s.stride(0), *g13[2:6], h.stride(0), hs.stride(0),
             TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, TILE_N=g13[6], TILE_K=g13[7], **opts)
-    y = torch.empty(P, D, dtype=torch.float32, device=dev)
+    bk2 = _fit_block_k(cfg["BLOCK_K"], g2[7] or inter)
+    kp2, s2 = _split_k(inter, bk2, sk, g2[7] or fit_tile_k(tile_k, inter))
+    y = torch.empty(s2, P, D, dtype=torch.float32, device=dev)  # w2 rows per sorted pair, per split
     if poison:
         y.fill_(float("nan"))
-    bk2 = _fit_block_k(cfg["BLOCK_K"], g2[7] or inter)
 
     def run_w2():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
+            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]), s2)](
                 h, g2[0], g2[1], y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                D, inter, 0, h.stride(0), *g2[2:6], y.stride(0),
+                D, inter, 0, h.stride(0), *g2[2:6], y.stride(1), kp2, y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
-                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, **opts)
+                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-            D, inter, 0, h.stride(0), hs.stride(0), *g2[2:6], y.stride(0), y.stride(0),
+            D, inter, 0, h.stride(0), hs.stride(0), *g2[2:6], y.stride(1), y.stride(1),
             TOPK=k, GATED=False, A8=a8, ACT_FMT="e4m3" if a8 else "bf16", ACT=act, BETA=float(beta),
             BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2,
             TILE_N=g2[6], TILE_K=g2[7], **opts)
@@ -493,8 +522,9 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     nd = normed if normed is not None else out
 
     def run_reduce():
-        moe_reduce_kernel[(T,)](y, d.pos, out, nw, nd, D, y.stride(0), out.stride(0), D, float(eps), TOPK=k,
-                                NORM=norm_weight is not None, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        moe_reduce_kernel[(T,)](y, d.pos, out, nw, nd, D, y.stride(1), out.stride(0), D, float(eps), TOPK=k,
+                                NORM=norm_weight is not None, BLOCK_D=triton.next_power_of_2(D), SPLITS=s2,
+                                stride_ys=y.stride(0), num_warps=4)
 
     run_w13()
     run_w2()

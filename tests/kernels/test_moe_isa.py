@@ -160,17 +160,18 @@ def test_one_program_dispatch_all_targets():
 
 @pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
 def test_scale_prefetch_variants_compile(target):
-    # the decode kernel's scale-prefetch variants (kinds "dqp" / "dqw" / "dqnp": SCALE_PF 1 / 2 / 1) on the
-    # tiled layout: bf16 wgmma on sm_90 (every CUDA-list entry of those kinds), bf16 MFMAs without spills on AMD
+    # the decode kernel's scale-prefetch variants (kinds "dqp" / "dqw" / "dqnp": SCALE_PF 1 / 2 / 1) and its
+    # split-K ones on the tiled layout: bf16 wgmma on sm_90 (every CUDA-list entry of those kinds), bf16 MFMAs without spills on AMD
     from k3rocm.kernels.moe.configs import SCALE_PF_KINDS
 
     backend = "hip" if target.startswith("gfx") else "cuda"
     if backend == "cuda":
-        cfgs = [c for c in GEMM_CONFIGS["cuda"] if c["kind"] in SCALE_PF_KINDS]
+        cfgs = [c for c in GEMM_CONFIGS["cuda"] if c["kind"] in SCALE_PF_KINDS or c.get("split_k", 1) > 1]
         cfgs += [gemm_config(16, 128, 128, 8, 4, kind="dqw"), gemm_config(128, 128, 64, 8, 3, kind="dqnp")]
     else:
         # (dqw at m16n64k128 with 4 warps spills 9 SGPRs in w2 on gfx942; with 8 warps none)
-        cfgs = [gemm_config(16, 64, 128, 4, 2, kind="dqp"), gemm_config(16, 64, 128, 8, 2, kind="dqw")]
+        cfgs = [gemm_config(16, 64, 128, 4, 2, kind="dqp"), gemm_config(16, 64, 128, 8, 2, kind="dqw"),
+                gemm_config(16, 64, 128, 4, 2, kind="dqp", split_k=4)]
     assert cfgs
     for cfg in cfgs:
         for gated in (True, False):

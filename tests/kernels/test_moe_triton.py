@@ -538,3 +538,52 @@ def test_scale_prefetch_variants_bit_identical(tk, T, E, D, inter, tiled):
                                               stages=stages)
             assert stages["kernel"] == kind
             assert torch.equal(got, want), f"{C.gemm_name(cfg)}: differs from {C.gemm_name(base)}"
+
+
+@pytest.mark.parametrize("T,E,D,inter", [(1, 8, 128, 96), (3, 16, 64, 96), (9, 4, 128, 64)],
+                         ids=["one-row", "empty-experts", "rows-past-tile"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["checkpoint", "tiled"])
+def test_split_k_variants(tk, T, E, D, inter, tiled):
+    # split_k (decode kinds): K cut into ranges of whole k-steps, fp32 partials summed in a fixed order (w1|w3 by
+    # moe_glu_finish_kernel, w2 by the reduction). Against the oracle-like reference like every config, within
+    # fp32-order noise of the unsplit kernel, and the same bits on every run. Edge shapes: experts with 0 / 1
+    # rows, rows not a multiple of BLOCK_M, K not a multiple of the split (splits start at whole layout chunks,
+    # 64 elements here: w2 K = 96 = 3 chunks of 32 in ranges of 64 + 32; w1|w3 K = 128 in 2 ranges of 64 with
+    # k-steps of 32 inside a chunk), splits > chunks; the tiled layout gives the checkpoint layout's bits
+    import k3rocm.kernels.moe.configs as C
+
+    x, ids, wts, ew = _case(T, E, D, inter, 4, seed=T + E + 5)
+    ref = _ref_a16w4(x, ids, wts, ew)
+    ewc = ewd = _to(ew, tk.dev)
+    if tiled:
+        ewd = dict(ewd, kernel_layout=tk.moe.ops.kernel_layout(ewd, check=True))
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    for kind, bm, bn, sk in (("dqp", 16, 32, 2), ("dq", 16, 32, 3), ("dqn", 32, 64, 2), ("dqw", 16, 32, 8)):
+        cfg = C.gemm_config(bm, bn, 32, 4, 1, kind=kind, split_k=sk)
+        base = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=C.gemm_config(bm, bn, 32, 4, 1, kind=kind))
+        got = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=cfg, poison=True)
+        name = C.gemm_name(cfg)
+        assert torch.isfinite(got).all(), f"{name}: unwritten (NaN) output"
+        assert _rel(got, ref) < TOL["a16w4"], f"{name}: rel err {_rel(got, ref):.3g}"
+        assert _rel(got, base) < TOL["a16w4"], f"{name}: vs unsplit {_rel(got, base):.3g}"
+        for _ in range(20 if GPU else 2):
+            assert torch.equal(tk.moe.moe_experts(*args, ewd, mode="a16w4", config=cfg), got), f"{name}: not deterministic"
+        if tiled:
+            assert torch.equal(tk.moe.moe_experts(*args, ewc, mode="a16w4", config=cfg), got), f"{name}: layouts differ"
+
+
+def test_split_k_config_checks():
+    import k3rocm.kernels.moe.configs as C
+    from k3rocm.errors import ConfigError
+    from k3rocm.kernels.moe.ops import _split_k
+
+    with pytest.raises(ConfigError):
+        C.gemm_config(16, 32, 64, 4, 1, split_k=2)  # the scaled kernel has no split
+    with pytest.raises(ConfigError):
+        C.gemm_config(16, 32, 64, 4, 1, kind="dq", split_k=0)
+    assert C.gemm_name(C.gemm_config(16, 32, 64, 4, 1, kind="dqp", split_k=4)) == "dqp-m16n32k64w4s1sk4"
+    assert "split_k" not in C.gemm_config(16, 32, 64, 4, 1, kind="dq")
+    assert _split_k(3584, 128, 4) == (896, 4) and _split_k(3072, 128, 4) == (768, 4)
+    assert _split_k(96, 32, 2) == (64, 2) and _split_k(64, 32, 3) == (32, 2) and _split_k(64, 32, 8) == (32, 2)
+    assert _split_k(64, 32, 1) == (64, 1)
+    assert _split_k(3584, 64, 4, 128) == (896, 4) and _split_k(128, 32, 4, 64) == (64, 2)  # whole chunks
