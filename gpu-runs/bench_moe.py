@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--candidates", action="store_true", help="also time CANDIDATES (A16W4 only, total time)")
     ap.add_argument("--sweep", action="store_true", help="also time every config of the list per token count "
                     "(implied by --check, --candidates, or a mode other than a16w4)")
+    ap.add_argument("--sweep-layout", choices=("checkpoint", "tiled"), default="checkpoint",
+                    help="weights the per-config sweep and the candidates read: the checkpoint layout (default) or "
+                    "the tiled kernel layout made at load (what serving reads)")
+    ap.add_argument("--sweep-ep", action="store_true",
+                    help="(implies --sweep) also time every config of the list on the EP slice (E/EP_RANKS local "
+                    "experts, tiled layout; the engine rank's few rows per expert), with each config's rel. max difference from "
+                    "the picked config's output there")
     ap.add_argument("--out", default="gpu-runs/results", help="folder for moe_bench.json and moe_bench.md")
     ap.add_argument("--small", action="store_true",
                     help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_bf16:
         w13_bf = torch.randn(E, 2 * I, D, device=dev, dtype=torch.bfloat16).mul_(0.02)
         w2_bf = torch.randn(E, D, I, device=dev, dtype=torch.bfloat16).mul_(0.02)
-    sweep = args.sweep or args.check or args.candidates or args.modes != ["a16w4"]
+    sweep = args.sweep or args.check or args.candidates or args.sweep_ep or args.modes != ["a16w4"]
     lay = kernel_layout(ew)  # once, as at load: the repack of this layer, then the byte-exact check
     repack = dict(repack_ms=lay.repack_s * 1e3, layout_bytes=lay.nbytes,
                   checkpoint_bytes=sum(ew[k].numel() for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")))
@@ -226,8 +233,22 @@ def main(argv: list[str] | None = None) -> None:
             goals.append(_goal_row(f"EP{EP_RANKS} slice, {T} tokens", T, xl, ids, wts, ew_ep, lay_ep, nl, E, D, I, K,
                                    expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev))
             print(json.dumps(goals[-1]), flush=True)
+        if args.sweep_ep:
+            ewt_ep = dict(ew_ep, kernel_layout=lay_ep)
+            base = moe_experts(xl, ids, wts, ewt_ep, mode="a16w4")
+            for cfg in tune.configs(GEMM_CONFIGS):
+                key = f"ep{EP_RANKS}_{gemm_name(cfg)}"
+                try:
+                    out = moe_experts(xl, ids, wts, ewt_ep, mode="a16w4", config=cfg)
+                    r[f"{key}_rel_vs_picked"] = ((out - base).abs().max() / base.abs().max().clamp_min(1e-30)).item()
+                    r[f"{key}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt_ep, mode="a16w4", config=cfg))
+                except Exception as e:  # noqa: BLE001 - a failing config is a result to report
+                    r[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            del base
         if not sweep:
             continue
+        # the weights the sweep and the candidates read (the tiled layout: as serving does)
+        ews = dict(ew, kernel_layout=lay) if args.sweep_layout == "tiled" else ew
         r["router_ms"] = do_bench(lambda: moe_router(xh if dev == "cuda" else xh.float(), gate, bias, K))
         per_expert = T * K / min(E, T * K)
         cfg0 = tune.pick("moe_gemm", (tune.pow2(math.ceil(per_expert)),), tune.configs(GEMM_CONFIGS), rows=per_expert)
@@ -247,10 +268,10 @@ def main(argv: list[str] | None = None) -> None:
                 key = f"{mode}_{gemm_name(cfg)}"
                 try:
                     stages: dict = {}
-                    out, _ = _experts_impl(xl, ids, wts, ew, "situ", mode, 4.0, 25.0, cfg, stages=stages)
+                    out, _ = _experts_impl(xl, ids, wts, ews, "situ", mode, 4.0, 25.0, cfg, stages=stages)
                     if ref is not None:
                         r[f"{key}_rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
-                    t_all = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode=mode, config=cfg))
+                    t_all = do_bench(lambda: moe_experts(xl, ids, wts, ews, mode=mode, config=cfg))
                     r[f"{key}_experts_ms"] = t_all
                     r[f"{key}_kernel"] = stages.get("kernel")
                     if cfg == cfg0:  # each launch alone for the config this size picks (sweep time)
@@ -261,10 +282,10 @@ def main(argv: list[str] | None = None) -> None:
                 except Exception as e:  # noqa: BLE001 - a failing config is a result to report
                     r[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if args.check:
-                out = moe_experts(xl, ids, wts, ew, mode=mode)
+                out = moe_experts(xl, ids, wts, ews, mode=mode)
                 r[f"{mode}_rel_err_vs_oracle"] = ((out - ref).abs().max() / ref.abs().max()).item()
                 if mode == "a8w4" and "a16w4" in args.modes:
-                    o16 = moe_experts(xl, ids, wts, ew, mode="a16w4")
+                    o16 = moe_experts(xl, ids, wts, ews, mode="a16w4")
                     r["a8w4_vs_a16w4_rel"] = ((out - o16).abs().max() / o16.abs().max()).item()
                 del out
             del ref
@@ -284,8 +305,8 @@ def main(argv: list[str] | None = None) -> None:
                 if not _candidate_fits(cfg, T):
                     continue
                 try:
-                    out = moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg)
-                    r[f"cand_{gemm_name(cfg)}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4",
+                    out = moe_experts(xl, ids, wts, ews, mode="a16w4", config=cfg)
+                    r[f"cand_{gemm_name(cfg)}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ews, mode="a16w4",
                                                                               config=cfg))
                     if ref16 is not None:
                         r[f"cand_{gemm_name(cfg)}_rel_err"] = ((out - ref16).abs().max() / ref16.abs().max()).item()

@@ -442,7 +442,9 @@ def moe_gemm_dq_kernel(
     and stores fp32 partials at ``out_ptr + s * stride_os`` (elements): w1|w3 the gate partials ``[P, I]`` and
     the up partials ``stride_os / 2`` elements further (``moe_glu_finish_kernel`` adds them in split order and
     applies the GLU), w2 the partials times the router weight, ``[P, D]`` per split (``moe_reduce_kernel`` with
-    ``SPLITS``). ``K_PER`` / ``stride_os`` are unused when ``SPLIT_K == 1``. Bit-identical to the plain loads (same bytes, same decode)."""
+    ``SPLITS``). ``K_PER`` / ``stride_os`` are unused when ``SPLIT_K == 1``.
+    ``SCALE_PF`` 1 and 2 give the bits of 0 (same bytes, same decode, same dot order); ``SPLIT_K`` > 1 does not
+    give the bits of 1 (another fp32 summation order) but the same bits on every run (fixed order, no atomics)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)

@@ -24,7 +24,8 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import DQ_KINDS, GEMM_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS
+from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS,
+                                        SCALE_PF_KINDS, SWAP_KINDS)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel

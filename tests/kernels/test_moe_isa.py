@@ -166,7 +166,8 @@ def test_scale_prefetch_variants_compile(target):
 
     backend = "hip" if target.startswith("gfx") else "cuda"
     if backend == "cuda":
-        cfgs = [c for c in GEMM_CONFIGS["cuda"] if c["kind"] in SCALE_PF_KINDS or c.get("split_k", 1) > 1]
+        cfgs = [c for c in GEMM_CONFIGS["cuda"]
+                if c["kind"] in SCALE_PF_KINDS or c.get("split_k", 1) > 1]
         cfgs += [gemm_config(16, 128, 128, 8, 4, kind="dqw"), gemm_config(128, 128, 64, 8, 3, kind="dqnp")]
     else:
         # (dqw at m16n64k128 with 4 warps spills 9 SGPRs in w2 on gfx942; with 8 warps none)
