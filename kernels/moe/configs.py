@@ -88,21 +88,25 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
     # H200 2026-11-30, decode kernel: 5.03 ms at 64 tokens, 9.00 at 512 (m16n128k128w8s4); at 8192 tokens
     # m64n128k128w8s3 39.3 ms beat m64n128k64w8s3 47.0 and m128n128k64w8s3 46.3 (gpu-runs/results/moe.md).
     "cuda": [
-        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
-        gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
+        # the scale tile read one k-step ahead (kind "dqp", bit-identical to "dq"): H200 2026-12-02, one K3 layer at
+        # 64 tokens, tiled layout, every config in one run (bench_moe --sweep-layout tiled --sweep-ep): m16 4.350
+        # vs 4.673 ms, m32 6.316 vs 6.774; EP8 slice m16 0.575 vs 0.624; m64 8.656 vs 8.597 (kept "dq")
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
+        gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
         # 8192 tokens = 146 rows per expert: 64-row tiles waste 24% of the MMA rows on the last block of a group,
         # 128-row tiles 43% (2 blocks for 146 rows); 128 rows pay off from ~256 rows per expert
         gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dq"),
         gemm_config(128, 128, 64, 8, 3, kind="dq"),
         # A/B variants, after the served entries (the pick takes the first fitting one, so serving is unchanged
-        # until they move up; bench_moe --sweep times every entry): the decode tiles above with the scale tile
-        # read one k-step ahead (kind "dqp"; sm_90 w1|w3 loop 448 -> 428 SASS instructions, the scale LDG issued
-        # a k-step before its use instead of right before a barrier)
-        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
-        gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
+        # until they move up; bench_moe --sweep times every entry): the plain-load "dq" tiles the "dqp" entries
+        # replaced (sm_90 w1|w3 loop 448 vs 428 SASS instructions for "dqp", whose scale LDG is issued a k-step
+        # before its use instead of right before a barrier), and "dqp" at 64 rows
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
+        gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
         gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dqp"),
         # split-K for decode-sized groups (~1-6 rows per expert: a 64-token step has ~264 programs in flight for
-        # the 28 / 24 k-steps of w1|w3 / w2): 2 or 4 programs per tile, fp32 partials summed in a fixed order
+        # the 28 / 24 k-steps of w1|w3 / w2): 2 or 4 programs per tile, fp32 partials summed in a fixed order.
+        # Measured slower (same run): sk2 4.527 ms, sk4 5.077 (dqp) / 5.488 (dq) at 64 tokens; EP8 0.601 / 0.665
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=2),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=4),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq", split_k=4),
