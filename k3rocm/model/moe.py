@@ -230,15 +230,19 @@ def expert_dense_weights(experts: Any, local_id: int) -> tuple[torch.Tensor, tor
     Args:
         experts: an ``ExpertWeights`` (``k3rocm.model.weights``) or any object / dict with the same fields:
             ``w13_packed [E, 2I, D/2] u8``, ``w13_scale [E, 2I, D/32] u8``, ``w2_packed [E, D, I/2] u8``,
-            ``w2_scale [E, D, I/32] u8``, or unquantized ``w13 [E, 2I, D]``, ``w2 [E, D, I]``.
+            ``w2_scale [E, D, I/32] u8``, or unquantized ``w13 [E, 2I, D]``, ``w2 [E, D, I]``; an ExpertWeights
+            whose stacks were released into the kernel layout is read back through ``expert_mxfp4``.
         local_id: index into the first dim.
     Raises:
         CheckpointError: neither form present, bad dtypes/shapes, or an E8M0 byte 0xFF.
     """
     if _get(experts, "w13_packed") is not None:
-        w13 = _dequantize_mxfp4(_get(experts, "w13_packed")[local_id], _get(experts, "w13_scale")[local_id], "w13")
-        w2 = _dequantize_mxfp4(_get(experts, "w2_packed")[local_id], _get(experts, "w2_scale")[local_id], "w2")
-        return w13, w2
+        if getattr(experts, "released", False):  # the stacks live in the kernel layout: read this expert back
+            p13, s13, p2, s2 = experts.expert_mxfp4(local_id)
+        else:
+            p13, s13 = _get(experts, "w13_packed")[local_id], _get(experts, "w13_scale")[local_id]
+            p2, s2 = _get(experts, "w2_packed")[local_id], _get(experts, "w2_scale")[local_id]
+        return _dequantize_mxfp4(p13, s13, "w13"), _dequantize_mxfp4(p2, s2, "w2")
     if _get(experts, "w13") is not None:
         return _f32(_get(experts, "w13")[local_id]), _f32(_get(experts, "w2")[local_id])
     raise CheckpointError("ExpertWeights holds neither w13_packed/w2_packed (MXFP4) nor w13/w2; check the loader")

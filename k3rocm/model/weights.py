@@ -39,6 +39,12 @@ class ExpertWeights:
         first_expert: global id of local expert 0 (expert parallelism).
         w13_packed, w13_scale, w2_packed, w2_scale: MXFP4 stacks (see module doc), or None.
         w13, w2: unquantized bf16 stacks, or None.
+        kernel_layout: the same MXFP4 experts in the grouped GEMM's tiled layout (an
+            ``k3rocm.kernels.moe.ops.ExpertLayout``: ``w13`` / ``w2`` ``TiledMxfp4``, ``experts(a, b)``, ``to(dev)``,
+            ``checkpoint_expert(e)``), made once on the device (:meth:`Weights.use_kernel_layout`), or None. Once
+            it holds them the four checkpoint-layout stacks may be *released*: meta tensors of the same shapes and
+            dtypes (no storage; any computation on them raises), and :meth:`expert_mxfp4` reads an expert back
+            from the tiled bytes instead.
     """
 
     num_experts: int
@@ -49,6 +55,25 @@ class ExpertWeights:
     w2_scale: torch.Tensor | None = None
     w13: torch.Tensor | None = None
     w2: torch.Tensor | None = None
+    kernel_layout: Any = None
+
+    @property
+    def released(self) -> bool:
+        """True when the checkpoint-layout MXFP4 stacks are released (meta tensors; the kernel layout holds the
+        bytes)."""
+        return self.w13_packed is not None and self.w13_packed.is_meta
+
+    def expert_mxfp4(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Local expert ``e`` in the checkpoint layout: ``(w13_packed [2I, D/2], w13_scale [2I, D/32],
+        w2_packed [D, I/2], w2_scale [D, I/32])`` u8 — views of the stacks, or, when they are released, read back
+        from the kernel layout bit for bit (new tensors). Raises CheckpointError for unquantized experts."""
+        if not self.quantized:
+            raise CheckpointError("expert_mxfp4: these experts are not packed MXFP4")
+        if not self.released:
+            return self.w13_packed[e], self.w13_scale[e], self.w2_packed[e], self.w2_scale[e]
+        if self.kernel_layout is None:
+            raise CheckpointError("expert_mxfp4: the checkpoint-layout stacks were released without a kernel layout")
+        return self.kernel_layout.checkpoint_expert(e)
 
     @property
     def quantized(self) -> bool:
@@ -67,18 +92,20 @@ class ExpertWeights:
         return int(self.w13_packed.shape[2]) * 2 if self.quantized else int(self.w13.shape[2])
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The non-None stacks by field name."""
+        """The non-None stacks by field name (released ones as their meta tensors)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)}
 
     def nbytes(self) -> int:
-        """Bytes held by the stacks."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+        """Bytes held by the stacks and the kernel layout (released stacks hold none)."""
+        n = sum(t.numel() * t.element_size() for t in self.tensors().values() if not t.is_meta)
+        return n + (self.kernel_layout.nbytes if self.kernel_layout is not None else 0)
 
     def to(self, device: str | torch.device) -> "ExpertWeights":
-        """A copy with every stack on ``device``."""
+        """A copy with every stack (and the kernel layout) on ``device``; released stacks stay meta."""
         return ExpertWeights(self.num_experts, self.first_expert,
-                             **{k: v.to(device) for k, v in self.tensors().items()})
+                             **{k: v if v.is_meta else v.to(device) for k, v in self.tensors().items()},
+                             kernel_layout=None if self.kernel_layout is None else self.kernel_layout.to(device))
 
 
 # tensors stored FP32 in the checkpoint that the kernels read in fp32 (K3_FACTS §3): never cast down
@@ -135,6 +162,8 @@ class Weights:
         self.expert_range = _check_range(cfg, expert_range)
         self._experts: dict[tuple[int, int, int], ExpertWeights] = {}
         self._views: set[str] = set()
+        #: per-expert names whose stack was released into a kernel layout: name -> (layer, first, end, local e)
+        self._released: dict[str, tuple[int, int, int, int]] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -227,14 +256,28 @@ class Weights:
 
     # ------------------------------------------------------------------ access
     def get(self, name: str, default: Any = None) -> torch.Tensor | Any:
-        """Tensor by full checkpoint name, or ``default`` when absent."""
-        return self._t.get(name, default)
+        """Tensor by full checkpoint name, or ``default`` when absent. An expert tensor whose stack was released
+        into the kernel layout (:meth:`use_kernel_layout`) is read back from it (a new tensor, bit for bit)."""
+        t = self._t.get(name)
+        if t is None:
+            return default
+        return self._read_back(name, t) if name in self._released else t
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        t = self._t.get(name)
+        t = self.get(name)
         if t is None:
             raise CheckpointError(f"tensor {name} is not in these weights (not loaded, or not in the checkpoint)")
         return t
+
+    def _read_back(self, name: str, meta: torch.Tensor) -> torch.Tensor:
+        """Checkpoint tensor ``name`` of a released expert stack, from the kernel layout."""
+        i, a, b, e = self._released[name]
+        _, wn, kind = _parse_expert(name)
+        p13, s13, p2, s2 = self._experts[(i, a, b)].expert_mxfp4(e)
+        t = {("w13", "weight_packed"): p13, ("w13", "weight_scale"): s13,
+             ("w2", "weight_packed"): p2, ("w2", "weight_scale"): s2}[("w2" if wn == "w2" else "w13", kind)]
+        rows = meta.shape[0]
+        return t[rows:] if wn == "w3" else (t[:rows] if wn == "w1" else t)
 
     def __contains__(self, name: object) -> bool:
         return name in self._t
@@ -274,7 +317,9 @@ class Weights:
             return self._experts[key]
         for (j, a, b), ew in self._experts.items():  # a sub-range of an existing stack: slice, no copy
             if j == i and a <= first and end <= b:
-                out = ExpertWeights(end - first, first, **{k: v[first - a:end - a] for k, v in ew.tensors().items()})
+                lay = ew.kernel_layout
+                out = ExpertWeights(end - first, first, **{k: v[first - a:end - a] for k, v in ew.tensors().items()},
+                                    kernel_layout=None if lay is None else lay.experts(first - a, end - a))
                 self._experts[key] = out
                 return out
         stacks: dict[str, torch.Tensor] = {}
@@ -324,9 +369,11 @@ class Weights:
             return dtype
 
         out = Weights(self.config, {}, self.expert_range)
+        out._released = dict(self._released)
         for (i, a, b), ew in self._experts.items():
-            moved = {k: v.to(dev, target("", v)) for k, v in ew.tensors().items()}
-            out._experts[(i, a, b)] = ExpertWeights(ew.num_experts, ew.first_expert, **moved)
+            moved = {k: v if v.is_meta else v.to(dev, target("", v)) for k, v in ew.tensors().items()}
+            lay = None if ew.kernel_layout is None else ew.kernel_layout.to(dev)
+            out._experts[(i, a, b)] = ExpertWeights(ew.num_experts, ew.first_expert, **moved, kernel_layout=lay)
         for name, t in self._t.items():
             if name in self._views:
                 continue
@@ -345,12 +392,75 @@ class Weights:
                 out._t[name] = t.to(dev, target(name, t))
         return out
 
+    def use_kernel_layout(self, make: Callable[[ExpertWeights], Any], room: Callable[[int], bool] | None = None,
+                          progress: Progress | None = None) -> dict:
+        """Move every held MoE layer's MXFP4 experts into the grouped GEMM's tiled layout, in place, layer by layer.
+
+        For each MoE layer whose whole-range stack is held here, quantized and not yet converted: ``make(ew)``
+        (``k3rocm.kernels.moe.ops.kernel_layout``, with its byte-for-byte read-back check) builds the layout on
+        the stacks' device; it is attached to every :class:`ExpertWeights` of the layer (sub-ranges as views);
+        then the four checkpoint-layout stacks and the per-expert tensors that view them are released (meta
+        tensors of the same shapes: this object stops referencing their storage, which is freed unless another
+        holder keeps it). Values do not change: :meth:`get` and :meth:`ExpertWeights.expert_mxfp4` read a
+        released expert back from the tiled bytes (the fp32 oracle does so per expert).
+
+        Args:
+            make: ``ExpertWeights -> layout`` (raises on a failed check: nothing of that layer is released).
+            room: ``room(nbytes)`` -> whether the device has space for ~``nbytes`` more (the repack's
+                temporaries); the conversion stops at the first layer without room (that layer and the rest
+                stay in the checkpoint layout). None: no check.
+            progress: ``progress(layers_done, layers_total, name)`` after each layer.
+        Returns:
+            ``{"layers": converted now, "already": converted before, "total": quantized MoE layers held,
+            "bytes": tiled bytes made now, "seconds": repack seconds (device), "stopped": "" or why the
+            conversion stopped early}``.
+        """
+        cfg = self.config
+        first, end = self.expert_range
+        todo = [i for i in range(cfg.num_hidden_layers)
+                if (i, first, end) in self._experts and self._experts[(i, first, end)].quantized]
+        out = {"layers": 0, "already": 0, "total": len(todo), "bytes": 0, "seconds": 0.0, "stopped": ""}
+        for n, i in enumerate(todo):
+            ew = self._experts[(i, first, end)]
+            if ew.kernel_layout is not None:
+                out["already"] += 1
+                continue
+            need = 2 * ew.nbytes()  # the tiled copy + one temporary of the repack
+            if room is not None and not room(need):
+                out["stopped"] = (f"no room on the device for layer {i}'s tiled copy (~{need / 1e9:.2f} GB needed "
+                                  "while the checkpoint layout is held); it and later layers stay in the checkpoint layout")
+                break
+            lay = make(ew)
+            for (j, a, b), other in self._experts.items():
+                if j != i:
+                    continue
+                other.kernel_layout = lay if (a, b) == (first, end) else lay.experts(a - first, b - first)
+                for f in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+                    t = getattr(other, f)
+                    setattr(other, f, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            for e in range(first, end):
+                for sp in layout.expert_specs(cfg, i, e):
+                    t = self._t.get(sp.name)
+                    if t is not None and not t.is_meta:
+                        self._t[sp.name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                        self._released[sp.name] = (i, first, end, e - first)
+            out["layers"] += 1
+            out["bytes"] += lay.nbytes
+            out["seconds"] += lay.repack_s
+            if progress is not None:
+                progress(n + 1, len(todo), f"layer {i}")
+        return out
+
     def nbytes(self) -> int:
-        """Bytes of tensor data held (each stacked expert buffer counted once)."""
-        n = sum(t.numel() * t.element_size() for k, t in self._t.items() if k not in self._views)
+        """Bytes of tensor data held (each stacked expert buffer and kernel layout counted once; released stacks
+        hold none)."""
+        n = sum(t.numel() * t.element_size() for k, t in self._t.items() if k not in self._views and not t.is_meta)
         seen: set[int] = set()
         for (i, a, b), ew in self._experts.items():
-            for t in ew.tensors().values():
+            ts = [t for t in ew.tensors().values() if not t.is_meta]
+            if ew.kernel_layout is not None:
+                ts += [ew.kernel_layout.w13.data, ew.kernel_layout.w2.data]
+            for t in ts:
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in seen:
                     seen.add(ptr)

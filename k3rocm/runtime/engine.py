@@ -150,6 +150,13 @@ class Engine:
             while serving); default False (``K3ROCM_TUNE=1`` makes it True): every kernel takes its table's first
             fitting config (tune mode ``"first"``), so serving compiles one config per kernel specialisation and
             warm-up is mostly compile time (:mod:`k3rocm.kernels.tune`).
+        kernel_layout: on a GPU with the Triton ``moe_experts``, move every MoE layer's MXFP4 experts into the
+            grouped GEMM's tiled layout once here (``k3rocm.kernels.mx.layout``; each layer read back byte for byte
+            against the checkpoint layout before that is released), layer by layer while the device has room
+            (:meth:`k3rocm.model.weights.Weights.use_kernel_layout`). A ``Weights`` passed in whose experts already
+            lie on the engine device is converted **in place** (its values do not change: a released expert tensor
+            is read back from the tiled bytes by ``get`` and by the fp32 oracle), so the experts are held once.
+            False: the GEMMs read the checkpoint layout (bit-identical results). :meth:`describe` says which.
 
     Raises:
         ConfigError / HardwareError: a bad override (e.g. ``triton`` without a GPU), or a ``matmul_dtype`` other
@@ -163,7 +170,7 @@ class Engine:
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
                  graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None,
                  matmul_dtype: torch.dtype | str | None = AUTO, par: Parallel | None = None,
-                 record_logits: bool = False, autotune: bool | None = None):
+                 record_logits: bool = False, autotune: bool | None = None, kernel_layout: bool = True):
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
@@ -201,8 +208,18 @@ class Engine:
             autotune = os.environ.get("K3ROCM_TUNE") == "1"
         self.autotune = bool(autotune)
         self._tune_mode = "frozen" if self.autotune else "first"
-        # ---- weights: this rank's, on the engine device in the engine dtype (the one Weights protocol)
-        self.weights = as_weights(cfg, weights).cast(self.device, self.dtype)
+        # ---- weights: this rank's, on the engine device in the engine dtype (the one Weights protocol); the MoE
+        # experts in the grouped GEMM's tiled layout (converted where they lie when that is the engine device, so
+        # the experts are held once; else after the move)
+        src = as_weights(cfg, weights)
+        self.layout_note = self._layout_plan(kernel_layout, cfg, on_gpu, cache_budget_bytes)
+        stats: list[dict] = []
+        if not self.layout_note and self._experts_on(src, self.device):
+            stats.append(self._to_kernel_layout(src, cache_budget_bytes))
+        self.weights = src.cast(self.device, self.dtype)
+        if not self.layout_note:
+            stats.append(self._to_kernel_layout(self.weights, cache_budget_bytes))
+            self.layout_note = self._layout_summary(stats)
         self.w = WeightView(self.weights, memo=True)
         self.dec = Decoder(cfg, self.w, self.ops, par=par, moe_mode=moe_mode)
         self.par = self.dec.par
@@ -252,6 +269,58 @@ class Engine:
         self.graph_note = "off (CPU)" if not on_gpu else ("on" if self.cuda_graphs else "off (disabled)")
         self.mixed_note = self.graph_note
 
+    def _layout_plan(self, want: bool, cfg: K3Config, on_gpu: bool, budget: int | None) -> str:
+        """Why the experts stay in the checkpoint layout ("" when they move to the tiled one)."""
+        if not want:
+            return "checkpoint layout (kernel_layout=False)"
+        if not cfg.experts_quantized:
+            return "bf16 experts (no MXFP4 layout)"
+        if not on_gpu:
+            return "checkpoint layout (CPU: the torch oracle reads it)"
+        if self.op_impls.get("moe_experts") != "triton":
+            return f"checkpoint layout (moe_experts={self.op_impls.get('moe_experts')})"
+        return ""
+
+    @staticmethod
+    def _experts_on(w: Any, device: torch.device) -> bool:
+        """Whether ``w`` holds expert stacks already on ``device`` (then converting it in place frees them)."""
+        for ew in getattr(w, "_experts", {}).values():
+            t = ew.w13_packed
+            if t is not None and not t.is_meta:
+                return t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))
+        return False
+
+    def _to_kernel_layout(self, w: Any, budget: int | None) -> dict:
+        """Convert ``w``'s MoE experts to the tiled layout (checked read-back), while the device keeps room for
+        the cache budget (or 1 GiB) beyond the repack's temporaries."""
+        from k3rocm.kernels.moe.ops import kernel_layout  # the Triton family (imported only on this path)
+
+        if not hasattr(w, "use_kernel_layout"):
+            return {"layers": 0, "already": 0, "total": 0, "bytes": 0, "seconds": 0.0, "stopped": ""}
+        dev = self.device
+        reserve = (budget or 0) + (1 << 30)
+
+        def room(nbytes: int) -> bool:
+            free, _ = torch.cuda.mem_get_info(dev)
+            free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # the allocator's own free
+            return free - nbytes >= reserve
+
+        return w.use_kernel_layout(lambda ew: kernel_layout(ew, check=True), room=room)
+
+    @staticmethod
+    def _layout_summary(stats: list[dict]) -> str:
+        """One line for :meth:`describe`: how many MoE layers the GEMMs read in the tiled layout, bytes, seconds."""
+        done = sum(s["layers"] for s in stats)
+        total = max((s["total"] for s in stats), default=0)
+        stopped = next((s["stopped"] for s in stats if s["stopped"]), "")
+        gb = sum(s["bytes"] for s in stats) / 1e9
+        sec = sum(s["seconds"] for s in stats)
+        if not total:
+            return "checkpoint layout (no MXFP4 MoE layer held)"
+        line = (f"tiled MXFP4 layout (kernels/mx/layout.py) for {done} of {total} MoE layers, {gb:.2f} GB, "
+                f"repacked in {sec:.2f} s and read back byte for byte")
+        return line + (f"; {stopped}" if stopped else "")
+
     def _static_split_plan(self, fn: Any) -> Any:
         """``fn`` (an ``mla_decode`` op) with a split plan fixed by the engine's limits where ``fn`` takes one
         (``num_splits`` / ``max_context_len``; the oracle's does not and is returned as is): one token per row
@@ -299,6 +368,7 @@ class Engine:
                             if self.cfg.family == "k3" else
                             "model per-sequence path (kda_prefill on one token; kimi_linear has no fused decode)"),
             "prefill_path": "short_conv + kda_prefill (slot state); mla_prefill (fresh) or mla_decode (continuation)",
+            "moe_weight_layout": self.layout_note,
             "matmul_dtype": None if self.matmul_dtype is None else str(self.matmul_dtype).replace("torch.", ""),
             "matmul": ("fp32 (weights widened per use)" if self.matmul_dtype is None else
                        f"{str(self.matmul_dtype).replace('torch.', '')} operands, fp32 accumulation, "

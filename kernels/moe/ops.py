@@ -29,7 +29,7 @@ from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_TILES, RO
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
-from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4
+from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4, unpack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting
 
@@ -307,6 +307,22 @@ class ExpertLayout:
     @property
     def repack_s(self) -> float:
         return self.w13.repack_s + self.w2.repack_s
+
+    def experts(self, first: int, end: int) -> "ExpertLayout":
+        """Local experts ``first .. end-1`` (views of the same bytes)."""
+        return ExpertLayout(self.w13.experts(first, end), self.w2.experts(first, end))
+
+    def to(self, device: str | torch.device) -> "ExpertLayout":
+        """The same layout on ``device`` (shared when already there)."""
+        return ExpertLayout(self.w13.to(device), self.w2.to(device))
+
+    def checkpoint_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Local expert ``e`` read back in the checkpoint layout (``mx.layout.unpack_mxfp4``, bit for bit):
+        ``(w13_packed [2I, D/2], w13_scale [2I, D/32], w2_packed [D, I/2], w2_scale [D, I/32])`` u8, new tensors
+        on the layout's device (for the fp32 oracle once the checkpoint-layout stacks were released)."""
+        p13, s13 = unpack_mxfp4(self.w13.experts(e, e + 1))
+        p2, s2 = unpack_mxfp4(self.w2.experts(e, e + 1))
+        return p13[0], s13[0], p2[0], s2[0]
 
 
 def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: bool = False) -> ExpertLayout:

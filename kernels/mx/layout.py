@@ -72,6 +72,16 @@ class TiledMxfp4:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def experts(self, first: int, end: int) -> "TiledMxfp4":
+        """Local experts ``first .. end-1`` (a view of the same bytes: the expert is the leading dim)."""
+        return TiledMxfp4(self.data[first:end], self.rows, self.k, self.groups, self.tile_n, self.tile_k,
+                          self.repack_s, self.max_scale)
+
+    def to(self, device: str | torch.device) -> "TiledMxfp4":
+        """The same layout with its bytes on ``device`` (shared when already there)."""
+        return TiledMxfp4(self.data.to(device), self.rows, self.k, self.groups, self.tile_n, self.tile_k,
+                          self.repack_s, self.max_scale)
+
 
 def fit_tile_k(tile_k: int, k: int) -> int:
     """The largest ``tile_k / 2^j >= 32`` that divides ``k`` (the layout's k-tile for rows of ``k`` elements).

@@ -596,3 +596,58 @@ def test_split_k_config_checks():
     assert _split_k(96, 32, 2) == (64, 2) and _split_k(64, 32, 3) == (32, 2) and _split_k(64, 32, 8) == (32, 2)
     assert _split_k(64, 32, 1) == (64, 1)
     assert _split_k(3584, 64, 4, 128) == (896, 4) and _split_k(128, 32, 4, 64) == (64, 2)  # whole chunks
+
+
+def test_weights_use_kernel_layout(tk, tiny_ckpt):
+    # Weights.use_kernel_layout (what the engine runs at build on a GPU): every MoE layer's experts move into the
+    # tiled layout with a checked read-back, the checkpoint-layout stacks are released (meta, no storage), and
+    # nothing observable changes: the Triton GEMMs give the same bits, the fp32 oracle's per-expert weights and
+    # get() of an expert tensor read back the checkpoint's bytes, a cast carries the layout
+    from k3rocm.model.moe import expert_dense_weights
+    from k3rocm.model.weights import load_weights
+    from k3rocm.checkpoint import layout as ck
+
+    w = load_weights(tiny_ckpt)
+    cfg = w.config
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    assert moe, "k3-tiny has MoE layers"
+    i = moe[-1]
+    ew = w.experts(i)
+    E, D = ew.num_experts, ew.in_features
+    g = torch.Generator().manual_seed(2024)
+    T, k = 9, min(4, E)
+    x = torch.randn(T, D, generator=g).to(tk.act_dtype).to(tk.dev)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int().to(tk.dev)
+    wts = torch.rand(T, k, generator=g).to(tk.dev)
+    want = tk.moe.moe_experts(x, ids, wts, ew, config=tk.configs[0])
+    dense = [expert_dense_weights(ew, e) for e in range(E)]
+    raw = {sp.name: w[sp.name].clone() for sp in ck.expert_specs(cfg, i, E - 1)}  # w1 / w2 / w3 values + scales
+    before = w.nbytes()
+
+    # no room: nothing converted, nothing released, and it says why
+    st = w.use_kernel_layout(lambda e: tk.moe.ops.kernel_layout(e, check=True), room=lambda n: False)
+    assert st["layers"] == 0 and "no room" in st["stopped"] and not ew.released and ew.kernel_layout is None
+
+    st = w.use_kernel_layout(lambda e: tk.moe.ops.kernel_layout(e, check=True))
+    assert (st["layers"], st["total"], st["stopped"]) == (len(moe), len(moe), "") and st["bytes"] > 0
+    assert w.experts(i) is ew and ew.released and ew.kernel_layout is not None
+    assert ew.w13_packed.is_meta and ew.w2_scale.is_meta
+    with pytest.raises((NotImplementedError, RuntimeError)):  # a released stack cannot be computed with
+        ew.w13_packed.float().sum().item()
+    got = tk.moe.moe_experts(x, ids, wts, ew, config=tk.configs[0], poison=True)
+    assert torch.equal(got, want), "the tiled layout gives other bits than the checkpoint layout"
+    for e in range(E):
+        a, b = expert_dense_weights(ew, e)
+        assert torch.equal(a, dense[e][0]) and torch.equal(b, dense[e][1]), f"expert {e} reads back wrong"
+    for name, t in raw.items():
+        assert torch.equal(w[name], t), f"{name} reads back wrong from the kernel layout"
+    assert w.nbytes() >= before * 0.5, "the layout's bytes are counted"
+    # converted layers are not converted again; a cast (the engine's copy) keeps layout and released stacks
+    assert w.use_kernel_layout(lambda e: pytest.fail("repacked twice"))["already"] == len(moe)
+    c = w.cast(tk.dev, torch.float32)
+    assert c.experts(i).released and torch.equal(tk.moe.moe_experts(x, ids, wts, c.experts(i), config=tk.configs[0]), want)
+    assert all(torch.equal(c[name], t) for name, t in raw.items())
+    # a sub-range (expert parallelism) slices the layout
+    half = w.experts(i, (ew.first_expert + 1, ew.first_expert + E))
+    assert half.released and half.kernel_layout.w13.num_experts == E - 1
+    assert torch.equal(expert_dense_weights(half, 0)[0], dense[1][0])

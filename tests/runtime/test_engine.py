@@ -423,3 +423,31 @@ def test_engine_runs_kernels_untimed_with_a_static_split_plan(tiny, prompts_and_
     assert {(tq, s, m, mode) for tq, s, m, mode in seen if tq == 1} == {(1, 2, 1100, "first")}
     assert {(s, m, mode) for tq, s, m, mode in seen if tq > 1} == {(1, 1100, "first")}  # 13 tokens > budget 8
     assert _engine(tiny, autotune=True)._tune_mode == "frozen"
+
+
+@pytest.mark.gpu
+def test_engine_gpu_kernel_layout_equals_checkpoint_layout(tiny):
+    """On a GPU with the Triton MoE GEMMs: the engine moves every MoE layer's experts into the tiled kernel
+    layout at build (describe() says so; the checkpoint-layout stacks are released, the caller's mapping is not
+    changed), and greedy tokens and the sampled rows' logits equal bit for bit those of an engine reading the
+    checkpoint layout (kernel_layout=False): the layout is a permutation of the same bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
+    cfg, w = tiny
+    prompts = torch.randint(3, cfg.vocab_size, (6, 7), generator=torch.Generator().manual_seed(77)).tolist()
+    kw = dict(device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16, max_batch=8, max_num_batched_tokens=64,
+              block_size=16, max_model_len=128, record_logits=True)
+    out, logits, notes = {}, {}, {}
+    for lay in (False, True):
+        e = _engine(tiny, kernel_layout=lay, **kw)
+        notes[lay] = e.describe()["moe_weight_layout"]
+        out[lay] = e.generate(prompts, 5)
+        logits[lay] = e.last_logits.clone()
+        if lay:
+            moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+            assert all(e.weights.experts(i).released for i in moe)
+    assert notes[False].startswith("checkpoint layout (kernel_layout=False)"), notes[False]
+    assert notes[True].startswith("tiled MXFP4 layout") and " of " in notes[True], notes[True]
+    assert out[True] == out[False]
+    assert torch.equal(logits[True], logits[False])
+    assert all(not t.is_meta for t in w.values()), "the caller's tensors were released"

@@ -112,7 +112,7 @@ def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
             ew = w.experts(i)
         except CheckpointError:  # a layer this rank does not hold
             continue
-        if not ew.quantized:
+        if not ew.quantized or ew.released:  # released: an engine already moved it (checked read-back there)
             continue
         layers += 1
         for groups, p, sc in ((2, ew.w13_packed, ew.w13_scale), (1, ew.w2_packed, ew.w2_scale)):
