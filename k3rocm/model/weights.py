@@ -347,6 +347,16 @@ class Weights:
         self._experts[key] = out
         return out
 
+    def stack_experts(self) -> None:
+        """Stack every MoE layer whose experts this object holds as separate per-expert tensors (of its whole
+        expert range) into the :class:`ExpertWeights` stacks now (:meth:`experts` does it on first use); the
+        per-expert names become views into the stacks, so the experts are held once."""
+        first = self.expert_range[0]
+        for i in range(self.config.num_hidden_layers):
+            if self.config.is_moe_layer(i) and (i, *self.expert_range) not in self._experts and \
+                    all(sp.name in self._t for sp in layout.expert_specs(self.config, i, first)):
+                self.experts(i)
+
     def cast(self, device: str | torch.device, dtype: torch.dtype) -> "Weights":
         """These weights on ``device`` with their floating-point tensors in ``dtype`` — the engine's copy.
 
@@ -357,11 +367,7 @@ class Weights:
         into its stack: memory is held once).
         """
         dev = torch.device(device)
-        first = self.expert_range[0]
-        for i in range(self.config.num_hidden_layers):  # stack each MoE layer here first: its experts held once
-            if self.config.is_moe_layer(i) and (i, *self.expert_range) not in self._experts and \
-                    all(sp.name in self._t for sp in layout.expert_specs(self.config, i, first)):
-                self.experts(i)
+        self.stack_experts()  # stack each MoE layer here first: its experts held once
 
         def target(name: str, t: torch.Tensor) -> torch.dtype:
             if not t.is_floating_point() or (t.dtype == torch.float32 and keep_fp32(name)):
@@ -425,12 +431,19 @@ class Weights:
             if ew.kernel_layout is not None:
                 out["already"] += 1
                 continue
-            need = 2 * ew.nbytes()  # the tiled copy + one temporary of the repack
+            need = int(1.05 * ew.nbytes()) + (768 << 20)  # the tiled copy (+ padding) and the chunked temporaries
+            why = ""
             if room is not None and not room(need):
-                out["stopped"] = (f"no room on the device for layer {i}'s tiled copy (~{need / 1e9:.2f} GB needed "
-                                  "while the checkpoint layout is held); it and later layers stay in the checkpoint layout")
+                why = f"~{need / 1e9:.2f} GB needed"
+            else:
+                try:
+                    lay = make(ew)
+                except torch.OutOfMemoryError:  # nothing of this layer was released: it stays as it was
+                    why = "out of device memory during the repack"
+            if why:
+                out["stopped"] = (f"no room on the device for layer {i}'s tiled copy ({why} while the checkpoint layout "
+                                  "is held); it and later layers stay in the checkpoint layout")
                 break
-            lay = make(ew)
             for (j, a, b), other in self._experts.items():
                 if j != i:
                     continue

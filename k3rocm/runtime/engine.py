@@ -213,6 +213,8 @@ class Engine:
         # the experts are held once; else after the move)
         src = as_weights(cfg, weights)
         self.layout_note = self._layout_plan(kernel_layout, cfg, on_gpu, cache_budget_bytes)
+        if not self.layout_note and hasattr(src, "stack_experts"):
+            src.stack_experts()  # (the cast would) — so the stacks are found where they lie and converted there
         stats: list[dict] = []
         if not self.layout_note and self._experts_on(src, self.device):
             stats.append(self._to_kernel_layout(src, cache_budget_bytes))

@@ -95,6 +95,16 @@ def fit_tile_k(tile_k: int, k: int) -> int:
     return tk
 
 
+#: bytes of source experts a repack or a check handles at once (bounds their temporaries on the device)
+EXPERT_CHUNK_BYTES = 256 << 20
+
+
+def expert_chunk(packed: torch.Tensor) -> int:
+    """Experts per step of a repack / check: as many as fit :data:`EXPERT_CHUNK_BYTES` of ``packed``, >= 1."""
+    per = max(1, packed[0].numel()) if packed.shape[0] else 1
+    return max(1, EXPERT_CHUNK_BYTES // per)
+
+
 def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n: int, tile_k: int) -> TiledMxfp4:
     """Repack checkpoint-layout MXFP4 ``packed [E, G*N_g, K/2]`` u8 + ``scale [E, G*N_g, K/32]`` u8 into the
     tiled layout, on their device (torch copies only; no host round trip).
@@ -119,14 +129,22 @@ def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n:
     nt = -(-ng // tile_n)
     kt = K // tk
 
-    def tiles(x: torch.Tensor, per_row: int) -> torch.Tensor:  # [E, G*N_g, KT*per_row] -> [E, NT, KT, G*tn*per_row]
-        x = x.reshape(E, groups, ng, kt, per_row)
+    def tiles(x: torch.Tensor, per_row: int) -> torch.Tensor:  # [e, G*N_g, KT*per_row] -> [e, NT, KT, G*tn*per_row]
+        n = x.shape[0]
+        x = x.reshape(n, groups, ng, kt, per_row)
         if nt * tile_n != ng:
             x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nt * tile_n - ng))
-        x = x.reshape(E, groups, nt, tile_n, kt, per_row).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(E, nt, kt, groups * tile_n * per_row)
+        x = x.reshape(n, groups, nt, tile_n, kt, per_row).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(n, nt, kt, groups * tile_n * per_row)
 
-    data = torch.cat([tiles(packed, tk // 2), tiles(scale, tk // 32)], dim=3).contiguous()
+    vb = groups * tile_n * (tk // 2)
+    data = torch.empty(E, nt, kt, vb + groups * tile_n * (tk // 32), dtype=torch.uint8, device=packed.device)
+    # a few experts at a time, so the temporaries stay ~EXPERT_CHUNK_BYTES next to the source and the result
+    step = expert_chunk(packed)
+    for a in range(0, E, step):
+        b = min(E, a + step)
+        data[a:b, ..., :vb] = tiles(packed[a:b], tk // 2)
+        data[a:b, ..., vb:] = tiles(scale[a:b], tk // 32)
     max_scale = int(scale.max()) if scale.numel() else -1  # one reduction + host read, at load only
     if sync:
         torch.cuda.synchronize(packed.device)
@@ -163,15 +181,22 @@ def check_repack(t: TiledMxfp4, packed: torch.Tensor, scale: torch.Tensor) -> di
     Returns ``{"bytes": tiled bytes, "checkpoint_bytes": ..., "repack_s": ...}``.
     Raises ConfigError naming the first mismatching expert when a byte differs.
     """
-    pp, ps = _untile(t)
-    pad_ok = not (pp[:, :, t.rows:].any() or ps[:, :, t.rows:].any())
     E = t.data.shape[0]
-    p = pp[:, :, : t.rows].reshape(E, t.groups * t.rows, -1)
-    s = ps[:, :, : t.rows].reshape(E, t.groups * t.rows, -1)
-    if p.shape != packed.shape or s.shape != scale.shape:
-        raise ConfigError(f"MXFP4 layout check: read back {tuple(p.shape)}/{tuple(s.shape)}, checkpoint "
-                          f"{tuple(packed.shape)}/{tuple(scale.shape)}")
-    bad = ((p != packed).flatten(1).any(1) | (s != scale).flatten(1).any(1)).nonzero()
+    if packed.shape[0] != E or scale.shape[0] != E:
+        raise ConfigError(f"MXFP4 layout check: {E} tiled experts, checkpoint {tuple(packed.shape)}/{tuple(scale.shape)}")
+    pad_ok, bads = True, []
+    step = expert_chunk(packed)
+    for a in range(0, E, step):  # a few experts at a time (bounded temporaries)
+        b = min(E, a + step)
+        pp, ps = _untile(t.experts(a, b))
+        pad_ok = pad_ok and not (pp[:, :, t.rows:].any() or ps[:, :, t.rows:].any())
+        p = pp[:, :, : t.rows].reshape(b - a, t.groups * t.rows, -1)
+        s = ps[:, :, : t.rows].reshape(b - a, t.groups * t.rows, -1)
+        if p.shape[1:] != packed.shape[1:] or s.shape[1:] != scale.shape[1:]:
+            raise ConfigError(f"MXFP4 layout check: read back {tuple(p.shape[1:])}/{tuple(s.shape[1:])} per expert, "
+                              f"checkpoint {tuple(packed.shape[1:])}/{tuple(scale.shape[1:])}")
+        bads.append(((p != packed[a:b]).flatten(1).any(1) | (s != scale[a:b]).flatten(1).any(1)).nonzero() + a)
+    bad = torch.cat(bads) if bads else torch.zeros(0, dtype=torch.long)
     if bad.numel() or not pad_ok:
         first = int(bad[0]) if bad.numel() else -1
         raise ConfigError(f"MXFP4 layout check: tiled bytes differ from the checkpoint (first expert {first}; "

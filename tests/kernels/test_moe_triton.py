@@ -628,6 +628,11 @@ def test_weights_use_kernel_layout(tk, tiny_ckpt):
     st = w.use_kernel_layout(lambda e: tk.moe.ops.kernel_layout(e, check=True), room=lambda n: False)
     assert st["layers"] == 0 and "no room" in st["stopped"] and not ew.released and ew.kernel_layout is None
 
+    def oom(e):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    st = w.use_kernel_layout(oom)
+    assert st["layers"] == 0 and "out of device memory" in st["stopped"] and not ew.released
+
     st = w.use_kernel_layout(lambda e: tk.moe.ops.kernel_layout(e, check=True))
     assert (st["layers"], st["total"], st["stopped"]) == (len(moe), len(moe), "") and st["bytes"] > 0
     assert w.experts(i) is ew and ew.released and ew.kernel_layout is not None

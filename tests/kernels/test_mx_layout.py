@@ -56,3 +56,24 @@ def test_bad_shapes_rejected():
         repack_mxfp4(p, s[:, :16], 2, 16, 64)
     with pytest.raises(ConfigError):
         fit_tile_k(128, 48)
+
+
+@pytest.mark.parametrize("experts_per_step", [1, 2])
+def test_chunked_repack_and_check(monkeypatch, experts_per_step):
+    # repack and check walk the experts a few at a time (bounded device temporaries): any step size gives the same
+    # bytes as one step over all experts, and a changed byte in any step's experts is caught and named
+    import k3rocm.kernels.mx.layout as L
+
+    E, N, K = 5, 2 * 40, 96
+    p, s = _weights(E, N, K, seed=9)
+    whole = repack_mxfp4(p, s, 2, 16, 64)  # 5 small experts: one step
+    monkeypatch.setattr(L, "EXPERT_CHUNK_BYTES", experts_per_step * p[0].numel())
+    assert L.expert_chunk(p) == experts_per_step
+    t = repack_mxfp4(p, s, 2, 16, 64)
+    assert torch.equal(t.data, whole.data)
+    check_repack(t, p, s)
+    for e in (0, E - 1):
+        bad = repack_mxfp4(p, s, 2, 16, 64)
+        bad.data[e].view(-1)[7] ^= 0x10
+        with pytest.raises(ConfigError, match=f"first expert {e}"):
+            check_repack(bad, p, s)
