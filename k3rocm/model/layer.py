@@ -24,7 +24,8 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError, ConfigError
-from k3rocm.model.common import current_matmul_dtype, f32, linear, rms_norm, silu_glu, situ_glu
+from k3rocm.model.common import (current_matmul_dtype, f32, linear, linear_lp, matmul_input, rms_norm, silu_glu,
+                                 situ_glu)
 from k3rocm.model.ops import ORACLE_OPS
 
 __all__ = [
@@ -643,11 +644,24 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         ids, wts = ops["moe_router"](*route)
         given = {}
     latent = cfg.routed_expert_hidden_size is not None
-    xin = linear(x, w(p + "routed_expert_down_proj.weight")) if latent else x
+    mode = mode if cfg.experts_quantized else "a16w4"
+    # x feeds the latent down projection and the shared experts' gate|up: rounded to the matmul dtype once for
+    # both (the router keeps the fp32 x: K3_FACTS §5 step 1)
+    sh = p + "shared_experts."
+    readers = ([w(p + "routed_expert_down_proj.weight")] if latent else []) + (
+        [w(sh + "gate_proj.weight"), w(sh + "up_proj.weight")] if cfg.num_shared_experts else [])
+    xl = matmul_input(x, *readers) if readers else x
+    if latent:
+        # A16W4 experts take bf16 activations: the down projection writes them so (one rounding, as the op's own
+        # cast of an fp32 input would make); A8W4 quantises the fp32 product itself
+        down = w(p + "routed_expert_down_proj.weight")
+        xin = linear_lp(xl, down) if mode == "a16w4" else linear(xl, down)
+    else:
+        xin = x
     act = "situ" if cfg.hidden_act == "situ" else "silu"
-    y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode if cfg.experts_quantized else "a16w4",
+    y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode,
                                beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta, **given))
-    shared = dense_mlp(x, w, p + "shared_experts.", cfg) if cfg.num_shared_experts else None
+    shared = dense_mlp(xl, w, sh, cfg) if cfg.num_shared_experts else None
     if reduce is not None:
         if shared is not None:
             width = y.shape[1]
