@@ -32,6 +32,7 @@ __all__ = [
     "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
     "linears", "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
     "mla_has_output_gate", "dense_mlp", "moe_block", "attn_side", "mlp_side", "final_aggregate",
+    "mixer_input_dtype",
 ]
 
 
@@ -707,10 +708,23 @@ def _slots(state: AttnResState) -> torch.Tensor | None:
     return buf
 
 
+def _normed(ops: Mapping[str, Callable], out_dtype: torch.dtype | None, *args: Any, **kw: Any) -> torch.Tensor:
+    """The normed output of ``attn_res_norm(*args, **kw)``: fp32 (``out_dtype`` None), else in ``out_dtype`` —
+    written so by the op itself where it takes ``out_dtype`` (the Triton kernel stores its fp32 result rounded to
+    nearest even, as ``.to`` rounds), else rounded from its fp32 result."""
+    if out_dtype is not None and _takes(ops["attn_res_norm"], "out_dtype"):
+        x = ops["attn_res_norm"](*args, out_dtype=out_dtype, **kw)[1]
+    else:
+        x = f32(ops["attn_res_norm"](*args, **kw)[1])
+    return x if out_dtype is None else x.to(out_dtype)
+
+
 def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: torch.Tensor,
-                    norm_weight: torch.Tensor, eps: float, write: bool = False) -> torch.Tensor:
+                    norm_weight: torch.Tensor, eps: float, write: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``attn_res_norm`` over ``[bank rows..., prefix]`` followed by the RMSNorm of ``norm_weight``; returns the
-    normed ``[T, D]`` fp32. On a write layer the prefix also becomes the next bank row.
+    normed ``[T, D]`` fp32 (or in ``out_dtype``, see :func:`attn_side`). On a write layer the prefix also becomes
+    the next bank row.
 
     When the rows are slots of one storage (:func:`_slots`) the op reads them in place and, on a write layer,
     stores the prefix into the next slot itself (one launch in all); otherwise the sources are stacked and the
@@ -718,20 +732,60 @@ def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: to
     buf = _slots(state)
     k = len(state.bank)
     if buf is not None and (not write or k < buf.shape[0] - 1):
-        _h, x = ops["attn_res_norm"](buf, k, state.prefix, weight, norm_weight, eps, append=write)
+        x = _normed(ops, out_dtype, buf, k, state.prefix, weight, norm_weight, eps, append=write)
         if write:
             state.bank.append(buf[k])
-        return f32(x)
-    _h, x = ops["attn_res_norm"](torch.stack(state.bank + [state.prefix]), k, state.prefix, weight, norm_weight, eps)
+        return x
+    x = _normed(ops, out_dtype, torch.stack(state.bank + [state.prefix]), k, state.prefix, weight, norm_weight, eps)
     if write:
         state.bank.append(state.prefix)
-    return f32(x)
+    return x
+
+
+def _mixer_readers(w: WeightView, layer: int, cfg: K3Config, side: str) -> list[str] | None:
+    """Model-relative names of the weights that read layer ``layer``'s mixer input on ``side`` (``"attn"``:
+    the token mixer's projections; ``"mlp"``: the dense MLP's gate|up), or None where something reads it in
+    fp32 (the MoE router, K3_FACTS §5 step 1)."""
+    p = f"layers.{layer}."
+    if side == "mlp":
+        return None if cfg.is_moe_layer(layer) else [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    a = p + "self_attn."
+    if cfg.layer_type(layer) == "kda":
+        g = "g_proj" if cfg.family == "k3" else "g_a_proj"
+        return [a + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", g, "b_proj", "f_a_proj")]
+    names = [a + ("q_a_proj.weight" if cfg.q_lora_rank else "q_proj.weight"), a + "kv_a_proj_with_mqa.weight"]
+    return names + ([a + "g_proj.weight"] if mla_has_output_gate(cfg) else [])
+
+
+def mixer_input_dtype(w: WeightView, layer: int, cfg: K3Config, side: str) -> torch.dtype | None:
+    """The dtype the AttnRes side of layer ``layer`` writes its normed output in (``side`` ``"attn"`` or
+    ``"mlp"``): the :func:`~k3rocm.model.common.matmul_dtype` scope's dtype when every weight reading that
+    mixer input is stored in it (each such :func:`~k3rocm.model.common.linear` rounds its input to that dtype
+    anyway, so rounding once where it is made gives the same products); None (fp32) outside a scope (the
+    oracle), for a MoE layer's MLP side (its router reads the fp32 input) or when a reader is stored in another
+    dtype. ``cfg`` is the config the mixers see.
+
+    Raises:
+        ConfigError: ``side`` is neither ``"attn"`` nor ``"mlp"``.
+        CheckpointError: a reader weight is missing.
+    """
+    if side not in ("attn", "mlp"):
+        raise ConfigError(f"mixer_input_dtype: side {side!r} is not 'attn' or 'mlp'")
+    dt = current_matmul_dtype()
+    if dt is None:
+        return None
+
+    def decide() -> bool:
+        names = _mixer_readers(w, layer, cfg, side)
+        return names is not None and all(w(n).dtype == dt for n in names)
+    return dt if w.derived(f"in_dtype:{side}:{layer}:{dt}", decide) else None
 
 
 def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
-              ops: Mapping[str, Callable]) -> torch.Tensor:
+              ops: Mapping[str, Callable], out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention side of layer ``layer``: aggregation, then ``input_layernorm`` (``norm_weight``); returns the
-    token-mixer input ``[T, D]`` fp32.
+    token-mixer input ``[T, D]`` fp32, or in ``out_dtype`` (:func:`mixer_input_dtype`: the low-precision path,
+    where every projection reading it rounds it to that dtype anyway; the bank and prefix stay fp32).
 
     Layer 0 aggregates its one source (the embedding passes through: softmax over one source is 1). On a write
     layer (``i % attn_res_block_size == 0``) the pre-attention prefix becomes a new bank row and the prefix
@@ -743,20 +797,21 @@ def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight
     if write and not state.bank and cfg.num_attn_res_bank_rows > 0:
         # the first write layer: one storage for every bank row of this forward (+ one spare slot)
         buf = state.prefix.new_empty(cfg.num_attn_res_bank_rows + 1, *state.prefix.shape)
-        x = f32(ops["attn_res_norm"](buf, 0, state.prefix, weight, norm_weight, cfg.rms_norm_eps, append=True)[1])
+        x = _normed(ops, out_dtype, buf, 0, state.prefix, weight, norm_weight, cfg.rms_norm_eps, append=True)
         state.bank.append(buf[0])
     else:
-        x = _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, write)
+        x = _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, write, out_dtype)
     if write:
-        state.prefix = torch.zeros_like(x)
+        state.prefix = torch.zeros_like(state.prefix)
     return x
 
 
 def mlp_side(state: AttnResState, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
-             ops: Mapping[str, Callable]) -> torch.Tensor:
+             ops: Mapping[str, Callable], out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """MLP side: aggregation over bank rows + prefix (which now holds this layer's attention output), then
-    ``post_attention_layernorm`` (``norm_weight``); returns the channel-mixer input ``[T, D]`` fp32."""
-    return _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps)
+    ``post_attention_layernorm`` (``norm_weight``); returns the channel-mixer input ``[T, D]`` fp32, or in
+    ``out_dtype`` (:func:`mixer_input_dtype`)."""
+    return _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, out_dtype=out_dtype)
 
 
 def final_aggregate(state: AttnResState, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
