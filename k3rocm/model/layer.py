@@ -32,7 +32,7 @@ __all__ = [
     "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
     "linears", "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
     "mla_has_output_gate", "dense_mlp", "moe_block", "attn_side", "mlp_side", "final_aggregate",
-    "mixer_input_dtype",
+    "mla_row_slots", "mixer_input_dtype",
 ]
 
 
@@ -106,6 +106,11 @@ class WeightView:
     def experts(self, layer: int) -> Any:
         """Routed experts of MoE layer ``layer`` (``ExpertWeights``: this source's expert range)."""
         return self.source.experts(layer)
+
+    @property
+    def memoises(self) -> bool:
+        """Whether this view keeps derived tensors (the engine's view; the oracle's does not)."""
+        return self._memo is not None
 
     def derived(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` — kept under ``key`` when this view memoises (see ``memo``), else computed each call."""
@@ -419,11 +424,17 @@ def kda_prefill_core(a: dict[str, Any], w: WeightView, layer: int, cfg: K3Config
 
 
 def mla_kv_split(w: WeightView, layer: int, cfg: K3Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj`` [H*(Dn+Dv), R] -> (w_kc [H, Dn, R], w_vc [H, R, Dv]) fp32 for the absorbed decode
-    (K3_FACTS §3, DeepSeek absorption); kept by a memoising :class:`WeightView` (the engine's)."""
+    """``kv_b_proj`` [H*(Dn+Dv), R] -> (w_kc [H, Dn, R], w_vc [H, R, Dv]) contiguous, for the absorbed decode
+    (K3_FACTS §3, DeepSeek absorption): fp32 for the oracle's view; kept once, in the stored dtype, by a
+    memoising :class:`WeightView` (the engine's: its decode kernel multiplies in the bf16 cache's dtype, so a
+    widened copy was narrowed back on every call, two casts per MLA layer per step; the stored values are the
+    same numbers, and the oracle op widens them)."""
+    keep = w.memoises
+
     def split() -> tuple[torch.Tensor, torch.Tensor]:
         H, Dn, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        kvb = f32(w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(H, Dn + Dv, cfg.kv_lora_rank)
+        kvb = w(f"layers.{layer}.self_attn.kv_b_proj.weight")
+        kvb = (kvb if keep else f32(kvb)).view(H, Dn + Dv, cfg.kv_lora_rank)
         return kvb[:, :Dn, :].contiguous(), kvb[:, Dn:, :].transpose(1, 2).contiguous()
     return w.derived(f"kv_split.{layer}", split)
 
@@ -443,7 +454,9 @@ def mla_project(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> tu
     else:
         q = qa
     latent = rms_norm(ckv[:, :R], w.f32(p + "kv_a_layernorm.weight"), eps)
-    return q.reshape(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
+    # k_rope stays a column view of the projection (row stride R + Dr): the cache write and the prefill read rows
+    # by stride, so a contiguous copy bought nothing
+    return q.reshape(x.shape[0], H, Dn + Dr), latent, ckv[:, R:]
 
 
 def mla_output(o: torch.Tensor, x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> torch.Tensor:
@@ -458,38 +471,63 @@ def mla_output(o: torch.Tensor, x: torch.Tensor, w: WeightView, layer: int, cfg:
 
 def mla_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
                     kv_cache: torch.Tensor, slot_ids: torch.Tensor, pos: torch.Tensor, block_rows: torch.Tensor,
-                    **decode_kw: Any) -> torch.Tensor:
+                    row_slots: tuple[torch.Tensor, torch.Tensor] | None = None, **decode_kw: Any) -> torch.Tensor:
     """Gated MLA token mixer for one token per row, all on the device (graph-capturable): write the token's
     latent + k_rope into its paged slot (``mla_cache_write``), then absorbed ``mla_decode`` (K3_FACTS §5).
 
     Args:
-        x: ``[N, hidden]`` after ``input_layernorm``.
+        x: ``[N, hidden]`` after ``input_layernorm`` (fp32, or already in the matmul scope's dtype).
         kv_cache: ``[blocks, block_size, R + Dr]`` paged latent cache of ``layer``.
         slot_ids: ``[N]`` int; −1 = padding row (writes nothing, context 0: the ops skip it).
         pos: ``[N]`` int64 tokens cached before this one. block_rows: ``[N, blocks_per_seq]`` int32.
+        row_slots: :func:`mla_row_slots` of these rows, when the caller made it once for every MLA layer of the
+            step (None: made here).
         decode_kw: passed to ``mla_decode`` (static bounds under graph capture).
     """
     q, latent, k_rope = mla_project(x, w, layer, cfg)
-    o = mla_decode_core(q, latent, k_rope, w, layer, cfg, ops, kv_cache, slot_ids, pos, block_rows, **decode_kw)
+    o = mla_decode_core(q, latent, k_rope, w, layer, cfg, ops, kv_cache, slot_ids, pos, block_rows,
+                        row_slots=row_slots, **decode_kw)
     return mla_output(o, x, w, layer, cfg)
+
+
+def mla_row_slots(slot_ids: torch.Tensor, pos: torch.Tensor, block_rows: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where N decode rows go in the paged latent cache: ``(slot_mapping [N] int64, context_lens [N] int32)`` —
+    the flat cache slot of each row's token (its block from ``block_rows`` at ``pos // block_size``; −1 for a
+    padding row) and its context length after the write (``pos + 1``; 0 for a padding row).
+
+    The same for every MLA layer of a step (one paged layout), so a step makes it once: a dozen small device ops
+    (~2 us each on an H200) per MLA layer otherwise. All on the device, graph-capturable.
+
+    Args:
+        slot_ids: ``[N]`` int; −1 = padding. pos: ``[N]`` int64 tokens cached before this one.
+        block_rows: ``[N, blocks_per_seq]`` int. block_size: tokens per cache block.
+    """
+    valid = slot_ids >= 0
+    col = torch.clamp(pos // block_size, max=block_rows.shape[1] - 1).unsqueeze(1)
+    blk = block_rows.to(torch.int64).gather(1, col).squeeze(1)
+    slot_mapping = torch.where(valid, blk * block_size + pos % block_size, torch.full_like(pos, -1))
+    ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
+    return slot_mapping, ctx
 
 
 def mla_decode_core(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w: WeightView, layer: int,
                     cfg: K3Config, ops: Mapping[str, Callable], kv_cache: torch.Tensor, slot_ids: torch.Tensor,
-                    pos: torch.Tensor, block_rows: torch.Tensor, **decode_kw: Any) -> torch.Tensor:
+                    pos: torch.Tensor, block_rows: torch.Tensor,
+                    row_slots: tuple[torch.Tensor, torch.Tensor] | None = None, **decode_kw: Any) -> torch.Tensor:
     """The cache part of :func:`mla_decode_rows` on :func:`mla_project`'s outputs of N rows (one token each):
     write each row's latent + k_rope into its paged slot, then absorbed ``mla_decode``. Returns ``[N, H*Dv]``
-    (``q``'s dtype), the gate's input; padding rows (slot −1) write nothing and give zeros."""
+    (``q``'s dtype), the gate's input; padding rows (slot −1) write nothing and give zeros. ``row_slots``:
+    :func:`mla_row_slots` of the rows, made once per step by the caller (None: made here)."""
     Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    bs = kv_cache.shape[1]
-    valid = slot_ids >= 0
-    col = torch.clamp(pos // bs, max=block_rows.shape[1] - 1).unsqueeze(1)
-    blk = block_rows.to(torch.int64).gather(1, col).squeeze(1)
-    slot_mapping = torch.where(valid, blk * bs + pos % bs, torch.full_like(pos, -1))
+    if row_slots is None:
+        row_slots = mla_row_slots(slot_ids, pos, block_rows, kv_cache.shape[1])
+    slot_mapping, ctx = row_slots
     ops["mla_cache_write"](kv_cache, slot_mapping, latent, k_rope)
-    ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
     w_kc, w_vc = mla_kv_split(w, layer, cfg)
-    o = ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(), kv_cache,
+    # q_nope / q_rope as views of q (the decode reads them by stride and narrows q_nope for its absorption GEMM
+    # itself): a contiguous copy of each cost two copy kernels per MLA layer per step
+    o = ops["mla_decode"](q[..., :Dn].unsqueeze(1), q[..., Dn:].unsqueeze(1), kv_cache,
                           block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5, **decode_kw)
     return o.reshape(q.shape[0], -1)
 

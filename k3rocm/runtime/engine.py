@@ -49,7 +49,7 @@ from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
 from k3rocm.model.decoder import Decoder, Parallel
 from k3rocm.model.layer import (Batch, WeightView, _kda_inputs, kda_decode_core, kda_decode_rows, kda_input_rows,
                                 kda_mixer, kda_output, kda_prefill_core, mla_decode_core, mla_decode_rows, mla_mixer,
-                                mla_output, mla_prefill_core, mla_project)
+                                mla_output, mla_prefill_core, mla_project, mla_row_slots)
 from k3rocm.model.weights import as_weights
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -377,14 +377,18 @@ class Engine:
         model's mixers on the paged view (``short_conv`` + ``kda_prefill`` from the slot's state; ``mla_prefill``
         for fresh sequences, per-chunk absorbed ``mla_decode`` when a chunk continues a cached context)."""
         cfg, mcfg, w, ops = self.cfg, self.dec.mixer_cfg, self.w, self.ops
+        made: dict = {}  # the decode rows' cache slots, made in the first MLA layer for every MLA layer of the step
 
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
             parts = []
             if nd:
                 xd = x[:nd]
                 if cfg.layer_type(i) != "kda":
+                    if "slots" not in made:
+                        made["slots"] = mla_row_slots(dec["slot_ids"], dec["pos"], dec["block_rows"],
+                                                      self.mla.kv_cache[i].shape[1])
                     parts.append(mla_decode_rows(xd, w, i, mcfg, ops, self.mla.kv_cache[i], dec["slot_ids"], dec["pos"],
-                                                 dec["block_rows"]))
+                                                 dec["block_rows"], row_slots=made["slots"]))
                 elif cfg.family == "k3":
                     parts.append(kda_decode_rows(xd, w, i, mcfg, ops, self.kda.conv[i], self.kda.state[i],
                                                  dec["slot_ids"]))
@@ -760,7 +764,7 @@ class Engine:
             return a, kda_decode_core(a, mcfg, ops, self.kda.conv[i], self.kda.state[i], meta["slot_ids"])
         q, latent, k_rope = mla_project(x, w, i, mcfg)
         o = mla_decode_core(q, latent, k_rope, w, i, mcfg, ops, self.mla.kv_cache[i], meta["slot_ids"], meta["pos"],
-                            meta["block_rows"])
+                            meta["block_rows"], row_slots=meta.get("row_slots"))
         return (q, latent, k_rope), o
 
     def _mixer_chunks(self, i: int, inputs: Any, nd: int, t: int, pre: Batch) -> torch.Tensor:
@@ -797,9 +801,14 @@ class Engine:
         made: dict = {}  # the decode-row tensors of each row count, made once for every layer
 
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
-            m = meta if meta is not None else made.get(x.shape[0])
+            n = x.shape[0]
+            m = made.get(n)
             if m is None:
-                m = made[x.shape[0]] = self._padded_meta(dec, nd, x.shape[0])
+                m = made[n] = dict(meta if meta is not None else self._padded_meta(dec, nd, n))
+            if self.cfg.layer_type(i) != "kda" and "row_slots" not in m:
+                # the rows' MLA cache slots: the same in every MLA layer, made once per forward from the (static)
+                # decode-row tensors, so a captured piece recomputes them at each replay
+                m["row_slots"] = mla_row_slots(m["slot_ids"], m["pos"], m["block_rows"], self.mla.kv_cache[i].shape[1])
             inputs, o = self._mixer_rows(i, x, m)
             if cut is not None:
                 cut(i, inputs, o)
