@@ -403,7 +403,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
                  sample_rows: torch.Tensor, mix: Any = None) -> torch.Tensor:
         """Run all layers on flat ``ids [T]`` (first ``nd`` = decode rows) and return this rank's logits slice
-        ``[len(sample_rows), V_local]`` fp32 of the sampled rows (the whole vocabulary on one rank).
+        ``[len(sample_rows), V_local]`` fp32 of the sampled rows (the whole vocabulary on one rank); ``sample_rows``
+        None: every row, ``[T, V_local]``.
 
         ``dec``: ``slot_ids [nd] int32``, ``pos [nd] int64`` (tokens cached before), ``block_rows [nd, nb]``.
         ``pre``: the prefill chunks' :class:`Batch` over the paged view, or None.
@@ -514,7 +515,11 @@ class Engine:
                 out = self._graph_mixed(ids, nd, dec, pre, sample_rows)
         used_graph = out is not None
         if out is None:
-            logits = self._forward(ids, nd, dec, pre, self._to_dev(torch.tensor(sample_rows, dtype=torch.int64)))
+            # a decode-only step samples every row: no row selection (the final AttnRes then reads the bank rows in
+            # place instead of gathering each of them)
+            every = pre is None and sample_rows == list(range(nd))
+            logits = self._forward(ids, nd, dec, pre,
+                                   None if every else self._to_dev(torch.tensor(sample_rows, dtype=torch.int64)))
             tokens = self.par.greedy(logits) if sample_rows else None
         else:
             tokens, logits = out
@@ -705,19 +710,18 @@ class Engine:
               "block_rows": torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=dev)}
         # every tensor the graph reads but did not allocate during capture must live as long as the graph: a
         # buffer freed after capture goes back to the caching allocator, and replays read whatever reuses it
-        # (here: the sampled-row indices of the final AttnRes gather)
-        st["rows"] = rows = torch.arange(size, device=dev)
+        # (the step samples every row: no sampled-row indices, the final AttnRes reads the bank rows in place)
         try:
             s = torch.cuda.Stream(device=dev)
             s.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(s):  # warm-up on padding only (writes nothing)
-                self._forward(st["ids"], size, st, None, rows)
+                self._forward(st["ids"], size, st, None, None)
             torch.cuda.current_stream(dev).wait_stream(s)
             graph = torch.cuda.CUDAGraph()
             stats = self.par.stats
             before = stats.snapshot() if stats is not None else {}
             with torch.cuda.graph(graph):
-                st["logits"] = self._forward(st["ids"], size, st, None, rows)
+                st["logits"] = self._forward(st["ids"], size, st, None, None)
                 st["tokens"] = self.par.greedy(st["logits"])  # sampling on the device, inside the graph
             # the collectives captured into the graph: what every replay issues
             st["comm"] = stats.delta(stats.snapshot(), before) if stats is not None else {}
