@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from k3rocm.errors import ConfigError
 
-__all__ = ["f32", "rms_norm", "l2_norm", "situ_glu", "silu_glu", "softplus", "linear", "matmul_dtype",
-           "current_matmul_dtype", "fp32_out_supported", "MATMUL_DTYPES"]
+__all__ = ["f32", "rms_norm", "l2_norm", "situ_glu", "silu_glu", "softplus", "linear", "linear_lp", "matmul_input",
+           "matmul_dtype", "current_matmul_dtype", "fp32_out_supported", "MATMUL_DTYPES"]
 
 # dtypes a matmul_dtype context accepts (None = off: fp32 math)
 MATMUL_DTYPES = (torch.bfloat16, torch.float16)
@@ -156,6 +156,50 @@ def fp32_out_supported(device: torch.device | str) -> bool:
     return ok
 
 
+def matmul_input(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """``x`` as :func:`linear` would multiply it with each of ``weights``: rounded once to the
+    :func:`matmul_dtype` scope's dtype when every weight is stored in it (the low-precision path), else ``x``
+    itself (fp32 math, the oracle: unchanged, no copy).
+
+    Rounding an input that feeds several projections once, and passing the result to each :func:`linear`,
+    gives bit for bit the products of rounding it per projection (``.to`` of a tensor already in the dtype is
+    free), one cast kernel instead of one per projection.
+
+    Args:
+        x: ``[..., in]`` any float dtype. weights: ``[out_i, in]`` each (at least one).
+    Returns:
+        ``x`` (same tensor) or a new ``[..., in]`` tensor of the scope's dtype.
+    Raises:
+        ConfigError: no weight given.
+    """
+    if not weights:
+        raise ConfigError("matmul_input: name the weights that read x (at least one)")
+    dt = _MATMUL_DTYPE.get()
+    if dt is None or any(w.dtype != dt for w in weights):
+        return x
+    return x.to(dt)
+
+
+def linear_lp(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` for a consumer that rounds its input to the :func:`matmul_dtype` scope's dtype anyway:
+    inside the scope (weight stored in its dtype ``d``) the product comes out in ``d``, fp32 accumulation rounded
+    once to ``d`` by the GEMM itself, instead of an fp32 product and a separate cast; elsewhere exactly
+    :func:`linear` (fp32). x ``[..., in]``, weight ``[out, in]`` -> ``[..., out]``.
+
+    On the CPU this is bit for bit ``linear(x, weight).to(d)`` (the CPU product is ``d`` already). On a GPU the
+    GEMM rounds its fp32 accumulators to nearest even as ``.to(d)`` does, so it equals that expression unless
+    the BLAS sums in another order for a ``d`` output than for an fp32 one (a split-K kernel, whose partial sums
+    torch lets cuBLAS keep in ``d``: ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``) —
+    a difference of the order of one rounding to ``d``, the rounding the consumer applies anyway.
+    """
+    dt = _MATMUL_DTYPE.get()
+    if dt is None or weight.dtype != dt:
+        return linear(x, weight)
+    lead = x.shape[:-1]
+    y = F.linear(x.reshape(-1, x.shape[-1]).to(dt), weight)
+    return y.reshape(*lead, weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)``, returned fp32. x ``[..., in]``, weight ``[out, in]`` (HF layout) -> ``[..., out]``.
 
@@ -167,7 +211,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32. On CUDA/ROCm the product is written in fp32 by ``torch.mm(..., out_dtype=torch.float32)`` when the
     backend supports it (:func:`fp32_out_supported`), so it is not rounded to ``d``; elsewhere (CPU, older
     torch) the ``d`` product is widened, i.e. rounded once to ``d`` (relative error <= 2^-8 for bf16).
-    ``bias`` is added in fp32.
+    ``bias`` is added in fp32. An ``x`` already in ``d`` (:func:`matmul_input`) is used as is: no cast.
     """
     dt = _MATMUL_DTYPE.get()
     if dt is None or weight.dtype != dt:

@@ -36,7 +36,7 @@ from k3rocm.errors import ConfigError
 from k3rocm.model.attnres import fold_res_weight
 from k3rocm.model.common import f32, linear, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate, local_config,
-                                mlp_side, moe_block)
+                                mixer_input_dtype, mlp_side, moe_block)
 
 __all__ = ["Parallel", "LayerState", "Decoder", "Mixer"]
 
@@ -199,7 +199,10 @@ class Decoder:
         Raises ConfigError when called out of order."""
         self._order(i, state, False, "run_attn")
         nw = self.w(f"layers.{i}.input_layernorm.weight")
-        x = (attn_side(state.res, i, self.res_weight(f"layers.{i}.self_attention_res"), nw, self.cfg, self.ops)
+        # on the low-precision path the AttnRes side writes the mixer input in the matmul dtype, which every
+        # projection reading it rounds to anyway (layer.mixer_input_dtype); the oracle's stays fp32
+        x = (attn_side(state.res, i, self.res_weight(f"layers.{i}.self_attention_res"), nw, self.cfg, self.ops,
+                       out_dtype=mixer_input_dtype(self.w, i, self.mixer_cfg, "attn"))
              if self.attn_res else rms_norm(state.hidden, nw, self.cfg.rms_norm_eps))
         a = mix(i, x)
         self._add(state, f"layer{i:02d}.attn_out", self.par.reduce(a, "attn"))
@@ -211,8 +214,9 @@ class Decoder:
         added (recorded as ``layerNN.mlp_out``). Raises ConfigError when called out of order."""
         self._order(i, state, True, "run_mlp")
         nw = self.w(f"layers.{i}.post_attention_layernorm.weight")
-        x = (mlp_side(state.res, self.res_weight(f"layers.{i}.mlp_res"), nw, self.cfg, self.ops) if self.attn_res
-             else rms_norm(state.hidden, nw, self.cfg.rms_norm_eps))
+        x = (mlp_side(state.res, self.res_weight(f"layers.{i}.mlp_res"), nw, self.cfg, self.ops,
+                      out_dtype=mixer_input_dtype(self.w, i, self.mixer_cfg, "mlp"))
+             if self.attn_res else rms_norm(state.hidden, nw, self.cfg.rms_norm_eps))
         m = self.channel(i, x)
         self._add(state, f"layer{i:02d}.mlp_out", m)
         state.mid = False

@@ -24,13 +24,15 @@ import torch
 
 from k3rocm.config import K3Config
 from k3rocm.errors import CheckpointError, ConfigError
-from k3rocm.model.common import current_matmul_dtype, f32, linear, rms_norm, silu_glu, situ_glu
+from k3rocm.model.common import (current_matmul_dtype, f32, linear, linear_lp, matmul_input, rms_norm, silu_glu,
+                                 situ_glu)
 from k3rocm.model.ops import ORACLE_OPS
 
 __all__ = [
     "resolve_ops", "WeightView", "Batch", "K3Cache", "AttnResState", "local_config",
     "linears", "kda_mixer", "kda_decode_rows", "mla_mixer", "mla_decode_rows", "mla_project", "mla_output", "mla_kv_split",
     "mla_has_output_gate", "dense_mlp", "moe_block", "attn_side", "mlp_side", "final_aggregate",
+    "mla_row_slots", "mixer_input_dtype",
 ]
 
 
@@ -104,6 +106,11 @@ class WeightView:
     def experts(self, layer: int) -> Any:
         """Routed experts of MoE layer ``layer`` (``ExpertWeights``: this source's expert range)."""
         return self.source.experts(layer)
+
+    @property
+    def memoises(self) -> bool:
+        """Whether this view keeps derived tensors (the engine's view; the oracle's does not)."""
+        return self._memo is not None
 
     def derived(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` — kept under ``key`` when this view memoises (see ``memo``), else computed each call."""
@@ -417,11 +424,17 @@ def kda_prefill_core(a: dict[str, Any], w: WeightView, layer: int, cfg: K3Config
 
 
 def mla_kv_split(w: WeightView, layer: int, cfg: K3Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj`` [H*(Dn+Dv), R] -> (w_kc [H, Dn, R], w_vc [H, R, Dv]) fp32 for the absorbed decode
-    (K3_FACTS §3, DeepSeek absorption); kept by a memoising :class:`WeightView` (the engine's)."""
+    """``kv_b_proj`` [H*(Dn+Dv), R] -> (w_kc [H, Dn, R], w_vc [H, R, Dv]) contiguous, for the absorbed decode
+    (K3_FACTS §3, DeepSeek absorption): fp32 for the oracle's view; kept once, in the stored dtype, by a
+    memoising :class:`WeightView` (the engine's: its decode kernel multiplies in the bf16 cache's dtype, so a
+    widened copy was narrowed back on every call, two casts per MLA layer per step; the stored values are the
+    same numbers, and the oracle op widens them)."""
+    keep = w.memoises
+
     def split() -> tuple[torch.Tensor, torch.Tensor]:
         H, Dn, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        kvb = f32(w(f"layers.{layer}.self_attn.kv_b_proj.weight")).view(H, Dn + Dv, cfg.kv_lora_rank)
+        kvb = w(f"layers.{layer}.self_attn.kv_b_proj.weight")
+        kvb = (kvb if keep else f32(kvb)).view(H, Dn + Dv, cfg.kv_lora_rank)
         return kvb[:, :Dn, :].contiguous(), kvb[:, Dn:, :].transpose(1, 2).contiguous()
     return w.derived(f"kv_split.{layer}", split)
 
@@ -441,7 +454,9 @@ def mla_project(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> tu
     else:
         q = qa
     latent = rms_norm(ckv[:, :R], w.f32(p + "kv_a_layernorm.weight"), eps)
-    return q.reshape(x.shape[0], H, Dn + Dr), latent, ckv[:, R:].contiguous()
+    # k_rope stays a column view of the projection (row stride R + Dr): the cache write and the prefill read rows
+    # by stride, so a contiguous copy bought nothing
+    return q.reshape(x.shape[0], H, Dn + Dr), latent, ckv[:, R:]
 
 
 def mla_output(o: torch.Tensor, x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config) -> torch.Tensor:
@@ -456,38 +471,63 @@ def mla_output(o: torch.Tensor, x: torch.Tensor, w: WeightView, layer: int, cfg:
 
 def mla_decode_rows(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
                     kv_cache: torch.Tensor, slot_ids: torch.Tensor, pos: torch.Tensor, block_rows: torch.Tensor,
-                    **decode_kw: Any) -> torch.Tensor:
+                    row_slots: tuple[torch.Tensor, torch.Tensor] | None = None, **decode_kw: Any) -> torch.Tensor:
     """Gated MLA token mixer for one token per row, all on the device (graph-capturable): write the token's
     latent + k_rope into its paged slot (``mla_cache_write``), then absorbed ``mla_decode`` (K3_FACTS §5).
 
     Args:
-        x: ``[N, hidden]`` after ``input_layernorm``.
+        x: ``[N, hidden]`` after ``input_layernorm`` (fp32, or already in the matmul scope's dtype).
         kv_cache: ``[blocks, block_size, R + Dr]`` paged latent cache of ``layer``.
         slot_ids: ``[N]`` int; −1 = padding row (writes nothing, context 0: the ops skip it).
         pos: ``[N]`` int64 tokens cached before this one. block_rows: ``[N, blocks_per_seq]`` int32.
+        row_slots: :func:`mla_row_slots` of these rows, when the caller made it once for every MLA layer of the
+            step (None: made here).
         decode_kw: passed to ``mla_decode`` (static bounds under graph capture).
     """
     q, latent, k_rope = mla_project(x, w, layer, cfg)
-    o = mla_decode_core(q, latent, k_rope, w, layer, cfg, ops, kv_cache, slot_ids, pos, block_rows, **decode_kw)
+    o = mla_decode_core(q, latent, k_rope, w, layer, cfg, ops, kv_cache, slot_ids, pos, block_rows,
+                        row_slots=row_slots, **decode_kw)
     return mla_output(o, x, w, layer, cfg)
+
+
+def mla_row_slots(slot_ids: torch.Tensor, pos: torch.Tensor, block_rows: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where N decode rows go in the paged latent cache: ``(slot_mapping [N] int64, context_lens [N] int32)`` —
+    the flat cache slot of each row's token (its block from ``block_rows`` at ``pos // block_size``; −1 for a
+    padding row) and its context length after the write (``pos + 1``; 0 for a padding row).
+
+    The same for every MLA layer of a step (one paged layout), so a step makes it once: a dozen small device ops
+    (~2 us each on an H200) per MLA layer otherwise. All on the device, graph-capturable.
+
+    Args:
+        slot_ids: ``[N]`` int; −1 = padding. pos: ``[N]`` int64 tokens cached before this one.
+        block_rows: ``[N, blocks_per_seq]`` int. block_size: tokens per cache block.
+    """
+    valid = slot_ids >= 0
+    col = torch.clamp(pos // block_size, max=block_rows.shape[1] - 1).unsqueeze(1)
+    blk = block_rows.to(torch.int64).gather(1, col).squeeze(1)
+    slot_mapping = torch.where(valid, blk * block_size + pos % block_size, torch.full_like(pos, -1))
+    ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
+    return slot_mapping, ctx
 
 
 def mla_decode_core(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w: WeightView, layer: int,
                     cfg: K3Config, ops: Mapping[str, Callable], kv_cache: torch.Tensor, slot_ids: torch.Tensor,
-                    pos: torch.Tensor, block_rows: torch.Tensor, **decode_kw: Any) -> torch.Tensor:
+                    pos: torch.Tensor, block_rows: torch.Tensor,
+                    row_slots: tuple[torch.Tensor, torch.Tensor] | None = None, **decode_kw: Any) -> torch.Tensor:
     """The cache part of :func:`mla_decode_rows` on :func:`mla_project`'s outputs of N rows (one token each):
     write each row's latent + k_rope into its paged slot, then absorbed ``mla_decode``. Returns ``[N, H*Dv]``
-    (``q``'s dtype), the gate's input; padding rows (slot −1) write nothing and give zeros."""
+    (``q``'s dtype), the gate's input; padding rows (slot −1) write nothing and give zeros. ``row_slots``:
+    :func:`mla_row_slots` of the rows, made once per step by the caller (None: made here)."""
     Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    bs = kv_cache.shape[1]
-    valid = slot_ids >= 0
-    col = torch.clamp(pos // bs, max=block_rows.shape[1] - 1).unsqueeze(1)
-    blk = block_rows.to(torch.int64).gather(1, col).squeeze(1)
-    slot_mapping = torch.where(valid, blk * bs + pos % bs, torch.full_like(pos, -1))
+    if row_slots is None:
+        row_slots = mla_row_slots(slot_ids, pos, block_rows, kv_cache.shape[1])
+    slot_mapping, ctx = row_slots
     ops["mla_cache_write"](kv_cache, slot_mapping, latent, k_rope)
-    ctx = torch.where(valid, pos + 1, torch.zeros_like(pos)).to(torch.int32)
     w_kc, w_vc = mla_kv_split(w, layer, cfg)
-    o = ops["mla_decode"](q[..., :Dn].unsqueeze(1).contiguous(), q[..., Dn:].unsqueeze(1).contiguous(), kv_cache,
+    # q_nope / q_rope as views of q (the decode reads them by stride and narrows q_nope for its absorption GEMM
+    # itself): a contiguous copy of each cost two copy kernels per MLA layer per step
+    o = ops["mla_decode"](q[..., :Dn].unsqueeze(1), q[..., Dn:].unsqueeze(1), kv_cache,
                           block_rows, ctx, w_kc, w_vc, (Dn + Dr) ** -0.5, **decode_kw)
     return o.reshape(q.shape[0], -1)
 
@@ -643,11 +683,24 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
         ids, wts = ops["moe_router"](*route)
         given = {}
     latent = cfg.routed_expert_hidden_size is not None
-    xin = linear(x, w(p + "routed_expert_down_proj.weight")) if latent else x
+    mode = mode if cfg.experts_quantized else "a16w4"
+    # x feeds the latent down projection and the shared experts' gate|up: rounded to the matmul dtype once for
+    # both (the router keeps the fp32 x: K3_FACTS §5 step 1)
+    sh = p + "shared_experts."
+    readers = ([w(p + "routed_expert_down_proj.weight")] if latent else []) + (
+        [w(sh + "gate_proj.weight"), w(sh + "up_proj.weight")] if cfg.num_shared_experts else [])
+    xl = matmul_input(x, *readers) if readers else x
+    if latent:
+        # A16W4 experts take bf16 activations: the down projection writes them so (one rounding, as the op's own
+        # cast of an fp32 input would make); A8W4 quantises the fp32 product itself
+        down = w(p + "routed_expert_down_proj.weight")
+        xin = linear_lp(xl, down) if mode == "a16w4" else linear(xl, down)
+    else:
+        xin = x
     act = "situ" if cfg.hidden_act == "situ" else "silu"
-    y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode if cfg.experts_quantized else "a16w4",
+    y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode,
                                beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta, **given))
-    shared = dense_mlp(x, w, p + "shared_experts.", cfg) if cfg.num_shared_experts else None
+    shared = dense_mlp(xl, w, sh, cfg) if cfg.num_shared_experts else None
     if reduce is not None:
         if shared is not None:
             width = y.shape[1]
@@ -693,10 +746,23 @@ def _slots(state: AttnResState) -> torch.Tensor | None:
     return buf
 
 
+def _normed(ops: Mapping[str, Callable], out_dtype: torch.dtype | None, *args: Any, **kw: Any) -> torch.Tensor:
+    """The normed output of ``attn_res_norm(*args, **kw)``: fp32 (``out_dtype`` None), else in ``out_dtype`` —
+    written so by the op itself where it takes ``out_dtype`` (the Triton kernel stores its fp32 result rounded to
+    nearest even, as ``.to`` rounds), else rounded from its fp32 result."""
+    if out_dtype is not None and _takes(ops["attn_res_norm"], "out_dtype"):
+        x = ops["attn_res_norm"](*args, out_dtype=out_dtype, **kw)[1]
+    else:
+        x = f32(ops["attn_res_norm"](*args, **kw)[1])
+    return x if out_dtype is None else x.to(out_dtype)
+
+
 def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: torch.Tensor,
-                    norm_weight: torch.Tensor, eps: float, write: bool = False) -> torch.Tensor:
+                    norm_weight: torch.Tensor, eps: float, write: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``attn_res_norm`` over ``[bank rows..., prefix]`` followed by the RMSNorm of ``norm_weight``; returns the
-    normed ``[T, D]`` fp32. On a write layer the prefix also becomes the next bank row.
+    normed ``[T, D]`` fp32 (or in ``out_dtype``, see :func:`attn_side`). On a write layer the prefix also becomes
+    the next bank row.
 
     When the rows are slots of one storage (:func:`_slots`) the op reads them in place and, on a write layer,
     stores the prefix into the next slot itself (one launch in all); otherwise the sources are stacked and the
@@ -704,20 +770,60 @@ def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: to
     buf = _slots(state)
     k = len(state.bank)
     if buf is not None and (not write or k < buf.shape[0] - 1):
-        _h, x = ops["attn_res_norm"](buf, k, state.prefix, weight, norm_weight, eps, append=write)
+        x = _normed(ops, out_dtype, buf, k, state.prefix, weight, norm_weight, eps, append=write)
         if write:
             state.bank.append(buf[k])
-        return f32(x)
-    _h, x = ops["attn_res_norm"](torch.stack(state.bank + [state.prefix]), k, state.prefix, weight, norm_weight, eps)
+        return x
+    x = _normed(ops, out_dtype, torch.stack(state.bank + [state.prefix]), k, state.prefix, weight, norm_weight, eps)
     if write:
         state.bank.append(state.prefix)
-    return f32(x)
+    return x
+
+
+def _mixer_readers(w: WeightView, layer: int, cfg: K3Config, side: str) -> list[str] | None:
+    """Model-relative names of the weights that read layer ``layer``'s mixer input on ``side`` (``"attn"``:
+    the token mixer's projections; ``"mlp"``: the dense MLP's gate|up), or None where something reads it in
+    fp32 (the MoE router, K3_FACTS §5 step 1)."""
+    p = f"layers.{layer}."
+    if side == "mlp":
+        return None if cfg.is_moe_layer(layer) else [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    a = p + "self_attn."
+    if cfg.layer_type(layer) == "kda":
+        g = "g_proj" if cfg.family == "k3" else "g_a_proj"
+        return [a + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", g, "b_proj", "f_a_proj")]
+    names = [a + ("q_a_proj.weight" if cfg.q_lora_rank else "q_proj.weight"), a + "kv_a_proj_with_mqa.weight"]
+    return names + ([a + "g_proj.weight"] if mla_has_output_gate(cfg) else [])
+
+
+def mixer_input_dtype(w: WeightView, layer: int, cfg: K3Config, side: str) -> torch.dtype | None:
+    """The dtype the AttnRes side of layer ``layer`` writes its normed output in (``side`` ``"attn"`` or
+    ``"mlp"``): the :func:`~k3rocm.model.common.matmul_dtype` scope's dtype when every weight reading that
+    mixer input is stored in it (each such :func:`~k3rocm.model.common.linear` rounds its input to that dtype
+    anyway, so rounding once where it is made gives the same products); None (fp32) outside a scope (the
+    oracle), for a MoE layer's MLP side (its router reads the fp32 input) or when a reader is stored in another
+    dtype. ``cfg`` is the config the mixers see.
+
+    Raises:
+        ConfigError: ``side`` is neither ``"attn"`` nor ``"mlp"``.
+        CheckpointError: a reader weight is missing.
+    """
+    if side not in ("attn", "mlp"):
+        raise ConfigError(f"mixer_input_dtype: side {side!r} is not 'attn' or 'mlp'")
+    dt = current_matmul_dtype()
+    if dt is None:
+        return None
+
+    def decide() -> bool:
+        names = _mixer_readers(w, layer, cfg, side)
+        return names is not None and all(w(n).dtype == dt for n in names)
+    return dt if w.derived(f"in_dtype:{side}:{layer}:{dt}", decide) else None
 
 
 def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
-              ops: Mapping[str, Callable]) -> torch.Tensor:
+              ops: Mapping[str, Callable], out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Attention side of layer ``layer``: aggregation, then ``input_layernorm`` (``norm_weight``); returns the
-    token-mixer input ``[T, D]`` fp32.
+    token-mixer input ``[T, D]`` fp32, or in ``out_dtype`` (:func:`mixer_input_dtype`: the low-precision path,
+    where every projection reading it rounds it to that dtype anyway; the bank and prefix stay fp32).
 
     Layer 0 aggregates its one source (the embedding passes through: softmax over one source is 1). On a write
     layer (``i % attn_res_block_size == 0``) the pre-attention prefix becomes a new bank row and the prefix
@@ -729,20 +835,21 @@ def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight
     if write and not state.bank and cfg.num_attn_res_bank_rows > 0:
         # the first write layer: one storage for every bank row of this forward (+ one spare slot)
         buf = state.prefix.new_empty(cfg.num_attn_res_bank_rows + 1, *state.prefix.shape)
-        x = f32(ops["attn_res_norm"](buf, 0, state.prefix, weight, norm_weight, cfg.rms_norm_eps, append=True)[1])
+        x = _normed(ops, out_dtype, buf, 0, state.prefix, weight, norm_weight, cfg.rms_norm_eps, append=True)
         state.bank.append(buf[0])
     else:
-        x = _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, write)
+        x = _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, write, out_dtype)
     if write:
-        state.prefix = torch.zeros_like(x)
+        state.prefix = torch.zeros_like(state.prefix)
     return x
 
 
 def mlp_side(state: AttnResState, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,
-             ops: Mapping[str, Callable]) -> torch.Tensor:
+             ops: Mapping[str, Callable], out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """MLP side: aggregation over bank rows + prefix (which now holds this layer's attention output), then
-    ``post_attention_layernorm`` (``norm_weight``); returns the channel-mixer input ``[T, D]`` fp32."""
-    return _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps)
+    ``post_attention_layernorm`` (``norm_weight``); returns the channel-mixer input ``[T, D]`` fp32, or in
+    ``out_dtype`` (:func:`mixer_input_dtype`)."""
+    return _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, out_dtype=out_dtype)
 
 
 def final_aggregate(state: AttnResState, weight: torch.Tensor, norm_weight: torch.Tensor, cfg: K3Config,

@@ -49,7 +49,7 @@ from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
 from k3rocm.model.decoder import Decoder, Parallel
 from k3rocm.model.layer import (Batch, WeightView, _kda_inputs, kda_decode_core, kda_decode_rows, kda_input_rows,
                                 kda_mixer, kda_output, kda_prefill_core, mla_decode_core, mla_decode_rows, mla_mixer,
-                                mla_output, mla_prefill_core, mla_project)
+                                mla_output, mla_prefill_core, mla_project, mla_row_slots)
 from k3rocm.model.weights import as_weights
 from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
@@ -449,14 +449,18 @@ class Engine:
         model's mixers on the paged view (``short_conv`` + ``kda_prefill`` from the slot's state; ``mla_prefill``
         for fresh sequences, per-chunk absorbed ``mla_decode`` when a chunk continues a cached context)."""
         cfg, mcfg, w, ops = self.cfg, self.dec.mixer_cfg, self.w, self.ops
+        made: dict = {}  # the decode rows' cache slots, made in the first MLA layer for every MLA layer of the step
 
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
             parts = []
             if nd:
                 xd = x[:nd]
                 if cfg.layer_type(i) != "kda":
+                    if "slots" not in made:
+                        made["slots"] = mla_row_slots(dec["slot_ids"], dec["pos"], dec["block_rows"],
+                                                      self.mla.kv_cache[i].shape[1])
                     parts.append(mla_decode_rows(xd, w, i, mcfg, ops, self.mla.kv_cache[i], dec["slot_ids"], dec["pos"],
-                                                 dec["block_rows"]))
+                                                 dec["block_rows"], row_slots=made["slots"]))
                 elif cfg.family == "k3":
                     parts.append(kda_decode_rows(xd, w, i, mcfg, ops, self.kda.conv[i], self.kda.state[i],
                                                  dec["slot_ids"]))
@@ -471,7 +475,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, nd: int, dec: dict | None, pre: Batch | None,
                  sample_rows: torch.Tensor, mix: Any = None) -> torch.Tensor:
         """Run all layers on flat ``ids [T]`` (first ``nd`` = decode rows) and return this rank's logits slice
-        ``[len(sample_rows), V_local]`` fp32 of the sampled rows (the whole vocabulary on one rank).
+        ``[len(sample_rows), V_local]`` fp32 of the sampled rows (the whole vocabulary on one rank); ``sample_rows``
+        None: every row, ``[T, V_local]``.
 
         ``dec``: ``slot_ids [nd] int32``, ``pos [nd] int64`` (tokens cached before), ``block_rows [nd, nb]``.
         ``pre``: the prefill chunks' :class:`Batch` over the paged view, or None.
@@ -582,7 +587,11 @@ class Engine:
                 out = self._graph_mixed(ids, nd, dec, pre, sample_rows)
         used_graph = out is not None
         if out is None:
-            logits = self._forward(ids, nd, dec, pre, self._to_dev(torch.tensor(sample_rows, dtype=torch.int64)))
+            # a decode-only step samples every row: no row selection (the final AttnRes then reads the bank rows in
+            # place instead of gathering each of them)
+            every = pre is None and sample_rows == list(range(nd))
+            logits = self._forward(ids, nd, dec, pre,
+                                   None if every else self._to_dev(torch.tensor(sample_rows, dtype=torch.int64)))
             tokens = self.par.greedy(logits) if sample_rows else None
         else:
             tokens, logits = out
@@ -773,19 +782,18 @@ class Engine:
               "block_rows": torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32, device=dev)}
         # every tensor the graph reads but did not allocate during capture must live as long as the graph: a
         # buffer freed after capture goes back to the caching allocator, and replays read whatever reuses it
-        # (here: the sampled-row indices of the final AttnRes gather)
-        st["rows"] = rows = torch.arange(size, device=dev)
+        # (the step samples every row: no sampled-row indices, the final AttnRes reads the bank rows in place)
         try:
             s = torch.cuda.Stream(device=dev)
             s.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(s):  # warm-up on padding only (writes nothing)
-                self._forward(st["ids"], size, st, None, rows)
+                self._forward(st["ids"], size, st, None, None)
             torch.cuda.current_stream(dev).wait_stream(s)
             graph = torch.cuda.CUDAGraph()
             stats = self.par.stats
             before = stats.snapshot() if stats is not None else {}
             with torch.cuda.graph(graph):
-                st["logits"] = self._forward(st["ids"], size, st, None, rows)
+                st["logits"] = self._forward(st["ids"], size, st, None, None)
                 st["tokens"] = self.par.greedy(st["logits"])  # sampling on the device, inside the graph
             # the collectives captured into the graph: what every replay issues
             st["comm"] = stats.delta(stats.snapshot(), before) if stats is not None else {}
@@ -832,7 +840,7 @@ class Engine:
             return a, kda_decode_core(a, mcfg, ops, self.kda.conv[i], self.kda.state[i], meta["slot_ids"])
         q, latent, k_rope = mla_project(x, w, i, mcfg)
         o = mla_decode_core(q, latent, k_rope, w, i, mcfg, ops, self.mla.kv_cache[i], meta["slot_ids"], meta["pos"],
-                            meta["block_rows"])
+                            meta["block_rows"], row_slots=meta.get("row_slots"))
         return (q, latent, k_rope), o
 
     def _mixer_chunks(self, i: int, inputs: Any, nd: int, t: int, pre: Batch) -> torch.Tensor:
@@ -869,9 +877,14 @@ class Engine:
         made: dict = {}  # the decode-row tensors of each row count, made once for every layer
 
         def mix(i: int, x: torch.Tensor) -> torch.Tensor:
-            m = meta if meta is not None else made.get(x.shape[0])
+            n = x.shape[0]
+            m = made.get(n)
             if m is None:
-                m = made[x.shape[0]] = self._padded_meta(dec, nd, x.shape[0])
+                m = made[n] = dict(meta if meta is not None else self._padded_meta(dec, nd, n))
+            if self.cfg.layer_type(i) != "kda" and "row_slots" not in m:
+                # the rows' MLA cache slots: the same in every MLA layer, made once per forward from the (static)
+                # decode-row tensors, so a captured piece recomputes them at each replay
+                m["row_slots"] = mla_row_slots(m["slot_ids"], m["pos"], m["block_rows"], self.mla.kv_cache[i].shape[1])
             inputs, o = self._mixer_rows(i, x, m)
             if cut is not None:
                 cut(i, inputs, o)

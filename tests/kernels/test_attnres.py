@@ -106,6 +106,34 @@ def test_kernel_step_every_config(K, num_rows, append):
         torch.testing.assert_close(b.cpu(), b_ref, equal_nan=True, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("num_rows,append", [(0, True), (3, False), (7, True)])
+def test_kernel_bf16_normed_output(K, num_rows, append):
+    """``out_dtype=bf16`` (the engine's low-precision path: the token mixer's input, which every projection
+    rounds to bf16 anyway): ``h`` is the fp32 one of an fp32 call, ``h_normed`` the fp32 call's ``h_normed``
+    rounded to bf16 — to nearest even on a GPU, as ``.to`` rounds (bit for bit); the interpreter's cast truncates,
+    so there it is within one bf16 ulp, and at most that far from the oracle's rounding; the bank is written alike."""
+    g = torch.Generator().manual_seed(40 + num_rows)
+    T, D = 6, 200  # several BLOCK_D tiles for the small configs
+    bank0 = torch.randn(8, T, D, generator=g) * 3
+    pre = torch.randn(T, D, generator=g) * 3
+    w, nw = torch.randn(D, generator=g) * 0.3, 1 + 0.1 * torch.randn(D, generator=g)
+    for cfg in _configs(K):
+        args = (num_rows, pre.to(DEV), w.to(DEV), nw.to(DEV), 1e-5)
+        b32, b16 = bank0.clone().to(DEV), bank0.clone().to(DEV)
+        h32, hn32 = K.attn_res_norm(b32, *args, append=append, config=cfg)
+        h, hn = K.attn_res_norm(b16, *args, append=append, config=cfg, out_dtype=torch.bfloat16)
+        assert h.dtype == torch.float32 and hn.dtype == torch.bfloat16 and hn.shape == (T, D)
+        assert torch.equal(h, h32) and torch.equal(b16, b32)
+        rne = hn32.to(torch.bfloat16)
+        if DEV == "cuda":
+            assert torch.equal(hn, rne)
+        else:
+            ulp = (rne.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+            assert bool(((hn.float() - rne.float()).abs() <= ulp).all())
+            assert bool(((hn.float() - hn32).abs() < ulp).all())  # a rounding of the fp32 value, not another value
+        assert float((hn.float() - hn32).abs().max()) > 0  # really bf16
+
+
 def test_kernel_op_and_errors(K):
     g = torch.Generator().manual_seed(3)
     src = torch.randn(3, 4, 40, generator=g)
