@@ -221,7 +221,7 @@ class Engine:
         self.weights = src.cast(self.device, self.dtype)
         if not self.layout_note:
             stats.append(self._to_kernel_layout(self.weights, cache_budget_bytes))
-            self.layout_note = self._layout_summary(stats)
+            self.layout_note = self._layout_summary(self.weights, stats)
         self.w = WeightView(self.weights, memo=True)
         self.dec = Decoder(cfg, self.w, self.ops, par=par, moe_mode=moe_mode)
         self.par = self.dec.par
@@ -310,13 +310,16 @@ class Engine:
         return w.use_kernel_layout(lambda ew: kernel_layout(ew, check=True), room=room)
 
     @staticmethod
-    def _layout_summary(stats: list[dict]) -> str:
-        """One line for :meth:`describe`: how many MoE layers the GEMMs read in the tiled layout, bytes, seconds."""
-        done = sum(s["layers"] for s in stats)
-        total = max((s["total"] for s in stats), default=0)
+    def _layout_summary(w: Any, stats: list[dict]) -> str:
+        """One line for :meth:`describe`: how many of the held MoE layers the GEMMs read in the tiled layout (made
+        here or by an earlier engine on the same weights), their bytes and repack seconds, and why any did not."""
+        first, end = getattr(w, "expert_range", (0, 0))
+        held = [ew for (i, a, b), ew in getattr(w, "_experts", {}).items() if (a, b) == (first, end) and ew.quantized]
+        lays = [ew.kernel_layout for ew in held if ew.kernel_layout is not None]
+        done, total = len(lays), len(held)
         stopped = next((s["stopped"] for s in stats if s["stopped"]), "")
-        gb = sum(s["bytes"] for s in stats) / 1e9
-        sec = sum(s["seconds"] for s in stats)
+        gb = sum(x.nbytes for x in lays) / 1e9
+        sec = sum(x.repack_s for x in lays)
         if not total:
             return "checkpoint layout (no MXFP4 MoE layer held)"
         line = (f"tiled MXFP4 layout (kernels/mx/layout.py) for {done} of {total} MoE layers, {gb:.2f} GB, "

@@ -607,7 +607,7 @@ def test_weights_use_kernel_layout(tk, tiny_ckpt):
     from k3rocm.model.weights import load_weights
     from k3rocm.checkpoint import layout as ck
 
-    w = load_weights(tiny_ckpt)
+    w = load_weights(tiny_ckpt, device=tk.dev)
     cfg = w.config
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     assert moe, "k3-tiny has MoE layers"
