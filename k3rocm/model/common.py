@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from k3rocm.errors import ConfigError
 
-__all__ = ["f32", "rms_norm", "l2_norm", "situ_glu", "silu_glu", "softplus", "linear", "linear_lp", "matmul_input",
+__all__ = ["f32", "rms_norm", "l2_norm", "situ_glu", "silu_glu", "glu", "softplus", "linear", "linear_lp", "matmul_input",
            "matmul_dtype", "current_matmul_dtype", "fp32_out_supported", "MATMUL_DTYPES"]
 
 # dtypes a matmul_dtype context accepts (None = off: fp32 math)
@@ -80,6 +80,31 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float = 4.0, beta_lin: floa
     g, u = f32(g), f32(u)
     a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     return a * (beta_lin * torch.tanh(u / beta_lin))
+
+
+def glu(g: torch.Tensor, u: torch.Tensor, act: str = "situ", beta: float = 4.0, beta_lin: float = 25.0,
+        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The GLU activation of a dense / shared-expert MLP (the ``glu`` op of :data:`k3rocm.model.ops.ORACLE_OPS`):
+    :func:`situ_glu` (``act="situ"``, K3) or :func:`silu_glu` (``"silu"``, kimi_linear), computed in fp32 and
+    returned in ``out_dtype`` (fp32 by default; the engine asks for the down projection's operand dtype, which that
+    projection would round to anyway).
+
+    Args:
+        g, u: gate / up pre-activations ``[T, I]`` (any float dtype; column views of one product are fine).
+    Returns:
+        ``[T, I]`` in ``out_dtype``.
+    Raises:
+        ConfigError: ``act`` is neither "situ" nor "silu", or g and u differ in shape.
+    """
+    if g.shape != u.shape:
+        raise ConfigError(f"glu: gate {tuple(g.shape)} and up {tuple(u.shape)} differ in shape")
+    if act == "situ":
+        h = situ_glu(g, u, beta, beta_lin)
+    elif act == "silu":
+        h = silu_glu(g, u)
+    else:
+        raise ConfigError(f"glu: act {act!r} is not one of situ, silu")
+    return h if out_dtype == torch.float32 else h.to(out_dtype)
 
 
 def silu_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

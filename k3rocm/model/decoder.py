@@ -190,7 +190,7 @@ class Decoder:
         if self.cfg.is_moe_layer(i):
             return moe_block(x, self.w, i, self.cfg, self.ops, self.moe_mode,
                              reduce=self.par.reduce if self.par.world > 1 else None)
-        return self.par.reduce(dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg), "mlp")
+        return self.par.reduce(dense_mlp(x, self.w, f"layers.{i}.mlp.", self.cfg, self.ops), "mlp")
 
     # ------------------------------------------------------------------ the layer order
     def attn(self, i: int, state: LayerState, mix: Mixer) -> LayerState:

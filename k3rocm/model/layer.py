@@ -633,15 +633,28 @@ def _glu(cfg: K3Config, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     raise ConfigError(f"hidden_act {cfg.hidden_act!r} is not supported (situ for K3, silu for kimi_linear)")
 
 
-def dense_mlp(x: torch.Tensor, w: WeightView, prefix: str, cfg: K3Config) -> torch.Tensor:
+def dense_mlp(x: torch.Tensor, w: WeightView, prefix: str, cfg: K3Config,
+              ops: Mapping[str, Callable] | None = None) -> torch.Tensor:
     """GLU MLP ``down(act(gate(x), up(x)))`` in fp32: x ``[T, hidden]`` -> ``[T, hidden]``.
 
     ``prefix`` is e.g. ``layers.0.mlp.`` (dense layer 0) or ``layers.i.block_sparse_moe.shared_experts.``
-    (the shared experts, stored merged). act = SiTU-GLU (K3_FACTS §5) or SiLU-GLU (kimi_linear). Under TP the
-    weights are a rank's intermediate slice and the result its partial sum.
+    (the shared experts, stored merged). act = SiTU-GLU (K3_FACTS §5) or SiLU-GLU (kimi_linear), through the
+    ``glu`` op of ``ops`` (default the oracle's); on the low-precision path (the down weight in the scope's
+    matmul dtype) the op writes its output in that dtype, which the down projection would round to anyway.
+    Under TP the weights are a rank's intermediate slice and the result its partial sum.
     """
-    h = _glu(cfg, *linears(x, w, (prefix + "gate_proj.weight", prefix + "up_proj.weight")))
-    return linear(h, w(prefix + "down_proj.weight"))
+    g, u = linears(x, w, (prefix + "gate_proj.weight", prefix + "up_proj.weight"))
+    down = w(prefix + "down_proj.weight")
+    dt = current_matmul_dtype()
+    out_dtype = dt if dt is not None and down.dtype == dt else torch.float32
+    fn = (ops or {}).get("glu")
+    if fn is None:
+        h = _glu(cfg, g, u)
+    else:
+        if cfg.hidden_act not in ("situ", "silu"):
+            _glu(cfg, g, u)  # raises the unsupported-activation error
+        h = fn(g, u, cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta, out_dtype=out_dtype)
+    return linear(h, down)
 
 
 @functools.lru_cache(maxsize=512)
@@ -700,7 +713,7 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     act = "situ" if cfg.hidden_act == "situ" else "silu"
     y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode,
                                beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta, **given))
-    shared = dense_mlp(xl, w, sh, cfg) if cfg.num_shared_experts else None
+    shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
     if reduce is not None:
         if shared is not None:
             width = y.shape[1]

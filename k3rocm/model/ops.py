@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from k3rocm.model.attnres import attn_res_norm
+from k3rocm.model.common import glu
 from k3rocm.model.kda import kda_decode, kda_prefill, short_conv
 from k3rocm.model.mla import mla_cache_write, mla_decode, mla_prefill
 from k3rocm.model.moe import moe_experts, moe_router
@@ -27,4 +28,5 @@ ORACLE_OPS: dict[str, Callable] = {
     "attn_res_norm": attn_res_norm,
     "moe_router": moe_router,
     "moe_experts": moe_experts,
+    "glu": glu,
 }

@@ -12,10 +12,12 @@ from k3rocm.kernels import tune
 from .configs import GEMM_CONFIGS, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config, gemm_name, router_config
 from .gemm import (dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                    moe_reduce_kernel)
+from .mlp import glu
+from .mlp import isa_case as _glu_isa_case
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
 from .router import router_logits_kernel, topk_isa_case
 
-__all__ = ["moe_router", "moe_experts", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
+__all__ = ["moe_router", "moe_experts", "glu", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
            "gemm_config", "gemm_name", "router_config", "isa_cases", "TRITON_IMPLS"]
 
 
@@ -30,6 +32,8 @@ TRITON_IMPLS = (
     ("moe_experts", moe_experts, _packed_only,
      "Triton grouped GEMM on packed MXFP4 (A16W4 on CUDA: integer E2M1 decode + bf16 tl.dot; A8W4 and "
      "HIP: tl.dot_scaled), SiTU-GLU epilogue, mode a16w4|a8w4 explicit"),
+    ("glu", glu, None, "Triton SiTU-/SiLU-GLU of the dense and shared-expert MLPs, one launch, output in the "
+     "down projection's operand dtype"),
 )
 
 
@@ -125,4 +129,5 @@ def isa_cases() -> list[tuple]:
     cases.append(("glu_finish_split4", moe_glu_finish_kernel, fsig,
                   {"SPLITS": 4, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_R": 16, "BLOCK_I": 256}, False,
                   {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
+    cases.append(_glu_isa_case())
     return cases

@@ -137,6 +137,7 @@ def test_other_kernels_all_targets():
     assert any(c[0].startswith("router_logits") for c in cases)
     assert any(c[0] == "router_logits_fp32_ieee" for c in cases)
     assert any(c[0].startswith("router_logits_split[") for c in cases)
+    assert any(c[0] == "glu_situ_bf16" for c in cases)  # the dense / shared-expert GLU op
     for name, fn, sig, consts, expects, opts in cases:
         for target in ("gfx950", "gfx942", "sm_90"):
             backend = "hip" if target.startswith("gfx") else "cuda"
