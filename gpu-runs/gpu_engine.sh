@@ -20,6 +20,11 @@
 #          where fla is importable; KDA_BENCH_ARGS replaces those arguments), into RESULTS_DIR/kda/
 #   ksweep gpu-runs/bench_kda.py --only sweep: every state / out config, the gate per num_warps and the precision
 #          variants (time per launch, accuracy), into RESULTS_DIR/ksweep/
+#   attn   gpu-runs/sweep_attn.py: MLA decode (configs x split counts), MLA prefill (vs SDPA) and AttnRes config
+#          sweeps beyond the shipped tables, into RESULTS_DIR/attn/ (ATTN_PARTS picks parts, default all three)
+#   mla    gpu-runs/bench_mla.py goal tables (MLA decode / prefill vs SDPA, AttnRes, odd head dims), RESULTS_DIR/mla/
+#   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
+#          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/
 # RESULTS_DIR/steps.tsv lists each step's exit status and seconds. On a copied tree without git metadata, run it as
@@ -34,6 +39,10 @@ PY=${PYTHON:-python3}
 K3="$PY -m k3rocm.cli.main"
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$R"; R=$(cd "$R" && pwd)
+# wheels the machine lacks (fla-core for the KDA peers), carried in out/wheels of the checkout
+if ls "$HERE"/../out/wheels/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-deps "$HERE"/../out/wheels/*.whl >"$R/wheels.log" 2>&1 || echo "wheels: install failed (see wheels.log)"
+fi
 export PYTHONUNBUFFERED=1 COLUMNS=160
 if ! $PY -c "import k3rocm.kernels, k3rocm.cli" 2>/dev/null; then
   # not installed: assemble pyproject.toml's package layout (package-dir) under /tmp, with the tests beside it,
@@ -69,8 +78,12 @@ for s in $STEPS; do
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
     kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
     ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla --out "$R/ksweep" ;;
+    attn) step attn "$(lim 330)" $PY "$HERE/sweep_attn.py" --only "${ATTN_PARTS:-decode,prefill,attnres}" \
+          --deadline "$(( $(lim 330) - 30 ))" --out "$R/attn" ;;
+    mla) step mla "$(lim 150)" $PY "$HERE/bench_mla.py" --no-peers --out "$R/mla" ;;
+    kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode --out "$R/kdec" ;;
     moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla kdec moe)" >&2 ;;
   esac
 done
 cat "$R/steps.tsv"

@@ -22,38 +22,43 @@ from . import configs as C
 
 
 @_interp.kjit
-def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr):
+def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
     """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state.
 
     The window is shifted in place. A channel's value can be held by several threads (``ch`` lives in a slice
-    of a 2-D layout, replicated across the other dimension), so every thread must have read position ``j``
-    before any thread overwrites it: a barrier separates each read from the store that shifts it down.
-    Without it a fast thread feeds its neighbours the already-shifted window (wrong q/k/v on the GPU; the
-    interpreter, which runs whole blocks at once, cannot show it)."""
+    of a 2-D layout, replicated across the other dimension), so every thread must have read the whole window
+    before any thread overwrites a position of it: the ``W - 1`` saved inputs are loaded together as one ``[C, WP]``
+    tile, one barrier follows, then the shifted window is stored from registers. Without the barrier a fast thread feeds its neighbours the
+    already-shifted window (wrong q/k/v on the GPU; the interpreter, which runs whole blocks at once, cannot
+    show it)."""
     valid = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
     x = tl.load(xr + n.to(tl.int64) * NCH + ch, mask=valid, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
-    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32)
-    prev = tl.load(pool + base, mask=valid, other=0.0)
-    acc += prev * tl.load(wt + ch * W).to(tl.float32)
-    for j in tl.static_range(1, W - 1):
-        cur = tl.load(pool + base + j, mask=valid, other=0.0)
-        acc += cur * tl.load(wt + ch * W + j).to(tl.float32)
-        tl.debug_barrier()  # every thread has read positions <= j
-        tl.store(pool + base + (j - 1), cur, mask=valid)
-    tl.debug_barrier()
+    j = tl.arange(0, WP)  # window positions, padded to a power of two
+    jm = valid[:, None] & (j < W - 1)[None, :]
+    win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
+    wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=(j < W - 1)[None, :], other=0.0).to(tl.float32)
+    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32) + tl.sum(win * wj, 1)
+    tl.debug_barrier()  # every thread has read the whole window
+    # shift from registers: position j - 1 takes the value read at j, the newest input goes last
+    tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm & (j >= 1)[None, :])
     tl.store(pool + base + (W - 2), x, mask=valid)
     return acc * tl.sigmoid(acc)
 
 
 @_interp.kjit
-def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v, K: tl.constexpr, V: tl.constexpr):
-    """The delta-rule step on state columns ``cols`` of the slot's ``[K, V]`` head state (columns of S are
-    independent): ``S <- diag(e^g) S; S <- S + beta k (v - S^T k)^T``, written back; returns ``o = S^T q`` for
-    those columns. A padding row (``valid`` 0) loads zeros and stores nothing."""
+def _state_ptrs(state_pool, slot, hh, H, offs_k, cols, valid, K: tl.constexpr, V: tl.constexpr):
+    """Pointers and mask of state columns ``cols`` of the slot's ``[K, V]`` head state."""
     sp = state_pool + ((slot.to(tl.int64) * H + hh) * K + offs_k[:, None]) * V + cols[None, :]
     smask = (valid + 0 * offs_k[:, None] + 0 * cols[None, :]) > 0
-    S = tl.load(sp, mask=smask, other=0.0)
+    return sp, smask
+
+
+@_interp.kjit
+def _delta_step(S, sp, smask, eg, k, q, beta, v):
+    """The delta-rule step on a loaded ``[K, BV]`` block of state columns (columns of S are independent):
+    ``S <- diag(e^g) S; S <- S + beta k (v - S^T k)^T``, written back through ``sp``; returns ``o = S^T q`` for
+    those columns."""
     S = S * eg[:, None]
     pred = tl.sum(S * k[:, None], 0)
     S += k[:, None] * (beta * (v - pred))[None, :]
@@ -63,9 +68,18 @@ def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v,
 
 
 @_interp.kjit
+def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v, K: tl.constexpr, V: tl.constexpr):
+    """The delta-rule step on state columns ``cols`` (loaded here): see :func:`_delta_step`. A padding row
+    (``valid`` 0) loads zeros and stores nothing."""
+    sp, smask = _state_ptrs(state_pool, slot, hh, H, offs_k, cols, valid, K, V)
+    return _delta_step(tl.load(sp, mask=smask, other=0.0), sp, smask, eg, k, q, beta, v)
+
+
+@_interp.kjit
 def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
                    conv_pool, state_pool, slot_ids, out, H, scale, lower_bound, eps,
-                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BV: tl.constexpr):
+                   K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+                   PRE: tl.constexpr):
     n = tl.program_id(0)
     hh = tl.program_id(1)
     slot_raw = tl.load(slot_ids + n)
@@ -81,8 +95,12 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     NCH = H * K
     ck = hh * K + offs_k
     cv = hh * V + offs_v
-    q = _conv_step(q_raw, wq, conv_pool, n, slot, ck, valid, NCH, 0, W)
-    k = _conv_step(k_raw, wk, conv_pool, n, slot, ck, valid, NCH, 1, W)
+    if PRE and BV == V:
+        # the whole state's load issued first: its latency overlaps the convolutions and norms below
+        sp, smask = _state_ptrs(state_pool, slot, hh, H, offs_k, offs_v, valid, K, V)
+        S0 = tl.load(sp, mask=smask, other=0.0)
+    q = _conv_step(q_raw, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP)
+    k = _conv_step(k_raw, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     raw = tl.load(d_raw + n.to(tl.int64) * NCH + ck, mask=(valid + 0 * ck) > 0, other=0.0).to(tl.float32)
@@ -94,8 +112,11 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     gr = tl.load(g_raw + n.to(tl.int64) * (H * V) + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
     if BV == V:
         # whole state tile at once: the output stays in fp32 registers through the norm
-        v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W)
-        o = _state_step(state_pool, slot, hh, H, offs_k, offs_v, valid, eg, k, q, beta, v, K, V)
+        v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W, WP)
+        if PRE:
+            o = _delta_step(S0, sp, smask, eg, k, q, beta, v)
+        else:
+            o = _state_step(state_pool, slot, hh, H, offs_k, offs_v, valid, eg, k, q, beta, v, K, V)
         rstd = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
     else:
         # the state is walked in [K, BV] column blocks (columns of S are independent in the delta rule); each
@@ -104,7 +125,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
         for vb in range(0, V // BV):
             offs_b = vb * BV + tl.arange(0, BV)
-            vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W)
+            vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W, WP)
             ob = _state_step(state_pool, slot, hh, H, offs_k, offs_b, valid, eg, k, q, beta, vblk, K, V)
             ss += tl.sum(ob * ob, 0)
             tl.store(obase + offs_b, ob.to(out.dtype.element_ty))
@@ -153,5 +174,6 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         _interp.launch(_decode_kernel, (N, H), q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
                                beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias,
                                o_norm_weight, conv_pool, state_pool, slot_ids, out, H, scale, float(lower_bound),
-                               float(eps), K=K, V=V, W=W, BV=bv, **opts)
+                               float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
+                               PRE=int(meta.get("PRE", 0)) if bv == V else 0, **opts)
     return out
