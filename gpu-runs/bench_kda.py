@@ -167,7 +167,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
             f = lambda c=c: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=c)  # noqa: E731
             f()
             t = tt.do_bench(f, warmup=50, rep=200)
-            row[f"ours_ms[BV={c.get('BV')},w={c.get('num_warps')}]"] = t
+            row["ours_ms[" + ",".join(f"{k}={v}" for k, v in c.items() if k != "num_stages") + "]"] = t
             if best is None or t < best[0]:
                 best = (t, c)
         row["ours_ms"] = best[0]

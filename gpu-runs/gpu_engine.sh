@@ -22,7 +22,9 @@
 #          variants (time per launch, accuracy), into RESULTS_DIR/ksweep/
 #   attn   gpu-runs/sweep_attn.py: MLA decode (configs x split counts), MLA prefill (vs SDPA) and AttnRes config
 #          sweeps beyond the shipped tables, into RESULTS_DIR/attn/ (ATTN_PARTS picks parts, default all three)
-#   mla    gpu-runs/bench_mla.py goal tables (MLA decode / prefill vs SDPA, AttnRes, odd head dims), RESULTS_DIR/mla/
+#   mla    gpu-runs/bench_mla.py goal tables (MLA decode / prefill vs SDPA, AttnRes, odd head dims; MLA_PARTS picks
+#          parts), into RESULTS_DIR/mla/
+#   mltest the MLA / AttnRes GPU tests (tests/kernels/test_mla_gpu.py; MLA_TESTS: a pytest -k expression)
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
@@ -80,10 +82,13 @@ for s in $STEPS; do
     ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla --out "$R/ksweep" ;;
     attn) step attn "$(lim 330)" $PY "$HERE/sweep_attn.py" --only "${ATTN_PARTS:-decode,prefill,attnres}" \
           --deadline "$(( $(lim 330) - 30 ))" --out "$R/attn" ;;
-    mla) step mla "$(lim 150)" $PY "$HERE/bench_mla.py" --no-peers --out "$R/mla" ;;
+    mla) step mla "$(lim 150)" $PY "$HERE/bench_mla.py" --no-peers --only "${MLA_PARTS:-decode,prefill,attnres,odd}" \
+          --out "$R/mla" ;;
+    mltest) step mltest "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py \
+          ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode --out "$R/kdec" ;;
     moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla kdec moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest kdec moe)" >&2 ;;
   esac
 done
 cat "$R/steps.tsv"

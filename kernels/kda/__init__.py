@@ -66,7 +66,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
                    slot_ids="*i32", out=p, H="i32", scale="fp32", lower_bound="fp32", eps="fp32",
-                   K="constexpr", V="constexpr", W="constexpr", WP="constexpr", BV="constexpr", PRE="constexpr")
+                   K="constexpr", V="constexpr", W="constexpr", WP="constexpr", BV="constexpr", PRE="constexpr", WIN="constexpr")
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]
     ot = configs.OUT["cuda"][0]
@@ -83,6 +83,6 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1), True,
          _opts(configs.STATE)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
-        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0), False,
+        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,
          _opts(configs.DECODE)),
     ]

@@ -40,10 +40,13 @@ _CUDA = {
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
             dict(BV=32, BK=64, num_warps=4, num_stages=1)],
     # decode: the fused one-launch kernel of b5aae80 (0.053 / 0.291 / 0.152 ms at B64 H12 / B64 H96 / B256 H12 on
-    # an H200), kept over the V-tiled rewrite that measured slower on every row (BENCHMARKS, 2026-12-02)
+    # an H200), kept over the V-tiled rewrite that measured slower on every row (BENCHMARKS, 2026-12-02).
+    # WIN 1: the conv window read as one tile behind one barrier (0: a barrier per position); PRE 1: the whole
+    # state load issued before the convolutions. Both measured per config on the H200 (BENCHMARKS, 2026-12-03)
     "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
                dict(BV=32, num_warps=4, num_stages=1), dict(BV=128, num_warps=16, num_stages=1),
-               # PRE: the whole [K, V] state load issued before the convolutions (its latency hidden behind them)
+               dict(BV=128, WIN=1, num_warps=8, num_stages=1), dict(BV=64, WIN=1, num_warps=4, num_stages=1),
+               dict(BV=32, WIN=1, num_warps=4, num_stages=1),
                dict(BV=128, PRE=1, num_warps=8, num_stages=1), dict(BV=128, PRE=1, num_warps=16, num_stages=1)],
 }
 

@@ -22,26 +22,39 @@ from . import configs as C
 
 
 @_interp.kjit
-def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+               WIN: tl.constexpr):
     """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state.
 
     The window is shifted in place. A channel's value can be held by several threads (``ch`` lives in a slice
-    of a 2-D layout, replicated across the other dimension), so every thread must have read the whole window
-    before any thread overwrites a position of it: the ``W - 1`` saved inputs are loaded together as one ``[C, WP]``
-    tile, one barrier follows, then the shifted window is stored from registers. Without the barrier a fast thread feeds its neighbours the
-    already-shifted window (wrong q/k/v on the GPU; the interpreter, which runs whole blocks at once, cannot
-    show it)."""
+    of a 2-D layout, replicated across the other dimension), so every thread must have read a position before
+    any thread overwrites it. ``WIN`` 1: the ``W - 1`` saved inputs are loaded together as one ``[C, WP]`` tile,
+    one barrier follows, then the shifted window is stored from registers. ``WIN`` 0: position by position,
+    a barrier between each read and the store that shifts it down (``W - 1`` barriers). Without the barriers a
+    fast thread feeds its neighbours the already-shifted window (wrong q/k/v on the GPU; the interpreter, which
+    runs whole blocks at once, cannot show it)."""
     valid = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
     x = tl.load(xr + n.to(tl.int64) * NCH + ch, mask=valid, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
-    j = tl.arange(0, WP)  # window positions, padded to a power of two
-    jm = valid[:, None] & (j < W - 1)[None, :]
-    win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
-    wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=(j < W - 1)[None, :], other=0.0).to(tl.float32)
-    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32) + tl.sum(win * wj, 1)
-    tl.debug_barrier()  # every thread has read the whole window
-    # shift from registers: position j - 1 takes the value read at j, the newest input goes last
-    tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm & (j >= 1)[None, :])
+    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32)
+    if WIN:
+        j = tl.arange(0, WP)  # window positions, padded to a power of two
+        jm = valid[:, None] & (j < W - 1)[None, :]
+        win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
+        wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=(j < W - 1)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(win * wj, 1)
+        tl.debug_barrier()  # every thread has read the whole window
+        # shift from registers: position j - 1 takes the value read at j, the newest input goes last
+        tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm & (j >= 1)[None, :])
+    else:
+        prev = tl.load(pool + base, mask=valid, other=0.0)
+        acc += prev * tl.load(wt + ch * W).to(tl.float32)
+        for jj in tl.static_range(1, W - 1):
+            cur = tl.load(pool + base + jj, mask=valid, other=0.0)
+            acc += cur * tl.load(wt + ch * W + jj).to(tl.float32)
+            tl.debug_barrier()  # every thread has read positions <= jj
+            tl.store(pool + base + (jj - 1), cur, mask=valid)
+        tl.debug_barrier()
     tl.store(pool + base + (W - 2), x, mask=valid)
     return acc * tl.sigmoid(acc)
 
@@ -79,7 +92,7 @@ def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v,
 def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
                    conv_pool, state_pool, slot_ids, out, H, scale, lower_bound, eps,
                    K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   PRE: tl.constexpr):
+                   PRE: tl.constexpr, WIN: tl.constexpr):
     n = tl.program_id(0)
     hh = tl.program_id(1)
     slot_raw = tl.load(slot_ids + n)
@@ -99,8 +112,8 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         # the whole state's load issued first: its latency overlaps the convolutions and norms below
         sp, smask = _state_ptrs(state_pool, slot, hh, H, offs_k, offs_v, valid, K, V)
         S0 = tl.load(sp, mask=smask, other=0.0)
-    q = _conv_step(q_raw, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP)
-    k = _conv_step(k_raw, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP)
+    q = _conv_step(q_raw, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, WIN)
+    k = _conv_step(k_raw, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, WIN)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     raw = tl.load(d_raw + n.to(tl.int64) * NCH + ck, mask=(valid + 0 * ck) > 0, other=0.0).to(tl.float32)
@@ -112,7 +125,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     gr = tl.load(g_raw + n.to(tl.int64) * (H * V) + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
     if BV == V:
         # whole state tile at once: the output stays in fp32 registers through the norm
-        v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W, WP)
+        v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W, WP, WIN)
         if PRE:
             o = _delta_step(S0, sp, smask, eg, k, q, beta, v)
         else:
@@ -125,7 +138,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
         for vb in range(0, V // BV):
             offs_b = vb * BV + tl.arange(0, BV)
-            vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W, WP)
+            vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W, WP, WIN)
             ob = _state_step(state_pool, slot, hh, H, offs_k, offs_b, valid, eg, k, q, beta, vblk, K, V)
             ss += tl.sum(ob * ob, 0)
             tl.store(obase + offs_b, ob.to(out.dtype.element_ty))
@@ -175,5 +188,5 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
                                beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias,
                                o_norm_weight, conv_pool, state_pool, slot_ids, out, H, scale, float(lower_bound),
                                float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
-                               PRE=int(meta.get("PRE", 0)) if bv == V else 0, **opts)
+                               PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)), **opts)
     return out

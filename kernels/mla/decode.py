@@ -34,6 +34,10 @@ LOG2E = 1.4426950408889634
 DECODE_CONFIGS: dict[str, list[dict]] = {
     # chosen so that ptxas (12.8, sm_90a) reports no spills at K3 dims, except BLOCK_H=64 x BLOCK_N=64
     "cuda": [
+        # one 64-token cache page per tile (one block-table read), 4 warps: the fastest on every 12-head row of
+        # the H200 sweep (gpu-runs/sweep_attn.py, 2026-12-03: 0.71 / 0.91 / 0.91 / 0.95 of the floor at N64 L8192
+        # / N64 L32768 / N256 L8192 / N256 L32768, vs 0.55-0.83 for the table's earlier picks)
+        dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2),
         dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=3),
         dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2),

@@ -140,6 +140,15 @@ def test_every_config_20_runs_identical():
         for _ in range(19):
             y, f = CV.short_conv(x, w, st, cu, config=c)
             assert torch.equal(y, y0) and torch.equal(f, f0)
+
+
+def test_every_decode_config_20_runs_identical():
+    """Every decode config (V tiles, conv-window and state-prefetch variants) against the oracle at 64 rows with
+    a padding row, and bit-identical output, state and conv pools over 20 runs."""
+    from k3rocm.kernels import tune
+    from k3rocm.kernels.kda import configs as KC
+    from k3rocm.kernels.kda import decode as DE
+    from k3rocm.model import kda as O
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     xs, ws, A_log, dt, onw, cp, sp = _decode_inputs(64, 80, 12, torch.bfloat16, g)
     sid = torch.randperm(80, device="cuda")[:64].to(torch.int32)
