@@ -39,15 +39,17 @@ _CUDA = {
     "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
             dict(BV=32, BK=64, num_warps=4, num_stages=1)],
-    # decode: the fused one-launch kernel of b5aae80 (0.053 / 0.291 / 0.152 ms at B64 H12 / B64 H96 / B256 H12 on
-    # an H200), kept over the V-tiled rewrite that measured slower on every row (BENCHMARKS, 2026-12-02).
-    # WIN 1: the conv window read as one tile behind one barrier (0: a barrier per position); PRE 1: the whole
-    # state load issued before the convolutions. Both measured per config on the H200 (BENCHMARKS, 2026-12-03)
-    "decode": [dict(BV=128, num_warps=8, num_stages=1), dict(BV=64, num_warps=4, num_stages=1),
-               dict(BV=32, num_warps=4, num_stages=1), dict(BV=128, num_warps=16, num_stages=1),
-               dict(BV=128, WIN=1, num_warps=8, num_stages=1), dict(BV=64, WIN=1, num_warps=4, num_stages=1),
-               dict(BV=32, WIN=1, num_warps=4, num_stages=1),
-               dict(BV=128, PRE=1, num_warps=8, num_stages=1), dict(BV=128, PRE=1, num_warps=16, num_stages=1)],
+    # decode: the fused one-launch kernel of b5aae80, kept over the V-tiled-grid rewrite that measured slower on
+    # every row (BENCHMARKS, 2026-12-02). WIN 1: the conv window read as one tile behind one barrier (0: a
+    # barrier per position); PRE 1: the whole state load issued before the convolutions. H200 2026-12-03, ms at
+    # B64 H12 / B64 H96 / B256 H12 (gpu-runs/bench_kda.py --only decode): BV32 WIN1 0.052 / 0.280 / 0.144,
+    # BV64 WIN1 0.058 / 0.282 / 0.146, BV64 0.055 / 0.296 / 0.154, BV128 WIN1 0.059 / 0.399 / 0.205, BV128 (the
+    # first entry until then, what the engine ran) 0.079 / 0.567 / 0.285, BV128 PRE1 0.077 / 0.568 / 0.289. The
+    # engine path takes the tuned pick (kda_decode, config None); the first entry is the untimed fallback
+    "decode": [dict(BV=32, WIN=1, num_warps=4, num_stages=1), dict(BV=64, WIN=1, num_warps=4, num_stages=1),
+               dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
+               dict(BV=128, WIN=1, num_warps=8, num_stages=1), dict(BV=128, num_warps=8, num_stages=1),
+               dict(BV=128, num_warps=16, num_stages=1), dict(BV=128, PRE=1, num_warps=8, num_stages=1)],
 }
 
 _HIP = {
@@ -64,7 +66,9 @@ _HIP = {
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
     "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
-               dict(BV=16, num_warps=4, waves_per_eu=2)],
+               dict(BV=16, num_warps=4, waves_per_eu=2),
+               # the one-barrier conv window (fastest on the H200; timed on CDNA by the tuned pick)
+               dict(BV=32, WIN=1, num_warps=4, waves_per_eu=0), dict(BV=64, WIN=1, num_warps=8, waves_per_eu=0)],
 }
 
 

@@ -150,14 +150,16 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     y = tl.where((valid + 0 * cv) > 0, y * tl.sigmoid(gr), 0.0)
     tl.store(obase + offs_v, y.to(out.dtype.element_ty))
 
+
 def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights, A_log, dt_bias, o_norm_weight,
                conv_pool, state_pool, slot_ids, eps, scale=None, lower_bound=-5.0, out: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32, config: dict | None = None):
     """Triton fused KDA decode step; contract of :func:`k3rocm.model.kda.kda_decode`.
 
     Extra args: ``out`` (preallocated ``[N, H*V]`` output, for graph capture), ``out_dtype`` (fp32 by contract),
-    ``config`` (one entry of ``configs("decode")``; default: the first, no tuning, so that the call is
-    capture-safe and the pools are not advanced by timing runs).
+    ``config`` (one entry of ``configs("decode")``; default: the tuned pick per heads / widths / power-of-two
+    row bucket, timed once on scratch pools of N slots so the caller's pools never advance for timing; under
+    graph capture or with tuning off, the first entry that launches).
     Returns ``o [N, H*V]``. Raises ConfigError on shape mismatch (before any launch).
     Pools must be contiguous fp32 (they are updated in place); slot ids of valid rows must be distinct.
     """
@@ -180,13 +182,32 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         out = C.empty(N, H * V, dtype=out_dtype, device=q_raw.device)
     ws = [w.reshape(-1, W) if w.is_contiguous() and w.dtype == torch.float32 else w.reshape(-1, W).float().contiguous()
           for w in conv_weights]
-    cfg = dict(config or tune.configs(C.DECODE)[0])
-    meta, opts = tune.split(cfg)
-    bv = min(meta.get("BV", V), V)
-    if N:
-        _interp.launch(_decode_kernel, (N, H), q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
-                               beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias,
-                               o_norm_weight, conv_pool, state_pool, slot_ids, out, H, scale, float(lower_bound),
-                               float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
-                               PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)), **opts)
+    args = (q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
+            beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias, o_norm_weight)
+
+    def launch(cfg: dict, cpool: torch.Tensor, spool: torch.Tensor, sids: torch.Tensor, o: torch.Tensor) -> None:
+        meta, opts = tune.split(dict(cfg))
+        bv = min(meta.get("BV", V), V)
+        _interp.launch(_decode_kernel, (N, H), *args, cpool, spool, sids, o, H, scale, float(lower_bound),
+                       float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
+                       PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)), **opts)
+
+    if not N:
+        return out
+    if config is None:
+        # the tuned pick per (heads, widths, power-of-two row bucket), timed on scratch pools of N slots (the
+        # caller's pools never advance for timing); during graph capture, or untimed, the table's first entry
+        scratch: dict = {}
+
+        def trial(cfg: dict) -> None:
+            if not scratch:
+                scratch.update(c=torch.zeros(N, *conv_pool.shape[1:], dtype=torch.float32, device=q_raw.device),
+                               s=torch.zeros(N, *state_pool.shape[1:], dtype=torch.float32, device=q_raw.device),
+                               i=torch.arange(N, dtype=torch.int32, device=q_raw.device), o=torch.empty_like(out))
+            launch(cfg, scratch["c"], scratch["s"], scratch["i"], scratch["o"])
+
+        key = (H, K, W, tune.pow2(N), q_raw.dtype, out.dtype)
+        config = tune.pick("kda_decode", key, tune.configs(C.DECODE), trial)
+        scratch.clear()
+    launch(config, conv_pool, state_pool, slot_ids, out)
     return out

@@ -259,8 +259,8 @@ def test_prefill_then_decode_equals_longer_prefill():
 
 
 def test_tune_keys_bounded(monkeypatch):
-    """conv and prefill tune keys see token / sequence counts only as powers of two; decode has no tune key at all
-    (it runs its table's first config, so no row count can make it tune or compile while serving)."""
+    """conv, prefill and decode tune keys see token / sequence / row counts only as powers of two (3 and 4 rows
+    share a decode bucket), so no count inside a warmed bucket can make a kernel tune or compile while serving."""
     keys = []
     real = tune.pick
 
@@ -280,5 +280,34 @@ def test_tune_keys_bounded(monkeypatch):
     by = {}
     for name, key in keys:
         by.setdefault(name, set()).add(key)
-    assert set(by) == {"kda_intra", "kda_state", "kda_out", "kda_conv"}
+    assert set(by) == {"kda_intra", "kda_state", "kda_out", "kda_conv", "kda_decode"}
     assert all(len(v) == 1 for v in by.values()), by
+
+
+def test_decode_tuned_pick_leaves_pools_alone(monkeypatch):
+    """The default decode call times its candidates on scratch pools: the caller's pools advance exactly one
+    step (as with an explicit config), whatever the timing runs did."""
+    calls = []
+    real = tune.pick
+
+    def timing_pick(name, key, cands, run=None, **kw):
+        if name == "kda_decode":  # what a timing pick does on a GPU: run every candidate, several times
+            for c in cands:
+                run(c)
+                run(c)
+            calls.append(key)
+            return cands[0]
+        return real(name, key, cands, run, **kw)
+
+    monkeypatch.setattr(tune, "pick", timing_pick)
+    gen = _gen()
+    H, N = 2, 5
+    xs, ws, A_log, dt, onw, cp, sp = _decode_setup(gen, N, 7, H, D)
+    sid = torch.tensor([6, 0, -1, 3, 2], dtype=torch.int32, device=DEV)
+    cpr, spr = cp.clone(), sp.clone()
+    want = O.kda_decode(*xs, ws, A_log, dt, onw, cpr, spr, sid, 1e-5)
+    got = KDEC.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5)
+    assert calls, "the default decode path did not ask for a tuned pick"
+    close(got, want, 1e-5)
+    torch.testing.assert_close(sp, spr, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cp, cpr)
