@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -130,6 +131,7 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
         return _first_fit(ck, candidates, run if can_time else None)
     for fn in list(LISTENERS):
         fn(name, key)
+    _spin_up()
     best, best_t = None, math.inf
     for cfg in candidates:
         try:
@@ -162,6 +164,30 @@ def _first_fit(ck: tuple, candidates: list[Config], run: Callable[[Config], None
         _FIT[ck] = cfg
         return cfg
     return candidates[0]  # none launches: the caller's own launch raises the first config's error
+
+
+_SPUN: set[int] = set()
+#: seconds of matrix work that bring an idle GPU to its working clocks before a process's first timing
+SPIN_UP_S = 0.25
+
+
+def _spin_up() -> None:
+    """Keep the current GPU busy for :data:`SPIN_UP_S` before the first timed pick in this process: an idle GPU
+    runs its first milliseconds at low clocks, so the first candidates of the first key would look slower than
+    they are (seen on the H200: the first MLA decode row picked a 2 x slower config than the same row tuned
+    later). Once per device per process; nothing outside a GPU."""
+    if not torch.cuda.is_available():
+        return
+    dev = torch.cuda.current_device()
+    if dev in _SPUN:
+        return
+    _SPUN.add(dev)
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < SPIN_UP_S:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def _capturing() -> bool:
