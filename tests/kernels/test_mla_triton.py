@@ -103,6 +103,90 @@ def test_prefill_odd_head_dims(K, dn, dr, dv, H):
     torch.testing.assert_close(o.cpu(), ref, **TOL)
 
 
+def _tma_cfgs(P):
+    return [c for c in _cfgs(P.PREFILL_CONFIGS) if c.get("TMA")]
+
+
+@pytest.mark.parametrize("lq,lk", [
+    ([1, 17, 45], [1, 17, 45]),                # varlen, lengths off the tile: boxes run into the next sequence
+    ([3, 20, 1], [40, 20, 9]),                 # Tq < Tk continuation (bottom-right aligned)
+    ([1], [1]),                                # a single token
+    ([0, 5], [3, 5]),                          # no queries in the first sequence
+])
+def test_prefill_tma_edges(K, lq, lk):
+    """The tensor-descriptor (TMA / TMA+WS) configs, run by the interpreter, against the fp32 oracle; q and
+    k_nope / v are views with a head stride wider than the head dim (the descriptors' 2-D views)."""
+    P, _ = K
+    assert _tma_cfgs(P), "no TMA config in the interpreter table"
+    g = torch.Generator().manual_seed(sum(lq) * 3 + sum(lk))
+    H = 3
+    q, kn, kr, v, gate = _prefill_inputs(lq, lk, H, g)
+    # wider buffers: head strides DN+DR+4 / DN+8 / DV+4 (still 16-byte multiples in fp32)
+    qb = torch.randn(sum(lq), H, DN + DR + 4, generator=g)
+    qb[..., :DN + DR] = q
+    knb = torch.randn(sum(lk), H, DN + 8, generator=g)
+    knb[..., :DN] = kn
+    vb = torch.randn(sum(lk), H, DV + 4, generator=g)
+    vb[..., :DV] = v
+    qv, knv, vv = qb[..., :DN + DR], knb[..., :DN], vb[..., :DV]
+    assert P.tma_eligible(qv, knv, kr, vv)
+    scale = (DN + DR) ** -0.5
+    for use_gate in (False, True):
+        ref = M.mla_prefill(q, kn, kr, v, _cu(lq), _cu(lk), scale, gate=gate if use_gate else None)
+        for cfg in _tma_cfgs(P):
+            out = torch.full((sum(lq), H, DV), float("nan"))
+            o = P.mla_prefill(qv, knv, kr, vv, _cu(lq), _cu(lk), scale, gate=gate if use_gate else None, out=out,
+                              config=cfg)
+            torch.testing.assert_close(o, ref, **TOL)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the poisoned rows, in the interpreter
+def test_prefill_tma_neighbour_rows_do_not_leak(K):
+    """A box that runs past its sequence reads the next one's rows: non-finite keys / values / queries there
+    must not reach this sequence's output."""
+    P, _ = K
+    g = torch.Generator().manual_seed(11)
+    lq, lk, H = [13, 6], [21, 6], 2
+    q, kn, kr, v, _ = _prefill_inputs(lq, lk, H, g)
+    q[13:], kn[21:], kr[21:], v[21:] = float("nan"), float("inf"), float("nan"), float("nan")
+    scale = (DN + DR) ** -0.5
+    ref = M.mla_prefill(q[:13], kn[:21], kr[:21], v[:21], _cu(lq[:1]), _cu(lk[:1]), scale)
+    for cfg in _tma_cfgs(P) + _cfgs(P.PREFILL_CONFIGS)[:1]:
+        o = P.mla_prefill(q, kn, kr, v, _cu(lq), _cu(lk), scale, config=cfg)
+        torch.testing.assert_close(o[:13], ref, **TOL)
+
+
+def test_prefill_tma_falls_back_where_descriptors_cannot(K):
+    """Head dims that need padding, strides off 16 bytes, a heads-major layout: a TMA config runs the pointer path
+    (same results)."""
+    P, _ = K
+    g = torch.Generator().manual_seed(5)
+    lq, lk, H = [4, 9], [6, 9], 2
+    q, kn, kr, v, _ = _prefill_inputs(lq, lk, H, g)
+    krb = torch.randn(sum(lk), DR + 1, generator=g)  # token stride 17 fp32 = 68 bytes
+    krb[:, :DR] = kr
+    assert P.tma_eligible(q, kn, kr, v) and not P.tma_eligible(q, kn, krb[:, :DR], v)
+    knh = kn.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # heads-major: the 2-D view's rows would overlap
+    assert not P.tma_eligible(q, knh, kr, v)
+    dn, dr, dv = 24, 8, 20  # padded head dims
+    assert not P.tma_eligible(torch.zeros(3, H, dn + dr), torch.zeros(3, H, dn), torch.zeros(3, dr),
+                              torch.zeros(3, H, dv))
+    scale = (DN + DR) ** -0.5
+    ref = M.mla_prefill(q, kn, kr, v, _cu(lq), _cu(lk), scale)
+    for cfg in _tma_cfgs(P):
+        o = P.mla_prefill(q, kn, krb[:, :DR], v, _cu(lq), _cu(lk), scale, config=cfg)
+        torch.testing.assert_close(o, ref, **TOL)
+        o = P.mla_prefill(q, knh, kr, v, _cu(lq), _cu(lk), scale, config=cfg)
+        torch.testing.assert_close(o, ref, **TOL)
+    qo = torch.randn(sum(lq), H, dn + dr, generator=g)
+    kno, kro = torch.randn(sum(lk), H, dn, generator=g), torch.randn(sum(lk), dr, generator=g)
+    vo = torch.randn(sum(lk), H, dv, generator=g)
+    ref = M.mla_prefill(qo, kno, kro, vo, _cu(lq), _cu(lk), (dn + dr) ** -0.5)
+    for cfg in _tma_cfgs(P):
+        o = P.mla_prefill(qo, kno, kro, vo, _cu(lq), _cu(lk), (dn + dr) ** -0.5, config=cfg)
+        torch.testing.assert_close(o, ref, **TOL)
+
+
 def _paged(lens, page, g):
     nblk = sum(math.ceil(L / page) for L in lens) + 2
     perm = torch.randperm(nblk, generator=g)
