@@ -65,7 +65,8 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
-                   slot_ids="*i32", out=p, H="i32", scale="fp32", lower_bound="fp32", eps="fp32",
+                   slot_ids="*i32", out=p, H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", sg="i32",
+                   scale="fp32", lower_bound="fp32", eps="fp32",
                    K="constexpr", V="constexpr", W="constexpr", WP="constexpr", BV="constexpr", PRE="constexpr", WIN="constexpr")
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]

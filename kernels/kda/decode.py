@@ -22,7 +22,7 @@ from . import configs as C
 
 
 @_interp.kjit
-def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+def _conv_step(xr, sx, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                WIN: tl.constexpr):
     """SiLU(conv) of one token for channels ``ch`` with the slot's saved inputs; updates the conv state.
 
@@ -34,7 +34,7 @@ def _conv_step(xr, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl
     fast thread feeds its neighbours the already-shifted window (wrong q/k/v on the GPU; the interpreter, which
     runs whole blocks at once, cannot show it)."""
     valid = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
-    x = tl.load(xr + n.to(tl.int64) * NCH + ch, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(xr + n.to(tl.int64) * sx + ch, mask=valid, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
     acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32)
     if WIN:
@@ -90,7 +90,7 @@ def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v,
 
 @_interp.kjit
 def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
-                   conv_pool, state_pool, slot_ids, out, H, scale, lower_bound, eps,
+                   conv_pool, state_pool, slot_ids, out, H, sq, sk, sv, sd, sb, sg, scale, lower_bound, eps,
                    K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
                    PRE: tl.constexpr, WIN: tl.constexpr):
     n = tl.program_id(0)
@@ -112,20 +112,20 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         # the whole state's load issued first: its latency overlaps the convolutions and norms below
         sp, smask = _state_ptrs(state_pool, slot, hh, H, offs_k, offs_v, valid, K, V)
         S0 = tl.load(sp, mask=smask, other=0.0)
-    q = _conv_step(q_raw, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, WIN)
-    k = _conv_step(k_raw, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, WIN)
+    q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, WIN)
+    k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, WIN)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    raw = tl.load(d_raw + n.to(tl.int64) * NCH + ck, mask=(valid + 0 * ck) > 0, other=0.0).to(tl.float32)
+    raw = tl.load(d_raw + n.to(tl.int64) * sd + ck, mask=(valid + 0 * ck) > 0, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
     g = lower_bound * tl.sigmoid(a_h * (raw + tl.load(dt_bias + ck).to(tl.float32)))
-    beta = tl.sigmoid(tl.load(b_raw + n.to(tl.int64) * H + hh).to(tl.float32))
+    beta = tl.sigmoid(tl.load(b_raw + n.to(tl.int64) * sb + hh).to(tl.float32))
     eg = tl.exp(g)
     obase = out + n.to(tl.int64) * (H * V) + hh * V
-    gr = tl.load(g_raw + n.to(tl.int64) * (H * V) + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
+    gr = tl.load(g_raw + n.to(tl.int64) * sg + cv, mask=(valid + 0 * cv) > 0, other=0.0).to(tl.float32)
     if BV == V:
         # whole state tile at once: the output stays in fp32 registers through the norm
-        v = _conv_step(v_raw, wv, conv_pool, n, slot, cv, valid, NCH, 2, W, WP, WIN)
+        v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, cv, valid, NCH, 2, W, WP, WIN)
         if PRE:
             o = _delta_step(S0, sp, smask, eg, k, q, beta, v)
         else:
@@ -138,7 +138,7 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
         for vb in range(0, V // BV):
             offs_b = vb * BV + tl.arange(0, BV)
-            vblk = _conv_step(v_raw, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W, WP, WIN)
+            vblk = _conv_step(v_raw, sv, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W, WP, WIN)
             ob = _state_step(state_pool, slot, hh, H, offs_k, offs_b, valid, eg, k, q, beta, vblk, K, V)
             ss += tl.sum(ob * ob, 0)
             tl.store(obase + offs_b, ob.to(out.dtype.element_ty))
@@ -182,13 +182,16 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         out = C.empty(N, H * V, dtype=out_dtype, device=q_raw.device)
     ws = [w.reshape(-1, W) if w.is_contiguous() and w.dtype == torch.float32 else w.reshape(-1, W).float().contiguous()
           for w in conv_weights]
-    args = (q_raw.contiguous(), k_raw.contiguous(), v_raw.contiguous(), decay_raw.contiguous(),
-            beta_raw.contiguous(), gate_raw.contiguous(), ws[0], ws[1], ws[2], A_log, dt_bias, o_norm_weight)
+    # the per-row inputs are read through their row strides (column views of the layer's one q|k|v|g|b GEMM
+    # output need no copy); only a non-unit last-dim stride is copied
+    rows = [t if t.stride(-1) == 1 else t.contiguous() for t in (q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw)]
+    strides = [t.stride(0) for t in rows]
+    args = (*rows, ws[0], ws[1], ws[2], A_log, dt_bias, o_norm_weight)
 
     def launch(cfg: dict, cpool: torch.Tensor, spool: torch.Tensor, sids: torch.Tensor, o: torch.Tensor) -> None:
         meta, opts = tune.split(dict(cfg))
         bv = min(meta.get("BV", V), V)
-        _interp.launch(_decode_kernel, (N, H), *args, cpool, spool, sids, o, H, scale, float(lower_bound),
+        _interp.launch(_decode_kernel, (N, H), *args, cpool, spool, sids, o, H, *strides, scale, float(lower_bound),
                        float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
                        PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)), **opts)
 

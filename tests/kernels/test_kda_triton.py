@@ -311,3 +311,29 @@ def test_decode_tuned_pick_leaves_pools_alone(monkeypatch):
     close(got, want, 1e-5)
     torch.testing.assert_close(sp, spr, rtol=1e-5, atol=1e-5)
     assert torch.equal(cp, cpr)
+
+
+def test_decode_reads_column_views_in_place():
+    """q / k / v / gate / beta / decay as column views of one wider per-row tensor (the layer's fused projection
+    output) give the same result as contiguous copies, and the oracle's."""
+    gen = _gen()
+    H, N = 2, 4
+    xs, ws, A_log, dt, onw, cp, sp = _decode_setup(gen, N, 6, H, D)
+    widths = [x.shape[1] for x in xs]
+    pad = 3  # an odd extra column: every view's row stride differs from its width
+    wide = torch.randn(N, sum(widths) + pad, generator=gen).to(DEV).to(xs[0].dtype)
+    views, o = [], pad
+    for x, wd in zip(xs, widths):
+        wide[:, o:o + wd] = x
+        views.append(wide[:, o:o + wd])
+        o += wd
+    assert all(not v.is_contiguous() for v in views)
+    sid = torch.tensor([5, -1, 0, 2], dtype=torch.int32, device=DEV)
+    cpr, spr = cp.clone(), sp.clone()
+    want = O.kda_decode(*xs, ws, A_log, dt, onw, cpr, spr, sid, 1e-5)
+    for cfg in tune.configs(KC.DECODE):
+        cp1, sp1 = cp.clone(), sp.clone()
+        got = KDEC.kda_decode(*views, ws, A_log, dt, onw, cp1, sp1, sid, 1e-5, config=dict(cfg, BV=min(cfg["BV"], D)))
+        close(got, want, 1e-5)
+        torch.testing.assert_close(sp1, spr, rtol=1e-5, atol=1e-5)
+        assert torch.equal(cp1, cpr)
