@@ -10,8 +10,8 @@ starting new rows after ``--deadline`` seconds.
 * prefill: B1 T8192 H12, T32768 H12, T8192 H96, every grid config (pointer, TMA and TMA+WS tiles), and SDPA
   on the same problem; each TMA config also on a varlen split of the same tensors against the shipped pointer
   config (``rel_varlen_vs_ptr``), ``ok`` when both errors are below 1e-2.
-* attnres: D7168 T8192 / T256, bf16 and fp32 banks, 8 bank rows + prefix, every grid config (graph-replayed at
-  T256).
+* attnres: D7168 T8192 / T256, bf16 and fp32 banks, 8 bank rows + prefix, every grid config (phased path and
+  PIPE stream; graph-replayed at T256), each with and without the h store (the engine's call).
 
 Usage: ``python gpu-runs/sweep_attn.py --out DIR [--only decode,prefill,attnres] [--deadline S]``.
 """
@@ -211,12 +211,29 @@ def sweep_prefill(log, deadline):
 
 
 def sweep_attnres(log, deadline):
+    """Every AttnRes config (the shipped table, a phased-path grid, a PIPE-stream grid) on D7168 x 8 bank rows +
+    prefix, bf16 / fp32 banks at T8192 / T256 (graph-replayed), each once storing h (``frac`` against the floor
+    with h) and, the shipped and PIPE configs, once as the engine calls it, ``store_h=False`` (``no_h`` rows,
+    ``frac`` against the floor without the h bytes). A PIPE config runs with its stage count lowered to fit shared
+    memory (``PIPE_SMEM_BYTES``): the ``pipe_as_run`` field says the count that ran."""
     from k3rocm.kernels.attnres import attnres as AR
-    grid = list(AR.ATTNRES_CONFIGS["cuda"])
+    shipped = list(AR.ATTNRES_CONFIGS["cuda"])
+    grid = list(shipped)
     for rows, w, pps in itertools.product((2, 4, 8), (8, 16, 32), (0, 2, 4, 8)):
         c = dict(BLOCK_D=8192, PROGS_PER_SM=pps, ROWS=rows, num_warps=w, num_stages=1)
         if c not in grid:
             grid.append(c)
+    # the PIPE stream: rows per tile x warps x stages (ptxas sm_90a: ROWS 1 spill-free at 16 / 32 warps, ROWS 2 at
+    # 16; ROWS 2 at 32 warps spills a few bytes with triton 3.6),
+    # one persistent program per SM (two cannot be resident: 128 registers x 16 warps) or one per token
+    for rows, w, pipe, pps in itertools.product((1, 2), (16, 32), (2, 3, 4, 5, 6, 7), (1, 0)):
+        if pps == 0 and pipe > 3:
+            continue
+        c = dict(BLOCK_D=8192, PROGS_PER_SM=pps, ROWS=rows, PIPE=pipe, num_warps=w, num_stages=1)
+        if c not in grid:
+            grid.append(c)
+    for rows, pipe in ((4, 2), (4, 3), (1, 8)):  # at the edge: ROWS 4 spills a little, 8 stages need a cut
+        grid.append(dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=rows, PIPE=pipe, num_warps=16, num_stages=1))
     g = torch.Generator(device="cuda").manual_seed(2)
     D = 7168
     for T, dt in ((8192, torch.bfloat16), (8192, torch.float32), (256, torch.bfloat16), (256, torch.float32)):
@@ -231,24 +248,37 @@ def sweep_attnres(log, deadline):
         rows_ = 8
         byts = (rows_ + 1) * T * D * eb + T * D * 4 + T * D * 2
         floor = byts / 4.2e12 * 1e3
+        floor_no_h = (byts - T * D * 4) / 4.2e12 * 1e3
         case = f"D{D} T{T} {str(dt)[6:]}"
         ref = AR.attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16)
         timer = _tg if T <= 256 else _t
-        fn = lambda: AR.attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16)  # noqa: E731
-        ms = timer(fn)
-        log(part="attnres", case=case, cfg="default", ms=ms, frac=floor / ms, graphed=T <= 256)
+        for store_h in (True, False):
+            fn = lambda sh=store_h: AR.attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16,  # noqa
+                                                     store_h=sh)
+            ms = timer(fn)
+            fl = floor if store_h else floor_no_h
+            log(part="attnres", case=case, cfg="default", no_h=not store_h, ms=ms, frac=fl / ms, graphed=T <= 256)
         for cfg in grid:
             if time.time() - T0 > deadline:
                 break
-            try:
-                o = AR.attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16, config=cfg)
-                f = lambda cfg=cfg: AR.attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16,  # noqa
-                                                     config=cfg)
-                ms = timer(f)
-                err = max(_rel(o[0], ref[0]), _rel(o[1], ref[1])) if isinstance(o, tuple) else _rel(o, ref)
-                log(part="attnres", case=case, cfg=cfg, ms=ms, frac=floor / ms, rel_vs_default=err)
-            except Exception as e:
-                log(part="attnres", case=case, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:160]}")
+            pipe = cfg.get("PIPE", 0)
+            as_run = AR._pipe_stages(pipe, cfg["ROWS"], cfg["BLOCK_D"], eb, "cuda") if pipe > 2 else pipe
+            # without h: the shipped table and the PIPE grid (the phased grid's h rows were all within 1% of each
+            # other on 2026-12-02's H200; its no-h rows would mostly cost compiles)
+            for store_h in (True, False) if cfg in shipped or pipe else (True,):
+                fl = floor if store_h else floor_no_h
+                try:
+                    o = AR.attn_res_norm(bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16, config=cfg,
+                                         store_h=store_h)
+                    f = lambda cfg=cfg, sh=store_h: AR.attn_res_norm(  # noqa: E731
+                        bank, rows_, pre, w, nw, 1e-5, out_dtype=torch.bfloat16, config=cfg, store_h=sh)
+                    ms = timer(f)
+                    err = _rel(o[1], ref[1]) if o[0] is None else max(_rel(o[0], ref[0]), _rel(o[1], ref[1]))
+                    log(part="attnres", case=case, cfg=cfg, no_h=not store_h, pipe_as_run=as_run, ms=ms,
+                        frac=fl / ms, rel_vs_default=err)
+                except Exception as e:
+                    log(part="attnres", case=case, cfg=cfg, no_h=not store_h,
+                        error=f"{type(e).__name__}: {str(e)[:160]}")
         del bank, pre
 
 

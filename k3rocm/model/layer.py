@@ -762,11 +762,16 @@ def _slots(state: AttnResState) -> torch.Tensor | None:
 def _normed(ops: Mapping[str, Callable], out_dtype: torch.dtype | None, *args: Any, **kw: Any) -> torch.Tensor:
     """The normed output of ``attn_res_norm(*args, **kw)``: fp32 (``out_dtype`` None), else in ``out_dtype`` —
     written so by the op itself where it takes ``out_dtype`` (the Triton kernel stores its fp32 result rounded to
-    nearest even, as ``.to`` rounds), else rounded from its fp32 result."""
-    if out_dtype is not None and _takes(ops["attn_res_norm"], "out_dtype"):
-        x = ops["attn_res_norm"](*args, out_dtype=out_dtype, **kw)[1]
+    nearest even, as ``.to`` rounds), else rounded from its fp32 result. The aggregation ``h`` itself is never
+    used here: an op that takes ``store_h`` (the Triton kernel) is asked not to store it (``T * D * 4`` bytes
+    less written per call)."""
+    fn = ops["attn_res_norm"]
+    if _takes(fn, "store_h"):
+        kw = dict(kw, store_h=False)
+    if out_dtype is not None and _takes(fn, "out_dtype"):
+        x = fn(*args, out_dtype=out_dtype, **kw)[1]
     else:
-        x = f32(ops["attn_res_norm"](*args, **kw)[1])
+        x = f32(fn(*args, **kw)[1])
     return x if out_dtype is None else x.to(out_dtype)
 
 

@@ -12,6 +12,9 @@ import os
 
 import pytest
 import torch
+# Triton's compiler imported in compiled mode, before the K fixture sets TRITON_INTERPRET: the ahead-of-time test
+# below needs the jitted (not interpreted) standard library that its first compile imports
+import triton.compiler.code_generator  # noqa: F401
 
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError
@@ -104,6 +107,71 @@ def test_kernel_step_every_config(K, num_rows, append):
         torch.testing.assert_close(h.cpu(), h_ref, **TOL)
         torch.testing.assert_close(hn.cpu(), hn_ref, **TOL)
         torch.testing.assert_close(b.cpu(), b_ref, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("num_rows,append", [(0, True), (0, False), (7, True), (8, False)])
+def test_kernel_without_h_every_config(K, T, num_rows, append):
+    """``store_h=False`` (the decoder layer's call): no ``h`` stored or returned, ``h_normed`` and the bank exactly
+    those of the call that stores ``h`` (one token, and 5 tokens: not a multiple of the 2 / 3 walking programs),
+    and the oracle's; ``out``'s ``h`` slot is left untouched."""
+    g = torch.Generator().manual_seed(60 + 10 * T + num_rows)
+    D = 72
+    bank0 = torch.randn(9, T, D, generator=g)
+    bank0[num_rows:] = float("nan")
+    pre = torch.randn(T, D, generator=g)
+    w, nw = torch.randn(D, generator=g) * 0.3, 1 + 0.1 * torch.randn(D, generator=g)
+    b_ref = bank0.clone()
+    _h_ref, hn_ref = A.attn_res_norm(b_ref, num_rows, pre, w, nw, 1e-5, append=append)
+    args = (num_rows, pre.to(DEV), w.to(DEV), nw.to(DEV), 1e-5)
+    for cfg in _configs(K):
+        b_h, b = bank0.clone().to(DEV), bank0.clone().to(DEV)
+        _h, hn_h = K.attn_res_norm(b_h, *args, append=append, config=cfg)
+        spare = torch.full((T, D), 7.0, device=DEV)
+        h, hn = K.attn_res_norm(b, *args, append=append, config=cfg, store_h=False,
+                                out=(spare, torch.empty(T, D, device=DEV)))
+        assert h is None and hn.shape == (T, D) and bool((spare == 7.0).all()), cfg
+        assert torch.equal(hn, hn_h), cfg
+        torch.testing.assert_close(hn.cpu(), hn_ref, **TOL)
+        torch.testing.assert_close(b.cpu(), b_ref, equal_nan=True, atol=0, rtol=0)
+        h2, hn2 = K.attn_res_norm(bank0.clone().to(DEV), *args, config=cfg, store_h=False, out_dtype=torch.bfloat16)
+        assert h2 is None and hn2.dtype == torch.bfloat16
+
+
+def test_pipe_stages_fit_shared_memory(K):
+    """The PIPE stream's stage count as launched: the CUDA table's PIPE configs stage bf16 tiles as written
+    (within the budget), an fp32 bank gets fewer stages (at least 2), and a backend without a budget keeps them."""
+    pipes = [c for c in K.ATTNRES_CONFIGS["cuda"] if c.get("PIPE")]
+    assert pipes and all(c["BLOCK_D"] >= 7168 for c in pipes)
+    budget = K.PIPE_SMEM_BYTES["cuda"]
+    for c in pipes:
+        rows, bd, s = c["ROWS"], c["BLOCK_D"], c["PIPE"]
+        assert K._pipe_stages(s, rows, bd, 2, "cuda") == s, c
+        s4 = K._pipe_stages(s, rows, bd, 4, "cuda")
+        assert 2 <= s4 <= s and ((s4 - 1) * (rows + 1) * bd * 4 <= budget or s4 == 2), c
+    assert K._pipe_stages(9, 4, 8192, 4, "interpreter") == 9
+
+
+def test_pipe_configs_compile_for_sm90(K, monkeypatch):
+    """Every PIPE config of the CUDA table compiles ahead of time for sm_90 (bf16 bank, write layer, no h) and its
+    tiles are staged by the loop pipeliner (``cp.async`` into shared memory), within the 227 KiB of a block."""
+    isa = pytest.importorskip("k3rocm.kernels.isa")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    seen = set()
+    for c in (c for c in K.ATTNRES_CONFIGS["cuda"] if c.get("PIPE")):
+        key = (c["ROWS"], c["PIPE"], c["num_warps"])
+        if key in seen:
+            continue
+        seen.add(key)
+        sig, consts, _ = K.isa_signature("bf16", append=True, block_d=c["BLOCK_D"], one_block=True, rows=c["ROWS"],
+                                         pipe=c["PIPE"], store_h=False)
+        hinted = tuple(n for n, t in sig.items() if t.startswith("*")) + (
+            "D", "stride_br", "stride_bt", "stride_pt", "stride_ht", "stride_hnt")  # as a launch at D 7168 marks them
+        rep = isa.compile_kernel(K._attn_res_kernel, sig, consts, "sm_90", name=str(c),
+                                 options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]), aligned=hinted)
+        assert rep.error is None, rep.error
+        assert "cp.async" in rep.asm, c
+        assert rep.lds_bytes <= 227 * 1024, (c, rep.lds_bytes)
 
 
 @pytest.mark.parametrize("num_rows,append", [(0, True), (3, False), (7, True)])
@@ -206,3 +274,30 @@ def test_kernel_whole_stack(K, layers, block):
     assert worst < 1e-3, worst  # fp32 reassociation over up to 187 chained steps
     torch.testing.assert_close(x.cpu(), x_ref, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(h.cpu(), h_ref, atol=1e-3, rtol=1e-3)
+
+
+def test_layer_asks_the_kernel_not_to_store_h(K):
+    """``model/layer.py`` reads only ``h_normed``: it passes ``store_h=False`` to an op that takes it (the kernel)
+    and nothing to one that does not (the oracle); both give the oracle's normed output, fp32 and bf16."""
+    from k3rocm.model import layer as Lm
+    g = torch.Generator().manual_seed(7)
+    T, D = 3, 40
+    bank = torch.randn(4, T, D, generator=g)
+    pre = torch.randn(T, D, generator=g)
+    w, nw = torch.randn(D, generator=g) * 0.3, 1 + 0.1 * torch.randn(D, generator=g)
+    seen = []
+
+    def op(bank, num_rows, prefix, weight, norm_weight, eps, append=False, out_dtype=None, store_h=True):
+        seen.append(store_h)
+        h, hn = K.attn_res_norm(bank, num_rows, prefix, weight, norm_weight, eps, append=append,
+                                out_dtype=out_dtype, store_h=store_h, config=_configs(K)[0])
+        assert h is None
+        return h, hn
+
+    for dt in (None, torch.bfloat16):
+        ref = Lm._normed({"attn_res_norm": A.attn_res_norm}, dt, bank.clone(), 2, pre, w, nw, 1e-5, append=True)
+        x = Lm._normed({"attn_res_norm": op}, dt, bank.clone().to(DEV), 2, pre.to(DEV), w.to(DEV), nw.to(DEV), 1e-5,
+                       append=True)
+        assert x.dtype == ref.dtype
+        torch.testing.assert_close(x.cpu().float(), ref.float(), **(TOL if dt is None else dict(atol=2e-2, rtol=2e-2)))
+    assert seen == [False, False]
