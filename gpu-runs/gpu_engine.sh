@@ -21,7 +21,8 @@
 #   ksweep gpu-runs/bench_kda.py --only sweep: every state / out config, the gate per num_warps and the precision
 #          variants (time per launch, accuracy), into RESULTS_DIR/ksweep/
 #   attn   gpu-runs/sweep_attn.py: MLA decode (configs x split counts), MLA prefill (vs SDPA) and AttnRes config
-#          sweeps beyond the shipped tables, into RESULTS_DIR/attn/ (ATTN_PARTS picks parts, default all three)
+#          sweeps beyond the shipped tables, into RESULTS_DIR/attn/ (ATTN_PARTS picks parts, default all three;
+#          ATTN_LIMIT its seconds, default 330)
 #   mla    gpu-runs/bench_mla.py goal tables (MLA decode / prefill vs SDPA, AttnRes, odd head dims; MLA_PARTS picks
 #          parts), into RESULTS_DIR/mla/
 #   mltest the MLA / AttnRes GPU tests (tests/kernels/test_mla_gpu.py; MLA_TESTS: a pytest -k expression)
@@ -80,8 +81,8 @@ for s in $STEPS; do
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
     kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
     ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla --out "$R/ksweep" ;;
-    attn) step attn "$(lim 330)" $PY "$HERE/sweep_attn.py" --only "${ATTN_PARTS:-decode,prefill,attnres}" \
-          --deadline "$(( $(lim 330) - 30 ))" --out "$R/attn" ;;
+    attn) step attn "$(lim "${ATTN_LIMIT:-330}")" $PY "$HERE/sweep_attn.py" --only "${ATTN_PARTS:-decode,prefill,attnres}" \
+          --deadline "$(( $(lim "${ATTN_LIMIT:-330}") - 30 ))" --out "$R/attn" ;;
     mla) step mla "$(lim 150)" $PY "$HERE/bench_mla.py" --no-peers --only "${MLA_PARTS:-decode,prefill,attnres,odd}" \
           --out "$R/mla" ;;
     mltest) step mltest "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py \
