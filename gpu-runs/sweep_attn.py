@@ -167,6 +167,7 @@ def sweep_prefill(log, deadline):
             c["WS"] = 1
         smem = bm * 192 * 2 + st * bn * 320 * 2 + (bn * 512 if ws else 0)  # (+ WS: as triton 3.6 compiles it)
         if (c in grid or smem > 227 * 1024 or (ws and w != 4) or (not ws and bm == 64 and w == 8)
+                or (NEW_ONLY and bm == 64)
                 or (bm == 128 and w == 4 and bn == 128 and not ws)):
             continue
         grid.append(c)
