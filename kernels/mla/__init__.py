@@ -12,7 +12,7 @@ from .prefill import (PREFILL_CONFIGS, _mla_prefill_kernel, expand_cached_contex
                       mla_prefill_chunked, pad_dim)
 
 __all__ = ["mla_prefill", "mla_prefill_chunked", "expand_cached_context", "mla_decode", "mla_cache_write", "PREFILL_CONFIGS", "DECODE_CONFIGS", "REDUCE_CONFIGS",
-           "CACHE_WRITE_CONFIGS", "isa_cases", "sm90_isa_cases", "TRITON_IMPLS"]
+           "CACHE_WRITE_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
 
 #: the ``triton`` implementations of this family: ``(op, fn, supports or None, note)``
@@ -74,21 +74,4 @@ def isa_cases() -> list[tuple]:
     sig.update({k: "constexpr" for k in consts})
     cases.append(("mla_cache_write_bf16", _mla_cache_write_kernel, sig, consts, False,
                   {"cuda": {"num_warps": 4}, "hip": {"num_warps": 4}}))
-    return cases
-
-
-def sm90_isa_cases() -> list[tuple]:
-    """The prefill kernel's tensor-descriptor configs (``TMA`` in ``PREFILL_CONFIGS["cuda"]``) at K3 dims, as
-    :func:`isa_cases` entries, for sm_90 only: AMD has no tensor memory accelerator (the HIP table has no such
-    config; compiled for gfx9 Triton rewrites the descriptors to pointer loads, which spill SGPRs), and
-    ``kernels isa`` compiles every case for every target, so these are not in :func:`isa_cases`."""
-    cases = []
-    for cfg in PREFILL_CONFIGS["cuda"]:
-        if not cfg.get("TMA"):
-            continue
-        sig, consts, opts = isa_signature("bf16", has_gate=True, cfg=cfg)
-        tag = f"m{cfg['BLOCK_M']}_n{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}"
-        tag += "_ws" if cfg.get("WS") else ""
-        cases.append((f"mla_prefill_bf16_gate_tma_{tag}", _mla_prefill_kernel, sig, consts, True,
-                      {"cuda": opts["cuda"]}))
     return cases

@@ -6,11 +6,6 @@ tile instead of materialising a 192-wide per-head key. Online softmax in fp32 (D
 in base 2); v keeps its own width (128), no padding to 192. Optional fused output gate
 ``o *= sigmoid(gate)`` (gate = ``g_proj(x)``) in the epilogue.
 
-On Hopper the ``TMA`` configs read q / k_nope / k_rope / v through host tensor descriptors (the tensor memory
-accelerator: no address arithmetic in the key loop), ``WS`` ones also warp-specialise the key loop; a problem
-the descriptors cannot take (:func:`tma_eligible`) runs the pointer path of the same tile, as HIP and the
-interpreter's pointer configs do.
-
 Oracle: :func:`k3rocm.model.mla.mla_prefill`.
 """
 
@@ -27,7 +22,6 @@ from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
-from k3rocm.kernels.target import interpreting
 from k3rocm.numerics import gather_cache
 
 LOG2E = 1.4426950408889634
@@ -42,16 +36,6 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
         dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4),
-        # Hopper tensor-memory-accelerator loads (TMA; where tma_eligible, else the pointer path of the tile);
-        # not yet timed on an H200 (gpu-runs/sweep_attn.py), so after the measured pointer configs.
-        # Shared memory (sm_90 AOT, triton 3.6): 169 / 209 / 209 KiB
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=1),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, TMA=1),
-        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, TMA=1),
-        # + warp specialisation: num_warps is per consumer group; triton 3.6 makes 12 warps (a producer warp
-        # group at 40 registers, two consumer groups of 64 query rows at 232); 160 / 200 KiB
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, TMA=1, WS=1),
-        dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, TMA=1, WS=1),
     ],
     # chosen from AOT compiles with the JIT's divisibility hints: no VGPR/SGPR spills on gfx950 and gfx942
     # (128x64 spills one VGPR on gfx942)
@@ -65,8 +49,6 @@ PREFILL_CONFIGS: dict[str, list[dict]] = {
     "interpreter": [
         dict(BLOCK_M=16, BLOCK_N=16),
         dict(BLOCK_M=32, BLOCK_N=16),
-        dict(BLOCK_M=16, BLOCK_N=16, TMA=1),  # the interpreter runs tensor descriptors
-        dict(BLOCK_M=32, BLOCK_N=16, TMA=1, WS=1),
     ],
 }
 
@@ -84,28 +66,17 @@ def load_cols(ptrs, col_ok, DENSE: tl.constexpr):
 # batch size, length or bank depth never compiles while serving
 @partial(JITFunction, do_not_specialize=("num_m_blocks",))
 def _mla_prefill_kernel(
-    Q, QR, KN, KR, V, O, G, CUQ, CUK,
+    Q, KN, KR, V, O, G, CUQ, CUK,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_krt, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_gt, stride_gh,
     qk_scale, num_m_blocks,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
     BDN: tl.constexpr, BDR: tl.constexpr, BDV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, I64: tl.constexpr,
-    TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     # head dims are padded to BD* (powers of two >= 16, what tl.dot and tl.arange need); the padded lanes
     # load as 0, add nothing to the scores and are never stored. With BD* == D* the masks are all-true
     # constants and fold away.
-    # Pointer path (TMA False): Q is the query pointer (QR unused), KN / KR / V pointers.
-    # TMA: Q / QR (query nope / rope boxes [BLOCK_M, D*]) and KN / KR / V ([BLOCK_N, D*]) are tensor
-    # descriptors of 2-D views [T, (H-1) * head stride + D] (a head's tile starts at column h * head stride);
-    # the host sets TMA only when BD* == D* and every stride is 16-byte aligned. Boxes are clipped at the
-    # tensor's end only, not at the sequence's: rows of the next sequence are read, their scores masked like
-    # the pointer path's, their v rows zeroed (a non-finite value there cannot reach this sequence through
-    # 0 * v) and their output rows never stored.
-    # WS (TMA only): one causal-masked key loop, warp-specialised (producer warps issue the TMA loads, the
-    # consumer warp groups split the query rows; Triton's Hopper pass takes neither two key loops nor an
-    # early exit, so a block past its sequence runs an empty loop and stores nothing).
     # heavy (late) query blocks first: causal work grows with the block index
     pid_m = num_m_blocks - 1 - tl.program_id(0)
     n = tl.program_id(1)
@@ -115,9 +86,8 @@ def _mla_prefill_kernel(
     k0 = tl.load(CUK + n)
     lk = tl.load(CUK + n + 1) - k0
     m_start = pid_m * BLOCK_M
-    if not WS:
-        if m_start >= lq:
-            return
+    if m_start >= lq:
+        return
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     dn = tl.arange(0, BDN)
@@ -127,113 +97,66 @@ def _mla_prefill_kernel(
     dr_ok = dr < DR
     dv_ok = dv < DV
     m_ok = offs_m < lq
-    if TMA:
-        qn = Q.load([q0 + m_start, h * stride_qh])
-        qr = QR.load([q0 + m_start, h * stride_qh + DN])
-        kn_col = h * stride_knh
-        v_col = h * stride_vh
-    else:
-        q_base = Q + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
-        qn = tl.load(q_base + dn[None, :], mask=m_ok[:, None] & dn_ok[None, :], other=0.0)
-        qr = tl.load(q_base + DN + dr[None, :], mask=m_ok[:, None] & dr_ok[None, :], other=0.0)
-        kn_base = KN + h * stride_knh
-        v_base = V + h * stride_vh
+    q_base = Q + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+    qn = tl.load(q_base + dn[None, :], mask=m_ok[:, None] & dn_ok[None, :], other=0.0)
+    qr = tl.load(q_base + DN + dr[None, :], mask=m_ok[:, None] & dr_ok[None, :], other=0.0)
 
     diag = lk - lq  # query j sees keys 0 .. diag + j
     m_last = tl.minimum(m_start + BLOCK_M, lq) - 1
     hi = tl.minimum(lk, diag + m_last + 1)
+    lo = tl.maximum(diag + m_start + 1, 0)
+    lo = tl.minimum((lo // BLOCK_N) * BLOCK_N, tl.maximum(hi, 0))
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BDV], tl.float32)
-    if WS:
-        hi = tl.where(m_start < lq, hi, 0)
-        for start in tl.range(0, hi, BLOCK_N, warp_specialize=True):
-            kidx = start + offs_n
-            k_ok = kidx < hi
-            kn = KN.load([k0 + start, kn_col])
-            kr = KR.load([k0 + start, 0])
-            s = tl.dot(qr, kr.T, tl.dot(qn, kn.T))
-            vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s * qk_scale - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vv = V.load([k0 + start, v_col])
-            vv = tl.where(k_ok[:, None], vv, 0.0).to(vv.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
-            m_i = m_new
-    else:
-        lo = tl.maximum(diag + m_start + 1, 0)
-        lo = tl.minimum((lo // BLOCK_N) * BLOCK_N, tl.maximum(hi, 0))
-        # keys every row of the block sees: no causal mask
-        for start in range(0, lo, BLOCK_N):
-            if TMA:
-                kn = KN.load([k0 + start, kn_col])
-                kr = KR.load([k0 + start, 0])
-                s = tl.dot(qr, kr.T, tl.dot(qn, kn.T))  # one accumulator for both parts
-            else:
-                kt = k0 + start + offs_n
-                if I64:
-                    kt = kt.to(tl.int64)
-                kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
-                kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
-                s = tl.dot(qr, kr, tl.dot(qn, kn))
-            # the scale is folded into the exponent (one fma per score): m_i is kept in scaled units
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if TMA:
-                vv = V.load([k0 + start, v_col])
-            else:
-                vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
-            m_i = m_new
-        # the diagonal band: causal + length mask. Pointer path: out-of-range keys are clamped to the last
-        # valid one (real, finite data) and masked in the scores, so the loads need no per-lane masks (fewer
-        # AMD SGPRs). TMA: see above (masked scores, zeroed v rows).
-        for start in range(lo, hi, BLOCK_N):
-            kidx = start + offs_n
-            k_ok = kidx < hi
-            if TMA:
-                kn = KN.load([k0 + start, kn_col])
-                kr = KR.load([k0 + start, 0])
-                s = tl.dot(qr, kr.T, tl.dot(qn, kn.T))
-            else:
-                kt = k0 + tl.minimum(kidx, hi - 1)
-                if I64:
-                    kt = kt.to(tl.int64)
-                kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
-                kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
-                s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
-            vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: -inf stays -inf
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s * qk_scale - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if TMA:
-                vv = V.load([k0 + start, v_col])
-                vv = tl.where(k_ok[:, None], vv, 0.0).to(vv.dtype)
-            else:
-                vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
-            m_i = m_new
+    kn_base = KN + h * stride_knh
+    v_base = V + h * stride_vh
+    # keys every row of the block sees: no causal mask
+    for start in range(0, lo, BLOCK_N):
+        kt = k0 + start + offs_n
+        if I64:
+            kt = kt.to(tl.int64)
+        kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
+        kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
+        s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
+        # the scale is folded into the exponent (one fma per score): m_i is kept in scaled units
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
+    # the diagonal band: causal + length mask; out-of-range keys are clamped to the last valid one (real,
+    # finite data) and masked in the scores, so the loads need no per-lane masks (fewer AMD SGPRs)
+    for start in range(lo, hi, BLOCK_N):
+        kidx = start + offs_n
+        k_ok = kidx < hi
+        kt = k0 + tl.minimum(kidx, hi - 1)
+        if I64:
+            kt = kt.to(tl.int64)
+        kn = load_cols(kn_base + kt[None, :] * stride_knt + dn[:, None], dn_ok[:, None], BDN == DN)
+        kr = load_cols(KR + kt[None, :] * stride_krt + dr[:, None], dr_ok[:, None], BDR == DR)
+        s = tl.dot(qr, kr, tl.dot(qn, kn))  # one accumulator for both parts
+        vis = k_ok[None, :] & (kidx[None, :] <= (diag + offs_m)[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0: -inf stays -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = load_cols(v_base + kt[:, None] * stride_vt + dv[None, :], dv_ok[None, :], BDV == DV)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     row = (q0 + offs_m).to(tl.int64)
     st_mask = m_ok[:, None] & dv_ok[None, :]
     if HAS_GATE:
-        if WS:  # the block may lie past its sequence: masked rows
-            g = tl.load(G + row[:, None] * stride_gt + h * stride_gh + dv[None, :], mask=st_mask,
-                        other=0.0).to(tl.float32)
-        else:
-            grow = (q0 + tl.minimum(offs_m, lq - 1)).to(tl.int64)  # clamped rows: no row mask
-            g = load_cols(G + grow[:, None] * stride_gt + h * stride_gh + dv[None, :], dv_ok[None, :],
-                          BDV == DV).to(tl.float32)
+        grow = (q0 + tl.minimum(offs_m, lq - 1)).to(tl.int64)  # clamped rows: no row mask
+        g = load_cols(G + grow[:, None] * stride_gt + h * stride_gh + dv[None, :], dv_ok[None, :],
+                       BDV == DV).to(tl.float32)
         out = out * tl.sigmoid(g)
     tl.store(O + row[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty), mask=st_mask)
 
@@ -247,8 +170,7 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     Args (beyond the oracle's):
         gate: optional ``[Tq, H*Dv]`` / ``[Tq, H, Dv]`` raw ``g_proj(x)``, fused as ``o * sigmoid(gate)``.
         out: optional preallocated ``[Tq, H, Dv]`` output (its dtype is kept); default ``q.dtype``.
-        config: one entry of ``PREFILL_CONFIGS[backend]`` (default: tuned pick); a ``TMA`` entry runs the pointer
-            path of its tile where :func:`tma_eligible` is False.
+        config: one entry of ``PREFILL_CONFIGS[backend]`` (default: tuned pick).
         max_seqlen_q: longest query segment (avoids a device->host read of cu_seqlens_q).
     Returns:
         o ``[Tq, H, Dv]`` in ``q.dtype`` (or ``out``'s).
@@ -291,20 +213,11 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     # int32 key offsets unless a key/value tensor spans more than 2^31 elements
     big = max(k_nope.stride(0) * Tk, v.stride(0) * Tk, k_rope.stride(0) * Tk) >= 2 ** 31
 
-    tma_ok = tma_eligible(q, k_nope, k_rope, v)
-
     def launch(cfg: dict) -> None:
         meta, opts = tune.split(cfg)
         nmb = triton.cdiv(max(max_seqlen_q, 1), meta["BLOCK_M"])
-        # TMA / WS are requests: a problem the descriptors cannot take runs the pointer path of the same tile
-        use_tma = bool(meta.get("TMA")) and tma_ok
-        meta.update(TMA=use_tma, WS=use_tma and bool(meta.get("WS")))
-        if use_tma:
-            tensors = _descriptors(q, k_nope, k_rope, v, meta["BLOCK_M"], meta["BLOCK_N"])
-        else:
-            tensors = (q, q, k_nope, k_rope, v)  # the second q is the unused QR
         _interp.launch(_mla_prefill_kernel, (nmb, N, H),
-            *tensors, out, g, cuq, cuk,
+            q, k_nope, k_rope, v, out, g, cuq, cuk,
             q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rope.stride(0), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), g.stride(0), g.stride(1),
             qk_scale, nmb,
@@ -319,48 +232,6 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: 
     return out
 
 
-def tma_eligible(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`mla_prefill`'s ``TMA`` configs can read q / keys / values through tensor descriptors.
-
-    Needs a CUDA device of compute capability 9.0 or later (or the interpreter), one dtype for all four, head
-    dims that need no padding (``pad_dim(d) == d``), 16-byte aligned base pointers, token and head strides that
-    are multiples of 16 bytes, a token stride that spans all heads of a row (the 2-D views' rows must not
-    overlap) and at least one key. Otherwise a ``TMA`` config runs the pointer path of its tile (same results).
-    """
-    if not interpreting() and not (k_nope.is_cuda and torch.version.hip is None
-                                   and torch.cuda.get_device_capability(k_nope.device)[0] >= 9):
-        return False
-    Tk, H, Dn = k_nope.shape
-    if Tk == 0 or H == 0 or any(pad_dim(d) != d for d in (Dn, k_rope.shape[1], v.shape[2])):
-        return False
-    if not (q.dtype == k_nope.dtype == k_rope.dtype == v.dtype):
-        return False
-    es = q.element_size()
-    for t in (q, k_nope, k_rope, v):
-        heads = t.stride(1) if t.dim() == 3 else 0
-        width = (H - 1) * heads + t.shape[-1] if t.dim() == 3 else t.shape[-1]
-        # 16-byte aligned base and strides; rows of the 2-D view [T, width] that do not overlap
-        if t.data_ptr() % 16 or t.stride(0) * es % 16 or heads * es % 16 or heads < 0 or t.stride(0) < width:
-            return False
-    return True
-
-
-def _descriptors(q: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor, v: torch.Tensor, block_m: int,
-                 block_n: int) -> tuple:
-    """Host tensor descriptors (q nope, q rope, k_nope, k_rope, v) for the kernel's ``TMA`` path: 2-D views
-    ``[T, (H-1) * head stride + D]`` (a head's tile starts at column ``h * head stride``), boxes ``[block_m, D]``
-    (q) and ``[block_n, D]`` (keys, values)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor as TD
-    Tq, H, _ = q.shape
-    Tk, _, Dn = k_nope.shape
-    Dr, Dv = k_rope.shape[1], v.shape[2]
-    qw = [Tq, (H - 1) * q.stride(1) + Dn + Dr]
-    return (TD(q, qw, [q.stride(0), 1], [block_m, Dn]), TD(q, qw, [q.stride(0), 1], [block_m, Dr]),
-            TD(k_nope, [Tk, (H - 1) * k_nope.stride(1) + Dn], [k_nope.stride(0), 1], [block_n, Dn]),
-            TD(k_rope, [Tk, Dr], [k_rope.stride(0), 1], [block_n, Dr]),
-            TD(v, [Tk, (H - 1) * v.stride(1) + Dv], [v.stride(0), 1], [block_n, Dv]))
-
-
 def pad_dim(d: int) -> int:
     """Width a head dimension ``d`` is padded to inside the attention kernels: the next power of two, >= 16."""
     return max(16, tune.pow2(d))
@@ -372,13 +243,7 @@ def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None 
     head dims (128 / 64 / 128), others for the padded-dim compiles."""
     cfg = cfg or dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)  # spill-free on all three targets
     p = "*" + dtype
-    sig = {"Q": p, "QR": p, "KN": p, "KR": p, "V": p, "O": p, "G": p, "CUQ": "*i32", "CUK": "*i32"}
-    tma = bool(cfg.get("TMA"))
-    if tma:  # host tensor descriptors, as mla_prefill passes them
-        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-        sig.update(Q=f"tensordesc<{dtype}[{bm}, {dn}]>", QR=f"tensordesc<{dtype}[{bm}, {dr}]>",
-                   KN=f"tensordesc<{dtype}[{bn}, {dn}]>", KR=f"tensordesc<{dtype}[{bn}, {dr}]>",
-                   V=f"tensordesc<{dtype}[{bn}, {dv}]>")
+    sig = {"Q": p, "KN": p, "KR": p, "V": p, "O": p, "G": p, "CUQ": "*i32", "CUK": "*i32"}
     # The JIT specialises integer arguments divisible by 16, which lets it vectorise the row loads; an
     # ahead-of-time signature has no such hint, so the strides are given as the K3 TP8 values (12 heads of
     # contiguous [T, H, D] tensors) to compile what a real launch compiles.
@@ -390,7 +255,7 @@ def isa_signature(dtype: str = "bf16", has_gate: bool = False, cfg: dict | None 
     sig["qk_scale"] = "fp32"
     sig["num_m_blocks"] = "i32"
     consts = dict(strides, DN=dn, DR=dr, DV=dv, BDN=pad_dim(dn), BDR=pad_dim(dr), BDV=pad_dim(dv), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  HAS_GATE=has_gate, I64=False, TMA=tma, WS=tma and bool(cfg.get("WS")))
+                  HAS_GATE=has_gate, I64=False)
     for k in consts:
         sig[k] = "constexpr"
     hip = dict(PREFILL_CONFIGS["hip"][0])  # same tile as the default cfg

@@ -91,27 +91,3 @@ def test_amd_zero_spills_at_launch(target):
         assert meta.get("sgpr_spill_count", 0) == 0, f"{name} on {target}: {meta}"
         if "cache_write" not in name:
             assert "global_load_dwordx4" in asm or "buffer_load_dwordx4" in asm, f"{name}: no 128-bit loads"
-
-
-def _sm90_cases():
-    from k3rocm.kernels.mla import sm90_isa_cases
-    return sm90_isa_cases()
-
-
-@pytest.mark.parametrize("case", _sm90_cases(), ids=lambda c: c[0])
-def test_prefill_tma_configs_compile_for_sm90(case):
-    """Every TMA config of the prefill's CUDA table compiles for sm_90 to wgmma fed by TMA bulk-tensor copies
-    (no cp.async), within the H100 / H200 shared memory; the warp-specialised (WS) ones to a producer / consumer
-    split (setmaxnreg). The WS configs are written against triton 3.6 (the H200 machine's): triton 3.9's
-    Hopper pass splits the query box between the consumer groups and rejects them, so they compile only there."""
-    import triton
-    name, fn, sig, consts, expects, opts = case
-    if consts["WS"] and not triton.__version__.startswith("3.6."):
-        pytest.skip(f"WS configs compile with triton 3.6 (the H200 machine's), not {triton.__version__}")
-    r = isa.compile_kernel(fn, sig, consts, "sm_90", name=name, options=opts["cuda"], expects_matrix=expects)
-    assert not r.error, r.error[:2000]
-    assert any(op.startswith("wgmma") for op in r.matrix_ops), r.matrix_ops
-    assert "cp.async.bulk.tensor" in r.asm and "cp.async.cg" not in r.asm
-    assert r.lds_bytes <= 227 * 1024, r.lds_bytes
-    if consts["WS"]:
-        assert "setmaxnreg" in r.asm and r.num_warps == 3 * opts["cuda"]["num_warps"], r.num_warps
