@@ -26,6 +26,7 @@
 #   mla    gpu-runs/bench_mla.py goal tables (MLA decode / prefill vs SDPA, AttnRes, odd head dims; MLA_PARTS picks
 #          parts), into RESULTS_DIR/mla/
 #   mltest the MLA / AttnRes GPU tests (tests/kernels/test_mla_gpu.py; MLA_TESTS: a pytest -k expression)
+#   atest  the AttnRes GPU test alone (every config, 20 x identical), in its own process
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
@@ -87,9 +88,10 @@ for s in $STEPS; do
           --out "$R/mla" ;;
     mltest) step mltest "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py \
           ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
+    atest) step atest "$(lim 120)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py -k attnres ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode --out "$R/kdec" ;;
     moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest kdec moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec moe)" >&2 ;;
   esac
 done
 cat "$R/steps.tsv"
