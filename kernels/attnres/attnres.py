@@ -62,7 +62,9 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         # boundaries (bf16 at 8192: S - 1 stages x (ROWS + 1) x 16 KiB; lowered to fit PIPE_SMEM_BYTES, an fp32
         # bank gets fewer stages). ptxas sm_90a, bf16, triton 3.9 and 3.6: 16 warps at 122-128 registers (1 program
         # per SM: the tiles in flight, not co-resident programs, hide the latency), 32 warps at 64; spill-free but
-        # ROWS=2 PIPE=4 as the write layer without h on 3.6 (8 bytes); ROWS=2 at 32 warps spills on 3.6 (not here)
+        # ROWS=2 PIPE=4 as the write layer without h on 3.6 (8 bytes); ROWS=2 at 32 warps spills on 3.6 (not here).
+        # Measured slower than the phased loop on the H200 (2026-12-03, D7168 T8192 bf16: best PIPE 0.571 ms vs 0.513
+        # for the first entry; T256 0.022 vs 0.018): they stay candidates after the served entries
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=2, PIPE=4, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, PIPE=7, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, PIPE=4, num_warps=16, num_stages=1),
