@@ -24,17 +24,17 @@ TRITON_IMPLS = (
 )
 
 
-def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int, R: int = 512, DR: int = 64):
+def _decode_split_sig(cache: str, q: str, block_h: int, block_n: int, R: int = 512, DR: int = 64, xcd: int = 1):
     # strides as the JIT sees them at K3 TP8 (12 heads, one query, page 64; see prefill.isa_signature)
     N, H = 64, 12
     sig = {"QL": q, "QR": q, "CACHE": cache, "BT": "*i32", "CL": "*i32", "PART": "*fp32", "LSE": "*fp32"}
     strides = dict(stride_qln=R, stride_qlt=R, stride_qlh=N * R, stride_qrn=H * DR, stride_qrt=H * DR,
                    stride_qrh=DR, stride_cb=64 * (R + DR), stride_cs=R + DR, stride_bt=512)
-    for s in ("H", "TQ", "ROWS", "NSEQ", "min_chunk"):
+    for s in ("H", "TQ", "ROWS", "NSEQ", "min_chunk", "n_groups", "n_splits"):
         sig[s] = "i32"
     sig["qk_scale"] = "fp32"
     sig["out_scale"] = "fp32"
-    consts = dict(strides, R=R, DR=DR, BR=pad_dim(R), BDR=pad_dim(DR), PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"))
+    consts = dict(strides, R=R, DR=DR, BR=pad_dim(R), BDR=pad_dim(DR), PAGE=64, BLOCK_H=block_h, BLOCK_N=block_n, IS_FP8=cache.startswith("*fp8"), XCD=xcd)
     sig.update({k: "constexpr" for k in consts})
     return sig, consts
 
@@ -53,6 +53,11 @@ def isa_cases() -> list[tuple]:
                 "hip": {k: v for k, v in cfg.items() if not k.startswith("BLOCK")}}
         cases.append((f"mla_decode_split_bf16_h{cfg['BLOCK_H']}_n{cfg['BLOCK_N']}", _mla_decode_split_kernel, sig,
                       consts, True, opts))
+    cfg = DECODE_CONFIGS["hip"][0]  # the die-ordered linear grid of MI300 / MI355X (xcd_count() = 8)
+    sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"], xcd=8)
+    cases.append(("mla_decode_split_bf16_xcd8", _mla_decode_split_kernel, sig, consts, True,
+                  {"cuda": {"num_warps": cfg["num_warps"], "num_stages": 2},
+                   "hip": {k: v for k, v in cfg.items() if not k.startswith("BLOCK")}}))
     cfg = DECODE_CONFIGS["hip"][0]  # a rank and rope width that are not powers of two
     sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"], R=384, DR=32)
     cases.append(("mla_decode_split_bf16_r384_dr32", _mla_decode_split_kernel, sig, consts, True,

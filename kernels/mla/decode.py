@@ -105,25 +105,40 @@ def _mla_cache_write_kernel(CACHE, SLOT, LAT, KR, stride_cb, stride_cs, stride_l
 
 # compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
 # batch size, length or bank depth never compiles while serving
-@partial(JITFunction, do_not_specialize=("H", "TQ", "ROWS", "NSEQ", "min_chunk"))
+@partial(JITFunction, do_not_specialize=("H", "TQ", "ROWS", "NSEQ", "min_chunk", "n_groups", "n_splits"))
 def _mla_decode_split_kernel(
     QL, QR, CACHE, BT, CL, PART, LSE,
     stride_qln, stride_qlt, stride_qlh, stride_qrn, stride_qrt, stride_qrh,
     stride_cb, stride_cs, stride_bt,
-    H, TQ, ROWS, NSEQ, min_chunk, qk_scale, out_scale,
+    H, TQ, ROWS, NSEQ, min_chunk, n_groups, n_splits, qk_scale, out_scale,
     R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, XCD: tl.constexpr = 1,
 ):
     # R / DR are padded to BR / BDR (powers of two >= 16); padded lanes load as 0 and are never stored
-    # head groups vary fastest: the groups reading one context slice run together and share it in L2
-    g = tl.program_id(0)
-    s = tl.program_id(1)
-    n = tl.program_id(2)
+    if XCD == 1:
+        # head groups vary fastest: the groups reading one context slice run together and share it in L2
+        g = tl.program_id(0)
+        s = tl.program_id(1)
+        n = tl.program_id(2)
+    else:
+        # one linear grid ordered for a part of XCD dies that takes workgroups round-robin (workgroup p runs on
+        # die p % XCD, each die with its own L2): the n_groups head groups of one context slice j get ids
+        # x + XCD * (r * n_groups + g) with x = j % XCD and r = j // XCD, so they run on one die and read the
+        # slice through one L2; ids past the last slice (the grid is rounded up to whole rows of XCD) exit
+        pid = tl.program_id(0)
+        x = pid % XCD
+        rr = pid // XCD
+        g = rr % n_groups
+        j = (rr // n_groups) * XCD + x
+        if j >= n_splits * NSEQ:
+            return
+        s = j % n_splits
+        n = j // n_splits
     L = tl.load(CL + n)
     # this sequence's slices, from its real context length (read here, so a captured graph replayed with
     # other lengths still spreads each sequence over all its splits): L / num_splits rounded up to the
     # alignment, never shorter than min_chunk (a shorter sequence leaves its last splits empty)
-    per = tl.num_programs(1) * _SPLIT_ALIGN
+    per = (tl.num_programs(1) if XCD == 1 else n_splits) * _SPLIT_ALIGN
     chunk = tl.maximum(((L + per - 1) // per) * _SPLIT_ALIGN, min_chunk)
     start = s * chunk
     end = tl.minimum(L, start + chunk)
@@ -300,11 +315,19 @@ def num_splits_for(context_lens_max: int, total_tokens: int, n_seq: int, rows: i
     return splits, chunk
 
 
+def xcd_count() -> int:
+    """Dies of the current GPU that take workgroups round-robin with an L2 each: 8 on MI300 (gfx942) and MI355X
+    (gfx950) — AMD CDNA3 / CDNA4 white papers — else 1 (NVIDIA GPUs, the interpreter)."""
+    t = current_target()
+    return 8 if t.backend == "hip" and t.arch.startswith(("gfx942", "gfx950")) else 1
+
+
 def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                context_lens: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor, scale: float,
                gate: torch.Tensor | None = None, kv_scale: float | None = None, out: torch.Tensor | None = None,
                config: dict | None = None, num_splits: int | None = None,
-               max_context_len: int | None = None, total_context_tokens: int | None = None) -> torch.Tensor:
+               max_context_len: int | None = None, total_context_tokens: int | None = None,
+               num_xcd: int | None = None) -> torch.Tensor:
     """Triton absorbed MLA decode; same contract as :func:`k3rocm.model.mla.mla_decode`.
 
     Args (beyond the oracle's):
@@ -318,6 +341,9 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
             program cuts ``context_lens[n]`` into ``num_splits`` slices of whole 64-token units, at least
             ``MIN_SPLIT_TOKENS`` unless ``num_splits`` is forced), so a graph captured at one bound replays
             correctly and evenly at any lengths below it.
+        num_xcd: dies that take workgroups round-robin, each with its own L2 (:func:`xcd_count`: 8 on gfx942 /
+            gfx950, else 1). Above 1 the split kernel runs on a linear grid that puts the head groups of one
+            context slice on one die (the same values, only the program order differs).
     Returns:
         o ``[N, Tq, H, Dv]``.
     Raises:
@@ -385,14 +411,22 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
         part = torch.empty(splits, N, rows, R, dtype=torch.float32, device=q_nope.device)
         lse = torch.empty(splits, N, rows, dtype=torch.float32, device=q_nope.device)
         bufs.update(part=part, lse=lse, splits=splits)
-        grid = (triton.cdiv(rows, meta["BLOCK_H"]), splits, N)
+        groups = triton.cdiv(rows, meta["BLOCK_H"])
+        if xcd > 1 and groups > 1:
+            # the XCD order only pays when several head groups share a slice (the counts are runtime ints)
+            grid = (xcd * groups * triton.cdiv(splits * N, xcd),)
+            order = dict(XCD=xcd)
+        else:
+            grid = (groups, splits, N)
+            order = {}
         _interp.launch(_mla_decode_split_kernel, grid,
             q_lat, q_r, kv_cache, bt, cl, part, lse,
             q_lat.stride(1), q_lat.stride(2), q_lat.stride(0), q_r.stride(0), q_r.stride(1), q_r.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
-            H, Tq, rows, N, min_chunk, qk_scale, fold,
-            R=R, DR=Dr, BR=pad_dim(R), BDR=pad_dim(Dr), PAGE=page, IS_FP8=fp8, **meta, **opts)
+            H, Tq, rows, N, min_chunk, groups, splits, qk_scale, fold,
+            R=R, DR=Dr, BR=pad_dim(R), BDR=pad_dim(Dr), PAGE=page, IS_FP8=fp8, **order, **meta, **opts)
 
+    xcd = xcd_count() if num_xcd is None else max(1, int(num_xcd))
     if config is None:
         # every count in the key is a power-of-two bucket: a new batch size, head count or context length
         # reuses the tuned pick instead of timing while serving

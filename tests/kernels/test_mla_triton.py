@@ -157,6 +157,48 @@ def test_decode_heads_and_lengths(K, H, Tq):
         assert torch.equal(o[3].cpu(), torch.zeros_like(o[3].cpu()))  # padding row (context 0)
 
 
+@pytest.mark.parametrize("H,Tq,xcd", [(24, 1, 8), (96, 2, 3), (12, 2, 8)])
+def test_decode_die_ordered_grid_is_the_same_computation(K, H, Tq, xcd):
+    """The die-ordered linear grid (``num_xcd`` > 1: MI300 / MI355X put workgroup p on die p % 8) runs exactly the
+    programs of the 3-D grid in another order: bit-identical output to ``num_xcd=1`` and equal to the oracle, with
+    head groups > 1, slice counts not multiples of the die count, a padding row and forced / planned splits."""
+    _, D = K
+    g = torch.Generator().manual_seed(H + xcd)
+    lens = [Tq, 45, 130, 0, 17]
+    page = 16
+    nblk, bt, slots = _paged(lens, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    lat, kr = torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g)
+    M.mla_cache_write(cache, slots, lat, kr)
+    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
+    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    N = len(lens)
+    qn, qr = torch.randn(N, Tq, H, DN, generator=g), torch.randn(N, Tq, H, DR, generator=g)
+    cl = torch.tensor(lens, dtype=torch.int32)
+    scale = (DN + DR) ** -0.5
+    ref = M.mla_decode(qn, qr, cache, bt, cl, w_kc, w_vc, scale)
+    cfg = _cfgs(D.DECODE_CONFIGS)[0]
+    assert math.ceil(Tq * H / cfg["BLOCK_H"]) > 1  # several head groups share each slice
+    args = (qn.to(DEV), qr.to(DEV), cache.to(DEV), bt.to(DEV), cl.to(DEV), w_kc.to(DEV), w_vc.to(DEV), scale)
+    for splits in (None, 3):
+        base = D.mla_decode(*args, config=cfg, num_splits=splits, num_xcd=1)
+        o = D.mla_decode(*args, config=cfg, num_splits=splits, num_xcd=xcd)
+        assert torch.equal(o, base)
+        torch.testing.assert_close(o.cpu(), ref, **TOL)
+        assert torch.equal(o[3].cpu(), torch.zeros_like(o[3].cpu()))
+
+
+def test_xcd_count_by_target(K, monkeypatch):
+    """8 dies on gfx942 / gfx950, 1 elsewhere (the plain 3-D grid)."""
+    from k3rocm.kernels.target import Target
+    _, D = K
+    for arch, want in (("gfx950", 8), ("gfx942", 8), ("gfx90a", 1)):
+        monkeypatch.setattr(D, "current_target", lambda a=arch: Target("hip", a))
+        assert D.xcd_count() == want
+    monkeypatch.setattr(D, "current_target", lambda: Target("cuda", "90"))
+    assert D.xcd_count() == 1
+
+
 @pytest.mark.parametrize("r,dr,dn,dv,H", [(40, 6, 24, 20, 3), (24, 16, 16, 16, 7)])
 def test_decode_odd_rank_and_dims(K, r, dr, dn, dv, H):
     """A latent rank, rope width, head dims and head count that are not powers of two (padded + masked)."""
