@@ -25,6 +25,9 @@ import time
 import torch
 import triton
 
+# the timers and the error measure of the goal benchmark (this script's folder is first on sys.path)
+from bench_mla import _rel, _t as _bench_t, _t_graph
+
 T0 = time.time()
 #: SWEEP_NEW_ONLY=1: leave out the prefill grid and the phased AttnRes grid (measured on 2026-12-03, none beat the
 #: shipped tables), time the shipped tables and the AttnRes PIPE variants only
@@ -32,31 +35,11 @@ NEW_ONLY = os.environ.get("SWEEP_NEW_ONLY") == "1"
 
 
 def _t(fn, rep=60):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    return _bench_t(fn, rep=rep)
 
 
 def _tg(fn, calls=10):
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=5, rep=60, return_mode="median") / calls
-
-
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return _t_graph(fn, calls=calls, rep=60)
 
 
 class Log:
