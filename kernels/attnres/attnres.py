@@ -233,6 +233,19 @@ def _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, pid, num_rows, T, D, np
 
 
 @_interp.kjit
+def _mix_block(vp, pp, m, p, sidx, num_rows, stride_br, BLOCK_D: tl.constexpr):
+    """One ``BLOCK_D`` block of h = sum_j p_j v_j over the bank rows (``vp``: row 0 at this block, rows
+    ``stride_br`` apart) and the prefix (``pp``, weight ``p[num_rows]``), in fp32."""
+    h = tl.zeros([BLOCK_D], tl.float32)
+    for j in range(0, num_rows):
+        pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
+        h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
+        vp += stride_br
+    pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
+    return h + pl * tl.load(pp, mask=m, other=0.0).to(tl.float32)
+
+
+@_interp.kjit
 def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt, stride_pt,
                       stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND: tl.constexpr, HAS_NORM: tl.constexpr,
                       S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, STORE_H: tl.constexpr):
@@ -278,14 +291,7 @@ def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride
     for d0 in range(0, D, BLOCK_D):
         d = d0 + offs
         m = d < D
-        h = tl.zeros([BLOCK_D], tl.float32)
-        vp = BANK + t * stride_bt + d
-        for j in range(0, num_rows):
-            pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
-            h += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
-            vp += stride_br
-        pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
-        h += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
+        h = _mix_block(BANK + t * stride_bt + d, pre + d, m, p, sidx, num_rows, stride_br, BLOCK_D)
         if STORE_H:
             tl.store(H_OUT + t * stride_ht + d, h.to(H_OUT.dtype.element_ty), mask=m)
         hss += h * h
@@ -297,14 +303,7 @@ def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride
             if STORE_H:
                 hv = tl.load(H_OUT + t * stride_ht + d, mask=m, other=0.0).to(tl.float32)
             else:
-                hv = tl.zeros([BLOCK_D], tl.float32)
-                vp = BANK + t * stride_bt + d
-                for j in range(0, num_rows):
-                    pj = tl.sum(tl.where(sidx == j, p, 0.0), 0)
-                    hv += pj * tl.load(vp, mask=m, other=0.0).to(tl.float32)
-                    vp += stride_br
-                pl = tl.sum(tl.where(sidx == num_rows, p, 0.0), 0)
-                hv += pl * tl.load(pre + d, mask=m, other=0.0).to(tl.float32)
+                hv = _mix_block(BANK + t * stride_bt + d, pre + d, m, p, sidx, num_rows, stride_br, BLOCK_D)
             nw = tl.load(NW + d, mask=m, other=0.0).to(tl.float32)
             tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
 
