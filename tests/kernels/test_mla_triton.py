@@ -129,6 +129,17 @@ def test_cache_write_matches_oracle(K):
     assert torch.equal(got.cpu().nan_to_num(123.0), ref.nan_to_num(123.0))
 
 
+def _cached_context(lens, page, H, g):
+    """A paged latent cache holding random contexts of ``lens`` tokens (unused slots NaN), its block table, and
+    the absorbed ``kv_b`` factors of ``H`` heads: ``(cache, block_table, w_kc, w_vc)``."""
+    nblk, bt, slots = _paged(lens, page, g)
+    cache = torch.full((nblk, page, R + DR), float("nan"))
+    lat, kr = torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g)
+    M.mla_cache_write(cache, slots, lat, kr)
+    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
+    return (cache, bt, *M.split_kv_b(W, H, DN, DV))
+
+
 @pytest.mark.parametrize("H", [8, 12, 24, 96])
 @pytest.mark.parametrize("Tq", [1, 2])
 def test_decode_heads_and_lengths(K, H, Tq):
@@ -137,12 +148,7 @@ def test_decode_heads_and_lengths(K, H, Tq):
     g = torch.Generator().manual_seed(H * 10 + Tq)
     lens = [max(1, Tq), 23, 70, 0]
     page = 16
-    nblk, bt, slots = _paged(lens, page, g)
-    cache = torch.full((nblk, page, R + DR), float("nan"))
-    lat, kr = torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g)
-    M.mla_cache_write(cache, slots, lat, kr)
-    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
-    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    cache, bt, w_kc, w_vc = _cached_context(lens, page, H, g)
     qn, qr = torch.randn(4, Tq, H, DN, generator=g), torch.randn(4, Tq, H, DR, generator=g)
     gate = torch.randn(4, Tq, H * DV, generator=g)
     cl = torch.tensor(lens, dtype=torch.int32)
@@ -166,12 +172,7 @@ def test_decode_die_ordered_grid_is_the_same_computation(K, H, Tq, xcd):
     g = torch.Generator().manual_seed(H + xcd)
     lens = [Tq, 45, 130, 0, 17]
     page = 16
-    nblk, bt, slots = _paged(lens, page, g)
-    cache = torch.full((nblk, page, R + DR), float("nan"))
-    lat, kr = torch.randn(slots.numel(), R, generator=g), torch.randn(slots.numel(), DR, generator=g)
-    M.mla_cache_write(cache, slots, lat, kr)
-    W = torch.randn(H * (DN + DV), R, generator=g) * R ** -0.5
-    w_kc, w_vc = M.split_kv_b(W, H, DN, DV)
+    cache, bt, w_kc, w_vc = _cached_context(lens, page, H, g)
     N = len(lens)
     qn, qr = torch.randn(N, Tq, H, DN, generator=g), torch.randn(N, Tq, H, DR, generator=g)
     cl = torch.tensor(lens, dtype=torch.int32)
