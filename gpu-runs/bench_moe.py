@@ -43,6 +43,7 @@ from k3rocm.bench import wall_ms
 from k3rocm.kernels.target import current_target
 from k3rocm.validation.evidence import git_sha
 from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu, kernel_layout
+from k3rocm.kernels.mx.layout import BIT_LAYOUTS
 from k3rocm.kernels.mx.layout import check_repack
 
 E_K3, D_K3, I_K3, H_K3, K_K3 = 896, 3584, 3072, 7168, 16
@@ -111,8 +112,9 @@ def _bf16_path(xl, ids, K, I, w13_bf, w2_bf, num_local):
 
 
 def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_bytes, w13_bf, w2_bf, ogs,
-              do_bench, dev) -> dict:
-    """One row of the goal table (module docstring) for the experts ``ew`` (local slice) and its layout ``lay``."""
+              do_bench, dev, lay_alt=None) -> dict:
+    """One row of the goal table (module docstring) for the experts ``ew`` (local slice) and its layout ``lay``
+    (``lay_alt``: the same tiles with the other value bits, planar or nibble, timed beside it)."""
     local = ids.flatten().long()
     local = local[local < num_local]
     used = int((torch.bincount(local, minlength=num_local) > 0).sum())
@@ -128,6 +130,13 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
     try:
         r["ours_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg))
         r["ours_checkpoint_layout_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ew, mode="a16w4", config=cfg))
+        r["bits"] = BIT_LAYOUTS[lay.w13.bits]
+        if lay_alt is not None and cfg["kind"] in DQ_KINDS:  # (planar bits: the decode path only)
+            ewn = dict(ew, kernel_layout=lay_alt)
+            r["other_bits"] = BIT_LAYOUTS[lay_alt.w13.bits]
+            r["ours_other_bits_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewn, mode="a16w4", config=cfg))
+            r["other_bits_equal"] = bool(torch.equal(moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg),
+                                                     moe_experts(xl, ids, wts, ewn, mode="a16w4", config=cfg)))
         r["fraction"] = r["floor_ms"] / r["ours_ms"]
         if cfg["kind"] in DQ_KINDS:  # the decode's general variant (two multiplies per pair), same weights
             real = moe_ops.fused_scale_ok
@@ -212,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     ew_ep = dict(w13_packed=ew["w13_packed"][:nl], w13_scale=ew["w13_scale"][:nl], w2_packed=ew["w2_packed"][:nl],
                  w2_scale=ew["w2_scale"][:nl], num_experts=nl, first_expert=0)
     lay_ep = kernel_layout(ew_ep)
+    # the same tiles with the other value bits (A/B of the backend's choice: planar lanes vs checkpoint nibbles)
+    lay_alt = kernel_layout(ew, bits=1 - lay.w13.bits)
+    lay_alt_ep = lay_alt.experts(0, nl)
     rows = []
     for T in args.tokens:
         xh = torch.randn(T, H, device=dev).bfloat16()
@@ -227,11 +239,11 @@ def main(argv: list[str] | None = None) -> None:
         r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
                  floor_flops_ms=floor_flop * 1e3)
         goals.append(_goal_row(f"{T} tokens", T, xl, ids, wts, ew, lay, E, E, D, I, K, expert_bytes, w13_bf, w2_bf,
-                               ogs, do_bench, dev))
+                               ogs, do_bench, dev, lay_alt))
         print(json.dumps(goals[-1]), flush=True)
         if T in EP_TOKENS:
             goals.append(_goal_row(f"EP{EP_RANKS} slice, {T} tokens", T, xl, ids, wts, ew_ep, lay_ep, nl, E, D, I, K,
-                                   expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev))
+                                   expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev, lay_alt_ep))
             print(json.dumps(goals[-1]), flush=True)
         if args.sweep_ep:
             ewt_ep = dict(ew_ep, kernel_layout=lay_ep)
@@ -358,12 +370,18 @@ def _goal_markdown(meta, repack, goals) -> str:
            f"Repack of one layer into the kernel layout: {repack['repack_ms']:.1f} ms, {repack['layout_bytes']:,} B "
            f"(checkpoint {repack['checkpoint_bytes']:,} B); byte-exact check of both tensors against the checkpoint: "
            f"passed, {repack['check_ms']:.1f} ms.", "",
-           "| row | experts used | config | ours ms (tiled layout) | ours ms (checkpoint layout) | "
+           "| row | experts used | config | ours ms (tiled layout, value bits) | ours ms (tiled, the other bits; "
+           "output equal) | "
+           "ours ms (checkpoint layout) | "
            "ours ms (tiled, general decode) | MXFP4 floor ms | fraction | bf16 grouped_mm ms | matmul_ogs ms |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in goals:
-        out.append(f"| {g['row']} | {g['experts_used']} | {g['config']} | {_cell(g.get('ours_ms', g.get('ours_error')))}"
-                   f" | {_cell(g.get('ours_checkpoint_layout_ms'))} | {_cell(g.get('ours_general_decode_ms'))} | "
+        nib = _cell(g.get("ours_other_bits_ms"))
+        if "other_bits_equal" in g:
+            nib += f" ({g['other_bits']}: " + ("equal)" if g["other_bits_equal"] else "**DIFFERS**)")
+        ours = _cell(g.get("ours_ms", g.get("ours_error"))) + (f" ({g['bits']})" if "bits" in g else "")
+        out.append(f"| {g['row']} | {g['experts_used']} | {g['config']} | {ours}"
+                   f" | {nib} | {_cell(g.get('ours_checkpoint_layout_ms'))} | {_cell(g.get('ours_general_decode_ms'))} | "
                    f"{g['floor_ms']:.3f} ({g['floor_kind']}) | "
                    f"{_cell(g.get('fraction'), 2)} | {_cell(g.get('bf16_grouped_mm_ms'))} | {_cell(g.get('matmul_ogs'))} |")
     return "\n".join(out) + "\n"

@@ -13,7 +13,8 @@
 #          step kind in prof/kernels_1.txt
 #   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
-#   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled)
+#   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MOE_TESTS: a
+#          pytest -k expression)
 #   ktest  the KDA GPU tests selected by KDA_TESTS (a pytest -k expression; default: the per-config, tuned-default
 #          and fp32-split tests), figures into RESULTS_DIR/kda_gpu.jsonl
 #   kda    gpu-runs/bench_kda.py prefill rows with the per-launch and per-kernel tables (ours and fla's chunk_kda
@@ -30,7 +31,8 @@
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
-#          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/
+#          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
+#          MOE_LIMIT the 200 s)
 # RESULTS_DIR/steps.tsv lists each step's exit status and seconds. On a copied tree without git metadata, run it as
 # `K3ROCM_SOURCE_COMMIT=$(git rev-parse HEAD) gpu-runs/gpu_engine.sh ...` (the sha written out where the copy has
 # no git) so the reports name the commit. Uses the installed package, else assembles it
@@ -77,7 +79,7 @@ for s in $STEPS; do
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
     etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
     mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim 160)" $PY -m pytest -q -p no:cacheprovider \
-          tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ;;
+          tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ${MOE_TESTS:+-k "$MOE_TESTS"} ;;
     ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
     kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
@@ -90,7 +92,8 @@ for s in $STEPS; do
           ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
     atest) step atest "$(lim 120)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py -k attnres ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode --out "$R/kdec" ;;
-    moe) step moe "$(lim 200)" $PY "$HERE/bench_moe.py" --tokens 64 512 8192 --check --out "$R/moe" ;;
+    moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
+          --out "$R/moe" ;;
     *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec moe)" >&2 ;;
   esac
 done

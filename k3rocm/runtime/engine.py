@@ -307,7 +307,9 @@ class Engine:
             free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # the allocator's own free
             return free - nbytes >= reserve
 
-        return w.use_kernel_layout(lambda ew: kernel_layout(ew, check=True), room=room)
+        # planar value bits (the backend's default) only for A16W4: A8W4 runs the scaled kernel, which reads nibbles
+        bits = None if self.moe_mode == "a16w4" else 0
+        return w.use_kernel_layout(lambda ew: kernel_layout(ew, check=True, bits=bits), room=room)
 
     @staticmethod
     def _layout_summary(w: Any, stats: list[dict]) -> str:

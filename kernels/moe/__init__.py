@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from k3rocm.kernels import tune
 
-from .configs import GEMM_CONFIGS, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config, gemm_name, router_config
+from .configs import (GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config,
+                      gemm_name, router_config)
 from .gemm import (dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                    moe_reduce_kernel)
 from .mlp import glu
@@ -81,6 +82,11 @@ def isa_cases() -> list[tuple]:
             name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda", fused_scale=fused)
             hip_opts = {"num_warps": cfg["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
             cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
+        # what CUDA serves: the first config on the tiled layout with its planar value bits
+        name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda",
+                                                                LAYOUT_TILES["cuda"], bits=LAYOUT_BITS["cuda"])
+        hip_opts = {"num_warps": GEMM_CONFIGS["cuda"][0]["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
+        cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
     # the one-program dispatch at K3 size (896 local experts, up to 8192 pairs), as ops.dispatch_gpu launches it
     dpsig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
              "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32", "bstart_ptr": "*i32",

@@ -142,6 +142,14 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 LAYOUT_TILES: dict[str, tuple[int, int]] = {"cuda": (128, 128), "hip": (128, 128), "interpreter": (32, 64)}
 
 
+#: bits within a value word of that layout (``k3rocm.kernels.mx.layout``: 0 = the checkpoint's nibbles, 1 = planar
+#: lanes). CUDA's GEMMs are all decode-path kinds, whose decode needs fewer integer operations on planar lanes (sm_90
+#: w1|w3 k-step, m16n128k128: ALU instructions per thread 201 -> 159, the whole loop 426 -> 362). HIP runs the
+#: scaled kernel, whose ``tl.dot_scaled`` reads checkpoint nibbles; the interpreter default keeps the nibbles too
+#: (its first configs are scaled ones; the tests build planar layouts explicitly).
+LAYOUT_BITS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 0}
+
+
 ROUTER_CONFIGS: dict[str, list[Config]] = {
     # H200 2026-12-02 (gpu-runs/bench_route.py, K3 gate, fp32 input split into three bf16 products, each config
     # forced and graph-replayed, us at 4 / 64 / 256 tokens): t16e128k128w4s4 15.5 / 31.2 / 93.9,

@@ -291,17 +291,25 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
     ``PTX`` (sm_90): ``sb`` is an int32 word holding the bf16 scale in both lanes, and each product is one
     ``mul.rn.bf16x2`` on the word as it is (Triton would split the lanes and re-pack them with PRMTs).
     """
-    if SHIFT_MAG >= 0:
-        mag = (wd << SHIFT_MAG) & 0x01C001C0
+    if SHIFT_MAG == SHIFT_SIGN:  # (the planar layout's aligned pairs) one shift, one mask: 0x81C081C0
+        if SHIFT_MAG > 0:
+            bits = (wd << SHIFT_MAG) & -2118090304
+        elif SHIFT_MAG == 0:
+            bits = wd & -2118090304
+        else:
+            bits = (wd >> (-SHIFT_MAG)) & -2118090304
     else:
-        mag = (wd >> (-SHIFT_MAG)) & 0x01C001C0
-    if SHIFT_SIGN > 0:
-        sgn = (wd << SHIFT_SIGN) & -2147450880  # 0x80008000
-    elif SHIFT_SIGN == 0:
-        sgn = wd & -2147450880
-    else:
-        sgn = (wd >> (-SHIFT_SIGN)) & -2147450880
-    bits = mag | sgn
+        if SHIFT_MAG >= 0:
+            mag = (wd << SHIFT_MAG) & 0x01C001C0
+        else:
+            mag = (wd >> (-SHIFT_MAG)) & 0x01C001C0
+        if SHIFT_SIGN > 0:
+            sgn = (wd << SHIFT_SIGN) & -2147450880  # 0x80008000
+        elif SHIFT_SIGN == 0:
+            sgn = wd & -2147450880
+        else:
+            sgn = (wd >> (-SHIFT_SIGN)) & -2147450880
+        bits = mag | sgn
     if PTX and not F32:
         if FUSED_SCALE:
             prod = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, sb], dtype=tl.int32,
@@ -333,7 +341,7 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
 @triton.jit
 def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
                       MMA_ORDER: tl.constexpr = True, FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False,
-                      S_PER_WORD: tl.constexpr = False):
+                      S_PER_WORD: tl.constexpr = False, BITS: tl.constexpr = 0):
     """Decode one packed MXFP4 weight tile to bf16 (in the K order of :func:`mxfp4_k_order` by default).
 
     Args:
@@ -345,6 +353,8 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
         F32: decode to fp32 and scale in fp32 instead of packed bf16 (the same exact values; for the Triton
             interpreter, whose bf16 arithmetic, bf16 widening and bf16 ``tl.dot`` are not IEEE).
         MMA_ORDER: permute K for a Hopper MMA whose register operand is this tile (below); False: natural order.
+        BITS: value bits of ``wd`` (``k3rocm.kernels.mx.layout``): 0 the checkpoint's nibbles, 1 planar lanes
+            (pair j of a word is nibble-equivalent elements j and j+4 either way; only the shifts differ).
         FUSED_SCALE: fold the decode's 2^126 into the scale (``2^(s-1)``, one multiply per element pair instead
             of two; on sm_90 a w1|w3 k-step of m16n128k128 drops from 561 to 463 SASS instructions per thread).
             Valid only when every scale byte of the tile is <= 128 (2^(s-1) <= 2^127, the largest bf16 power
@@ -376,10 +386,16 @@ def mxfp4_decode_tile(wd, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: 
         sb = tl.where(si == 0, 0x40, si << 7).to(tl.bfloat16, bitcast=True)
     if not S_PER_WORD:
         sb = tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)).reshape(BLOCK_N, BLOCK_K // 8)
-    p0 = _mxfp4_pair(wd, 6, 12, sb, F32, FUSED_SCALE, PTX)
-    p1 = _mxfp4_pair(wd, 2, 8, sb, F32, FUSED_SCALE, PTX)
-    p2 = _mxfp4_pair(wd, -2, 4, sb, F32, FUSED_SCALE, PTX)
-    p3 = _mxfp4_pair(wd, -6, 0, sb, F32, FUSED_SCALE, PTX)
+    if BITS == 0:  # checkpoint nibbles: element 8w + j in bits 4j .. 4j + 3 (sign on top)
+        p0 = _mxfp4_pair(wd, 6, 12, sb, F32, FUSED_SCALE, PTX)
+        p1 = _mxfp4_pair(wd, 2, 8, sb, F32, FUSED_SCALE, PTX)
+        p2 = _mxfp4_pair(wd, -2, 4, sb, F32, FUSED_SCALE, PTX)
+        p3 = _mxfp4_pair(wd, -6, 0, sb, F32, FUSED_SCALE, PTX)
+    else:  # the planar bits of k3rocm.kernels.mx.layout (PLANAR_MAG / PLANAR_SIGN): pairs 1 and 2 one mask each
+        p0 = _mxfp4_pair(wd, 6, 2, sb, F32, FUSED_SCALE, PTX)
+        p1 = _mxfp4_pair(wd, 3, 3, sb, F32, FUSED_SCALE, PTX)
+        p2 = _mxfp4_pair(wd, 0, 0, sb, F32, FUSED_SCALE, PTX)
+        p3 = _mxfp4_pair(wd, -3, 1, sb, F32, FUSED_SCALE, PTX)
     w = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [n, c*4+t, b, j>>1, j&1]: element 8w + 4b + j
     if MMA_ORDER:
         w = tl.permute(w.reshape(BLOCK_N, BLOCK_K // 32, 4, 2, 4), (0, 1, 4, 2, 3))  # [n, c, j, t, b]
@@ -396,14 +412,16 @@ def mxfp4_k_order(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def mxfp4_decode_probe_kernel(w_ptr, s_ptr, o_ptr, idx_ptr, oi_ptr, BN: tl.constexpr, BK: tl.constexpr,
-                              F32: tl.constexpr, FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False):
-    """Check aid: decode one contiguous tile ``w [BN, BK/2] u8``, ``s [BN, BK/32] u8`` into ``o [BN, BK]`` fp32
-    with :func:`mxfp4_decode_tile`, and apply :func:`mxfp4_k_order` to ``idx [BN, BK]`` int32 -> ``oi``
-    (so a test sees both the values and the K order the GEMM uses)."""
+                              F32: tl.constexpr, FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False,
+                              BITS: tl.constexpr = 0):
+    """Check aid: decode one contiguous tile ``w [BN, BK/2] u8`` (value bits ``BITS``: 0 checkpoint nibbles, 1
+    planar lanes), ``s [BN, BK/32] u8`` into ``o [BN, BK]`` fp32 with :func:`mxfp4_decode_tile`, and apply
+    :func:`mxfp4_k_order` to ``idx [BN, BK]`` int32 -> ``oi`` (so a test sees both the values and the K order the
+    GEMM uses)."""
     rn = tl.arange(0, BN)
     wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])
     s = tl.load(s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-    w = mxfp4_decode_tile(wd, s, BN, BK, F32, True, FUSED_SCALE, PTX)
+    w = mxfp4_decode_tile(wd, s, BN, BK, F32, True, FUSED_SCALE, PTX, False, BITS)
     tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
     idx = tl.load(idx_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :])
     tl.store(oi_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], mxfp4_k_order(idx, BN, BK))
@@ -418,7 +436,7 @@ def moe_gemm_dq_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
-    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
+    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, BITS: tl.constexpr = 0,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -429,7 +447,8 @@ def moe_gemm_dq_kernel(
     the permuted activation loads would cost more than the staging). Weight strides are in bytes and
     multiples of 4.
     ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
-    ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`. ``FUSED_SCALE``: one multiply per
+    ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`; ``BITS``: its value bits (0 checkpoint
+    nibbles, 1 planar lanes: the tiled layout of ``mx.layout`` only). ``FUSED_SCALE``: one multiply per
     decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128.
     ``SCALE_PF``: 0 = the E8M0 scales of a k-step read when it decodes (a synchronous load on the k-step chain).
     1 (config kinds ``"dqp"`` / ``"dqnp"``): the ``[BLOCK_N, BLOCK_K/32]`` scale tile of step k+1 is read into
@@ -500,19 +519,19 @@ def moe_gemm_dq_kernel(
         if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
             at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
             wg = mxfp4_decode_tile(tl.load(wg_ptrs), sg_cur if SCALE_PF != 0 else tl.load(sg_ptrs), BLOCK_N,
-                                    BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2)
+                                    BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
             acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), su_cur if SCALE_PF != 0 else tl.load(su_ptrs), BLOCK_N,
-                                        BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2)
+                                        BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
                 acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
         else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
             wg = mxfp4_decode_tile(tl.load(wg_ptrs), sg_cur if SCALE_PF != 0 else tl.load(sg_ptrs), BLOCK_N,
-                                    BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2)
+                                    BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee" if F32 else None)
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), su_cur if SCALE_PF != 0 else tl.load(su_ptrs), BLOCK_N,
-                                        BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2)
+                                        BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
         dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
         wg_ptrs += dv // 4
@@ -556,7 +575,7 @@ def isa_options(cfg: tune.Config, backend: str) -> dict:
 
 
 def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0),
-                fused_scale: bool = True) -> tuple:
+                fused_scale: bool = True, bits: int = 0) -> tuple:
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
     ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU); ``tiles``: (TILE_N, TILE_K) of the tiled
     weight layout, (0, 0) = checkpoint layout; ``fused_scale``: the variant for scale bytes <= 128 (what every
@@ -570,11 +589,12 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
               "SWAP": cfg["kind"] in SWAP_KINDS, "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
               "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0),
-              "SPLIT_K": cfg.get("split_k", 1)}
+              "SPLIT_K": cfg.get("split_k", 1), "BITS": bits}
     for c in consts:
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)
-    lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + ("" if fused_scale else ",general-scale")
+    lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + (",planar" if bits else "") + (
+        "" if fused_scale else ",general-scale")
     return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(cfg)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
             opts)
 

@@ -24,8 +24,8 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS,
-                                        SCALE_PF_KINDS, SWAP_KINDS)
+from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS,
+                                        ROUTER_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
@@ -325,17 +325,22 @@ class ExpertLayout:
         return p13[0], s13[0], p2[0], s2[0]
 
 
-def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: bool = False) -> ExpertLayout:
+def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: bool = False,
+                  bits: int | None = None) -> ExpertLayout:
     """Repack one layer's checkpoint-layout experts (``w13_packed/w13_scale/w2_packed/w2_scale``) into the tiled
     layout on their device, once (at load / engine build). ``tiles``: (tile_n, tile_k), default
-    ``configs.LAYOUT_TILES`` of the current backend. ``check``: also prove with ``mx.layout.check_repack`` that
-    both tensors read back to the checkpoint's bytes (raises ConfigError if not).
+    ``configs.LAYOUT_TILES`` of the current backend; ``bits``: value bits (0 checkpoint nibbles, 1 planar lanes,
+    which only the decode-path GEMMs read), default ``configs.LAYOUT_BITS`` of the current backend. ``check``:
+    also prove with ``mx.layout.check_repack`` that both tensors read back to the checkpoint's bytes (raises
+    ConfigError if not).
 
     Pass the result to :func:`moe_experts` as ``experts["kernel_layout"]`` (or the attribute of the same name);
     the checkpoint tensors are then only read for their shapes."""
-    tn, tk = tiles or LAYOUT_TILES["interpreter" if interpreting() else current_target().backend]
+    backend = "interpreter" if interpreting() else current_target().backend
+    tn, tk = tiles or LAYOUT_TILES[backend]
+    bits = LAYOUT_BITS[backend] if bits is None else bits
     srcs = [(_get(experts, f"{w}_packed"), _get(experts, f"{w}_scale")) for w in ("w13", "w2")]
-    lay = ExpertLayout(repack_mxfp4(*srcs[0], 2, tn, tk), repack_mxfp4(*srcs[1], 1, tn, tk))
+    lay = ExpertLayout(repack_mxfp4(*srcs[0], 2, tn, tk, bits), repack_mxfp4(*srcs[1], 1, tn, tk, bits))
     if check:
         check_repack(lay.w13, *srcs[0])
         check_repack(lay.w2, *srcs[1])
@@ -472,6 +477,11 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
     dq = cfg["kind"] in DQ_KINDS and not a8 and a.dtype == torch.bfloat16
+    bits13, bits2 = (lay.w13.bits, lay.w2.bits) if lay is not None else (0, 0)
+    if (bits13 or bits2) and not dq:
+        raise ConfigError(f"moe_experts: the experts' kernel layout holds planar value bits, which only the A16W4 "
+                          f"decode path reads, but this call runs the scaled kernel ({mode}, {a.dtype}, config kind "
+                          f"{cfg['kind']!r}); make the layout with kernel_layout(..., bits=0)")
     swap = cfg["kind"] in SWAP_KINDS
     spf = SCALE_PF_KINDS.get(cfg["kind"], 0)
     interp = interpreting()
@@ -503,7 +513,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 inter, D, inter, a.stride(0), *g13[2:6], inter if s1 > 1 else h.stride(0), kp1, 2 * P * inter,
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=swap, F32=interp,
-                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, SPLIT_K=s1, **opts)
+                TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, SPLIT_K=s1, BITS=bits13,
+                **opts)
             if s1 > 1:
                 moe_glu_finish_kernel[(triton.cdiv(P, 16), triton.cdiv(inter, 256))](
                     part13, h, d.offsets, E_loc, inter, 2 * P * inter, h.stride(0), SPLITS=s1, ACT=act,
@@ -527,7 +538,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 D, inter, 0, h.stride(0), *g2[2:6], y.stride(1), kp2, y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
-                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, **opts)
+                TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, BITS=bits2,
+                **opts)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,

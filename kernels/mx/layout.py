@@ -26,9 +26,21 @@ and of the scale of block ``b`` (elements ``32b .. 32b+31``)::
     chunk(n // tile_n, b // (tile_k/32)) + G * tile_n * tile_k/2 + (g * tile_n + n % tile_n) * tile_k/32
         + b % (tile_k/32)
 
-with ``chunk(nt, kt) = ((e * NT + nt) * KT + kt) * CHUNK``. The layout is a permutation of the checkpoint's
-bytes (plus zero padding), so :func:`unpack_mxfp4` recovers the checkpoint tensors bit for bit and
-:func:`check_repack` proves that the kernel sees exactly the checkpoint's values.
+with ``chunk(nt, kt) = ((e * NT + nt) * KT + kt) * CHUNK``.
+
+Bits within a value word (``bits``): 0 = the checkpoint's nibbles (element 8w + j of little-endian word w in
+bits 4j .. 4j+3, sign on top: what ``tl.dot_scaled`` and the scaled MFMA read). 1 = *planar*: each 16-bit lane
+of a word (lane 0 = elements 8w .. 8w+3, lane 1 = elements 8w+4 .. 8w+7) holds element j of its four with the
+magnitude bits ``e1 e0 m`` at lane bits ``PLANAR_MAG[j] .. +2`` and the sign at ``PLANAR_SIGN[j]``. The decode
+places each code at bf16 bits 6-8 (magnitude) and 15 (sign), two elements (j, j+4) per 32-bit operation; from
+the checkpoint nibbles that is two shifts and two masks per pair, from the planar lanes pair 2 is one mask, pair 1
+one shift and one mask, pairs 0 and 3 two shifts and two masks (on sm_90 the w1|w3 k-step of m16n128k128 drops
+from 134 to 102 LOP3 and from 41 to 31 SHF per thread). No lane layout puts every pair one shift away (no
+translate of {6,7,8,15} tiles the 16 lane bits four times), so two pairs stay at four operations.
+
+The layout is a permutation of the checkpoint's bits (plus zero padding), so :func:`unpack_mxfp4` recovers the
+checkpoint tensors bit for bit and :func:`check_repack` proves that the kernel sees exactly the checkpoint's
+values.
 """
 
 from __future__ import annotations
@@ -40,6 +52,54 @@ import torch
 
 from k3rocm.errors import ConfigError
 
+#: planar value bits (module docstring): lane bit of the magnitude's low bit / of the sign of element j (0..3)
+PLANAR_MAG = (0, 3, 6, 9)
+PLANAR_SIGN = (13, 12, 15, 14)
+BIT_LAYOUTS = {0: "nibble", 1: "planar"}
+_LUTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _lane_lut(inverse: bool, device: torch.device) -> torch.Tensor:
+    """int32 [65536]: the planar lane of a checkpoint lane (``inverse``: the checkpoint lane of a planar one)."""
+    key = (int(inverse), str(device))
+    if key not in _LUTS:
+        v = torch.arange(1 << 16, dtype=torch.int32)
+        out = torch.zeros_like(v)
+        for j in range(4):
+            if inverse:
+                mag, sgn = (v >> PLANAR_MAG[j]) & 7, (v >> PLANAR_SIGN[j]) & 1
+                out |= (mag | (sgn << 3)) << (4 * j)
+            else:
+                nib = (v >> (4 * j)) & 15
+                out |= ((nib & 7) << PLANAR_MAG[j]) | ((nib >> 3) << PLANAR_SIGN[j])
+        _LUTS[key] = out.to(device)
+    return _LUTS[key]
+
+
+#: value bytes permuted at once by :func:`permute_value_bits` (its int32 temporaries are 4-6 x this)
+PERMUTE_STEP_BYTES = 32 << 20
+
+
+def permute_value_bits(values: torch.Tensor, to_planar: bool) -> torch.Tensor:
+    """Checkpoint nibbles -> planar lanes (``to_planar``) or back, of u8 value bytes whose last dim is even
+    (each pair of bytes one little-endian 16-bit lane; a word's two lanes are permuted alike). A new contiguous
+    tensor of the same shape on the same device, made :data:`PERMUTE_STEP_BYTES` at a time; a bijection, so
+    ``permute_value_bits(permute_value_bits(x, True), False) == x``.
+
+    Raises ConfigError if ``values`` is not u8 or its last dim is odd."""
+    if values.dtype != torch.uint8 or values.shape[-1] % 2:
+        raise ConfigError(f"MXFP4 value bits: need u8 bytes in pairs, got {values.dtype} {tuple(values.shape)}")
+    src = values.contiguous().view(-1)
+    out = torch.empty_like(src)
+    lut = _lane_lut(not to_planar, values.device)
+    for i in range(0, src.numel(), PERMUTE_STEP_BYTES):
+        b = src[i:i + PERMUTE_STEP_BYTES].view(-1, 2).to(torch.int32)
+        lane = lut.index_select(0, b[:, 0] | (b[:, 1] << 8))
+        o = out[i:i + PERMUTE_STEP_BYTES].view(-1, 2)
+        o[:, 0] = lane & 0xFF
+        o[:, 1] = lane >> 8
+    return out.view(values.shape)
+
 
 @dataclass
 class TiledMxfp4:
@@ -47,7 +107,8 @@ class TiledMxfp4:
 
     data ``[E, NT, KT, CHUNK]`` u8 on the device of the source; rows = N_g (rows per group, unpadded); k = K
     (elements per row); groups = G (2: w1|w3 gate/up, 1: w2); tile_n, tile_k = rows and elements per chunk;
-    repack_s = wall seconds of the repack (device synchronised when on a GPU).
+    repack_s = wall seconds of the repack (device synchronised when on a GPU); max_scale = the largest E8M0 byte;
+    bits = bits within a value word (0 nibble, 1 planar; module docstring).
     """
 
     data: torch.Tensor
@@ -58,6 +119,7 @@ class TiledMxfp4:
     tile_k: int
     repack_s: float = 0.0
     max_scale: int = 255
+    bits: int = 0
 
     @property
     def num_experts(self) -> int:
@@ -75,12 +137,12 @@ class TiledMxfp4:
     def experts(self, first: int, end: int) -> "TiledMxfp4":
         """Local experts ``first .. end-1`` (a view of the same bytes: the expert is the leading dim)."""
         return TiledMxfp4(self.data[first:end], self.rows, self.k, self.groups, self.tile_n, self.tile_k,
-                          self.repack_s, self.max_scale)
+                          self.repack_s, self.max_scale, self.bits)
 
     def to(self, device: str | torch.device) -> "TiledMxfp4":
         """The same layout with its bytes on ``device`` (shared when already there)."""
         return TiledMxfp4(self.data.to(device), self.rows, self.k, self.groups, self.tile_n, self.tile_k,
-                          self.repack_s, self.max_scale)
+                          self.repack_s, self.max_scale, self.bits)
 
 
 def fit_tile_k(tile_k: int, k: int) -> int:
@@ -105,13 +167,17 @@ def expert_chunk(packed: torch.Tensor) -> int:
     return max(1, EXPERT_CHUNK_BYTES // per)
 
 
-def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n: int, tile_k: int) -> TiledMxfp4:
+def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n: int, tile_k: int,
+                 bits: int = 0) -> TiledMxfp4:
     """Repack checkpoint-layout MXFP4 ``packed [E, G*N_g, K/2]`` u8 + ``scale [E, G*N_g, K/32]`` u8 into the
-    tiled layout, on their device (torch copies only; no host round trip).
+    tiled layout, on their device (torch ops only; no host round trip).
 
-    ``tile_k`` is fitted to K with :func:`fit_tile_k`; ``tile_n`` must be a multiple of 16.
-    Raises ConfigError on shapes that do not match or a bad tile.
+    ``tile_k`` is fitted to K with :func:`fit_tile_k`; ``tile_n`` must be a multiple of 16; ``bits``: 0 keeps the
+    checkpoint nibbles, 1 stores planar lanes (module docstring).
+    Raises ConfigError on shapes that do not match, a bad tile or an unknown ``bits``.
     """
+    if bits not in BIT_LAYOUTS:
+        raise ConfigError(f"repack_mxfp4: bits {bits!r} is not one of {sorted(BIT_LAYOUTS)} (0 nibble, 1 planar)")
     if packed.dim() != 3 or scale.dim() != 3 or packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ConfigError(f"repack_mxfp4: need u8 [E, N, K/2] and [E, N, K/32], got {tuple(packed.shape)} "
                           f"{packed.dtype} and {tuple(scale.shape)} {scale.dtype}")
@@ -143,24 +209,27 @@ def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n:
     step = expert_chunk(packed)
     for a in range(0, E, step):
         b = min(E, a + step)
-        data[a:b, ..., :vb] = tiles(packed[a:b], tk // 2)
+        v = tiles(packed[a:b], tk // 2)
+        data[a:b, ..., :vb] = permute_value_bits(v, True) if bits else v
         data[a:b, ..., vb:] = tiles(scale[a:b], tk // 32)
     max_scale = int(scale.max()) if scale.numel() else -1  # one reduction + host read, at load only
     if sync:
         torch.cuda.synchronize(packed.device)
-    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0, max_scale)
+    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0, max_scale, bits)
 
 
 def _untile(t: TiledMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tiled bytes in checkpoint order, padding rows kept: ``[E, G, NT*tile_n, K/2]``, ``[E, G, NT*tile_n, K/32]``."""
+    """The tiled bytes in checkpoint order (planar value bits read back as nibbles), padding rows kept:
+    ``[E, G, NT*tile_n, K/2]``, ``[E, G, NT*tile_n, K/32]``."""
     E, nt, kt, _ = t.data.shape
     G, tn, tk = t.groups, t.tile_n, t.tile_k
     vbytes = G * tn * (tk // 2)
+    vals = permute_value_bits(t.data[..., :vbytes], False) if t.bits else t.data[..., :vbytes]
 
     def untile(x: torch.Tensor, per_row: int) -> torch.Tensor:
         return x.reshape(E, nt, kt, G, tn, per_row).permute(0, 3, 1, 4, 2, 5).reshape(E, G, nt * tn, kt * per_row)
 
-    return untile(t.data[..., :vbytes], tk // 2), untile(t.data[..., vbytes:], tk // 32)
+    return untile(vals, tk // 2), untile(t.data[..., vbytes:], tk // 32)
 
 
 def unpack_mxfp4(t: TiledMxfp4) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,10 +97,12 @@ def test_amd_tiled_layout_no_spills(target):
             assert any(SCALED_MFMA.match(op) for op in rep.matrix_ops) == a8, f"{rep.name}: {rep.matrix_ops}"
 
 
-def test_sm90_tiled_layout_decode_kernel():
-    # the decode kernel on the tiled layout with the CUDA tile the 64-token step picks: bf16 wgmma
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
+def test_sm90_tiled_layout_decode_kernel(bits):
+    # the decode kernel on the tiled layout with the CUDA tile the 64-token step picks, on both value-bit layouts
+    # (planar is what CUDA serves): bf16 wgmma
     for gated in (True, False):
-        rep = _compile(dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda", LAYOUT_TILES["cuda"]), "sm_90")
+        rep = _compile(dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda", LAYOUT_TILES["cuda"], bits=bits), "sm_90")
         assert rep.error is None, rep.error
         assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
 

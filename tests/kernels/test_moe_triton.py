@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 
+from k3rocm.errors import ConfigError
 from k3rocm.model import moe as M
 from k3rocm.model.common import situ_glu
 
@@ -278,11 +279,16 @@ def test_fp16_and_fp32_activations(tk):
 # ---------------------------------------------------------------------------------------- decode path (kind "dq")
 
 
-def _decode_probe(tk, packed, scale, fused=False):
+def _decode_probe(tk, packed, scale, fused=False, bits=0):
     """Run ``mxfp4_decode_tile`` + ``mxfp4_k_order`` on one tile; returns (decoded fp32 [N, K], K order [N, K]).
-    ``fused``: the one-multiply variant (scales <= 128); on a CUDA GPU both run their PTX bf16x2 multiplies."""
+    ``fused``: the one-multiply variant (scales <= 128); on a CUDA GPU both run their PTX bf16x2 multiplies.
+    ``bits`` 1: the checkpoint bytes ``packed`` are first moved to planar lanes (``mx.layout``) and decoded so."""
     from k3rocm.kernels.moe.gemm import mxfp4_decode_probe_kernel
+    from k3rocm.kernels.mx.layout import permute_value_bits
     from k3rocm.kernels.target import current_target
+
+    if bits:
+        packed = permute_value_bits(packed, True)
 
     N, K = packed.shape[0], packed.shape[1] * 2
     out = torch.full((N, K), float("nan"), device=tk.dev)
@@ -290,7 +296,7 @@ def _decode_probe(tk, packed, scale, fused=False):
     order = torch.full_like(idx, -1)
     mxfp4_decode_probe_kernel[(1,)](packed.to(tk.dev), scale.to(tk.dev), out, idx, order, BN=N, BK=K,
                                     F32=not GPU, FUSED_SCALE=fused,
-                                    PTX=GPU and current_target().backend == "cuda")
+                                    PTX=GPU and current_target().backend == "cuda", BITS=bits)
     return out.cpu(), order.cpu()
 
 
@@ -304,17 +310,18 @@ def _all_codes_tile(scales):
     return packed, s
 
 
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
 @pytest.mark.parametrize("lo,hi,fused", [(2, 65, False), (65, 128, False), (128, 191, False), (191, 253, False),
                                          (2, 65, True), (65, 129, True)])
-def test_decode_every_code_and_scale_bit_exact(tk, lo, hi, fused):
+def test_decode_every_code_and_scale_bit_exact(tk, lo, hi, fused, bits):
     # every code x every scale whose products are bf16 normals: bit-equal to the MXFP4 oracle rounded to bf16;
-    # the one-multiply variant over every scale it may run with (2..128; 0 and 1 below)
+    # the one-multiply variant over every scale it may run with (2..128; 0 and 1 below); both value-bit layouts
     from k3rocm.mx import dequantize_mxfp4
 
     for start in range(lo, hi, 32):
         sc = [min(start + i, hi - 1) for i in range(32)]
         packed, s = _all_codes_tile(sc)
-        got, order = _decode_probe(tk, packed, s, fused)
+        got, order = _decode_probe(tk, packed, s, fused, bits)
         ref = dequantize_mxfp4(packed, s).bfloat16().float()
         perm = order[0].long()
         assert sorted(perm.tolist()) == list(range(64))
@@ -322,14 +329,15 @@ def test_decode_every_code_and_scale_bit_exact(tk, lo, hi, fused):
         assert (got == 0).any() and (got.signbit() & (got == 0)).any()  # +0 and -0 codes both present
 
 
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_decode_extreme_scales(tk, fused):
+def test_decode_extreme_scales(tk, fused, bits):
     # E8M0 0 (2^-127: results are bf16 subnormals) and 253/254 (6 x 2^127 overflows to inf, as in fp32); the
     # one-multiply variant at the ends of its range (0, 1: subnormal results; 127, 128: its largest multiplier)
     from k3rocm.mx import dequantize_mxfp4
 
     packed, s = _all_codes_tile(([0, 1, 127, 128] if fused else [0, 1, 253, 254]) * 8)
-    got, order = _decode_probe(tk, packed, s, fused)
+    got, order = _decode_probe(tk, packed, s, fused, bits)
     ref = dequantize_mxfp4(packed, s).bfloat16().float()[:, order[0].long()]
     assert torch.equal(got.nan_to_num(), ref.nan_to_num()), f"{(got != ref).sum()} elements differ"
     if fused:
@@ -447,21 +455,30 @@ def test_every_cuda_config_code_path_small(tk):
         assert _rel(out, ref) < TOL["a16w4"], f"{C.gemm_name(cfg)}: rel err {_rel(out, ref):.3g}"
 
 
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
 @pytest.mark.parametrize("tiles", [None, (16, 32)], ids=["backend", "chunk-spanning"])
-def test_kernel_layout_equals_checkpoint_layout(tk, tiles):
-    # the tiled layout made at load is a permutation of the checkpoint's bytes: every config (and A8W4 on the
+def test_kernel_layout_equals_checkpoint_layout(tk, tiles, bits):
+    # the tiled layout made at load is a permutation of the checkpoint's bits: every config (and A8W4 on the
     # first) gives bit-identical output from it, 20 repeats identical; (16, 32): n-tiles smaller than each
-    # config's BLOCK_N and k-steps fitted to the layout's k-tile
+    # config's BLOCK_N and k-steps fitted to the layout's k-tile. Planar value bits: every decode-path config
+    # bit-identical; the scaled kernel (and A8W4) refuse them with one line
+    from k3rocm.kernels.moe.configs import DQ_KINDS
+
     x, ids, wts, ew = _case(3, 8, 64, 96, 4, seed=71)
     ewd = _to(ew, tk.dev)
-    lay = tk.moe.ops.kernel_layout(ewd, tiles, check=True)
+    lay = tk.moe.ops.kernel_layout(ewd, tiles, check=True, bits=bits)
+    assert lay.w13.bits == lay.w2.bits == bits
     ewt = dict(ewd, kernel_layout=lay)
     args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
-    runs = [(c, "a16w4") for c in tk.configs] + [(tk.configs[0], "a8w4")]
+    runs = [(c, "a16w4") for c in tk.configs if not bits or c["kind"] in DQ_KINDS]
+    runs += [(tk.configs[0], "a8w4")] if not bits else []
     for cfg, mode in runs if tiles is None else runs[:1]:
         want = tk.moe.moe_experts(*args, ewd, mode=mode, config=cfg)
         got = tk.moe.moe_experts(*args, ewt, mode=mode, config=cfg, poison=True)
         assert torch.equal(got, want), f"{tk.moe.gemm_name(cfg)} {mode}: tiled layout differs from checkpoint"
+    if bits:
+        with pytest.raises(ConfigError, match="planar value bits"):
+            tk.moe.moe_experts(*args, ewt, mode="a8w4", config=runs[0][0])
     if GPU:
         outs = [tk.moe.moe_experts(*args, ewt, mode="a16w4") for _ in range(20)]
         assert all(torch.equal(o, outs[0]) for o in outs)

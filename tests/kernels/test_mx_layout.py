@@ -77,3 +77,42 @@ def test_chunked_repack_and_check(monkeypatch, experts_per_step):
         bad.data[e].view(-1)[7] ^= 0x10
         with pytest.raises(ConfigError, match=f"first expert {e}"):
             check_repack(bad, p, s)
+
+
+def test_planar_bits_documented_positions_and_round_trip(monkeypatch):
+    # planar value bits: element j of each 16-bit lane (lane 0 = elements 8w..8w+3, lane 1 = 8w+4..8w+7) has its
+    # magnitude at PLANAR_MAG[j] .. +2 and its sign at PLANAR_SIGN[j]; the permutation is a bijection, works in
+    # any step size, and the tiled layout with planar bits reads back (and checks) as the checkpoint's bytes
+    import k3rocm.kernels.mx.layout as L
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(0, 256, (9, 24), dtype=torch.uint8, generator=g)
+    y = L.permute_value_bits(x, True)
+    assert not torch.equal(y, x) and torch.equal(L.permute_value_bits(y, False), x)
+    w = x.view(-1, 4).to(torch.int64)
+    wi = w[:, 0] | w[:, 1] << 8 | w[:, 2] << 16 | w[:, 3] << 24
+    v = y.view(-1, 4).to(torch.int64)
+    vi = v[:, 0] | v[:, 1] << 8 | v[:, 2] << 16 | v[:, 3] << 24
+    for e in range(8):
+        lane, j = divmod(e, 4)
+        code = (wi >> (4 * e)) & 15
+        assert torch.equal((vi >> (16 * lane + L.PLANAR_MAG[j])) & 7, code & 7)
+        assert torch.equal((vi >> (16 * lane + L.PLANAR_SIGN[j])) & 1, code >> 3)
+    assert sorted(L._lane_lut(False, torch.device("cpu")).tolist()) == list(range(1 << 16))
+    monkeypatch.setattr(L, "PERMUTE_STEP_BYTES", 6)  # several steps, one ending mid-tensor
+    assert torch.equal(L.permute_value_bits(x, True), y)
+    p, s = _weights(3, 2 * 40, 96, seed=12)
+    t = repack_mxfp4(p, s, 2, 16, 64, bits=1)
+    nib = repack_mxfp4(p, s, 2, 16, 64)
+    vb = 2 * 16 * t.tile_k // 2
+    assert t.bits == 1 and torch.equal(t.data[..., vb:], nib.data[..., vb:])  # scales untouched
+    assert torch.equal(t.data[..., :vb], L.permute_value_bits(nib.data[..., :vb], True))
+    rp, rs = unpack_mxfp4(t)
+    assert torch.equal(rp, p) and torch.equal(rs, s)
+    check_repack(t, p, s)
+    assert t.experts(1, 3).bits == 1
+    t.data.view(-1)[5] ^= 0x80  # a planar sign bit: caught
+    with pytest.raises(ConfigError, match="differ"):
+        check_repack(t, p, s)
+    with pytest.raises(ConfigError, match="bits"):
+        repack_mxfp4(p, s, 2, 16, 64, bits=2)

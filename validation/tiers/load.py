@@ -10,8 +10,8 @@ import torch
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, manifest_extras, verify_manifest
 from k3rocm.errors import CheckpointError, ConfigError
-from k3rocm.kernels.moe.configs import LAYOUT_TILES
-from k3rocm.kernels.mx.layout import check_repack, repack_mxfp4
+from k3rocm.kernels.moe.configs import LAYOUT_BITS, LAYOUT_TILES
+from k3rocm.kernels.mx.layout import BIT_LAYOUTS, check_repack, repack_mxfp4
 from k3rocm.validation.evidence import Stage, Timer, check, info
 from k3rocm.validation.session import Session
 
@@ -103,7 +103,9 @@ def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
     w = session.weights
     cfg = session.config
     dev = str(session.device)
-    tn, tk = LAYOUT_TILES["hip" if dev.startswith("cuda") and torch.version.hip else "cuda"]
+    backend = "hip" if dev.startswith("cuda") and torch.version.hip else "cuda"
+    tn, tk = LAYOUT_TILES[backend]
+    bits = LAYOUT_BITS[backend]
     layers, bad, seconds, nbytes = 0, [], 0.0, 0
     for i in range(cfg.num_hidden_layers):
         if not cfg.is_moe_layer(i):
@@ -116,7 +118,7 @@ def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
             continue
         layers += 1
         for groups, p, sc in ((2, ew.w13_packed, ew.w13_scale), (1, ew.w2_packed, ew.w2_scale)):
-            t = repack_mxfp4(p, sc, groups, tn, tk)
+            t = repack_mxfp4(p, sc, groups, tn, tk, bits)
             seconds += t.repack_s
             nbytes += t.nbytes
             try:
@@ -127,7 +129,8 @@ def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
     if not layers:
         return
     stage.add(check("load", "kernel_layout.layers_differing", len(bad), eq=0, level=lv,
-                    detail=(f"{layers} MoE layer(s) repacked into the {tn}x{tk} tiled MXFP4 layout and read back: "
+                    detail=(f"{layers} MoE layer(s) repacked into the {tn}x{tk} tiled MXFP4 layout "
+                            f"({BIT_LAYOUTS[bits]} value bits) and read back: "
                             "every value and scale byte equals the checkpoint's" if not bad
                             else "; ".join(bad))[:300]),
               info("load", "kernel_layout.repack_seconds", round(seconds, 4), "s", level=lv,
