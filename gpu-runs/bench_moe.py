@@ -42,6 +42,7 @@ from k3rocm.kernels.moe import ops as moe_ops
 from k3rocm.bench import wall_ms
 from k3rocm.kernels.target import current_target
 from k3rocm.validation.evidence import git_sha
+from k3rocm.kernels.moe.configs import DQ_KINDS
 from k3rocm.kernels.moe.ops import _experts_impl, dispatch_gpu, kernel_layout
 from k3rocm.kernels.mx.layout import BIT_LAYOUTS
 from k3rocm.kernels.mx.layout import check_repack

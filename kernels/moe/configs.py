@@ -110,6 +110,12 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=2),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=4),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq", split_k=4),
+        # other decode-sized tiles on the planar bits (fewer integer operations per element moved the balance between
+        # the decode and the loads): half / twice the n-tile, half the warps (sm_90 registers per thread, w1|w3: 120,
+        # 206, 167; the served tile 120). (A 256-wide k-step cannot run on the 128-wide k-tiles of the layout.)
+        gemm_config(16, 64, 128, 4, 4, max_rows=16, kind="dqp"),
+        gemm_config(16, 256, 128, 8, 3, max_rows=16, kind="dqp"),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
