@@ -91,6 +91,11 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # the scale tile read one k-step ahead (kind "dqp", bit-identical to "dq"): H200 2026-12-02, one K3 layer at
         # 64 tokens, tiled layout, every config in one run (bench_moe --sweep-layout tiled --sweep-ep): m16 4.350
         # vs 4.673 ms, m32 6.316 vs 6.774; EP8 slice m16 0.575 vs 0.624; m64 8.656 vs 8.597 (kept "dq")
+        # 4 warps on the planar bits: H200 2026-12-04, one K3 layer, tiled layout, every config in one run
+        # (bench_moe --sweep-ep --sweep-layout tiled, 475837a): 64 tokens 3.512 ms vs 3.969 for 8 warps (EP8 slice
+        # 0.468 vs 0.533), 512 tokens 6.360 vs 7.084 (EP8 slice, 73 rows per expert: 0.890 vs 1.813 for the m64 tile
+        # the rows picked); 167 registers per thread, so three programs per SM instead of two
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp"),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
         gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
         # 8192 tokens = 146 rows per expert: 64-row tiles waste 24% of the MMA rows on the last block of a group,
@@ -115,7 +120,10 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # 206, 167; the served tile 120). (A 256-wide k-step cannot run on the 128-wide k-tiles of the layout.)
         gemm_config(16, 64, 128, 4, 4, max_rows=16, kind="dqp"),
         gemm_config(16, 256, 128, 8, 3, max_rows=16, kind="dqp"),
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp"),
+        # 4-warp tiles for more rows per expert (candidates until measured; m64 with 4 warps spills on sm_90: 255
+        # registers and 256 B of stack in w1|w3, so none)
+        gemm_config(32, 128, 128, 4, 4, max_rows=40, kind="dqp"),
+        gemm_config(16, 128, 128, 4, 4, kind="dqp"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
