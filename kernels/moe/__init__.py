@@ -7,6 +7,8 @@ an explicit argument (``mode="a16w4"`` or ``"a8w4"``); no environment variable o
 
 from __future__ import annotations
 
+import math
+
 from k3rocm.kernels import tune
 
 from .configs import (GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config,
@@ -77,7 +79,8 @@ def isa_cases() -> list[tuple]:
     # the A16W4 decode-path GEMM (the CUDA list's kind "dq"; it also compiles spill-free for gfx950/gfx942, without
     # its inline-PTX bf16x2 multiplies there), in its one-multiply variant (every K3 layer) and the general one
     for gated in (True, False):
-        for cfg, fused in ((GEMM_CONFIGS["cuda"][0], True), (GEMM_CONFIGS["cuda"][-1], True),
+        big = max(GEMM_CONFIGS["cuda"], key=lambda c: c.get("max_rows", math.inf))  # the served large-group tile
+        for cfg, fused in ((GEMM_CONFIGS["cuda"][0], True), (big, True),
                            (GEMM_CONFIGS["cuda"][0], False)):
             name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda", fused_scale=fused)
             hip_opts = {"num_warps": cfg["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}

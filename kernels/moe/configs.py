@@ -88,42 +88,41 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
     # H200 2026-11-30, decode kernel: 5.03 ms at 64 tokens, 9.00 at 512 (m16n128k128w8s4); at 8192 tokens
     # m64n128k128w8s3 39.3 ms beat m64n128k64w8s3 47.0 and m128n128k64w8s3 46.3 (gpu-runs/results/moe.md).
     "cuda": [
-        # the scale tile read one k-step ahead (kind "dqp", bit-identical to "dq"): H200 2026-12-02, one K3 layer at
-        # 64 tokens, tiled layout, every config in one run (bench_moe --sweep-layout tiled --sweep-ep): m16 4.350
-        # vs 4.673 ms, m32 6.316 vs 6.774; EP8 slice m16 0.575 vs 0.624; m64 8.656 vs 8.597 (kept "dq")
-        # 4 warps on the planar bits: H200 2026-12-04, one K3 layer, tiled layout, every config in one run
-        # (bench_moe --sweep-ep --sweep-layout tiled, 475837a): 64 tokens 3.512 ms vs 3.969 for 8 warps (EP8 slice
-        # 0.468 vs 0.533), 512 tokens 6.360 vs 7.084 (EP8 slice, 73 rows per expert: 0.890 vs 1.813 for the m64 tile
-        # the rows picked); 167 registers per thread, so three programs per SM instead of two
+        # Served entries, from one sweep of every entry on the planar bits (H200 2026-12-04, bench_moe --tokens 64 512
+        # 2048 8192 --sweep-ep --sweep-layout tiled, 0635b38; one K3 layer, ms; rows = pairs per active expert):
+        #   64 tokens (1.7 rows): m16 4 warps 3.503, m16 8 warps 3.903, m16n64 4 warps 3.894; EP8 slice 0.474 / 0.546
+        #   512 (9.2 rows): m16 w4 6.351, m16 w8 7.139; EP8 slice (73 rows) m16 w4 0.913, m32 w4 1.126, m64 w8 1.701
+        #   2048 (36.6 rows): m32 w4 11.745, m64 w8 (dqp) 11.856, m32 w8 13.200, m16 w4 14.952
+        #   8192 (146 rows): m64 w8 (dqp) 33.207, m64 w8 (dq) 36.052, m32 w4 36.435; EP8 slice (1170 rows) m64 dqp
+        #   4.747, m32 w4 5.071, m128 6.258; EP8 2048 (292 rows) m64 dqp 1.732, m128 3.484
+        # 4 warps: 167 (m16) / 246 (m32) registers per thread on sm_90, no spills; m64 with 4 warps spills (255
+        # registers + 256 B of stack), so the 64-row tile keeps 8 warps. 41-96 rows: the m16 tile again (one
+        # point, 73 rows: 5 blocks of 16 rows beat 2 of 64 by 1.9 x); above: the 64-row tile at any size.
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp"),
+        gemm_config(32, 128, 128, 4, 4, max_rows=40, kind="dqp"),
+        gemm_config(16, 128, 128, 4, 4, max_rows=96, kind="dqp"),
+        gemm_config(64, 128, 128, 8, 3, kind="dqp"),
+        # A/B variants, after the served entries (the pick takes the first fitting one, so serving is unchanged
+        # until they move up; bench_moe --sweep times every entry): the 8-warp m16 / m32 tiles served before
+        # (`dqp`: the scale tile read a k-step ahead, bit-identical to `dq`; on the nibble bits 2026-12-02: m16
+        # 4.350 vs 4.673 ms for `dq` at 64 tokens), the plain-load `dq` tiles, the 64- and 128-row `dq` tiles
+        # served before (8192 tokens = 146 rows per expert: 64-row tiles waste 24% of the MMA rows on the last
+        # block of a group, 128-row tiles 43%)
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
         gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
-        # 8192 tokens = 146 rows per expert: 64-row tiles waste 24% of the MMA rows on the last block of a group,
-        # 128-row tiles 43% (2 blocks for 146 rows); 128 rows pay off from ~256 rows per expert
         gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dq"),
         gemm_config(128, 128, 64, 8, 3, kind="dq"),
-        # A/B variants, after the served entries (the pick takes the first fitting one, so serving is unchanged
-        # until they move up; bench_moe --sweep times every entry): the plain-load "dq" tiles the "dqp" entries
-        # replaced (sm_90 w1|w3 loop 448 vs 428 SASS instructions for "dqp", whose scale LDG is issued a k-step
-        # before its use instead of right before a barrier), and "dqp" at 64 rows
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq"),
         gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dq"),
-        gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dqp"),
-        # split-K for decode-sized groups (~1-6 rows per expert: a 64-token step has ~264 programs in flight for
-        # the 28 / 24 k-steps of w1|w3 / w2): 2 or 4 programs per tile, fp32 partials summed in a fixed order.
-        # Measured slower (same run): sk2 4.527 ms, sk4 5.077 (dqp) / 5.488 (dq) at 64 tokens; EP8 0.601 / 0.665
+        # split-K for decode-sized groups (~1-6 rows per expert): 2 or 4 programs per tile, fp32 partials summed in a
+        # fixed order. Slower in every sweep (0635b38, 64 tokens: sk2 4.166, sk4 4.734 ms vs 3.903 unsplit, 8 warps)
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=2),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", split_k=4),
         gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dq", split_k=4),
-        # other decode-sized tiles on the planar bits (fewer integer operations per element moved the balance between
-        # the decode and the loads): half / twice the n-tile, half the warps (sm_90 registers per thread, w1|w3: 120,
-        # 206, 167; the served tile 120). (A 256-wide k-step cannot run on the 128-wide k-tiles of the layout.)
+        # half / twice the n-tile (sm_90 registers per thread, w1|w3: 120 / 206); slower than the served m16 tile
+        # (64 tokens 3.894 / 4.289 ms). (A 256-wide k-step cannot run on the 128-wide k-tiles of the layout.)
         gemm_config(16, 64, 128, 4, 4, max_rows=16, kind="dqp"),
         gemm_config(16, 256, 128, 8, 3, max_rows=16, kind="dqp"),
-        # 4-warp tiles for more rows per expert (candidates until measured; m64 with 4 warps spills on sm_90: 255
-        # registers and 256 B of stack in w1|w3, so none)
-        gemm_config(32, 128, 128, 4, 4, max_rows=40, kind="dqp"),
-        gemm_config(16, 128, 128, 4, 4, kind="dqp"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
