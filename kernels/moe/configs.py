@@ -123,6 +123,10 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # (64 tokens 3.894 / 4.289 ms). (A 256-wide k-step cannot run on the 128-wide k-tiles of the layout.)
         gemm_config(16, 64, 128, 4, 4, max_rows=16, kind="dqp"),
         gemm_config(16, 256, 128, 8, 3, max_rows=16, kind="dqp"),
+        # the served 4-warp m16 tile at other pipeline depths (candidates until measured; fewer than 4 warps would
+        # leave wgmma for mma.sync on sm_90)
+        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp"),
+        gemm_config(16, 128, 128, 4, 5, max_rows=16, kind="dqp"),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
