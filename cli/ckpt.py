@@ -14,7 +14,7 @@ from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
 from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, handle_errors
 from k3rocm.config import preset as make_preset
-from k3rocm.errors import CheckpointError
+from k3rocm.errors import CheckpointError, unresolved_link
 
 GB = 1e9
 
@@ -47,7 +47,7 @@ def make_cmd(preset, out, seed, shards, manifest, expert_init, debug):
     from k3rocm.checkpoint.writer import write_checkpoint  # torch: 1.2 s (measured); --help needs none
 
     _check_out_dir(out)
-    cfg = make_preset(preset)
+    cfg = make_preset(preset, "--preset")
     with Progress() as bar:
         cb = bar.callback(f"writing {preset}")
         path = write_checkpoint(cfg, out, seed=seed, num_shards=shards, progress=lambda done, total, *_: cb(done, total),
@@ -69,11 +69,14 @@ def _check_out_dir(out: str) -> None:
     whatever the bits say).
 
     Raises:
-        CheckpointError: ``out`` is empty/blank, or that location refuses a new directory (one line naming it
-            and the system's reason).
+        CheckpointError: ``out`` is empty/blank, a symbolic link that does not resolve, or that location
+            refuses a new directory (one line naming it and the system's reason).
     """
     if not out.strip():
         raise CheckpointError("--out is empty; pass the new directory to write, e.g. --out ./k3-tiny")
+    link = unresolved_link(out)
+    if link:
+        raise CheckpointError(f"--out {out}: {link}; remove the link or choose another directory")
     probe = Path(out).absolute().parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

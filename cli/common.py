@@ -343,6 +343,10 @@ def fallback_line(session) -> str | None:
             f"taken on this machine's {have}")
 
 
+#: the longest failure detail :func:`finish` shows whole (the tiers' listed details stay under it)
+WHY_MAX = 360
+
+
 def finish(stages, report_html: Path) -> None:
     """Print where the report is and exit: 0 all passed, else the first failing stage's code, one line."""
     click.echo(f"report: {report_html}")
@@ -352,6 +356,10 @@ def finish(stages, report_html: Path) -> None:
         if s.status == "failed":
             f = s.failures[0]
             why = " ".join(str(getattr(f, "detail", "") or "").split())  # one line, whatever the detail holds
-            why = f" — {why[:200]}{'…' if len(why) > 200 else ''}" if why else ""
+            # the tiers keep their details short by listing whole items ("… and N more", evidence.listed), so
+            # the detail is shown whole; only a runaway one is cut, at a word and marked
+            if len(why) > WHY_MAX:
+                why = why[:WHY_MAX].rsplit(" ", 1)[0] + " … (the rest in the report)"
+            why = f" — {why}" if why else ""
             fail(f"{s.tier} tier failed: {f.name} = {f.value} {f.unit}".rstrip()
                  + f" (needs {f.threshold}){why}; see {report_html}", EXIT_FAILED)

@@ -146,7 +146,7 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     if context_len is not None and context_len < 1:
         raise ConfigError(f"--context-len {context_len} must be >= 1 (tokens per sequence)")
     if preset:
-        cfg = make_preset(preset)
+        cfg = make_preset(preset, "--preset")
     else:
         from k3rocm.checkpoint.reader import open_checkpoint  # torch: 1.2 s (measured); --help needs none
 

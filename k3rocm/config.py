@@ -509,13 +509,16 @@ def _tiny_tp8_doc() -> dict:
     return doc
 
 
-def _prefix_doc(n: int) -> dict:
-    """``k3-prefix-N``: the first N official layers (layer types kept) + official embedding/head/norms."""
+def _prefix_doc(n: int, where: str = "") -> dict:
+    """``k3-prefix-N``: the first N official layers (layer types kept) + official embedding/head/norms.
+
+    ``where`` names what gave the name (e.g. ``"--preset"``) at the start of the error line."""
     doc = _official_doc()
     t = doc["text_config"]
     L = t["num_hidden_layers"]
     if not 1 <= n <= L:
-        raise ConfigError(f"k3-prefix-{n}: N must be in 1..{L}")
+        raise ConfigError(f"{where + ' ' if where else 'preset '}k3-prefix-{n}: N must be in 1..{L} (the official "
+                          f"K3 has {L} layers); pass k3-prefix-1 to k3-prefix-{L}, or k3 for the whole model")
     lac = t["linear_attn_config"]
     lac["full_attn_layers"] = [x for x in lac["full_attn_layers"] if x <= n]
     lac["kda_layers"] = [x for x in range(1, n + 1) if x not in lac["full_attn_layers"]]
@@ -565,14 +568,17 @@ def identify(doc: Any) -> str | None:
     return None
 
 
-def preset(name: str) -> K3Config:
+def preset(name: str, where: str = "") -> K3Config:
     """Build a preset config by name: ``k3``, ``k3-tiny``, ``k3-tiny-tp8``, ``k3-prefix-N`` (N = 1..93),
     ``kimi-linear-48b-a3b``.
 
+    Args:
+        where: what gave ``name`` (a CLI caller passes its flag, ``"--preset"``); it starts the error line, so
+            the message names the flag only when the name came from one.
     Raises:
-        ConfigError: unknown name (the message lists the known ones).
+        ConfigError: unknown name (the message lists the known ones), or ``k3-prefix-N`` with N outside 1..93.
     """
-    m = re.fullmatch(r"k3-prefix-(\d+)", name)
+    m = re.fullmatch(r"k3-prefix-(-?\d+)", name)
     if name == "k3":
         doc = _official_doc()
     elif name == "k3-tiny":
@@ -580,9 +586,9 @@ def preset(name: str) -> K3Config:
     elif name == "k3-tiny-tp8":
         doc = _tiny_tp8_doc()
     elif m:
-        doc = _prefix_doc(int(m.group(1)))
+        doc = _prefix_doc(int(m.group(1)), where)
     elif name == "kimi-linear-48b-a3b":
         doc = copy.deepcopy(_KIMI_LINEAR_48B)
     else:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"{where + ': ' if where else ''}unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return K3Config.from_dict(doc, name=name)

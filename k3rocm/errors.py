@@ -82,3 +82,33 @@ def os_error(e: OSError, what: str = "") -> K3Error:
     line = f"{what + ': ' if what else ''}{where}{reason}" + (f" [{name}]" if name else "") + f"; {hint}"
     cls = HardwareError if name in _ENV_ERRNOS else ConfigError
     return cls(line)
+
+
+def unresolved_link(path) -> str | None:
+    """Why ``path`` names a symbolic link that does not resolve, as a clause for an error line, else None.
+
+    ``"is a symbolic link that does not resolve (a loop: ...)"`` for a link loop (the path itself, or a link
+    on the way to it), ``"... (broken: its target T does not exist)"`` for a dangling link; None when the path
+    resolves or simply does not exist. Raises nothing.
+    """
+    import os
+
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        loop = e.errno == errno.ELOOP
+    except ValueError:  # an embedded NUL byte: not a link question
+        return None
+    try:
+        target = os.readlink(path)
+    except (OSError, ValueError):
+        target = None
+    if loop:
+        if target is None:
+            return "goes through a symbolic link that does not resolve (a loop)"
+        return (f"is a symbolic link that does not resolve (a loop: it points to {target}, which leads back to it "
+                "instead of to a directory)")
+    if target is not None:
+        return f"is a symbolic link that does not resolve (broken: its target {target} does not exist)"
+    return None

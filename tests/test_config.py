@@ -356,3 +356,19 @@ def test_config_file_nested_too_deep_or_huge_number(tmp_path):
         with pytest.raises(ConfigError, match="not valid JSON") as e:
             K3Config.from_file(f)
         assert "\n" not in str(e.value) and str(f) in str(e.value)
+
+
+@pytest.mark.parametrize("n", [0, 94, -1])
+def test_prefix_out_of_range_names_the_range_and_only_a_flag_it_was_given(n):
+    """The library line names the valid range and the layer count; a flag only when the caller says the name
+    came from one (the CLI passes ``--preset``)."""
+    with pytest.raises(ConfigError) as e:
+        preset(f"k3-prefix-{n}")
+    msg = str(e.value)
+    assert msg.startswith(f"preset k3-prefix-{n}: N must be in 1..93 (the official K3 has 93 layers); ") and \
+        "--preset" not in msg, msg
+    with pytest.raises(ConfigError) as e:
+        preset(f"k3-prefix-{n}", "--preset")
+    assert str(e.value).startswith(f"--preset k3-prefix-{n}: N must be in 1..93"), str(e.value)
+    with pytest.raises(ConfigError, match=r"^--preset: unknown preset 'k3-huge'; choose one of k3, "):
+        preset("k3-huge", "--preset")

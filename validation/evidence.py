@@ -105,6 +105,26 @@ class Evidence:
                                             "detail")})
 
 
+def listed(items, sep: str = "; ", limit: int = 300) -> str:
+    """``items`` (strings) joined by ``sep``, whole items only, as many as fit in about ``limit`` characters,
+    then ``"… and N more"`` for those left out: a detail that can be long is shortened in its variable part,
+    so each item shown keeps its end (a remedy at the end of a problem line survives). The first item is
+    always shown (cut with "…" only when it alone exceeds ``limit``). ``""`` for no items. Raises nothing.
+    """
+    items = [str(x) for x in items]
+    if not items:
+        return ""
+    shown = [items[0] if len(items[0]) <= limit else items[0][:limit - 1].rstrip() + "…"]
+    size = len(shown[0])
+    for it in items[1:]:
+        if size + len(sep) + len(it) > limit:
+            break
+        shown.append(it)
+        size += len(sep) + len(it)
+    left = len(items) - len(shown)
+    return sep.join(shown) + (f"{sep}… and {left} more" if left else "")
+
+
 def check(tier: str, name: str, value: Any, *, le: float | None = None, ge: float | None = None,
           eq: Any = None, unit: str = "", level: str = "measured", detail: str = "") -> Evidence:
     """Build an :class:`Evidence` row with a numeric pass condition.

@@ -35,7 +35,7 @@ from k3rocm.checkpoint.reader import DTYPES, open_checkpoint
 from k3rocm.config import K3Config
 from k3rocm.config import preset as preset_config
 from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
-from k3rocm.errors import CheckpointError, ConfigError, HardwareError, K3Error, ValidationFailed
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError, K3Error, ValidationFailed, unresolved_link
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
 from k3rocm.runtime import registry
@@ -188,6 +188,10 @@ class Session:
                 raise CheckpointError("--checkpoint is empty; pass a checkpoint directory, or omit it for the "
                                       "embedded k3-tiny")
             p = Path(self.opts.checkpoint).expanduser()
+            link = unresolved_link(p)
+            if link:
+                raise CheckpointError(f"--checkpoint {p}: {link}; point the link at the checkpoint directory or "
+                                      "pass the directory itself")
             if not p.exists():
                 raise CheckpointError(f"{p}: checkpoint directory does not exist; pass --checkpoint DIR "
                                       "holding config.json and *.safetensors (or omit it for the embedded k3-tiny)")
@@ -214,8 +218,13 @@ class Session:
         def build():
             if self.synthetic:
                 if self.opts.checkpoint is None:
-                    return preset_config(self.opts.preset or "k3-tiny")
-                f = Path(self.opts.checkpoint).expanduser() / "config.json"
+                    return preset_config(self.opts.preset, "--preset") if self.opts.preset else preset_config("k3-tiny")
+                d = Path(self.opts.checkpoint).expanduser()
+                link = unresolved_link(d)
+                if link:
+                    raise CheckpointError(f"--checkpoint {d}: {link}; point the link at the checkpoint directory "
+                                          "or pass the directory itself")
+                f = d / "config.json"
                 if not f.is_file():
                     raise CheckpointError(f"{f}: not found; --synthetic --checkpoint DIR reads only DIR/config.json "
                                           "(or pass --preset NAME)")

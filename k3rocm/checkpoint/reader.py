@@ -32,7 +32,7 @@ import torch
 
 from k3rocm.checkpoint import layout
 from k3rocm.config import K3Config, preset
-from k3rocm.errors import CheckpointError, ConfigError
+from k3rocm.errors import CheckpointError, ConfigError, unresolved_link
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -361,6 +361,10 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
     """
     root = Path(path)
     if not root.is_dir():
+        link = unresolved_link(root)
+        if link:
+            raise CheckpointError(f"{root}: {link}; point the link at the checkpoint directory or pass the "
+                                  "directory itself")
         raise CheckpointError(f"{root}: not a checkpoint directory (it does not exist or is a file)")
     root = root.resolve()
     _refuse_pickles(root)

@@ -410,8 +410,12 @@ class Placement:
 # ------------------------------------------------------------------------------------------ planning
 def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool = True) -> None:
     where = f"{cfg.name} on {profile.name}"
-    if tp < 1 or ep < 1:
-        raise PlanError(f"{where}: tp={tp}, ep={ep} must be >= 1")
+    if tp < 1:
+        raise PlanError(f"{where}: tp={tp} must be >= 1 (tensor-parallel ranks, one process per GPU)"
+                        + (f"; {_valid_hint(cfg, profile)}" if hint else ""))
+    if ep < 1:
+        raise PlanError(f"{where}: ep={ep} must be >= 1 and divide tp={tp} (experts split by EP)"
+                        + (f"; {_valid_hint(cfg, profile)}" if hint else ""))
     if profile.backend != "cpu" and tp > profile.device_count:
         raise PlanError(f"{where}: tp={tp} needs {tp} GPUs but the profile has {profile.device_count}; "
                         f"use tp <= {profile.device_count} (one process per GPU)")
@@ -451,6 +455,15 @@ def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool 
         raise PlanError(f"{where}: dense intermediate {cfg.intermediate_size} is not divisible by tp={tp}")
     if cfg.vocab_size % tp:
         raise PlanError(f"{where}: vocab {cfg.vocab_size} is not divisible by tp={tp} (vocab-parallel embedding/head)")
+
+
+def _layout_ok(cfg: K3Config, profile: Profile, tp: int, ep: int) -> bool:
+    """True when ``(tp, ep)`` passes every layout check on ``profile`` (memory aside). Raises nothing."""
+    try:
+        _check_layout(cfg, profile, tp, ep, hint=False)
+    except PlanError:
+        return False
+    return True
 
 
 def valid_layouts(cfg: K3Config, profile: Profile) -> list[tuple[int, int]]:
@@ -582,8 +595,13 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
         try:
             _check_layout(cfg, profile, tp, ep)
-        except PlanError as e:  # the user gave no --ep: say where the value came from
-            raise PlanError(f"{e} (ep was not given and defaults to {ep}; pass --ep)") from None
+        except PlanError as e:
+            # the user gave no --ep: say where the value came from, but only when another ep makes this tp work;
+            # when none does, tp itself is what is wrong and the message (about tp) stands alone
+            top = min(tp, cfg.num_experts if cfg.num_moe_layers else 1)  # an ep above that never passes
+            if any(_layout_ok(cfg, profile, tp, e2) for e2 in range(1, top + 1) if tp % e2 == 0):
+                raise PlanError(f"{e} (ep was not given and defaults to {ep}; pass --ep)") from None
+            raise
     else:
         _check_layout(cfg, profile, tp, ep)
     lay = _Layout(tp, ep)

@@ -376,3 +376,16 @@ def test_a_shard_that_is_a_directory_is_named_as_such(tmp_path):
         _safe_shard_path(tmp_path, "model-00001-of-00002.safetensors", tmp_path / "model.safetensors.index.json")
     with pytest.raises(CheckpointError, match="is missing"):
         _safe_shard_path(tmp_path, "model-00002-of-00002.safetensors", tmp_path / "model.safetensors.index.json")
+
+
+def test_a_checkpoint_directory_that_is_a_loop_or_broken_symlink_says_so(tmp_path):
+    loop, other, gone = tmp_path / "loop", tmp_path / "other", tmp_path / "gone"
+    loop.symlink_to(other)
+    other.symlink_to(loop)
+    gone.symlink_to(tmp_path / "nowhere")
+    _refused(loop, CheckpointError, f"{loop}: is a symbolic link that does not resolve (a loop: it points to {other}",
+             "point the link at the checkpoint directory")
+    _refused(gone, CheckpointError, f"{gone}: is a symbolic link that does not resolve (broken: its target "
+             f"{tmp_path / 'nowhere'} does not exist)")
+    _refused(loop / "sub", CheckpointError, "goes through a symbolic link that does not resolve (a loop)")
+    _refused(tmp_path / "missing", CheckpointError, "it does not exist or is a file")  # a plain missing path

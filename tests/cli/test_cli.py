@@ -528,3 +528,67 @@ def test_env_checks_a_deployments_environment_on_its_own(tmp_path):
     out = run(["env", "--deployment-env", f, "--server-args", "vllm serve m --kda-prefill-backend auto"]).output
     assert "MATCH" not in out and "3 checked" in out
     one_line_error(run(["env", "--server-args", "vllm serve m --kda-prefill-backend flashkda"], code=3))
+
+
+@pytest.mark.parametrize("kind", ["loop", "broken"])
+def test_a_checkpoint_path_that_is_a_loop_or_broken_symlink_says_so(tmp_path, kind):
+    """Every command that takes a checkpoint path names a link that does not resolve as such (not as "does not
+    exist"), with the path and what to do."""
+    a = tmp_path / "a"
+    if kind == "loop":
+        b = tmp_path / "b"
+        a.symlink_to(b)
+        b.symlink_to(a)
+        why = f"(a loop: it points to {b}"
+    else:
+        a.symlink_to(tmp_path / "nowhere")
+        why = f"(broken: its target {tmp_path / 'nowhere'} does not exist)"
+    out = tmp_path / "r"
+    for args in (["load", "--checkpoint", a, "--out", out], ["validate", "--checkpoint", a, "--out", out],
+                 ["plan", "--checkpoint", a], ["checkpoint", "inspect", "--checkpoint", a],
+                 ["checkpoint", "verify", "--checkpoint", a],
+                 ["validate", "--synthetic", "--checkpoint", a, "--level", "forward", "--out", out]):
+        line = one_line_error(run(args, code=2))
+        assert f"--checkpoint {a}: is a symbolic link that does not resolve {why}" in line, (args, line)
+        assert "does not exist;" not in line and "point the link at the checkpoint directory" in line, line
+    line = one_line_error(run(["checkpoint", "make", "--out", a], code=2))
+    assert f"--out {a}: is a symbolic link that does not resolve {why}" in line and "free space" not in line, line
+
+
+@pytest.mark.parametrize("name", ["k3-prefix-0", "k3-prefix-94", "k3-prefix--1"])
+def test_a_prefix_preset_out_of_range_names_the_flag_and_the_range(tmp_path, cache, name):
+    want = f"--preset {name}: N must be in 1..93 (the official K3 has 93 layers)"
+    for args in (["checkpoint", "make", "--preset", name, "--out", tmp_path / "ck"], ["plan", "--preset", name],
+                 ["validate", "--synthetic", "--preset", name, "--level", "forward", "--out", tmp_path / "r"]):
+        line = one_line_error(run(args, code=2))
+        assert want in line and "k3-prefix-1 to k3-prefix-93" in line, (args, line)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_nan_weights_in_several_tensors_keep_each_remedy_whole(golden_ckpt, tmp_path):
+    """Several NaN tensors: the error line and the report's row show whole problem lines (the remedy at their
+    end included) and count the rest, instead of cutting the text mid-word."""
+    from safetensors.torch import load_file, save_file
+
+    from k3rocm.checkpoint.reader import open_checkpoint
+    ck = tmp_path / "ck"
+    shutil.copytree(golden_ckpt, ck)
+    for f in ck.iterdir():
+        f.chmod(0o644)
+    idx = open_checkpoint(ck)
+    names = [n for n, e in idx.entries.items() if e.dtype == "BF16" and n.endswith("norm.weight")][:6]
+    by_shard: dict = {}
+    for n in names:
+        by_shard.setdefault(idx.entries[n].shard, []).append(n)
+    for shard, ns in by_shard.items():
+        t = load_file(str(ck / shard))
+        for n in ns:
+            t[n] = torch.full_like(t[n], float("nan"))
+        save_file(t, str(ck / shard), metadata={"format": "pt"})
+    remedy = "the file is corrupt: re-download or re-make it"
+    out = tmp_path / "r"
+    line = one_line_error(run(["validate", "--level", "forward", "--checkpoint", ck, "--out", out], code=1))
+    assert "load.problems = 6" in line and names[0] in line, line
+    assert f"{remedy}; … and 5 more; see {out}" in line, line
+    row = next(ln for ln in (out / "report.md").read_text().splitlines() if "| load.problems |" in ln)
+    assert f"{remedy}; … and " in row and row.rstrip().endswith("more |"), row

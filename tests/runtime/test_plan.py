@@ -277,3 +277,28 @@ def test_cpu_ranks_share_the_host_and_a_layout_is_reduced_to_the_largest_that_sp
     assert four.world == 4 and four.usable_bytes == one.usable_bytes // 4
     three = plan(cfg, prof(3), ep=None)
     assert three.tp == 2 and any("tp reduced from the profile's 3 to 2" in n for n in three.notes)
+
+
+@pytest.mark.parametrize("tp,needle", [(3, "4 KDA heads are not divisible by tp=3"), (0, "tp=0 must be >= 1"),
+                                       (-1, "tp=-1 must be >= 1"), (8, "not divisible by tp=8")])
+def test_a_tp_no_ep_can_fix_gets_no_note_about_the_default_ep(tiny_cfg, tp, needle):
+    """--tp alone, and no ep works with that tp: the error is about tp and names the layouts that work; it does
+    not blame the ep that was defaulted."""
+    for prof in (load_profile("cpu"), load_profile("mi355x-8")):
+        with pytest.raises(PlanError) as e:
+            plan(tiny_cfg, prof, tp=tp)
+        msg = str(e.value)
+        assert needle in msg and f"layouts that work on {prof.name}: tp=1/ep=1" in msg, msg
+        assert "ep was not given" not in msg and "ep=1 must" not in msg and "ep=8 must" not in msg, msg
+    r = CliRunner().invoke(cli, ["plan", "--tp", str(tp), "--profile", "cpu"])
+    assert r.exit_code == 2 and needle in r.stderr and "ep was not given" not in r.stderr, r.stderr
+
+
+def test_a_tp_the_defaulted_ep_breaks_keeps_the_note(tiny_cfg):
+    """tp=4 on the cpu profile works with ep=2 or 4 but not with the defaulted ep=1 (MXFP4 scale groups): the
+    message says where ep=1 came from."""
+    with pytest.raises(PlanError) as e:
+        plan(tiny_cfg, load_profile("cpu"), tp=4)
+    msg = str(e.value)
+    assert "cuts MXFP4 scale groups" in msg and msg.endswith("(ep was not given and defaults to 1; pass --ep)"), msg
+    assert plan(tiny_cfg, load_profile("cpu"), tp=4, ep=2, strict=False).tp == 4

@@ -12,7 +12,7 @@ import pytest
 from k3rocm.checkpoint.verify import shard_fingerprints
 from k3rocm.errors import ConfigError
 from k3rocm.validation.evidence import (LEVELS, SCHEMA, Evidence, Report, Stage, atomic_write, check, info,
-                                        load_report, reproduction_block)
+                                        listed, load_report, reproduction_block)
 from k3rocm.validation.render import render_html, render_json, render_markdown, write_report
 
 
@@ -339,3 +339,32 @@ def test_a_signal_while_the_report_is_written_waits_for_the_write(tmp_path, monk
         assert (tmp_path / name).stat().st_size > 0, name
     assert json.loads((tmp_path / "report.json").read_text())["stages"]
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_listed_shortens_the_list_not_the_items():
+    """A long detail lists whole items and counts the rest, so each shown item keeps its remedy at the end."""
+    items = [f"rank 0: tensor.{i}.weight holds 128 NaN/Inf values; the file is corrupt: re-download it" for i in range(9)]
+    s = listed(items, limit=200)
+    assert s == "; ".join(items[:2]) + "; … and 7 more" and s.count("re-download it") == 2
+    assert listed(items[:1], limit=10) == items[0][:9] + "…"  # one item over the limit: the only cut
+    assert listed([]) == "" and listed(["a", "b"], ", ") == "a, b"
+
+
+def test_the_failure_line_shows_a_listed_detail_whole(tmp_path, capsys):
+    """The one error line of a failed tier shows the failure's detail up to WHY_MAX without cutting it."""
+    from k3rocm.cli.common import WHY_MAX, finish
+    detail = listed([f"rank 0: t{i} holds 1 NaN/Inf values (s.safetensors); the file is corrupt: re-download or "
+                     f"re-make it" for i in range(20)])
+    assert 200 < len(detail) <= WHY_MAX
+    st = _stage("load", ok=False)
+    st.evidence[0].detail = detail
+    with pytest.raises(SystemExit) as e:
+        finish([st], tmp_path / "report.html")
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and f"— {detail}; see {tmp_path / 'report.html'}" in line, line
+    st.evidence[0].detail = "word " * 200
+    with pytest.raises(SystemExit):
+        finish([st], tmp_path / "report.html")
+    line = capsys.readouterr().err.strip()
+    shown = line.split(" — ", 1)[1].split("; see ", 1)[0]
+    assert shown.endswith("word … (the rest in the report)") and len(shown) <= WHY_MAX + 30, line

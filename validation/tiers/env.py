@@ -6,7 +6,7 @@ import os
 
 from k3rocm.envtraps import TRAPS, match_traps, settings_text
 from k3rocm.runtime import registry
-from k3rocm.validation.evidence import Evidence, Stage, check, info
+from k3rocm.validation.evidence import Evidence, Stage, check, info, listed
 from k3rocm.validation.session import Session
 
 
@@ -45,14 +45,14 @@ def tier_env(session: Session, stage: Stage) -> None:
                        level="measured-fallback",
                        detail=f"profile {prof.name} names {prof.arch} x{prof.device_count}; every measurement "
                               "in this report is measured-fallback, targets are projected"))
-    stage.add(info("env", "env_vars", len(det.env), detail=", ".join(f"{k}={v}" for k, v in det.env.items())[:300]))
+    stage.add(info("env", "env_vars", len(det.env), detail=listed((f"{k}={v}" for k, v in det.env.items()), ", ")))
     errs = registry.import_errors()
     if det.count:  # on a GPU a kernel family that does not import would silently run as the torch oracle
         stage.add(check("env", "kernels.import", len(errs), eq=0, unit="families failed",
-                        detail="; ".join(f"{f}: {e}" for f, e in errs.items())[:300] or "every kernel family imports"))
+                        detail=listed(f"{f}: {e}" for f, e in errs.items()) or "every kernel family imports"))
     elif errs:
         stage.add(info("env", "kernels.import", len(errs), "families failed",
-                       detail="; ".join(f"{f}: {e}" for f, e in errs.items())[:300]))
+                       detail=listed(f"{f}: {e}" for f, e in errs.items())))
     trap_rows(stage, dict(os.environ), det.backend)
     for n in det.notes:
         stage.add(info("env", "note", n))

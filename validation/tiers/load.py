@@ -12,7 +12,7 @@ from k3rocm.checkpoint.verify import MANIFEST_NAME, manifest_extras, verify_mani
 from k3rocm.errors import CheckpointError, ConfigError
 from k3rocm.kernels.moe.configs import LAYOUT_BITS, LAYOUT_TILES
 from k3rocm.kernels.mx.layout import BIT_LAYOUTS, check_repack, repack_mxfp4
-from k3rocm.validation.evidence import Stage, Timer, check, info
+from k3rocm.validation.evidence import Stage, Timer, check, info, listed
 from k3rocm.validation.session import Session
 
 
@@ -34,12 +34,12 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         bad = list(res)
         stage.add(check("load", "manifest.sha256", len(bad), eq=0, unit="files",
                         detail=(f"files whose sha256 differs from {manifest.name}: none" if not bad
-                                else "; ".join(bad)[:200])),
+                                else listed(bad, limit=200))),
                   info("load", "manifest.seconds", round(tv.seconds, 3), "s"))
         extra = manifest_extras(session.checkpoint_dir)
         stage.add(info("load", "manifest.extra_files", len(extra), "files",
                        detail=("files beside the checkpoint that the manifest does not list (unchecked, not "
-                               "corruption): " + ", ".join(extra))[:200] if extra else "none"))
+                               "corruption): " + listed(extra, ", ", limit=120)) if extra else "none"))
     else:
         stage.add(info("load", "manifest.sha256", "absent",
                        detail=f"no {MANIFEST_NAME} beside the checkpoint: the files are NOT checked against known "
@@ -66,7 +66,7 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
                    detail=f"{r['world']} rank(s) onto {r['device']}, {r['threads']} reader threads, "
                           "verification included"),
               check("load", "load.problems", len(r["problems"]), eq=0, level=lv,
-                    detail="; ".join(map(str, r["problems"]))[:300] or "none"),
+                    detail=listed(r["problems"]) or "none"),
               check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=int(r["tensors_planned"]), level=lv,
                     detail="tensors the plan names for the loaded ranks"),
               check("load", "load.tensors_verified", int(r["tensors_verified"]), eq=int(r["tensors_planned"]),
@@ -132,7 +132,7 @@ def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
                     detail=(f"{layers} MoE layer(s) repacked into the {tn}x{tk} tiled MXFP4 layout "
                             f"({BIT_LAYOUTS[bits]} value bits) and read back: "
                             "every value and scale byte equals the checkpoint's" if not bad
-                            else "; ".join(bad))[:300]),
+                            else listed(bad))),
               info("load", "kernel_layout.repack_seconds", round(seconds, 4), "s", level=lv,
                    detail="device time of the repack, all loaded MoE layers (the check not included)"),
               info("load", "kernel_layout.bytes", nbytes, "B", level=lv,

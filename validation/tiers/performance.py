@@ -11,7 +11,7 @@ import torch
 from k3rocm.bench import PointInterrupted, run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.runtime.sizing import StepRoofline
-from k3rocm.validation.evidence import Stage, check, info
+from k3rocm.validation.evidence import Stage, check, info, listed
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.env import figure_kind
 
@@ -105,16 +105,17 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         tag = f"c{c}"
         n = r.get("completed", 0)
         errs = r.get("errors") or []
-        why = "; ".join(f"{e['count']} x {e['error']}" for e in errs)[:300]
+        why = listed(f"{e['count']} x {e['error']}" for e in errs)
         stage.add(check(tier, f"{tag}.failed", int(r.get("failed", 0)), eq=0, level=lv,
                         detail=f"failed requests: {why}" if why else "failed requests"),
                   check(tier, f"{tag}.completed", int(n), ge=1, level=lv))
         if r.get("usage_disagreements"):
-            ex = "; ".join(f"{e['count']} x {e['error']}" for e in r.get("usage_disagreement_examples") or [])
+            ex = listed((f"{e['count']} x {e['error']}" for e in r.get("usage_disagreement_examples") or []),
+                        limit=180)
             stage.add(check(tier, f"{tag}.usage_disagreements", int(r["usage_disagreements"]), eq=0, unit="requests",
                             level=lv, detail=("the server's usage.completion_tokens disagreed with the streamed "
                                               "events or max_tokens; those requests' figures count the events: "
-                                              + ex)[:300]))
+                                              + ex)))
         if r.get("short_outputs"):
             stage.add(info(tier, f"{tag}.short_outputs", int(r["short_outputs"]), "requests", level=lv,
                            detail=f"of {n} completed requests returned fewer output tokens than requested (the "
@@ -124,7 +125,8 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         if wu.get("failed"):
             stage.add(info(tier, f"{tag}.warmup_failed", int(wu["failed"]), "requests", level=lv,
                            detail=f"of {wu.get('sent', 0)} warm-up requests sent (not measured): "
-                                  + "; ".join(f"{e['count']} x {e['error']}" for e in wu.get("errors") or [])[:250]))
+                                  + listed((f"{e['count']} x {e['error']}" for e in wu.get("errors") or []),
+                                           limit=250)))
         for k, unit, what in POINT_FIELDS:
             if r.get(k) is not None:
                 v = r[k]
@@ -266,16 +268,16 @@ def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
                        detail=f"Triton compilations during warm-up; {int(ladder.get('autotune_runs') or 0)} "
                               "tune.pick timing runs"))
     if c.get("available", True):
-        names = ", ".join(f"{k} x{v}" for k, v in c.get("compiled", {}).items())
+        names = listed((f"{k} x{v}" for k, v in c.get("compiled", {}).items()), ", ", limit=240)
         stage.add(check(tier, f"{tag}.measured.compiles", int(c["compiles"]), eq=0, unit="kernels", level=lv,
                         detail=(f"Triton compilations while measuring {after}"
-                                + (f": {names}" if names else ""))[:300]))
+                                + (f": {names}" if names else ""))))
     else:
         stage.add(info(tier, f"{tag}.measured.compiles", "not counted", level=lv,
                        detail="this Triton has no knobs.runtime.jit_post_compile_hook"))
-    names = ", ".join(f"{k} x{v}" for k, v in c.get("tuned", {}).items())
+    names = listed((f"{k} x{v}" for k, v in c.get("tuned", {}).items()), ", ", limit=240)
     stage.add(check(tier, f"{tag}.measured.autotune_runs", int(c["autotune_runs"]), eq=0, unit="runs", level=lv,
-                    detail=(f"tune.pick timing runs while measuring {after}" + (f": {names}" if names else ""))[:300]))
+                    detail=(f"tune.pick timing runs while measuring {after}" + (f": {names}" if names else ""))))
 
 
 def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
