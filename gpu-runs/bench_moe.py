@@ -180,9 +180,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights the per-config sweep and the candidates read: the checkpoint layout (default) or "
                     "the tiled kernel layout made at load (what serving reads)")
     ap.add_argument("--sweep-ep", action="store_true",
-                    help="(implies --sweep) also time every config of the list on the EP slice (E/EP_RANKS local "
+                    help="(implies --sweep) also time every config of the list on the EP slice (E/--ep-ranks local "
                     "experts, tiled layout; the engine rank's few rows per expert), with each config's rel. max difference from "
                     "the picked config's output there")
+    ap.add_argument("--ep-ranks", type=int, default=EP_RANKS,
+                    help="EP ranks of the slice rows: one rank holds E / N experts (default 8: the EP8 slice of K3 on "
+                         "8 GPUs; 16: the 56 experts of the K3 rank the engine bench runs at TP16/EP16)")
     ap.add_argument("--out", default="gpu-runs/results", help="folder for moe_bench.json and moe_bench.md")
     ap.add_argument("--small", action="store_true",
                     help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
@@ -218,7 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(repack), flush=True)
     ogs = _peer_ogs()
     goals = []
-    nl = E // EP_RANKS
+    ep_ranks = args.ep_ranks
+    if not 1 <= ep_ranks <= E or E % ep_ranks:
+        raise SystemExit(f"bench_moe: --ep-ranks {ep_ranks} must divide the {E} experts")
+    nl = E // ep_ranks
     ew_ep = dict(w13_packed=ew["w13_packed"][:nl], w13_scale=ew["w13_scale"][:nl], w2_packed=ew["w2_packed"][:nl],
                  w2_scale=ew["w2_scale"][:nl], num_experts=nl, first_expert=0)
     lay_ep = kernel_layout(ew_ep)
@@ -243,14 +249,14 @@ def main(argv: list[str] | None = None) -> None:
                                ogs, do_bench, dev, lay_alt))
         print(json.dumps(goals[-1]), flush=True)
         if T in EP_TOKENS:
-            goals.append(_goal_row(f"EP{EP_RANKS} slice, {T} tokens", T, xl, ids, wts, ew_ep, lay_ep, nl, E, D, I, K,
+            goals.append(_goal_row(f"EP{ep_ranks} slice, {T} tokens", T, xl, ids, wts, ew_ep, lay_ep, nl, E, D, I, K,
                                    expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev, lay_alt_ep))
             print(json.dumps(goals[-1]), flush=True)
         if args.sweep_ep:
             ewt_ep = dict(ew_ep, kernel_layout=lay_ep)
             base = moe_experts(xl, ids, wts, ewt_ep, mode="a16w4")
             for cfg in tune.configs(GEMM_CONFIGS):
-                key = f"ep{EP_RANKS}_{gemm_name(cfg)}"
+                key = f"ep{ep_ranks}_{gemm_name(cfg)}"
                 try:
                     out = moe_experts(xl, ids, wts, ewt_ep, mode="a16w4", config=cfg)
                     r[f"{key}_rel_vs_picked"] = ((out - base).abs().max() / base.abs().max().clamp_min(1e-30)).item()

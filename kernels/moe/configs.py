@@ -127,6 +127,9 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # leave wgmma for mma.sync on sm_90)
         gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp"),
         gemm_config(16, 128, 128, 4, 5, max_rows=16, kind="dqp"),
+        # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
+        # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
