@@ -33,7 +33,8 @@
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
-# RESULTS_DIR/steps.tsv lists each step's exit status and seconds. On a copied tree without git metadata, run it as
+# RESULTS_DIR/steps.tsv lists each step's exit status and seconds; the rest (reports, bench step logs, profiles)
+# ends up in RESULTS_DIR/results.tgz unless PACK=0. On a copied tree without git metadata, run it as
 # `K3ROCM_SOURCE_COMMIT=$(git rev-parse HEAD) gpu-runs/gpu_engine.sh ...` (the sha written out where the copy has
 # no git) so the reports name the commit. Uses the installed package, else assembles it
 # under /tmp (K3ROCM_PKG_DIR) from this checkout. The profiled runs disturb their own bench figures: quote p4 / k3.
@@ -97,4 +98,12 @@ for s in $STEPS; do
     *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec moe)" >&2 ;;
   esac
 done
+# The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,
+# RESULTS_DIR/results.tgz (reports' JSON / Markdown / HTML, step logs of the benches, profiles), and is removed
+# from the folder, so the logs, steps.tsv and the archive all come back
+if [ "${PACK:-1}" != 0 ]; then
+  ( cd "$R" && find . -mindepth 1 -maxdepth 1 ! -name '*.log' ! -name steps.tsv ! -name results.tgz -print0 \
+      | xargs -0 -r tar czf results.tgz --exclude=.report.lock && find . -mindepth 1 -maxdepth 1 ! -name '*.log' \
+      ! -name steps.tsv ! -name results.tgz -exec rm -rf {} + ) || echo "pack: could not archive the results"
+fi
 cat "$R/steps.tsv"
