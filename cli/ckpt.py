@@ -14,7 +14,7 @@ from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
 from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, handle_errors
 from k3rocm.config import preset as make_preset
-from k3rocm.errors import CheckpointError, unresolved_link
+from k3rocm.errors import CheckpointError, ConfigError, unresolved_link
 
 GB = 1e9
 
@@ -137,21 +137,37 @@ def inspect_cmd(checkpoint, as_json, debug):
 @checkpoint_group.command("verify", epilog="""\b
 Examples:
   k3rocm checkpoint verify --checkpoint ./k3-tiny                 # against k3rocm-manifest.json
-  k3rocm checkpoint verify --checkpoint ./k3-tiny --write-manifest""")
+  k3rocm checkpoint verify --checkpoint ./k3-tiny --write-manifest  # on a trusted copy
+\b
+--write-manifest first checks the index and every shard header, and, where a manifest already exists, every
+file against it: it refuses to write over a manifest the files no longer match (that is what corruption looks
+like) unless --force says the files changed on purpose.""")
 @click.option("--checkpoint", type=click.Path(path_type=str), default=None, metavar="DIR",
               help="Checkpoint directory. Default: the embedded k3-tiny.")
 @click.option("--write-manifest", is_flag=True, help="Write k3rocm-manifest.json (sha256 of every file) instead of checking.")
+@click.option("--force", is_flag=True,
+              help="With --write-manifest: replace an existing manifest even though the files differ from it.")
 @debug_option
 @handle_errors
-def verify_cmd(checkpoint, write_manifest, debug):
+def verify_cmd(checkpoint, write_manifest, force, debug):
     """Check every file's sha256 against k3rocm-manifest.json (exit 2 naming the first mismatch)."""
     s = checkpoint_session(checkpoint)
     d = s.checkpoint_dir
+    if force and not write_manifest:
+        raise ConfigError("--force only applies with --write-manifest; drop it, or add --write-manifest")
     if write_manifest:
+        s.index  # a manifest vouches only for a checkpoint whose index and shard headers are valid
         had = (d / MANIFEST_NAME).is_file()
+        if had and not force:
+            res = verify_manifest(d)
+            if res:
+                raise CheckpointError(f"{d}: {len(res)} file(s) differ from the existing {MANIFEST_NAME}, first: "
+                                      f"{res[0]}; not replacing it (the files may be corrupt): re-download them, or "
+                                      "pass --force if they changed on purpose")
         mf = make_manifest(d)
-        click.echo(f"wrote {mf}" + (" (replacing the previous manifest: it now vouches for the files as they are)"
-                                    if had else ""))
+        click.echo(f"wrote {mf}" + (" (replacing the previous manifest" + (
+            ", which the files no longer matched: --force)" if force else ", which the files matched)")
+            if had else ""))
         return
     if not (d / MANIFEST_NAME).is_file():
         raise CheckpointError(f"{d}: no {MANIFEST_NAME}; create one with `k3rocm checkpoint verify --checkpoint {d} "

@@ -140,7 +140,8 @@ def step_breakdown(engine: Any, prompt_len: int = 32, rows: int = 2) -> dict:
     and one decode step (``rows`` rows) of ``engine``, which must be idle. ``rows``: the decode rows (the bench
     passes its point's concurrency), at least 2, at most the engine's ``max_num_seqs``. Returns
     ``{"mixed": {...}, "decode": {...}}`` (each :meth:`StepProfiler.step`'s dict, with its row and token
-    counts; a kind the engine could not form, e.g. a chunk budget below ``prompt_len + 1``, is absent). The
+    counts; a kind the engine could not form, e.g. a chunk budget below ``prompt_len + 1``, is absent, and both
+    are when ``max_model_len`` cannot hold the profiled requests, ~8 tokens). The
     requests end (aborted, or run to completion) and leave the caches as they were. The sequence runs twice and
     the second pass is reported: eager steps at unbucketed token counts compile kernels serving never meets,
     and a compile is not the step's time."""
@@ -152,6 +153,8 @@ def step_breakdown(engine: Any, prompt_len: int = 32, rows: int = 2) -> dict:
     short = max(1, min(8, n))  # the decode rows' own prompts: short, so their prefill is a few steps
     # enough tokens to stay in decode through their own prefill steps and the two profiled steps
     budget = max(6, min(256, engine.max_model_len - short - 2))
+    if short + budget > engine.max_model_len or n + 4 > engine.max_model_len:
+        return {}  # a context too short for the profiled requests (a bench of 1-3 tokens): no breakdown, no error
 
     def once() -> dict:
         out: dict = {}

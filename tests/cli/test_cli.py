@@ -130,6 +130,16 @@ def test_checkpoint_make_inspect_verify(tmp_path):
     raw[-5] ^= 0xFF
     shard.write_bytes(bytes(raw))
     assert shard.name in one_line_error(run(["checkpoint", "verify", "--checkpoint", d], code=2))
+    # --write-manifest never vouches for files its existing manifest says changed, unless --force
+    before = (d / "k3rocm-manifest.json").read_bytes()
+    line = one_line_error(run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest"], code=2))
+    assert "not replacing it" in line and "--force" in line and shard.name in line
+    assert (d / "k3rocm-manifest.json").read_bytes() == before
+    one_line_error(run(["checkpoint", "verify", "--checkpoint", d, "--force"], code=2))  # --force alone
+    assert "no longer matched" in run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest", "--force"]).output
+    assert "every file k3rocm-manifest.json lists matches it" in run(["checkpoint", "verify", "--checkpoint", d]).output
+    (d / "config.json").write_text("{")  # nor for a checkpoint whose config / headers do not parse
+    one_line_error(run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest", "--force"], code=2))
     one_line_error(run(["checkpoint", "make", "--out", d], code=2))  # refuses a non-empty directory
 
 
@@ -321,6 +331,17 @@ def test_bench_loads_the_plan_cannot_hold_are_refused_up_front(cache, tmp_path, 
     line = one_line_error(run(["bench", *args, "--out", tmp_path / "r"], code=2))
     assert what in line
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+@pytest.mark.parametrize("lens", [("1", "2"), ("3", "2")])
+def test_bench_of_a_few_tokens_keeps_its_measurement(cache, tmp_path, lens):
+    # a context of a few tokens is too short for the per-step breakdown's requests: the point is measured and
+    # reported all the same (it used to fail after measuring: "request of 1 + 6 tokens exceeds max_model_len 4")
+    r = run(["bench", "--input-len", lens[0], "--output-len", lens[1], "--concurrency", "1", "--num-prompts", "1",
+             "--warmups", "0", "--out", tmp_path / "r"])
+    assert "error" not in r.output.lower()
+    ev = {e["name"]: e for e in json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]["evidence"]}
+    assert ev["c1.completed"]["value"] == 1 and ev["c1.output_throughput"]["value"] > 0
 
 
 def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
