@@ -297,8 +297,9 @@ class Session:
         ranks (PlanError when the config does not split so or a rank does not fit one device)."""
         o = self.opts
         if o.tp is None:
-            return plan(self.config, profile, ep=o.ep)
-        return plan(self.config, scaled_profile(profile, o.tp, o.ep), tp=o.tp, ep=o.ep)
+            return plan(self.config, profile, ep=o.ep, host_ranks=1)
+        # (one process builds one rank: on the cpu backend it has the whole host, not a 1/tp share)
+        return plan(self.config, scaled_profile(profile, o.tp, o.ep), tp=o.tp, ep=o.ep, host_ranks=1)
 
     @property
     def run_placement(self):

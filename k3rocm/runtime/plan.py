@@ -553,7 +553,8 @@ def _rank_trunk(cfg: K3Config, lay: _Layout, rank: int) -> tuple[int, int]:
 
 
 def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None = None, kv_dtype: str = "bf16",
-         max_tokens: int | None = None, context_len: int | None = None, strict: bool = True) -> Placement:
+         max_tokens: int | None = None, context_len: int | None = None, strict: bool = True,
+         host_ranks: int | None = None) -> Placement:
     """Place ``cfg`` on ``profile``: per-rank tensor slices, bytes, memory budget, cache capacity, roofline.
 
     Args:
@@ -567,6 +568,8 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         context_len: tokens per sequence for the concurrent-sequence figure (default 9216 = 8k + 1k).
         strict: raise :class:`PlanError` when it does not fit (default); ``False`` returns the Placement with
             ``fits=False`` and ``problem`` set, so a caller can still print the numbers.
+        host_ranks: on the cpu backend, the rank processes that share the host's memory (default ``tp``: every
+            rank runs here; 1 for a ``--synthetic`` run, which builds one rank alone). Ignored on GPU profiles.
 
     Raises:
         PlanError: heads / experts / widths not divisible by the layout, MXFP4 scale groups split by an
@@ -619,7 +622,9 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                               expert_stop=e0 + per, bytes_by_part=dict(by), num_tensors=n, cfg=cfg, _lay=lay))
     weights = max(r.weights_bytes for r in ranks)
     # on the cpu backend the ranks are processes sharing the host's memory: each gets its share
-    usable = profile.usable_bytes // tp if profile.backend == "cpu" else profile.usable_bytes
+    if host_ranks is not None and not 1 <= host_ranks <= tp:
+        raise PlanError(f"host_ranks {host_ranks} must be in 1..tp={tp}")
+    usable = profile.usable_bytes // (host_ranks or tp) if profile.backend == "cpu" else profile.usable_bytes
     act = activation_reserve(cfg, tp, max_tokens)
     budget = usable - weights - profile.workspace_reserve_bytes - act
     per_seq = context_len * mla_tok + kda_seq

@@ -302,3 +302,18 @@ def test_a_tp_the_defaulted_ep_breaks_keeps_the_note(tiny_cfg):
     msg = str(e.value)
     assert "cuts MXFP4 scale groups" in msg and msg.endswith("(ep was not given and defaults to 1; pass --ep)"), msg
     assert plan(tiny_cfg, load_profile("cpu"), tp=4, ep=2, strict=False).tp == 4
+
+
+def test_cpu_share_of_the_host_is_per_process_here():
+    # on the cpu backend the ranks of a layout are processes sharing the host: each plans with 1/tp of it; a
+    # --synthetic run builds one rank alone (host_ranks=1) and plans with the whole host (it was refused a
+    # 0.4 GB rank of k3-prefix-1 at tp=16 on a 25 GB host: "1.5 GB usable")
+    cfg, cpu = preset("k3-prefix-1"), load_profile("cpu")
+    shared = plan(cfg, cpu, tp=16, ep=16, strict=False)
+    alone = plan(cfg, cpu, tp=16, ep=16, strict=False, host_ranks=1)
+    assert shared.usable_bytes == cpu.usable_bytes // 16 and alone.usable_bytes == cpu.usable_bytes
+    assert alone.weights_bytes == shared.weights_bytes
+    with pytest.raises(PlanError, match="host_ranks"):
+        plan(cfg, cpu, tp=4, ep=4, host_ranks=5)
+    gpu = load_profile("mi355x-8")  # GPU profiles: one device per rank, host_ranks has no say
+    assert plan(cfg, gpu, tp=8, ep=8, host_ranks=1).usable_bytes == plan(cfg, gpu, tp=8, ep=8).usable_bytes
