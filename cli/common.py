@@ -151,13 +151,15 @@ def synthetic_options(f):
 
 
 def make_session(checkpoint, profile, out, kernels, seed, debug, golden: str | None = None, synthetic: bool = False,
-                 preset: str | None = None, tp: int | None = None, ep: int | None = None, rank: int | None = None):
+                 preset: str | None = None, tp: int | None = None, ep: int | None = None, rank: int | None = None,
+                 min_fraction: float | None = None):
     """Build a :class:`k3rocm.validation.session.Session` from the common options (and ``validate``'s
     ``--golden``, the :func:`synthetic_options`)."""
     from k3rocm.validation.session import Options, Session  # torch: 1.2 s (measured); --help needs none
 
     opts = Options(checkpoint=checkpoint, profile=profile, out=out, kernels=kernels, seed=seed, debug=debug,
-                   command=command_line(), golden=golden, synthetic=synthetic, preset=preset, tp=tp, ep=ep, rank=rank)
+                   command=command_line(), golden=golden, synthetic=synthetic, preset=preset, tp=tp, ep=ep, rank=rank,
+                   min_fraction=min_fraction)
     return Session(opts)
 
 

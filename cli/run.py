@@ -84,6 +84,8 @@ def _print_load(session) -> None:
 Examples:
   k3rocm validate                                  # every tier up to correctness, embedded k3-tiny
   k3rocm validate --level performance --out reports/demo
+  k3rocm validate --level performance --min-fraction 0.5 --profile mi355x-8 --checkpoint /models/Kimi-K3
+                                                   # fail unless every point reaches 0.5 of its roofline
   k3rocm validate --level correctness --profile mi355x-8 --checkpoint /models/Kimi-K3
   k3rocm validate --checkpoint ckpt/ --golden golden.safetensors   # + external golden logits
   k3rocm validate --kernels moe_experts=torch,kda_prefill=triton  # choose implementations per op
@@ -96,10 +98,15 @@ Examples:
               help="External golden outputs (safetensors: input_ids, logits, layerNN.attn_out/mlp_out, "
                    "logits_top1_margin, greedy_prompt, greedy_tokens, greedy_margins) to compare the fp32 oracle "
                    "against; checked tensor by tensor before any tier runs.")
+@click.option("--min-fraction", type=float, default=None, metavar="F",
+              help="Make speed a pass/fail check: the performance tier fails unless every concurrency point reaches "
+                   "this fraction of the roofline over all steps (0 < F <= 1; the floor is projected from the "
+                   "profile's ceilings, so the check is too). Default: the fraction is reported, not judged.")
 @synthetic_options
 @common_options
 @handle_errors
-def validate_cmd(level, golden, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels, seed, debug):
+def validate_cmd(level, golden, min_fraction, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels, seed,
+                 debug):
     """Run the validation tiers env → load → forward → correctness → performance.
 
     Correctness compares the selected implementation path (the kernel registry's choice per op, see
@@ -114,11 +121,17 @@ def validate_cmd(level, golden, synthetic, preset, tp, ep, rank, checkpoint, pro
         raise ConfigError(f"--golden is compared in the correctness tier, which --level {level} does not reach; "
                           "use --level correctness (the default) or performance, or drop --golden")
     level = level or ("forward" if synthetic else "correctness")
+    if min_fraction is not None:
+        if not 0 < min_fraction <= 1:
+            raise ConfigError(f"--min-fraction {min_fraction} must be in (0, 1] (a fraction of the roofline, e.g. 0.5)")
+        if level != "performance":
+            raise ConfigError(f"--min-fraction is checked in the performance tier, which --level {level} does not "
+                              "reach; add --level performance, or drop --min-fraction")
     if synthetic and level in ("correctness", "performance"):
         raise ConfigError(f"--level {level} with --synthetic: random weights have no correct answer to compare "
                           "with; use --level forward, or `k3rocm bench --synthetic` for timings")
     s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden, synthetic=synthetic,
-                     preset=preset, tp=tp, ep=ep, rank=rank)
+                     preset=preset, tp=tp, ep=ep, rank=rank, min_fraction=min_fraction)
     s.preflight()
     with Progress() as bar:
         stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))

@@ -88,6 +88,8 @@ class Options:
         preset: with ``synthetic``: the preset config (``k3``, ``k3-prefix-N``, ...; default ``k3-tiny``).
         tp, ep: with ``synthetic``: the layout the rank belongs to (default: the profile's).
         rank: with ``synthetic``: the rank of that layout this process stands for.
+        min_fraction: ``validate --min-fraction``: the performance tier's fraction of the roofline (all steps, each
+            concurrency point) must reach this, else the tier fails; None = reported, not judged.
     """
 
     checkpoint: str | None = None
@@ -104,6 +106,7 @@ class Options:
     tp: int | None = None
     ep: int | None = None
     rank: int | None = None
+    min_fraction: float | None = None
 
 
 class Session:

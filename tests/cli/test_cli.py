@@ -344,6 +344,20 @@ def test_bench_of_a_few_tokens_keeps_its_measurement(cache, tmp_path, lens):
     assert ev["c1.completed"]["value"] == 1 and ev["c1.output_throughput"]["value"] > 0
 
 
+def test_min_fraction_makes_speed_a_check(cache, tmp_path):
+    # validate --min-fraction F: each concurrency point's fraction of the roofline is a check (the CPU run is far
+    # below 0.99 of it: the performance tier fails, naming the row); bad values and levels are one line up front
+    r = run(["validate", "--level", "performance", "--min-fraction", "0.99", "--out", tmp_path / "r"], code=1)
+    assert "roofline.fraction_min" in r.output and "--min-fraction 0.99" in r.output
+    ev = json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["performance"]["evidence"]
+    rows = [e for e in ev if e["name"].endswith("roofline.fraction_min")]
+    assert rows and all(not e["passed"] and e["level"] == "projected" for e in rows)
+    for args in (["--level", "performance", "--min-fraction", "0"], ["--level", "performance", "--min-fraction", "1.5"],
+                 ["--min-fraction", "0.5"]):
+        one_line_error(run(["validate", *args, "--out", tmp_path / "bad"], code=2))
+    assert not (tmp_path / "bad").exists()
+
+
 def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
     bad = tmp_path / "golden.txt"
     bad.write_text("not safetensors")

@@ -154,12 +154,24 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
                            level="projected",
                            detail="projected floor / measured time (1.0 = at the roofline), all steps"))
+
             dec = roof.get("decode_only") or {}
             if dec.get("steps"):
                 stage.add(info(tier, f"{tag}.roofline.decode_fraction", round(float(dec["fraction"]), 6), "",
                                level="projected", detail=f"the same over the {dec['steps']} steps that carried no prefill "
                                                 f"tokens (pure decode steps; median step "
                                                 f"{float(dec['median_fraction']):.3f})"))
+        mf = getattr(getattr(session, "opts", None), "min_fraction", None)
+        if mf is not None:  # validate --min-fraction: speed judged, against a projected floor
+            if roof.get("total_floor_s"):
+                stage.add(check(tier, f"{tag}.roofline.fraction_min", round(float(roof.get("fraction", 0)), 6),
+                                ge=float(mf), level="projected",
+                                detail=f"--min-fraction {mf}: the fraction of the roofline over all steps must reach "
+                                       "it (floor projected from the profile's ceilings)"))
+            else:  # asked to judge speed and nothing to judge it by: a failure, not a silent pass
+                stage.add(check(tier, f"{tag}.roofline.fraction_min", "no roofline", eq="a fraction", level=lv,
+                                detail=f"--min-fraction {mf}: this point has no roofline (no engine steps were "
+                                       "measured), so its speed cannot be judged"))
         for t in getattr(session.profile, "targets", ()):
             if lv in ("measured", "external") and t.metric in r and c == _target_conc(t.setting):
                 ok = r[t.metric] <= t.value if t.metric.endswith("_ms") else r[t.metric] >= t.value
