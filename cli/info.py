@@ -131,8 +131,10 @@ Examples:
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the profile's).")
 @click.option("--ep", type=int, default=None,
               help="Expert-parallel degree, a divisor of tp (default: the profile's where it divides tp, else tp).")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--context-len", type=int, default=None, help="Tokens per sequence for the concurrency figure.")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="dtype of the MLA latent cache (fp8 halves its bytes per token, so more sequences fit).")
+@click.option("--context-len", type=int, default=None, metavar="TOKENS",
+              help="Tokens per sequence for the 'concurrent sequences' figure. Default: 9216 (8k prompt + 1k output).")
 @click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")
 @debug_option
 @handle_errors

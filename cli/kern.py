@@ -56,7 +56,7 @@ Examples:
               help="gfx950, gfx942, sm_90 (repeatable; default all three).")
 @click.option("--family", "families", multiple=True, type=click.Choice(["kda", "mla", "attnres", "moe", "mx"]),
               help="Kernel family (repeatable; default all).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per kernel and target.")
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as one JSON array (an object per kernel and target) instead of tables.")
 @debug_option
 @handle_errors
 def isa_cmd(targets, families, as_json, debug):

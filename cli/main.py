@@ -32,7 +32,7 @@ user cache); without --profile the hardware is detected (`cpu` when there is no 
 
 \b
 Exit codes: 0 ok, 1 a validation tier failed, 2 bad input or usage, 3 environment/hardware problem
-(a rank of a multi-GPU run that failed, died or hung included), 130 interrupted.
+(a rank of a multi-GPU run that failed, died or hung included), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 
 \b
 Across GPUs: the profile's [parallel] tp/ep decide the processes (one per GPU; gloo processes on a
