@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from k3rocm.errors import K3Error, Terminated, os_error
+from k3rocm.errors import Interrupted, K3Error, Terminated, os_error
 from k3rocm.validation.evidence import command_line, reproduction_block
 from k3rocm.validation.render import update_report
 
@@ -303,7 +303,12 @@ def write_stages(session, stages) -> Path:
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)
-    paths = update_report(out, block, stages, config_hash=cfg_hash, checkpoint=ckpt, profile=prof)
+    try:
+        paths = update_report(out, block, stages, config_hash=cfg_hash, checkpoint=ckpt, profile=prof)
+    except KeyboardInterrupt as e:  # held until the report was written whole (render._DeferSignals), then raised
+        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        fail(f"interrupted ({how}) while the report was written; it was written whole first: {out / 'report.html'}",
+             code)
     return paths["html"]
 
 
@@ -343,6 +348,51 @@ def fallback_line(session) -> str | None:
     have = d["sku"] if d["backend"] == "cpu" else f"{d['count']} x {d['sku']}, {d['arch']}"
     return (f"note: nothing ran on {p.name}'s hardware ({want}): every measurement is measured-fallback, "
             f"taken on this machine's {have}")
+
+
+def run_tiers_kept(session, level: str, what: str = "working") -> list:
+    """``run_tiers(session, level)`` under a progress bar, keeping what finished when interrupted.
+
+    On Ctrl-C / SIGTERM during a tier: the tiers that finished and an ``error`` stage for the interrupted one
+    ("interrupted (Ctrl-C) during this tier") are written to the report, then :class:`Interrupted` is raised
+    (exit 130, 143 for SIGTERM) naming them. Returns the stages when every tier ran.
+    """
+    from k3rocm.validation.evidence import Stage, now_iso  # (with render: imported at module load already)
+    from k3rocm.validation.tiers import run_tiers  # torch: 1.2 s (measured); --help needs none
+
+    done: list = []
+    current = {"tier": None}
+    try:
+        with Progress() as bar:
+            def start(t):
+                current["tier"] = t
+                bar.stage(f"tier {t}")
+            return run_tiers(session, level, progress=bar.callback(what), on_start=start, on_stage=done.append)
+    except KeyboardInterrupt as e:
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        tier = current["tier"]
+        stages = list(done)
+        if tier is not None and not any(st.tier == tier for st in done):
+            stages.append(Stage(tier, status="error", started=now_iso(), command=session.opts.command,
+                                error=f"interrupted ({how}) during this tier: it did not finish"))
+        html = write_stages(session, stages) if stages else None
+        err = Interrupted(f"interrupted ({how}) during tier {tier}; " + (
+            f"{len(done)} finished tier(s) and the interrupted one are in {html}" if html else "nothing was written"))
+        if how == "SIGTERM":
+            err.exit_code = 143
+        raise err from None
+
+
+def report_and_finish(session, stages, html: Path, extra: Callable | None = None) -> None:
+    """Print the stage tables (and ``extra()``), then :func:`finish`; the report is already written, so a Ctrl-C
+    while printing says so (exit 130) instead of a bare "interrupted"."""
+    try:
+        print_stages(stages, session)
+        if extra is not None:
+            extra()
+    except KeyboardInterrupt:
+        fail(f"interrupted while printing the tables; the report is complete: {html}", 130)
+    finish(stages, html)
 
 
 #: the longest failure detail :func:`finish` shows whole (the tiers' listed details stay under it)

@@ -12,6 +12,7 @@ from rich.table import Table
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.checkpoint.verify import MANIFEST_NAME
 from k3rocm.cli.common import (Progress, common_options, console, finish, handle_errors, make_session, not_empty,
+                               report_and_finish, run_tiers_kept,
                                print_stages, synthetic_options, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
@@ -46,13 +47,10 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
         print_plan(s.placement, s.config.name, f"{s.profile.name} (projected: not this machine)")
     where = s.profile.name if s.hardware_matches else f"{pl.profile_name} (this machine; loads with this plan)"
     print_plan(pl, s.config.name, where)
-    with Progress() as bar:
-        stages = run_tiers(s, "load", progress=bar.callback("loading"), on_start=lambda t: bar.stage(f"tier {t}"))
+    stages = run_tiers_kept(s, "load", "loading")  # a Ctrl-C keeps the finished tiers in the report
     # the report is written before the tables print: a Ctrl-C while they print loses nothing
     html = write_stages(s, stages)
-    print_stages(stages, s)
-    _print_load(s)
-    finish(stages, html)
+    report_and_finish(s, stages, html, extra=lambda: _print_load(s))
 
 
 def _print_load(session) -> None:
@@ -133,14 +131,12 @@ def validate_cmd(level, golden, min_fraction, synthetic, preset, tp, ep, rank, c
     s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden, synthetic=synthetic,
                      preset=preset, tp=tp, ep=ep, rank=rank, min_fraction=min_fraction)
     s.preflight()
-    with Progress() as bar:
-        stages = run_tiers(s, level, progress=bar.callback("working"), on_start=lambda t: bar.stage(f"tier {t}"))
+    stages = run_tiers_kept(s, level)  # a Ctrl-C keeps the finished tiers in the report
     if stages:  # --synthetic: the random-weights row in the report (no-op otherwise)
         s.synthetic_rows(stages[-1], [], stages[-1].tier)
     # the report is written before the tables print: a Ctrl-C while they print loses nothing
     html = write_stages(s, stages)
-    print_stages(stages, s)
-    finish(stages, html)
+    report_and_finish(s, stages, html)
 
 
 @click.command("bench", epilog="""\b

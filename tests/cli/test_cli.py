@@ -358,6 +358,43 @@ def test_min_fraction_makes_speed_a_check(cache, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monkeypatch):
+    # Ctrl-C during a tier: the finished tiers and the interrupted one (status error, saying so) are written,
+    # exit 130 with one line naming them; an interrupt held while the report is written says it was written whole
+    import k3rocm.validation.tiers as T
+    from k3rocm.validation.evidence import Stage, info
+
+    def fake(session, level, progress=None, on_stage=None, on_start=None):
+        on_start("env")
+        st = Stage("env")
+        st.add(info("env", "python", "3"))
+        on_stage(st)
+        on_start("load")
+        raise KeyboardInterrupt
+
+    real_tiers = T.run_tiers
+    monkeypatch.setattr(T, "run_tiers", fake)
+    r = run(["validate", "--out", tmp_path / "r"], code=130)
+    assert "interrupted (Ctrl-C) during tier load" in r.output and "1 finished tier(s)" in r.output
+    stages = json.loads((tmp_path / "r" / "report.json").read_text())["stages"]
+    assert stages["env"]["status"] == "passed"
+    assert stages["load"]["status"] == "error" and "interrupted" in stages["load"]["error"]
+
+    import k3rocm.cli.common as C
+
+    real = C.update_report
+
+    def held(*a, **k):  # what render._DeferSignals does: the write completes, then the held Ctrl-C is raised
+        real(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "run_tiers", real_tiers)
+    monkeypatch.setattr(C, "update_report", held)
+    r = run(["load", "--out", tmp_path / "r2"], code=130)
+    assert "it was written whole first" in r.output
+    assert json.loads((tmp_path / "r2" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
+
+
 def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
     bad = tmp_path / "golden.txt"
     bad.write_text("not safetensors")
