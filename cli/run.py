@@ -16,7 +16,7 @@ from k3rocm.cli.common import (Progress, common_options, console, finish, handle
                                print_stages, synthetic_options, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
-from k3rocm.validation.render import fmt_value, point_table
+from k3rocm.validation.render import fmt_value, point_levels, point_table
 
 
 @click.command("load", epilog="""\b
@@ -223,13 +223,15 @@ def _print_bench(stage) -> None:
     concs, rows = point_table(stage)
     c = console()
     if concs:
+        lv = point_levels(stage)
         t = Table(title="per concurrency point")
         t.add_column("field")
         t.add_column("unit")
+        t.add_column("level")
         for x in concs:
             t.add_column(f"c={x}", justify="right")
         for f, u, vals in rows:
-            t.add_row(f, u, *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
+            t.add_row(f, u, lv.get(f, ""), *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
         c.print(t)
     other = [e for e in stage.evidence if e.passed is None and not re.fullmatch(r"c\d+\..+", e.name)]
     if other:

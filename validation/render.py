@@ -68,6 +68,18 @@ def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int,
     return concs, [(f, u, v) for f, (u, v) in rows.items()]
 
 
+def point_levels(stage: Stage) -> dict[str, str]:
+    """Evidence level of each per-point field of :func:`point_table` (``measured``, ``measured-fallback``,
+    ``projected``, ...; the levels of its points joined with "/" where they differ), so a table that puts
+    measured and projected figures side by side labels every row."""
+    seen: dict[str, list[str]] = {}
+    for e in stage.evidence:
+        m = _POINT.fullmatch(e.name)
+        if m and e.level not in seen.setdefault(m.group(2), []):
+            seen[m.group(2)].append(e.level)
+    return {f: "/".join(v) for f, v in seen.items()}
+
+
 def fmt_value(v, unit: str = "") -> str:
     """A figure at a precision that fits its unit: ms 2 decimals, tok/s 1, s and req/s 3, counts with thousands
     separators, booleans as yes/no, other floats 4 significant digits."""
@@ -120,12 +132,13 @@ def render_markdown(rep: Report) -> str:
             lines += [f"`{s.command}`", ""]
         concs, prow = point_table(s)
         if concs:
+            lv = point_levels(s)
             lines += ["Per concurrency point (vLLM's result fields):", "",
-                      "| field | unit | " + " | ".join(f"c={c}" for c in concs) + " |",
-                      "|---|---|" + "---:|" * len(concs)]
+                      "| field | unit | level | " + " | ".join(f"c={c}" for c in concs) + " |",
+                      "|---|---|---|" + "---:|" * len(concs)]
             for f, u, vals in prow:
-                lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
-                                                            for c in concs) + " |")
+                lines.append(f"| {f} | {u} | {lv.get(f, '')} | " + " | ".join(fmt_value(vals[c], u) if c in vals
+                                                                             else "" for c in concs) + " |")
             lines.append("")
         if s.evidence:
             lines += ["| evidence | value | unit | threshold | result | level | detail |",
@@ -287,10 +300,11 @@ def render_html(rep: Report) -> str:
             out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
         concs, prow = point_table(s)
         if concs:
+            lv = point_levels(s)
             out.append("<p>Per concurrency point (vLLM's result fields):</p><table><tr><th>field</th><th>unit</th>"
-                       + "".join(f"<th>c={c}</th>" for c in concs) + "</tr>")
+                       "<th>level</th>" + "".join(f"<th>c={c}</th>" for c in concs) + "</tr>")
             for f, u, vals in prow:
-                out.append(f"<tr><td>{e(f)}</td><td>{e(u)}</td>" + "".join(
+                out.append(f"<tr><td>{e(f)}</td><td>{e(u)}</td><td>{e(lv.get(f, ''))}</td>" + "".join(
                     f"<td>{e(fmt_value(vals[c], u)) if c in vals else ''}</td>" for c in concs) + "</tr>")
             out.append("</table>")
         if s.evidence:

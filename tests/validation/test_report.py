@@ -368,3 +368,21 @@ def test_the_failure_line_shows_a_listed_detail_whole(tmp_path, capsys):
     line = capsys.readouterr().err.strip()
     shown = line.split(" — ", 1)[1].split("; see ", 1)[0]
     assert shown.endswith("word … (the rest in the report)") and len(shown) <= WHY_MAX + 30, line
+
+
+def test_per_point_tables_label_each_row_with_its_level():
+    # the bench's per-concurrency table puts measured and projected figures side by side: every row says which
+    rep = Report()
+    st = Stage("bench")
+    for c in (1, 8):
+        st.add(info("bench", f"c{c}.output_throughput", 10.0 * c, "tok/s", level="measured-fallback"),
+               info("bench", f"c{c}.roofline.fraction", 0.5, "", level="projected"))
+    st.add(info("bench", "c8.median_tpot_ms", 3.0, "ms", level="measured"))
+    rep.put(st)
+    md = render_markdown(rep)
+    assert "| field | unit | level | c=1 | c=8 |" in md
+    assert "| output_throughput | tok/s | measured-fallback | 10.0 | 80.0 |" in md
+    assert "| roofline.fraction |  | projected | 0.5 | 0.5 |" in md
+    assert "| median_tpot_ms | ms | measured |  | 3.00 |" in md
+    html = render_html(rep)
+    assert "<th>level</th><th>c=1</th>" in html and "<td>projected</td>" in html
