@@ -138,6 +138,24 @@ def test_golden_mismatch_is_external_failure(golden_dir, tmp_path):
     assert rows["golden.free_running.greedy_tokens"].value is True  # greedy still from the real weights
 
 
+def test_golden_rows_say_what_was_teacher_forced(golden_dir, tmp_path):
+    # a golden file with no (or some) sublayer outputs: the logits rows say free-running (or how many were forced)
+    # instead of claiming a teacher-forced comparison the file cannot give
+    from safetensors.torch import load_file, save_file
+    g = load_file(str(golden_dir / "golden.safetensors"))
+    subs = sorted(k for k in g if k.startswith("layer"))
+    assert subs
+    for keep, want in ((0, "free-running: the file holds no sublayer outputs"),
+                       (1, f"teacher-forced on the 1 of {len(subs)} sublayer outputs"),
+                       (len(subs), "teacher-forced: from the golden's own sublayer outputs")):
+        f = tmp_path / f"g{keep}.safetensors"
+        save_file({k: v.contiguous() for k, v in g.items() if not k.startswith("layer") or k in subs[:keep]}, str(f))
+        st = Stage("correctness")
+        correctness.golden_checks(_session(golden_dir / "checkpoint", golden=str(f)), st)
+        rows = {e.name: e for e in st.evidence}
+        assert want in rows["golden.logits_max_abs"].detail and want in rows["golden.top1_agreement"].detail
+
+
 def test_stops_at_first_failing_tier(golden_ckpt, tmp_path):
     d = tmp_path / "ck"
     shutil.copytree(golden_ckpt, d)

@@ -161,7 +161,15 @@ def golden_checks(session: Session, stage: Stage) -> None:
              f"{sure.numel()} positions)") if margin is not None else (
         f"argmax at all {sure.numel()} positions (the file has no logits_top1_margin, so near-ties are compared too)")
     c = logits_compare(tl, ref)
-    forced = "teacher-forced: from the golden's own sublayer outputs"
+    n_sub = 2 * cfg.num_hidden_layers
+    if not errs:  # nothing to force with: say so, rather than claim a comparison the file cannot give
+        forced = ("free-running: the file holds no sublayer outputs (layerNN.attn_out / mlp_out), so nothing was "
+                  "teacher-forced")
+    elif len(errs) < n_sub:
+        forced = (f"teacher-forced on the {len(errs)} of {n_sub} sublayer outputs the file holds (the others carry "
+                  "the oracle's own)")
+    else:
+        forced = "teacher-forced: from the golden's own sublayer outputs"
     stage.add(check("correctness", "golden.logits_max_abs", c["max_abs"], le=THRESHOLDS["golden.logits_max_abs"],
                     level="external", detail=f"{hint}fp32 oracle vs {p.name} logits {list(ref.shape)}, {forced}"),
               check("correctness", "golden.top1_agreement", agreement(tl), ge=1.0, level="external",
