@@ -69,8 +69,8 @@ Examples:
 @click.option("--server-args", default=None, metavar="CMD",
               help="The server's command line (vllm serve ... / python -m sglang.launch_server ...), checked with "
                    "--deployment-env (or alone) for the traps that server options set.")
-@click.option("--platform", type=click.Choice(["rocm", "cuda"]), default="rocm", show_default=True,
-              help="Platform of the checked deployment.")
+@click.option("--platform", type=click.Choice(["rocm", "cuda"]), default=None,
+              help="Platform of the checked deployment (with --deployment-env / --server-args; default rocm).")
 @debug_option
 @handle_errors
 def env_cmd(profile, as_json, deployment_env, server_args, platform, debug):
@@ -83,8 +83,11 @@ def env_cmd(profile, as_json, deployment_env, server_args, platform, debug):
     if deployment_env is not None or server_args is not None:
         if profile:
             raise ConfigError("--profile describes this machine; a --deployment-env check does not use it: drop one")
-        _check_deployment(deployment_env, server_args, platform, as_json)
+        _check_deployment(deployment_env, server_args, platform or "rocm", as_json)
         return
+    if platform is not None:  # it names the checked deployment's platform; alone it would be silently ignored
+        raise ConfigError("--platform applies to a deployment check: add --deployment-env FILE and/or --server-args "
+                          "CMD, or drop --platform (this machine's platform is detected)")
     det = detect()
     prof = load_profile(profile) if profile else match_profile(det)
     matches = prof.matches(det)

@@ -394,6 +394,9 @@ def load_profile(name: str) -> Profile:
         # (report headers, the plan's messages and report merging all go by the name)
         return _with_host_memory(parse_profile(doc, str(path.resolve()), str(path)))
     known = list_profiles()
+    if name not in known and ("/" in str(name) or os.sep in str(name)) and not Path(str(name)).exists():
+        raise ConfigError(f"profile file {name} does not exist; pass an existing *.toml in the format of "
+                          f"hwprofiles/*.toml, or a shipped profile name ({', '.join(known)})")
     if name not in known and ("/" in str(name) or os.sep in str(name) or Path(str(name)).exists()):
         raise ConfigError(f"profile {name!r} is a path but not a .toml file; a profile file must be TOML in the "
                           "format of hwprofiles/*.toml with a .toml suffix, or pass a shipped profile name "

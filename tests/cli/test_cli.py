@@ -395,6 +395,16 @@ def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monke
     assert json.loads((tmp_path / "r2" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
 
 
+def test_profile_paths_and_platform_say_what_is_wrong(cache, tmp_path):
+    # a profile path that does not exist says so (not "is a path but not a .toml file"); one that exists but is
+    # not .toml keeps that line; --platform without a deployment check is refused instead of ignored
+    line = one_line_error(run(["plan", "--profile", str(tmp_path / "mi300x-8.toml.bak")], code=2))
+    assert "does not exist" in line
+    (tmp_path / "p.txt").write_text("x")
+    assert "not a .toml file" in one_line_error(run(["plan", "--profile", str(tmp_path / "p.txt")], code=2))
+    assert "--deployment-env" in one_line_error(run(["env", "--platform", "cuda"], code=2))
+
+
 def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
     bad = tmp_path / "golden.txt"
     bad.write_text("not safetensors")
