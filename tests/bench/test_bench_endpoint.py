@@ -399,7 +399,7 @@ def test_each_point_states_its_load_and_vllms_result_fields_in_every_format(tmp_
     assert rows["c2.input_len"]["value"] == 8 and rows["c2.range_ratio"]["value"] == 0.8
     assert rows["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
-    assert "| field | unit | c=1 | c=2 |" in md and "<th>c=1</th><th>c=2</th>" in page
+    assert "| field | unit | level | c=1 | c=2 |" in md and "<th>level</th><th>c=1</th><th>c=2</th>" in page
     for f in POINT_FIELDS:
         assert f"| {f} |" in md and f"<td>{f}</td>" in page and f in r.output, f
     assert "per concurrency point" in r.output
