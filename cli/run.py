@@ -212,9 +212,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     stages = [stage]
     # the report is written before the tables print: a Ctrl-C while they print loses nothing
     html = write_stages(s, stages)
-    print_stages(stages, s)
-    _print_bench(stage)
-    finish(stages, html)
+    report_and_finish(s, stages, html, extra=lambda: _print_bench(stage))
 
 
 def _print_bench(stage) -> None:
@@ -233,6 +231,12 @@ def _print_bench(stage) -> None:
         for f, u, vals in rows:
             t.add_row(f, u, lv.get(f, ""), *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
         c.print(t)
+    for e in stage.evidence:  # a lighter load than asked is said on the console too, not only in a report row
+        m = re.fullmatch(r"c(\d+)\.short_outputs", e.name)
+        if m and e.value:
+            c.print(f"note: at concurrency {m.group(1)}, {e.value} completed request(s) returned fewer output "
+                    "tokens than asked (the server stopped early: EOS or a length limit); the load was lighter "
+                    "than asked, and a request with one token has no TPOT / ITL", highlight=False)
     other = [e for e in stage.evidence if e.passed is None and not re.fullmatch(r"c\d+\..+", e.name)]
     if other:
         t = Table()
