@@ -11,9 +11,8 @@ from rich.table import Table
 
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.checkpoint.verify import MANIFEST_NAME
-from k3rocm.cli.common import (Progress, common_options, console, finish, handle_errors, make_session, not_empty,
-                               report_and_finish, run_tiers_kept,
-                               print_stages, synthetic_options, write_stages)
+from k3rocm.cli.common import (Progress, common_options, console, handle_errors, make_session, not_empty,
+                               report_and_finish, run_tiers_kept, synthetic_options, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
 from k3rocm.validation.render import fmt_value, point_levels, point_table
@@ -33,8 +32,6 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     devices of the plan (MXFP4 experts stay packed) and records bytes per device, GB/s and scale
     sanity in the report.
     """
-    from k3rocm.validation.tiers import run_tiers  # torch: 1.2 s (measured); --help needs none
-
     if kernels != "auto":
         raise ConfigError(f"--kernels {kernels!r} has no effect on load (it streams and checks weights and runs no "
                           "kernels); drop --kernels, or give it to validate / bench")
@@ -113,8 +110,6 @@ def validate_cmd(level, golden, min_fraction, synthetic, preset, tp, ep, rank, c
     checkpoint (its known answers), it adds `external` evidence. With --synthetic (random weights) only env,
     load and forward mean anything: higher levels are refused.
     """
-    from k3rocm.validation.tiers import run_tiers  # torch: 1.2 s (measured); --help needs none
-
     if golden is not None and level in ("env", "load", "forward"):
         raise ConfigError(f"--golden is compared in the correctness tier, which --level {level} does not reach; "
                           "use --level correctness (the default) or performance, or drop --golden")

@@ -109,6 +109,14 @@ class Options:
     min_fraction: float | None = None
 
 
+def _refuse_unresolved_link(p: Path) -> None:
+    """CheckpointError naming ``--checkpoint p`` when it is a symbolic link that does not resolve (loop or broken)."""
+    link = unresolved_link(p)
+    if link:
+        raise CheckpointError(f"--checkpoint {p}: {link}; point the link at the checkpoint directory or pass the "
+                              "directory itself")
+
+
 class Session:
     """Lazily built objects of one command. Every property raises a :class:`k3rocm.errors.K3Error`
     subclass with a one-line message on expected failures (missing directory, unknown profile, ...)."""
@@ -191,10 +199,7 @@ class Session:
                 raise CheckpointError("--checkpoint is empty; pass a checkpoint directory, or omit it for the "
                                       "embedded k3-tiny")
             p = Path(self.opts.checkpoint).expanduser()
-            link = unresolved_link(p)
-            if link:
-                raise CheckpointError(f"--checkpoint {p}: {link}; point the link at the checkpoint directory or "
-                                      "pass the directory itself")
+            _refuse_unresolved_link(p)
             if not p.exists():
                 raise CheckpointError(f"{p}: checkpoint directory does not exist; pass --checkpoint DIR "
                                       "holding config.json and *.safetensors (or omit it for the embedded k3-tiny)")
@@ -223,10 +228,7 @@ class Session:
                 if self.opts.checkpoint is None:
                     return preset_config(self.opts.preset, "--preset") if self.opts.preset else preset_config("k3-tiny")
                 d = Path(self.opts.checkpoint).expanduser()
-                link = unresolved_link(d)
-                if link:
-                    raise CheckpointError(f"--checkpoint {d}: {link}; point the link at the checkpoint directory "
-                                          "or pass the directory itself")
+                _refuse_unresolved_link(d)
                 f = d / "config.json"
                 if not f.is_file():
                     raise CheckpointError(f"{f}: not found; --synthetic --checkpoint DIR reads only DIR/config.json "

@@ -276,6 +276,17 @@ _TWO_POW_126 = tl.constexpr(8.507059173023462e37)  # 2^126: bf16 bits 0x7E80
 
 
 @triton.jit
+def _shift(x, S: tl.constexpr):
+    """``x`` shifted by ``S`` bits, left for ``S > 0``, right for ``S < 0``, as is for 0 (constexpr)."""
+    if S > 0:
+        return x << S
+    elif S == 0:
+        return x
+    else:
+        return x >> (-S)
+
+
+@triton.jit
 def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: tl.constexpr,
                 FUSED_SCALE: tl.constexpr = False, PTX: tl.constexpr = False):
     """Nibbles j (low 16-bit lane) and j+4 (high lane) of each int32 word of 8 packed E2M1 codes -> two bf16
@@ -292,24 +303,9 @@ def _mxfp4_pair(wd, SHIFT_MAG: tl.constexpr, SHIFT_SIGN: tl.constexpr, sb, F32: 
     ``mul.rn.bf16x2`` on the word as it is (Triton would split the lanes and re-pack them with PRMTs).
     """
     if SHIFT_MAG == SHIFT_SIGN:  # (the planar layout's aligned pairs) one shift, one mask: 0x81C081C0
-        if SHIFT_MAG > 0:
-            bits = (wd << SHIFT_MAG) & -2118090304
-        elif SHIFT_MAG == 0:
-            bits = wd & -2118090304
-        else:
-            bits = (wd >> (-SHIFT_MAG)) & -2118090304
-    else:
-        if SHIFT_MAG >= 0:
-            mag = (wd << SHIFT_MAG) & 0x01C001C0
-        else:
-            mag = (wd >> (-SHIFT_MAG)) & 0x01C001C0
-        if SHIFT_SIGN > 0:
-            sgn = (wd << SHIFT_SIGN) & -2147450880  # 0x80008000
-        elif SHIFT_SIGN == 0:
-            sgn = wd & -2147450880
-        else:
-            sgn = (wd >> (-SHIFT_SIGN)) & -2147450880
-        bits = mag | sgn
+        bits = _shift(wd, SHIFT_MAG) & -2118090304
+    else:  # magnitude bits 0x01C001C0, sign bits 0x80008000
+        bits = (_shift(wd, SHIFT_MAG) & 0x01C001C0) | (_shift(wd, SHIFT_SIGN) & -2147450880)
     if PTX and not F32:
         if FUSED_SCALE:
             prod = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bits, sb], dtype=tl.int32,

@@ -154,7 +154,6 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
                            level="projected",
                            detail="projected floor / measured time (1.0 = at the roofline), all steps"))
-
             dec = roof.get("decode_only") or {}
             if dec.get("steps"):
                 stage.add(info(tier, f"{tag}.roofline.decode_fraction", round(float(dec["fraction"]), 6), "",
