@@ -6,7 +6,8 @@ A config (:data:`Config`) is a plain dict with three kinds of keys:
 * launch options, :data:`LAUNCH_KEYS`: ``num_warps``, ``num_stages``; on HIP also ``waves_per_eu``,
   ``matrix_instr_nonkdim``, ``kpack`` (dropped under the interpreter);
 * selection keys, :data:`SELECT_KEYS`: ``max_rows`` (use this config while the shape's row count is at most
-  this; default unbounded) and ``kind`` (which kernel variant runs; the MoE GEMMs).
+  this; default unbounded) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the
+  MoE GEMMs' K splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``).
 
 Each family keeps, per kernel, one table ``{"cuda": [...], "hip": [...], "interpreter": [...]}`` keyed by
 the backend names of :func:`k3rocm.kernels.target.current_target`; these tables are the only place vendor
@@ -46,7 +47,7 @@ __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", 
 Config = dict[str, Any]
 
 LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
-SELECT_KEYS = ("max_rows", "kind", "split_k")
+SELECT_KEYS = ("max_rows", "kind", "split_k", "w2")
 
 _CACHE: dict[tuple, Config] = {}
 _FIT: dict[tuple, Config] = {}  # per (name, key): the first candidate that launched (see _first_fit)

@@ -12,7 +12,7 @@ import math
 from k3rocm.kernels import tune
 
 from .configs import (GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config,
-                      gemm_name, router_config)
+                      gemm_name, router_config, stage_config)
 from .gemm import (dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                    moe_reduce_kernel)
 from .mlp import glu
@@ -21,7 +21,7 @@ from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
 from .router import router_logits_kernel, topk_isa_case
 
 __all__ = ["moe_router", "moe_experts", "glu", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
-           "gemm_config", "gemm_name", "router_config", "isa_cases", "TRITON_IMPLS"]
+           "gemm_config", "gemm_name", "router_config", "stage_config", "isa_cases", "TRITON_IMPLS"]
 
 
 def _packed_only(quantized: bool = True, **_) -> bool:
@@ -41,6 +41,8 @@ TRITON_IMPLS = (
 
 
 def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0)) -> tuple:
+    full = cfg
+    cfg = stage_config(cfg, gated)
     sig = {
         "a_ptr": "*fp8e4nv" if a8 else "*bf16", "as_ptr": "*u8" if a8 else "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8",
         "out_ptr": ("*fp8e4nv" if a8 else "*bf16") if gated else "*fp32",
@@ -57,7 +59,7 @@ def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tup
         sig[c] = "constexpr"
     opts = isa_options(cfg, backend)
     lay = f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else ""
-    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(cfg)}{lay}]"
+    name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(full)}{lay}]"
     return name, moe_gemm_kernel, sig, consts, True, opts
 
 

@@ -22,12 +22,21 @@ SWAP_KINDS = ("dq", "dqp", "dqw")
 SCALE_PF_KINDS = {"dqp": 1, "dqnp": 1, "dqw": 2}
 
 
+#: what a config's ``w2`` entry may set for the second GEMM (w2) alone: its n-tile and its launch options
+W2_KEYS = ("BLOCK_N", "num_warps", "num_stages")
+
+
 def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                max_rows: float = math.inf, kind: str = "scaled", split_k: int = 1, **launch) -> Config:
+                max_rows: float = math.inf, kind: str = "scaled", split_k: int = 1, w2: dict | None = None,
+                **launch) -> Config:
     """One grouped-GEMM launch config: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
 
     Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``
-    (plus ``"split_k"`` when it is not 1).
+    (plus ``"split_k"`` when it is not 1, ``"w2"`` when given).
+    ``w2``: the second GEMM's own ``BLOCK_N`` / ``num_warps`` / ``num_stages`` (:data:`W2_KEYS`; the rest, BLOCK_M
+    above all, is shared: both GEMMs read one dispatch). w2 reads half the weight bytes of w1|w3 per k-step
+    (one matrix, not gate and up), so a wider n-tile keeps as many bytes in flight per program; see
+    :func:`stage_config`.
     ``split_k``: decode kinds only — each GEMM's K cut into up to ``split_k`` ranges of whole k-steps, one
     program per range (``split_k`` times the programs in flight for decode-sized groups); fp32 partials summed
     in a fixed order afterwards (w1|w3: ``moe_glu_finish_kernel`` adds them and applies the GLU; w2: the
@@ -51,6 +60,10 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     """
     if kind not in GEMM_KINDS:
         raise ConfigError(f"GEMM config kind {kind!r} is not one of {', '.join(GEMM_KINDS)}; fix kernels/moe/configs.py")
+    bad = sorted(set(w2 or {}) - set(W2_KEYS))
+    if bad:
+        raise ConfigError(f"GEMM config w2 override {bad} unknown: it may set {', '.join(W2_KEYS)}; fix "
+                          f"kernels/moe/configs.py")
     if split_k < 1 or (split_k > 1 and kind not in DQ_KINDS):
         raise ConfigError(f"GEMM config split_k {split_k}: must be >= 1, and > 1 only for the decode kinds "
                           f"{', '.join(DQ_KINDS)} (not {kind!r}); fix kernels/moe/configs.py")
@@ -58,15 +71,31 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
                max_rows=max_rows, kind=kind, **launch)
     if split_k > 1:
         cfg["split_k"] = split_k
+    if w2:
+        cfg["w2"] = dict(w2)
     return cfg
 
 
+def stage_config(cfg: Config, gated: bool) -> Config:
+    """The config one of the two expert GEMMs launches with: ``cfg`` without its ``w2`` entry for w1|w3
+    (``gated``), and for w2 the same with that entry's keys in place (:func:`gemm_config`)."""
+    out = {k: v for k, v in cfg.items() if k != "w2"}
+    if not gated:
+        out.update(cfg.get("w2") or {})
+    return out
+
+
 def gemm_name(cfg: Config) -> str:
-    """Short name of a GEMM config for reports: ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[sk{split_k}]`` (no prefix
-    for scaled; the split suffix only when split_k > 1)."""
+    """Short name of a GEMM config for reports: ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[sk{split_k}][+w2n{N}w{warps}s{stages}]``
+    (no prefix for scaled; the split suffix only when split_k > 1; the w2 suffix, w2's whole tile and launch, only
+    when the config overrides it)."""
     pre = "" if cfg["kind"] == "scaled" else f"{cfg['kind']}-"
     sk = f"sk{cfg['split_k']}" if cfg.get("split_k", 1) > 1 else ""
-    return f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}{sk}"
+    w2 = ""
+    if cfg.get("w2"):
+        c2 = stage_config(cfg, False)
+        w2 = f"+w2n{c2['BLOCK_N']}w{c2['num_warps']}s{c2['num_stages']}"
+    return f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}{sk}{w2}"
 
 
 def router_config(block_t: int, block_e: int, block_k: int, num_warps: int, num_stages: int,
@@ -130,6 +159,14 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
         # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
+        # w2 on its own tile (candidates until measured): w2 reads one matrix per k-step, half the bytes of w1|w3's
+        # gate + up (H200 2026-12-04, 64 tokens, 8-warp m16: w1|w3 2.36 ms = 0.71 of the copy rate on its bytes,
+        # w2 1.54 ms = 0.54), so twice the n-tile or deeper pipelines for w2 alone
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256)),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256, num_stages=3)),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256, num_warps=8)),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(num_stages=6)),
+        gemm_config(64, 128, 128, 8, 3, kind="dqp", w2=dict(BLOCK_N=256)),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
@@ -151,6 +188,9 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K (K = 64 / 96 in the tests: 2 / 3 k-steps of 32 in 2 ranges, the last one shorter)
         gemm_config(16, 32, 32, 4, 1, kind="dqp", split_k=2),
         gemm_config(32, 64, 32, 4, 1, kind="dqn", split_k=3),
+        # w2 on its own n-tile (the decode path and the scaled kernel)
+        gemm_config(16, 32, 64, 4, 1, kind="dqp", w2=dict(BLOCK_N=64)),
+        gemm_config(16, 32, 64, 4, 1, w2=dict(BLOCK_N=64, num_warps=2)),
     ],
 }
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import SCALE_PF_KINDS, SWAP_KINDS, gemm_name
+from k3rocm.kernels.moe.configs import SCALE_PF_KINDS, SWAP_KINDS, gemm_name, stage_config
 from k3rocm.kernels.mx.quant import mxfp8_quantize_tile
 
 
@@ -575,7 +575,9 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
     ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU); ``tiles``: (TILE_N, TILE_K) of the tiled
     weight layout, (0, 0) = checkpoint layout; ``fused_scale``: the variant for scale bytes <= 128 (what every
-    K3 layer runs) or the general one."""
+    K3 layer runs) or the general one. w2 (not ``gated``) takes the config's w2 overrides (``configs.stage_config``)."""
+    full = cfg
+    cfg = stage_config(cfg, gated)
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16" if gated else "*fp32",
            "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32",
            "block_start_ptr": "*i32", "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
@@ -591,7 +593,7 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
     opts = isa_options(cfg, backend)
     lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + (",planar" if bits else "") + (
         "" if fused_scale else ",general-scale")
-    return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(cfg)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
+    return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(full)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
             opts)
 
 

@@ -25,7 +25,7 @@ import triton
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS,
-                                        ROUTER_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS)
+                                        ROUTER_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
@@ -463,7 +463,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     else:
         h = torch.empty(P, inter, dtype=torch.bfloat16, device=dev)
         hs = h
-    opts = tune.split(cfg)[1]
+    opts = tune.split(stage_config(cfg, True))[1]
     if poison:  # testing aid: NaN (0xFF for fp8) wherever a kernel should write, so an unwritten element shows
         if a8:
             h.view(torch.uint8).fill_(0xFF)
@@ -525,6 +525,10 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
             inter, D, inter, a.stride(0), a_s.stride(0), *g13[2:6], h.stride(0), hs.stride(0),
             TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, TILE_N=g13[6], TILE_K=g13[7], **opts)
+    # w2's own n-tile and launch options where the config overrides them (configs.stage_config); BLOCK_M, BLOCK_K,
+    # kind and split are shared
+    cfg2 = stage_config(cfg, False)
+    opts2 = tune.split(cfg2)[1]
     bk2 = _fit_block_k(cfg["BLOCK_K"], g2[7] or inter)
     kp2, s2 = _split_k(inter, bk2, sk, g2[7] or fit_tile_k(tile_k, inter))
     y = torch.empty(s2, P, D, dtype=torch.float32, device=dev)  # w2 rows per sorted pair, per split
@@ -533,20 +537,20 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     def run_w2():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]), s2)](
+            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg2["BLOCK_N"]), s2)](
                 h, g2[0], g2[1], y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 D, inter, 0, h.stride(0), *g2[2:6], y.stride(1), kp2, y.stride(0),
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
                 TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, BITS=bits2,
-                **opts)
+                **opts2)
             return
-        moe_gemm_kernel[(ub, triton.cdiv(D, cfg["BLOCK_N"]))](
+        moe_gemm_kernel[(ub, triton.cdiv(D, cfg2["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
             D, inter, 0, h.stride(0), hs.stride(0), *g2[2:6], y.stride(1), y.stride(1),
             TOPK=k, GATED=False, A8=a8, ACT_FMT="e4m3" if a8 else "bf16", ACT=act, BETA=float(beta),
-            BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk2,
-            TILE_N=g2[6], TILE_K=g2[7], **opts)
+            BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=bk2,
+            TILE_N=g2[6], TILE_K=g2[7], **opts2)
     nw = norm_weight.contiguous() if norm_weight is not None else out
     nd = normed if normed is not None else out
 

@@ -161,7 +161,7 @@ def test_experts_every_config(tk, mode, T):
     ewd = _to(ew, tk.dev)
     seen = set()
     for cfg in tk.configs:
-        tiles = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
+        tiles = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"], str(cfg.get("w2")))
         if mode == "a8w4" and tiles in seen:  # A8W4 runs the scaled kernel whatever the kind: same launch
             continue
         seen.add(tiles)
@@ -613,6 +613,30 @@ def test_split_k_config_checks():
     assert _split_k(96, 32, 2) == (64, 2) and _split_k(64, 32, 3) == (32, 2) and _split_k(64, 32, 8) == (32, 2)
     assert _split_k(64, 32, 1) == (64, 1)
     assert _split_k(3584, 64, 4, 128) == (896, 4) and _split_k(128, 32, 4, 64) == (64, 2)  # whole chunks
+
+
+def test_w2_override_config():
+    # a config may give w2 its own n-tile / launch (configs.stage_config); BLOCK_M, BLOCK_K, kind and split stay shared
+    import k3rocm.kernels.moe.configs as C
+    from k3rocm.errors import ConfigError
+    from k3rocm.kernels import tune
+
+    cfg = C.gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256, num_warps=8))
+    assert C.gemm_name(cfg) == "dqp-m16n128k128w4s4+w2n256w8s4"
+    w13, w2 = C.stage_config(cfg, True), C.stage_config(cfg, False)
+    assert "w2" not in w13 and "w2" not in w2
+    assert (w13["BLOCK_N"], w13["num_warps"]) == (128, 4) and (w2["BLOCK_N"], w2["num_warps"], w2["num_stages"]) == (256, 8, 4)
+    assert w2["BLOCK_M"] == w13["BLOCK_M"] == 16 and w2["kind"] == "dqp"
+    assert tune.split(cfg, interp=False)[1] == {"num_warps": 4, "num_stages": 4}  # w1|w3's launch
+    assert C.gemm_name(C.gemm_config(16, 32, 64, 4, 1)) == "m16n32k64w4s1"  # no suffix without an override
+    with pytest.raises(ConfigError, match="BLOCK_M"):
+        C.gemm_config(16, 32, 64, 4, 1, w2=dict(BLOCK_M=32))  # the dispatch's row blocks are shared
+    # the ISA cases compile w2 with its own tile
+    from k3rocm.kernels.moe.gemm import dq_isa_case
+    _, _, _, consts, _, opts = dq_isa_case(False, cfg, "cuda", tiles=(128, 128))
+    assert consts["BLOCK_N"] == 256 and opts["num_warps"] == 8
+    _, _, _, consts, _, opts = dq_isa_case(True, cfg, "cuda", tiles=(128, 128))
+    assert consts["BLOCK_N"] == 128 and opts["num_warps"] == 4
 
 
 def test_weights_use_kernel_layout(tk, tiny_ckpt):
