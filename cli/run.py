@@ -178,11 +178,17 @@ neither the run is refused rather than assume 1.""")
 @click.option("--endpoint-gpus", type=int, default=None, metavar="N",
               help="GPUs serving --endpoint: the divisor of its tok/s/GPU figures. Default: the device count of "
                    "--profile; with neither, an --endpoint run is refused.")
+@click.option("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
+              help="Tokens per engine step: decode rows plus prefill chunk tokens (vLLM's name). Larger steps cut "
+                   "the number of steps a prompt's prefill takes (each step's fixed cost is paid fewer times) and "
+                   "lengthen each of them (the decode rows riding along wait longer). At least the largest "
+                   "--concurrency. Default: the engine's, 256. Built-in engine only.")
 @synthetic_options
 @common_options
 @handle_errors
 def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warmups, endpoint, model_name,
-              endpoint_gpus, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels, seed, debug):
+              endpoint_gpus, max_num_batched_tokens, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels,
+              seed, debug):
     """Benchmark serving: TTFT, TPOT, ITL, E2EL percentiles, tok/s and tok/s/GPU, fraction of roofline.
 
     Every point's results go into the report's `bench` stage with plots of latency percentiles and
@@ -195,7 +201,7 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     bench = BenchOptions(concurrency=parse_concurrency(concurrency) if concurrency is not None else None,
                          input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                          range_ratio=range_ratio, warmups=warmups, endpoint=endpoint, model_name=model_name,
-                         endpoint_gpus=endpoint_gpus)
+                         endpoint_gpus=endpoint_gpus, max_num_batched_tokens=max_num_batched_tokens)
     if synthetic and endpoint is not None:
         raise ConfigError("--synthetic makes random weights for the built-in engine; --endpoint measures another "
                           "server: drop one")

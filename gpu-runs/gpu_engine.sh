@@ -30,9 +30,13 @@
 #   atest  the AttnRes GPU test alone (every config, 20 x identical), in its own process
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
+#   ncu    Nsight Compute (`ncu --set full`, where the machine has it) of the first NCU_COUNT (default 2: w1|w3 and
+#          w2 of the served config) decode-path MoE GEMM launches of `bench_moe.py --tokens ${NCU_TOKENS:-64}`: every
+#          section's details in ncu.log
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
+# BENCH_ARGS (optional) is appended to the p4 / k3 / prof / cprof bench commands (e.g. "--max-num-batched-tokens 1024").
 # RESULTS_DIR/steps.tsv lists each step's exit status and seconds; the rest (reports, bench step logs, profiles)
 # ends up in RESULTS_DIR/results.tgz unless PACK=0. On a copied tree without git metadata, run it as
 # `K3ROCM_SOURCE_COMMIT=$(git rev-parse HEAD) gpu-runs/gpu_engine.sh ...` (the sha written out where the copy has
@@ -66,6 +70,7 @@ START=$(date +%s); DEADLINE=${DEADLINE:-540}
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 lim() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo $(( l > 5 ? l - 3 : 1 )); }
 A="--input-len 256 --output-len 64 --num-prompts 64"
+A="$A ${BENCH_ARGS:-}"
 RANK="--synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --concurrency 64 $A --warmups 4"
 for s in $STEPS; do
   if [ "$(left)" -lt 20 ]; then printf '%s\tskipped\t0\n' "$s" >>"$R/steps.tsv"; continue; fi
@@ -93,9 +98,11 @@ for s in $STEPS; do
           ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
     atest) step atest "$(lim 120)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py -k attnres ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode --out "$R/kdec" ;;
+    ncu) step ncu "$(lim 200)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count "${NCU_COUNT:-2}" \
+          --set full $PY "$HERE/bench_moe.py" --tokens "${NCU_TOKENS:-64}" --no-bf16 --out "$R/ncu_moe" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec ncu moe)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,

@@ -29,6 +29,7 @@ from k3rocm.validation.tiers import run_stage
 from k3rocm.validation.tiers.performance import bench_rows, run_bench_point
 
 MAX_PROMPTS = 1_000_000  # --num-prompts / --warmups above this are refused: run several benchmarks
+MAX_BATCHED_TOKENS = 16_384  # --max-num-batched-tokens above this is refused (activation buffers per step bucket)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class BenchOptions:
         endpoint: URL of an OpenAI-compatible server to run the load against instead of the built-in engine.
         model_name: the ``model`` field sent to ``endpoint``.
         endpoint_gpus: GPUs serving ``endpoint`` (the divisor of its tok/s/GPU figures).
+        max_num_batched_tokens: the built-in engine's tokens per step (decode rows + prefill chunk tokens; vLLM's
+            name); None: the engine's default (:data:`k3rocm.runtime.engine.MAX_NUM_BATCHED_TOKENS`).
     """
 
     concurrency: list[int] | None = None
@@ -56,6 +59,7 @@ class BenchOptions:
     endpoint: str | None = None
     model_name: str | None = None
     endpoint_gpus: int | None = None
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,11 +192,21 @@ def check_options(bench: BenchOptions, kernels: str, profile: str | None) -> tup
                           "figures use the GPUs it runs on: drop --endpoint-gpus or add --endpoint URL")
     if b.endpoint_gpus is not None and b.endpoint_gpus < 1:
         raise ConfigError(f"--endpoint-gpus {b.endpoint_gpus} must be >= 1 (GPUs serving --endpoint)")
+    if b.max_num_batched_tokens is not None and b.endpoint is not None:
+        raise ConfigError("--max-num-batched-tokens sizes the built-in engine's steps; an --endpoint server schedules "
+                          "its own: drop --max-num-batched-tokens or --endpoint")
+    if b.max_num_batched_tokens is not None and not 1 <= b.max_num_batched_tokens <= MAX_BATCHED_TOKENS:
+        raise ConfigError(f"--max-num-batched-tokens {b.max_num_batched_tokens} must be in 1..{MAX_BATCHED_TOKENS:,} "
+                          "(tokens per engine step)")
     if b.endpoint is not None and kernels != "auto":
         raise ConfigError(f"--kernels {kernels!r} has no effect on an --endpoint run (the server runs its own "
                           "kernels); drop --kernels")
     if b.concurrency is not None:
         check_prompts_cover(b.num_prompts, b.concurrency, "--concurrency")
+        if b.max_num_batched_tokens is not None and b.max_num_batched_tokens < max(b.concurrency):
+            raise ConfigError(f"--max-num-batched-tokens {b.max_num_batched_tokens} is below concurrency "
+                              f"{max(b.concurrency)}: a step could not carry every running request's decode row; pass "
+                              f"at least {max(b.concurrency)}")
     return endpoint_gpus(b.endpoint_gpus, profile) if b.endpoint is not None else None
 
 
@@ -348,7 +362,7 @@ def _engine_body(session: Session, bench: BenchOptions, pts: BenchPoints, bar: P
             results, stopped = run_sweep(stage, pts.concurrencies, lambda c: run_bench_point(
                 session, concurrency=c, input_len=pts.input_len, output_len=pts.output_len,
                 num_prompts=bench.num_prompts, range_ratio=bench.range_ratio, warmups=bench.warmups,
-                progress=phase_progress(bar, c)))
+                max_num_batched_tokens=bench.max_num_batched_tokens, progress=phase_progress(bar, c)))
         bench_rows(session, stage, results, tier="bench")
         session.synthetic_rows(stage, results, tier="bench")
         if stopped:

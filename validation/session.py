@@ -526,18 +526,20 @@ class Session:
         """The engine with the registry-selected kernels (default sizes); see :meth:`engine_for`."""
         return self.engine_for()
 
-    def engine_for(self, max_batch: int = 8, max_model_len: int = 2048):
+    def engine_for(self, max_batch: int = 8, max_model_len: int = 2048, max_num_batched_tokens: int | None = None):
         """:class:`k3rocm.runtime.engine.Engine` (continuous batching, registry-selected ops per ``--kernels``)
-        able to hold ``max_batch`` sequences of ``max_model_len`` tokens. Cached per size; the last one
-        built is also ``self._cache["engine"]`` (described in the report)."""
-        key = f"engine:{max_batch}:{max_model_len}"
+        able to hold ``max_batch`` sequences of ``max_model_len`` tokens, ``max_num_batched_tokens`` tokens per
+        step (None: the engine's default). Cached per size; the last one built is also ``self._cache["engine"]``
+        (described in the report)."""
+        key = f"engine:{max_batch}:{max_model_len}:{max_num_batched_tokens}"
+        kw = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": int(max_num_batched_tokens)}
 
         def build():
             if self._multiprocess:  # built on every rank, each on its shard; rank 0's sends each step to the others
                 self.weights  # refuses a load with problems
-                return self.cluster.engine(max_batch=max_batch, max_model_len=max_model_len)
+                return self.cluster.engine(max_batch=max_batch, max_model_len=max_model_len, **kw)
             return Engine(self.config, self.weights, kernels=dict(self.kernel_override), device=self.device,
-                          max_batch=max_batch, max_model_len=max_model_len, par=self.parallel)
+                          max_batch=max_batch, max_model_len=max_model_len, par=self.parallel, **kw)
         eng = self._memo(key, build)
         self._cache["engine"] = eng
         return eng

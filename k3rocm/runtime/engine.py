@@ -55,6 +55,8 @@ from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: the default tokens per step (decode rows + prefill chunk tokens; ``bench --max-num-batched-tokens``)
+MAX_NUM_BATCHED_TOKENS = 256
 AUTO = "auto"  # default of Engine(matmul_dtype=...): the weight dtype on a GPU when it is bf16/fp16, else None
 
 
@@ -165,7 +167,7 @@ class Engine:
     """
 
     def __init__(self, cfg: K3Config, weights: Any, kernels: str | dict | None = None, device: str | None = None,
-                 max_batch: int = 8, max_num_batched_tokens: int = 256, block_size: int = 16,
+                 max_batch: int = 8, max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS, block_size: int = 16,
                  max_model_len: int = 2048, cache_budget_bytes: int | None = None, dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, moe_mode: str = "a16w4", cuda_graphs: bool | None = None,
                  graph_batch_sizes: Iterable[int] = GRAPH_LADDER, num_blocks: int | None = None,

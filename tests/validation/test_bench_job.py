@@ -34,6 +34,28 @@ def test_check_options_says_who_serves_an_endpoint():
         check_options(BenchOptions(concurrency=[1, 8], num_prompts=4), "auto", None)
 
 
+def test_max_num_batched_tokens_checks_and_reaches_the_engine(tmp_path):
+    url = "http://127.0.0.1:9"
+    assert check_options(BenchOptions(max_num_batched_tokens=1024, concurrency=[1, 64], num_prompts=64), "auto",
+                         None) is None
+    with pytest.raises(ConfigError, match="an --endpoint server schedules its own"):
+        check_options(BenchOptions(endpoint=url, endpoint_gpus=1, max_num_batched_tokens=512), "auto", None)
+    for bad in (0, 16_385):
+        with pytest.raises(ConfigError, match=f"--max-num-batched-tokens {bad} must be in 1..16,384"):
+            check_options(BenchOptions(max_num_batched_tokens=bad), "auto", None)
+    with pytest.raises(ConfigError, match="below concurrency 64: .* pass at least 64"):
+        check_options(BenchOptions(max_num_batched_tokens=32, concurrency=[8, 64], num_prompts=64), "auto", None)
+    # the session builds the engine with it (and keeps engines of different budgets apart)
+    from k3rocm.runtime.engine import MAX_NUM_BATCHED_TOKENS
+
+    s = Session(Options(out=str(tmp_path / "r"), profile="cpu", synthetic=True, preset="k3-tiny"))
+    s.preflight()
+    s.load()
+    assert s.engine_for(max_batch=2, max_model_len=32).scheduler.max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS
+    eng = s.engine_for(max_batch=2, max_model_len=32, max_num_batched_tokens=48)
+    assert eng.scheduler.max_num_batched_tokens == 48 and eng.describe()["max_num_batched_tokens"] == 48
+
+
 def test_defaults_follow_the_checkpoint_and_the_target(golden_ckpt):
     s = Session(Options(checkpoint=str(golden_ckpt), profile="cpu"))
     small = resolve_points(s, BenchOptions())

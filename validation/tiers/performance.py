@@ -25,16 +25,19 @@ def tier_performance(session: Session, stage: Stage, progress: Callable | None =
 
 def run_bench_point(session: Session, *, concurrency: int, input_len: int, output_len: int,
                     num_prompts: int | None = None, range_ratio: float = DEFAULT_RANGE_RATIO,
-                    warmups: int | None = None, progress: Callable | None = None) -> dict:
+                    warmups: int | None = None, max_num_batched_tokens: int | None = None,
+                    progress: Callable | None = None) -> dict:
     """One benchmark point through :func:`k3rocm.bench.run_bench` on an engine sized for it.
 
     The roofline model is :class:`k3rocm.runtime.sizing.StepRoofline` with the ceilings of the hardware
     the run is on (the run profile's datasheet bandwidth and bf16 peak) and the engine's weight and cache
     dtypes (with several ranks: rank 0's step under the plan's split rules, bf16 trunk); ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
     fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,
-    ``fraction``) when the ceilings are known.
+    ``fraction``) when the ceilings are known. ``max_num_batched_tokens``: the engine's tokens per step (None: its
+    default).
     """
-    eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1)
+    eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1,
+                             max_num_batched_tokens=max_num_batched_tokens)
     prof = session.run_profile
     roof = None
     bw, peak = float(prof.hbm_bandwidth or 0), float(prof.peak("bf16") or 0)
