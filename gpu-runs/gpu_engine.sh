@@ -7,7 +7,8 @@
 # 540: one call of a 10-minute machine slot):
 #   p4     k3rocm bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 (input 256 / output
 #          64, 64 prompts): the decode-step goals of docs/BENCHMARKS.md, every step logged (p4_steps/steps.jsonl)
-#   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64
+#   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64 (K3_LIMIT s,
+#          default 140)
 #   prof   the K3 rank again with torch.profiler over steps 75..114 after warm-up (the last chunk steps and the
 #          widest decode steps; K3_PROF_AFTER / K3_PROF_N move and size the window): device time per kernel per
 #          step kind in prof/kernels_1.txt
@@ -77,7 +78,7 @@ for s in $STEPS; do
   case $s in
     p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 200)" $PY "$HERE/prof_steps.py" bench \
           --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
-    k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim 140)" $PY "$HERE/prof_steps.py" bench \
+    k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim "${K3_LIMIT:-140}")" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3" ;;
     prof) PROF_OUT=$R/prof PROF_AFTER=${K3_PROF_AFTER:-75} PROF_N=${K3_PROF_N:-40} step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3_prof" ;;
