@@ -4,7 +4,8 @@ A config (:data:`Config`) is a plain dict with three kinds of keys:
 
 * kernel meta-parameters: the kernel's constexpr names, upper case (``BLOCK_M``, ``BV``, ``PREC``);
 * launch options, :data:`LAUNCH_KEYS`: ``num_warps``, ``num_stages``; on HIP also ``waves_per_eu``,
-  ``matrix_instr_nonkdim``, ``kpack`` (dropped under the interpreter);
+  ``matrix_instr_nonkdim``, ``kpack``; on CUDA also ``maxnreg`` (registers per thread at most: more programs per SM,
+  at the price of spills the ISA tests count) (all dropped under the interpreter);
 * selection keys, :data:`SELECT_KEYS`: ``max_rows`` (use this config while the shape's row count is at most
   this; default unbounded) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the
   MoE GEMMs' K splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``).
@@ -46,7 +47,7 @@ __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", 
 #: a launch configuration (see the module docstring for its keys)
 Config = dict[str, Any]
 
-LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "maxnreg")
 SELECT_KEYS = ("max_rows", "kind", "split_k", "w2")
 
 _CACHE: dict[tuple, Config] = {}

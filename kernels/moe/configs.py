@@ -23,7 +23,7 @@ SCALE_PF_KINDS = {"dqp": 1, "dqnp": 1, "dqw": 2}
 
 
 #: what a config's ``w2`` entry may set for the second GEMM (w2) alone: its n-tile and its launch options
-W2_KEYS = ("BLOCK_N", "num_warps", "num_stages")
+W2_KEYS = ("BLOCK_N", "num_warps", "num_stages", "maxnreg")
 
 
 def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
@@ -33,7 +33,7 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
 
     Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``
     (plus ``"split_k"`` when it is not 1, ``"w2"`` when given).
-    ``w2``: the second GEMM's own ``BLOCK_N`` / ``num_warps`` / ``num_stages`` (:data:`W2_KEYS`; the rest, BLOCK_M
+    ``w2``: the second GEMM's own ``BLOCK_N`` / ``num_warps`` / ``num_stages`` / ``maxnreg`` (:data:`W2_KEYS`; the rest, BLOCK_M
     above all, is shared: both GEMMs read one dispatch). w2 reads half the weight bytes of w1|w3 per k-step
     (one matrix, not gate and up), so a wider n-tile keeps as many bytes in flight per program; see
     :func:`stage_config`.
@@ -86,16 +86,19 @@ def stage_config(cfg: Config, gated: bool) -> Config:
 
 
 def gemm_name(cfg: Config) -> str:
-    """Short name of a GEMM config for reports: ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[sk{split_k}][+w2n{N}w{warps}s{stages}]``
-    (no prefix for scaled; the split suffix only when split_k > 1; the w2 suffix, w2's whole tile and launch, only
-    when the config overrides it)."""
+    """Short name of a GEMM config for reports:
+    ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[r{maxnreg}][sk{split_k}][+w2n{N}w{warps}s{stages}[r{maxnreg}]]`` (no prefix
+    for scaled; the register cap only where one is set; the split suffix only when split_k > 1; the w2 suffix, w2's
+    whole tile and launch, only when the config overrides it)."""
     pre = "" if cfg["kind"] == "scaled" else f"{cfg['kind']}-"
     sk = f"sk{cfg['split_k']}" if cfg.get("split_k", 1) > 1 else ""
+    reg = lambda c: f"r{c['maxnreg']}" if c.get("maxnreg") else ""  # noqa: E731
     w2 = ""
     if cfg.get("w2"):
         c2 = stage_config(cfg, False)
-        w2 = f"+w2n{c2['BLOCK_N']}w{c2['num_warps']}s{c2['num_stages']}"
-    return f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}{sk}{w2}"
+        w2 = f"+w2n{c2['BLOCK_N']}w{c2['num_warps']}s{c2['num_stages']}{reg(c2)}"
+    return (f"{pre}m{cfg['BLOCK_M']}n{cfg['BLOCK_N']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}{reg(cfg)}"
+            f"{sk}{w2}")
 
 
 def router_config(block_t: int, block_e: int, block_k: int, num_warps: int, num_stages: int,
@@ -159,14 +162,19 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
         # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
-        # w2 on its own tile (candidates until measured): w2 reads one matrix per k-step, half the bytes of w1|w3's
-        # gate + up (H200 2026-12-04, 64 tokens, 8-warp m16: w1|w3 2.36 ms = 0.71 of the copy rate on its bytes,
-        # w2 1.54 ms = 0.54), so twice the n-tile or deeper pipelines for w2 alone
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256)),
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256, num_stages=3)),
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256, num_warps=8)),
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(num_stages=6)),
-        gemm_config(64, 128, 128, 8, 3, kind="dqp", w2=dict(BLOCK_N=256)),
+        # w2 on its own tile: twice the n-tile or a deeper pipeline for w2 alone, measured slower than the served
+        # tile (H200 2026-12-04, 221f0d7, 64 / 512 tokens, ms: w2 n256 4 warps 3.743-4.107 / 6.653-6.817, n256 8 warps
+        # 4.015 / 7.034, 6 stages 3.764 / 6.589, vs 3.564 / 6.426 served; with the 4-warp tile w2 streams its bytes as
+        # fast as w1|w3: 1.144 and 2.279 ms for 1/3 and 2/3 of them), so not listed. Register caps instead (maxnreg,
+        # candidates until measured): ncu of the served w1|w3 at 64 tokens (87787ff) shows 3 programs = 12 warps per SM
+        # (registers and shared memory both limit it), 1.11 eligible warps per scheduler, 36% of issue slots idle.
+        # 128 registers and 3 stages (47 KB): 4 programs per SM, 5 spill reloads per w1|w3 k-step (sm_90 SASS); w2 at
+        # 128 spills nothing in its loop, at 96 (5 programs) 19 reloads and 7 stores
+        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp", maxnreg=128, w2=dict(num_stages=4, maxnreg=128)),
+        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp", maxnreg=128, w2=dict(num_stages=4, maxnreg=96)),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(maxnreg=128)),
+        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp", maxnreg=128),
+        gemm_config(32, 128, 128, 4, 3, max_rows=40, kind="dqp", maxnreg=168, w2=dict(num_stages=4, maxnreg=168)),
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [

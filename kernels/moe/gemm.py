@@ -564,10 +564,12 @@ def moe_gemm_dq_kernel(
 
 
 def isa_options(cfg: tune.Config, backend: str) -> dict:
-    """Compile options of a GEMM config for ``backend``: its launch options on ``"hip"``, only ``num_warps`` and
-    ``num_stages`` on ``"cuda"``."""
+    """Compile options of a GEMM config for ``backend``: its launch options on ``"hip"`` (but ``maxnreg``, a CUDA
+    option), ``num_warps``, ``num_stages`` and ``maxnreg`` (where set) on ``"cuda"``."""
     opts = tune.split(cfg, interp=False)[1]
-    return opts if backend == "hip" else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if backend == "hip":
+        return {k: v for k, v in opts.items() if k != "maxnreg"}
+    return {k: v for k, v in opts.items() if k in ("num_warps", "num_stages", "maxnreg")}
 
 
 def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0),

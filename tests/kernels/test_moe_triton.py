@@ -620,6 +620,7 @@ def test_w2_override_config():
     import k3rocm.kernels.moe.configs as C
     from k3rocm.errors import ConfigError
     from k3rocm.kernels import tune
+    from k3rocm.kernels.moe.gemm import dq_isa_case, isa_options
 
     cfg = C.gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(BLOCK_N=256, num_warps=8))
     assert C.gemm_name(cfg) == "dqp-m16n128k128w4s4+w2n256w8s4"
@@ -629,10 +630,15 @@ def test_w2_override_config():
     assert w2["BLOCK_M"] == w13["BLOCK_M"] == 16 and w2["kind"] == "dqp"
     assert tune.split(cfg, interp=False)[1] == {"num_warps": 4, "num_stages": 4}  # w1|w3's launch
     assert C.gemm_name(C.gemm_config(16, 32, 64, 4, 1)) == "m16n32k64w4s1"  # no suffix without an override
+    # a register cap (CUDA launch option) is named, passed to the launch and to the ISA compile, and w2 inherits it
+    capped = C.gemm_config(16, 128, 128, 4, 3, kind="dqp", maxnreg=128, w2=dict(num_stages=4))
+    assert C.gemm_name(capped) == "dqp-m16n128k128w4s3r128+w2n128w4s4r128"
+    assert tune.split(C.stage_config(capped, False), interp=False)[1] == {"num_warps": 4, "num_stages": 4, "maxnreg": 128}
+    assert dq_isa_case(True, capped, "cuda", tiles=(128, 128))[5] == {"num_warps": 4, "num_stages": 3, "maxnreg": 128}
+    assert "maxnreg" not in isa_options(capped, "hip")
     with pytest.raises(ConfigError, match="BLOCK_M"):
         C.gemm_config(16, 32, 64, 4, 1, w2=dict(BLOCK_M=32))  # the dispatch's row blocks are shared
     # the ISA cases compile w2 with its own tile
-    from k3rocm.kernels.moe.gemm import dq_isa_case
     _, _, _, consts, _, opts = dq_isa_case(False, cfg, "cuda", tiles=(128, 128))
     assert consts["BLOCK_N"] == 256 and opts["num_warps"] == 8
     _, _, _, consts, _, opts = dq_isa_case(True, cfg, "cuda", tiles=(128, 128))
