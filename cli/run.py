@@ -182,7 +182,7 @@ neither the run is refused rather than assume 1.""")
               help="Tokens per engine step: decode rows plus prefill chunk tokens (vLLM's name). Larger steps cut "
                    "the number of steps a prompt's prefill takes (each step's fixed cost is paid fewer times) and "
                    "lengthen each of them (the decode rows riding along wait longer). At least the largest "
-                   "--concurrency. Default: the engine's, 256. Built-in engine only.")
+                   "--concurrency. Default: the engine's, 512. Built-in engine only.")
 @synthetic_options
 @common_options
 @handle_errors

@@ -55,8 +55,11 @@ from k3rocm.runtime.cache import KDAStatePool, MLACache, size_caches
 from k3rocm.runtime.scheduler import Scheduler, SchedulerOutput, Sequence
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-#: the default tokens per step (decode rows + prefill chunk tokens; ``bench --max-num-batched-tokens``)
-MAX_NUM_BATCHED_TOKENS = 256
+#: the default tokens per step (decode rows + prefill chunk tokens; ``bench --max-num-batched-tokens``). 512: on one
+#: H200 (2026-12-04, input 256 / output 64 at concurrency 64) k3-prefix-4 served 2,328 output tok/s vs 1,793 at 256,
+#: with ITL p99 / p50 2.1 and 0.50 of the roofline over all steps (1024: 2,544 tok/s but ITL p99 / p50 3.1, 0.46),
+#: and the K3 rank of TP16/EP16 653 tok/s vs 484 (its chunk steps are host-bound: fewer of them, same cost each)
+MAX_NUM_BATCHED_TOKENS = 512
 AUTO = "auto"  # default of Engine(matmul_dtype=...): the weight dtype on a GPU when it is bf16/fp16, else None
 
 

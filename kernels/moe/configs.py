@@ -162,19 +162,16 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
         # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
-        # w2 on its own tile: twice the n-tile or a deeper pipeline for w2 alone, measured slower than the served
-        # tile (H200 2026-12-04, 221f0d7, 64 / 512 tokens, ms: w2 n256 4 warps 3.743-4.107 / 6.653-6.817, n256 8 warps
-        # 4.015 / 7.034, 6 stages 3.764 / 6.589, vs 3.564 / 6.426 served; with the 4-warp tile w2 streams its bytes as
-        # fast as w1|w3: 1.144 and 2.279 ms for 1/3 and 2/3 of them), so not listed. Register caps instead (maxnreg,
-        # candidates until measured): ncu of the served w1|w3 at 64 tokens (87787ff) shows 3 programs = 12 warps per SM
-        # (registers and shared memory both limit it), 1.11 eligible warps per scheduler, 36% of issue slots idle.
-        # 128 registers and 3 stages (47 KB): 4 programs per SM, 5 spill reloads per w1|w3 k-step (sm_90 SASS); w2 at
-        # 128 spills nothing in its loop, at 96 (5 programs) 19 reloads and 7 stores
-        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp", maxnreg=128, w2=dict(num_stages=4, maxnreg=128)),
-        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp", maxnreg=128, w2=dict(num_stages=4, maxnreg=96)),
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", w2=dict(maxnreg=128)),
-        gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp", maxnreg=128),
-        gemm_config(32, 128, 128, 4, 3, max_rows=40, kind="dqp", maxnreg=168, w2=dict(num_stages=4, maxnreg=168)),
+        # Not listed, measured slower than the served tile (H200 2026-12-04, one K3 layer, 64 / 512 tokens, ms, served
+        # 3.564-3.622 / 6.424-6.426): w2 on its own tile (configs may give w2 one: gemm_config(w2=...)) — n256 with 4
+        # warps 3.743-4.107 / 6.653-6.817, n256 with 8 warps 4.015 / 7.034, 6 stages 3.764 / 6.589 (221f0d7; with
+        # the 4-warp tile w2 already streams its bytes as fast as w1|w3: 1.144 and 2.279 ms for 1/3 and 2/3 of them);
+        # register caps (maxnreg, for 4 programs per SM where ncu of the served w1|w3 shows 3 = 12 warps, 1.11
+        # eligible per scheduler, 36% of issue slots idle) — 128 registers and 3 stages 3.724 / 6.584, the same
+        # with w2 capped too 4.001 / 6.824 (w2 at 96: 4.212 / 7.446), w2 alone capped at 128 3.944 / 6.552, m32 at 168
+        # 4.533 / 7.613 vs 4.674 / 7.827 uncapped (52d07ca). Every one gave the
+        # served config's bits on the EP8 slice. More warps in flight do not help: each program's k-step is a
+        # chain (decode -> wgmma -> wait) that other programs already overlap.
     ],
     # CDNA3/4: 64-wide wavefronts; one scaled MFMA covers 16/32 rows.
     "hip": [
