@@ -124,8 +124,8 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
     floor_f = 2 * pairs * (D * 2 * I + I * D) / BF16_RATE * 1e3
     r = dict(row=label, tokens=T, num_local=num_local, experts_used=used, local_pairs=pairs,
              floor_ms=max(floor_b, floor_f), floor_kind="bytes" if floor_b >= floor_f else "FLOPs")
-    rows = T * K / max(1, min(num_local, T * K))
-    cfg = tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
+    # the config the engine's rank runs (ops.gemm_pick: all ranks' pairs, scaled to this slice's share of the experts)
+    cfg = moe_ops.gemm_pick(T * K, num_local, num_experts=E)
     r["config"] = gemm_name(cfg)
     ewt = dict(ew, kernel_layout=lay)
     try:
