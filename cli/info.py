@@ -43,15 +43,43 @@ def profiles_cmd(as_json, debug):
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in profs], indent=2))
         return
-    t = Table(title="hardware profiles (datasheet values)")
-    for col in ("name", "device", "arch", "GPUs", "HBM GiB", "TB/s", "bf16 TF", "mxfp4 TF", "tp/ep"):
+    t = Table(title="hardware profiles (figures per device)")
+    for col in ("name", "device", "arch", "GPUs", "HBM GiB", "TB/s", "bf16 TF", "mxfp4 TF", "tp/ep", "figures"):
         t.add_column(col)
     for p in profs:
         bf, fp4 = p.peak_flops.get("bf16"), p.peak_flops.get("mxfp4")
         t.add_row(p.name, p.device_name, p.arch, str(p.device_count), f"{p.memory_bytes / 2**30:.0f}",
-                  f"{p.hbm_bandwidth / 1e12:.2f}", f"{bf / 1e12:.0f}" if bf else "-",
-                  f"{fp4 / 1e12:.0f}" if fp4 else "none", f"{p.tp}/{p.ep}")
+                  f"{p.hbm_bandwidth / 1e12:.2f}", _tflops(bf), _tflops(fp4) if fp4 else "none", f"{p.tp}/{p.ep}",
+                  _figure_sources(p))
     console().print(t)
+    console().print("each figure's source is in the profile's TOML (hwprofiles/<name>.toml) and in `profiles --json`",
+                    highlight=False)
+
+
+def _tflops(flops: float | None) -> str:
+    """FLOP/s as TFLOP/s for the table: whole numbers from 10 TF up, two decimals below (a CPU's 0.10, not 0)."""
+    if not flops:
+        return "-"
+    tf = flops / 1e12
+    return f"{tf:.0f}" if tf >= 10 else f"{tf:.2f}"
+
+
+#: the table's figures (memory, bandwidth, peaks) and their source keys in a profile
+_TABLE_SOURCES = (("memory", "device.memory_source"), ("bandwidth", "device.hbm_bandwidth_source"),
+                  ("peaks", "peak_flops.source"))
+
+
+def _figure_sources(p) -> str:
+    """Where the table's figures of profile ``p`` come from: ``datasheet`` when every one is sourced from one,
+    else each figure's kind (``memory detected, bandwidth assumed, ...``): sources starting with ``detected`` /
+    ``assumption`` say so (the CPU profile's memory is this machine's, its rates are assumptions)."""
+    kinds = {}
+    for what, key in _TABLE_SOURCES:
+        v = str(p.sources.get(key, ""))
+        kinds[what] = "detected" if v.startswith("detected") else "assumed" if v.startswith("assumption") else "datasheet"
+    if all(k == "datasheet" for k in kinds.values()):
+        return "datasheet"
+    return ", ".join(f"{what} {k}" for what, k in kinds.items())
 
 
 @click.command("env", epilog="""\b

@@ -82,7 +82,13 @@ def test_malformed_source_commit_is_one_line_exit_2(value):
 
 
 def test_profiles_env_and_kernels_list():
-    assert "mi355x-8" in run(["profiles"]).output
+    table = run(["profiles"]).output
+    assert "mi355x-8" in table
+    # the CPU profile's figures are not datasheet ones, and its 0.1 TFLOP/s assumption is not printed as 0
+    cpu_row = next(line for line in table.splitlines() if line.strip("│ ").startswith("cpu "))
+    assert "0.10" in cpu_row and "peaks assumed" in cpu_row and "memory detected" in cpu_row, cpu_row
+    mi = next(line for line in table.splitlines() if line.strip("│ ").startswith("mi355x-8"))
+    assert "datasheet" in mi and "assumed" not in mi, mi
     prof = json.loads(run(["profiles", "--json"]).output)
     assert {p["name"] for p in prof} >= {"cpu", "mi355x-8", "h200-1"}
     assert "backend" in run(["env"]).output
