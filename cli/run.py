@@ -140,6 +140,8 @@ Examples:
   k3rocm bench --concurrency 1,8,64 --input-len 1024 --output-len 1024 --profile mi355x-8 \\
                --checkpoint /models/Kimi-K3
   k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
+  k3rocm bench --synthetic --preset k3-prefix-4 --concurrency 64 --input-len 256 --output-len 64 \
+               --max-num-batched-tokens 1024   # larger steps: more tok/s and shorter TTFT, a longer ITL tail
   k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --endpoint-gpus 8 \\
                --concurrency 64 --input-len 1024 --output-len 1024   # hold a vLLM/SGLang deployment to the same load
   k3rocm bench --synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --concurrency 1,64
@@ -182,7 +184,7 @@ neither the run is refused rather than assume 1.""")
               help="Tokens per engine step: decode rows plus prefill chunk tokens (vLLM's name). Larger steps cut "
                    "the number of steps a prompt's prefill takes (each step's fixed cost is paid fewer times) and "
                    "lengthen each of them (the decode rows riding along wait longer). At least the largest "
-                   "--concurrency. Default: the engine's, 512. Built-in engine only.")
+                   "--concurrency, at most 16,384. Default: the engine's, 512. Built-in engine only.")
 @synthetic_options
 @common_options
 @handle_errors

@@ -203,11 +203,20 @@ def check_options(bench: BenchOptions, kernels: str, profile: str | None) -> tup
                           "kernels); drop --kernels")
     if b.concurrency is not None:
         check_prompts_cover(b.num_prompts, b.concurrency, "--concurrency")
-        if b.max_num_batched_tokens is not None and b.max_num_batched_tokens < max(b.concurrency):
-            raise ConfigError(f"--max-num-batched-tokens {b.max_num_batched_tokens} is below concurrency "
-                              f"{max(b.concurrency)}: a step could not carry every running request's decode row; pass "
-                              f"at least {max(b.concurrency)}")
+        check_budget_covers(b.max_num_batched_tokens, b.concurrency, "--concurrency")
     return endpoint_gpus(b.endpoint_gpus, profile) if b.endpoint is not None else None
+
+
+def check_budget_covers(budget: int | None, concurrencies: list[int], what: str) -> None:
+    """Refuse ``--max-num-batched-tokens`` below the largest concurrency (``what`` names where it came from): a step
+    could not carry every running request's decode row, so the point would run at a lighter load than it says.
+
+    Raises:
+        ConfigError: one line naming both values and the least budget that fits.
+    """
+    if budget is not None and budget < max(concurrencies):
+        raise ConfigError(f"--max-num-batched-tokens {budget} is below {what} {max(concurrencies)}: a step could not "
+                          f"carry every running request's decode row; pass at least {max(concurrencies)}")
 
 
 def check_prompts_cover(num_prompts: int | None, concurrencies: list[int], what: str) -> None:
@@ -248,13 +257,15 @@ def resolve_points(session: Session, bench: BenchOptions) -> BenchPoints:
     an endpoint or a checkpoint of at least 1 GB on a GPU profile, else the small ones.
 
     Raises:
-        ConfigError: ``--num-prompts`` below the default concurrency (:func:`check_prompts_cover`).
+        ConfigError: ``--num-prompts`` below the default concurrency (:func:`check_prompts_cover`), or
+            ``--max-num-batched-tokens`` below it.
     """
     big = bench.endpoint is not None or (session.profile.backend != "cpu"
                                          and layout.counts(session.config)["bytes"] >= 1e9)
     cs = bench.concurrency if bench.concurrency is not None else [64 if big else 4]
     if bench.concurrency is None:  # the default concurrency is known only now (preflight leaves no directory behind)
         check_prompts_cover(bench.num_prompts, cs, "the default --concurrency")
+        check_budget_covers(bench.max_num_batched_tokens, cs, "the default --concurrency")
     il = bench.input_len if bench.input_len is not None else (1024 if big else 64)
     ol = bench.output_len if bench.output_len is not None else (1024 if big else 16)
     return BenchPoints(cs, il, ol)

@@ -138,7 +138,8 @@ class StepProfiler:
 def step_breakdown(engine: Any, prompt_len: int = 32, rows: int = 2) -> dict:
     """Per-family breakdown of one mixed step (``rows - 1`` decode rows + a ``prompt_len``-token prefill chunk)
     and one decode step (``rows`` rows) of ``engine``, which must be idle. ``rows``: the decode rows (the bench
-    passes its point's concurrency), at least 2, at most the engine's ``max_num_seqs``. Returns
+    passes its point's concurrency), at least 1 (one row: the decode step only — a mixed step needs a decode
+    row beside the chunk), at most the engine's ``max_num_seqs``. Returns
     ``{"mixed": {...}, "decode": {...}}`` (each :meth:`StepProfiler.step`'s dict, with its row and token
     counts; a kind the engine could not form, e.g. a chunk budget below ``prompt_len + 1``, is absent, and both
     are when ``max_model_len`` cannot hold the profiled requests, ~8 tokens). The
@@ -146,7 +147,7 @@ def step_breakdown(engine: Any, prompt_len: int = 32, rows: int = 2) -> dict:
     the second pass is reported: eager steps at unbucketed token counts compile kernels serving never meets,
     and a compile is not the step's time."""
     sched = engine.scheduler
-    rows = max(2, min(int(rows), sched.max_num_seqs))
+    rows = max(1, min(int(rows), sched.max_num_seqs))
     n = max(1, min(int(prompt_len), sched.max_num_batched_tokens - 1, engine.max_model_len - 8))
     vocab = max(1, engine.cfg.vocab_size - 3)
     prompt = [3 + (7 * j) % vocab for j in range(n)]

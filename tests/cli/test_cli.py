@@ -350,6 +350,19 @@ def test_bench_of_a_few_tokens_keeps_its_measurement(cache, tmp_path, lens):
     assert ev["c1.completed"]["value"] == 1 and ev["c1.output_throughput"]["value"] > 0
 
 
+def test_bench_points_carry_their_budget_and_a_c1_breakdown(cache, tmp_path):
+    # each point records the engine's tokens per step; at concurrency 1 the decode step is profiled per op family
+    # and the missing mixed step says why (one sequence: no decode row beside a chunk)
+    run(["bench", "--concurrency", "1,2", "--input-len", "12", "--output-len", "4", "--num-prompts", "2",
+         "--warmups", "0", "--max-num-batched-tokens", "24", "--out", tmp_path / "r"])
+    ev = {e["name"]: e for e in json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]["evidence"]}
+    assert ev["c1.max_num_batched_tokens"]["value"] == 24 and ev["c2.max_num_batched_tokens"]["value"] == 24
+    assert ev["c1.breakdown.decode.wall_ms"]["value"] > 0
+    assert "1 decode row," in ev["c1.breakdown.decode.wall_ms"]["detail"]
+    assert ev["c1.breakdown.mixed.wall_ms"]["value"] == "not formed" and "concurrency 1" in ev["c1.breakdown.mixed.wall_ms"]["detail"]
+    assert ev["c2.breakdown.mixed.wall_ms"]["value"] > 0  # a chunk beside one decode row
+
+
 def test_min_fraction_makes_speed_a_check(cache, tmp_path):
     # validate --min-fraction F: each concurrency point's fraction of the roofline is a check (the CPU run is far
     # below 0.99 of it: the performance tier fails, naming the row); bad values and levels are one line up front

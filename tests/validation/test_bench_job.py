@@ -43,8 +43,13 @@ def test_max_num_batched_tokens_checks_and_reaches_the_engine(tmp_path):
     for bad in (0, 16_385):
         with pytest.raises(ConfigError, match=f"--max-num-batched-tokens {bad} must be in 1..16,384"):
             check_options(BenchOptions(max_num_batched_tokens=bad), "auto", None)
-    with pytest.raises(ConfigError, match="below concurrency 64: .* pass at least 64"):
+    with pytest.raises(ConfigError, match="below --concurrency 64: .* pass at least 64"):
         check_options(BenchOptions(max_num_batched_tokens=32, concurrency=[8, 64], num_prompts=64), "auto", None)
+    # against the default concurrency too, once it is known (4 for a small checkpoint on the CPU)
+    small = Session(Options(out=str(tmp_path / "d"), profile="cpu", synthetic=True, preset="k3-tiny"))
+    with pytest.raises(ConfigError, match="below the default --concurrency 4: .* pass at least 4"):
+        resolve_points(small, BenchOptions(max_num_batched_tokens=2))
+    assert resolve_points(small, BenchOptions(max_num_batched_tokens=4)).concurrencies == [4]
     # the session builds the engine with it (and keeps engines of different budgets apart)
     from k3rocm.runtime.engine import MAX_NUM_BATCHED_TOKENS
 

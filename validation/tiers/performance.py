@@ -59,6 +59,7 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     except PointInterrupted as e:  # Ctrl-C after the measured phase: the point goes to the sweep as measured
         res, cut = e.result, True
     d = res.to_dict(per_request=False)
+    d["max_num_batched_tokens"] = int(eng.scheduler.max_num_batched_tokens)
     d["roofline_ceilings"] = {"profile": prof.name, "hbm_bandwidth": bw, "peak_bf16": peak,
                               "kind": figure_kind(prof, "device.hbm_bandwidth_source")}
     if cut:
@@ -74,6 +75,8 @@ POINT_FIELDS = (
     ("range_ratio", "", "lower end of the length draws, as a fraction of L"),
     ("num_prompts", "requests", "measured requests"),
     ("num_warmups", "requests", "warm-up requests before them (not measured)"),
+    ("max_num_batched_tokens", "tokens", "the built-in engine's tokens per step: decode rows plus prefill chunk tokens "
+                                         "(bench --max-num-batched-tokens)"),
     ("duration", "s", "first measured issue to last completion"),
     ("total_input_tokens", "tokens", "prompt tokens of the completed requests"),
     ("total_output_tokens", "tokens", "output tokens of the completed requests"),
@@ -297,11 +300,17 @@ def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
 def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
     """Per op family of one decode and one mixed step (:func:`k3rocm.bench.breakdown.step_breakdown`): ms each
     and the step's wall time; the step is eager with a device sync per family, so shares are the reading."""
-    for kind, part in sorted((r.get("breakdown") or {}).items()):
+    parts = r.get("breakdown") or {}
+    if parts and "mixed" not in parts and r.get("concurrency") == 1:
+        stage.add(info(tier, f"{tag}.breakdown.mixed.wall_ms", "not formed", level=lv,
+                       detail="at concurrency 1 the engine holds one sequence, and a mixed step needs a decode row "
+                              "beside a prefill chunk: the decode step alone is profiled"))
+    for kind, part in sorted(parts.items()):
         wall = float(part.get("wall_ms") or 0.0)
+        nd, npre = part.get("num_decode"), part.get("num_prefill_tokens")
         stage.add(info(tier, f"{tag}.breakdown.{kind}.wall_ms", round(wall, 4), "ms", level=lv,
-                       detail=f"one profiled eager {kind} step: {part.get('num_decode')} decode rows, "
-                              f"{part.get('num_prefill_tokens')} prefill tokens (synchronised per op family)"))
+                       detail=f"one profiled eager {kind} step: {nd} decode row{'' if nd == 1 else 's'}, "
+                              f"{npre} prefill token{'' if npre == 1 else 's'} (synchronised per op family)"))
         for fam, ms in part["ms"].items():
             share = float(ms) / wall if wall > 0 else 0.0
             stage.add(info(tier, f"{tag}.breakdown.{kind}.{fam.replace(' ', '_')}", round(float(ms), 4), "ms",
