@@ -45,6 +45,10 @@ def list_cmd(kernels, debug):
         except HardwareError as e:
             t.add_row(op, ", ".join(sorted(impls)), "[red]unavailable[/]", str(e).split(";")[0])
     console().print(t)
+    missing = [i for i in registry.IMPLS if not any(i in registry.implementations(op) for op in registry.ORACLE_OPS)]
+    if missing:
+        console().print(f"{', '.join(missing)}: a registry slot with no kernels wired in yet (--kernels "
+                        f"{missing[0]} is refused); ops run on the implementations listed", highlight=False)
 
 
 @kernels_group.command("isa", epilog="""\b

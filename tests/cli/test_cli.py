@@ -95,6 +95,7 @@ def test_profiles_env_and_kernels_list():
     out = run(["kernels", "list"]).output
     for op in registry.ORACLE_OPS:
         assert op in out
+    assert "aiter: a registry slot with no kernels wired in yet" in out  # the README's aiter slot is visible
     one_line_error(run(["kernels", "list", "--kernels", "bogus"], code=2))
 
 
