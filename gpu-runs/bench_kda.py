@@ -231,7 +231,8 @@ def gate_sweep(a) -> dict:
     res = {}
     for nw in (1, 2, 4, 8, 16):
         fn = lambda nw=nw: _interp.launch(P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl,  # noqa
-                                          g, qg, kg, gl, K ** -0.5, -5.0, H, K=K, BT=P.BT, num_warps=nw)
+                                          g, qg, kg, gl, K ** -0.5, -5.0, H, K=K, BT=P.BT, GR=P.BC,
+                                          num_warps=nw)
         try:
             fn()
             res[f"gate_ms[num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
@@ -241,7 +242,7 @@ def gate_sweep(a) -> dict:
 
 
 def sweep(rows=((1, 8192, 96), (1, 131072, 12))) -> list[dict]:
-    """Where each launch could go: per row, every config of the state and out kernels timed alone, the gate
+    """Where each launch could go: per row, every config of the intra, wu, state and out kernels timed alone, the gate
     kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
     config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
     import triton.testing as tt
@@ -259,7 +260,7 @@ def sweep(rows=((1, 8192, 96), (1, 131072, 12))) -> list[dict]:
         a = prefill_inputs(B, T, H)
         res = dict(row=f"prefill B{B} T{T} H{H}")
         first = {"intra": tune.configs(KC.INTRA)[0]}
-        for kind, table in (("state", KC.STATE), ("out", KC.OUT)):
+        for kind, table in (("intra", KC.INTRA), ("wu", KC.WU), ("state", KC.STATE), ("out", KC.OUT)):
             for c in tune.configs(table):
                 launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=dict(first, **{kind: c}))
                 fn = dict(launches)[kind]
@@ -383,9 +384,10 @@ def main():
     pre = [r for r in rows if "state_ms" in r]
     if pre:
         lines += ["", "prefill, each launch alone (ms; conv = short_conv of q, k, v, run before the prefill):", "",
-                  "| row | gate | intra | state | out | sum | conv q,k,v |", "|---|---|---|---|---|---|---|"]
+                  "| row | gate | intra | solve | wu | state | out | sum | conv q,k,v |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
-            ks = [r[f"{n}_ms"] for n in ("gate", "intra", "state", "out")]
+            ks = [r[f"{n}_ms"] for n in ("gate", "intra", "solve", "wu", "state", "out")]
             lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
                          f"{r['conv_qkv_ms']:.3f} |")
     for r in rows:

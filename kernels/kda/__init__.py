@@ -15,7 +15,8 @@ from k3rocm.kernels import tune
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, kda_decode
-from .prefill import BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _state_kernel, kda_prefill
+from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _solve_kernel, _state_kernel, _wu_kernel,
+                      kda_prefill)
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
@@ -54,10 +55,13 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                   W="constexpr", BLOCK_C="constexpr")
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
-                    K="constexpr", BT="constexpr")
-    intra_sig = dict(q=p, k=p, v=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, w=b, u=b,
-                     scale="fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr", BC="constexpr",
-                     PREC="constexpr", OPD="constexpr", WOPD="constexpr", UOPD="constexpr")
+                    K="constexpr", BT="constexpr", GR="constexpr")
+    intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
+                     scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr")
+    solve_sig = dict(abuf="*fp32", mbuf="*fp32", chunk_tok="*i32", chunk_len="*i32", H="i32", BT="constexpr",
+                     BC="constexpr", PREC="constexpr")
+    wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
+                  H="i32", K="constexpr", V="constexpr", BT="constexpr", WOPD="constexpr", UOPD="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr")
@@ -76,10 +80,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.GATE)),
-        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, V=K, BT=BT, BC=BC, PREC=None, OPD=1, WOPD=1, UOPD=1),
-         True,
-         _opts(configs.INTRA)),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, GR=BC), False, _opts(configs.GATE)),
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1), True, _opts(configs.INTRA)),
+        ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
+        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1), True, _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1), True,
          _opts(configs.STATE)),

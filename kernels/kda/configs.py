@@ -9,7 +9,7 @@ The prefill's products take bf16 operands with fp32 accumulation for bf16 / fp16
 the 16 x 16 block products of the UT solve run at the backend's default fp32 precision (TF32 on sm_90, fp32
 MFMA on CDNA). When the inputs are fp32 the wrapper runs every product in IEEE fp32 (``OPD = 0``,
 ``PREC = "ieee"``) so the kernels match the fp32 oracle to ~1e-5.
-The interpreter runs the CUDA lists. Every table is public (:data:`CONV`, :data:`INTRA`, :data:`GATE`, :data:`STATE`,
+The interpreter runs the CUDA lists. Every table is public (:data:`CONV`, :data:`INTRA`, :data:`GATE`, :data:`SOLVE`, :data:`WU`, :data:`STATE`,
 :data:`OUT`, :data:`DECODE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every
 configuration, not only
 the tuner's pick.
@@ -25,6 +25,11 @@ _CUDA = {
              dict(BLOCK_T=16, BLOCK_C=256, num_warps=4, num_stages=1)],
     "intra": [dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1)],
+    # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
+    "solve": [dict(num_warps=4, num_stages=1)],
+    # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
+    "wu": [dict(num_warps=4, num_stages=1),
+           dict(num_warps=8, num_stages=1)],
     # the gate kernel's launch options (first entry, not tuned): on an H200 at B1 T8192 H96 it took 1.08 ms at
     # 4 warps against 1.33 / 1.41 at 8 / 16 (the intra kernel's tuned 8, which it used to share) and 3.1+ at 1-2
     "gate": [dict(num_warps=4, num_stages=1)],
@@ -57,6 +62,9 @@ _HIP = {
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+    "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+    # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
+    "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "gate": [dict(num_warps=4, waves_per_eu=0)],  # as on CUDA (not measured on CDNA)
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
@@ -76,9 +84,10 @@ def _table(kernel: str) -> dict[str, list[dict]]:
     return {"cuda": _CUDA[kernel], "hip": _HIP[kernel], "interpreter": _CUDA[kernel]}
 
 
-#: per-backend tables of the short conv, the prefill gate and intra-chunk kernels, the prefill state pass, the
-#: chunk-parallel prefill output and decode
-CONV, INTRA, GATE, STATE, OUT, DECODE = (_table(k) for k in ("conv", "intra", "gate", "state", "out", "decode"))
+#: per-backend tables of the short conv, the prefill gate, intra-chunk and UT-solve kernels, the chunk-parallel w / u
+#: products, the prefill state pass, the chunk-parallel prefill output and decode
+CONV, INTRA, GATE, SOLVE, WU, STATE, OUT, DECODE = (_table(k) for k in ("conv", "intra", "gate", "solve", "wu",
+                                                                        "state", "out", "decode"))
 
 
 POISON = False  # tests set True: every output buffer starts as NaN, so an unwritten element cannot pass

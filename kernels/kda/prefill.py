@@ -1,21 +1,25 @@
 """Triton chunked KDA prefill (WY / UT-transform form), varlen, fp32 state. Oracle: ``k3rocm.model.kda.kda_prefill``.
 
-Four launches:
+Six launches:
 
-1. ``_gate_kernel``, one program per (chunk of BT = 64 tokens, head): in fp32 the gate
+1. ``_gate_kernel``, one program per (chunk of BT = 64 tokens, head), in 16-row slices: in fp32 the gate
    ``g = lb * sigmoid(exp(A_log[h]) * (raw + dt_bias))``, its in-chunk cumulative sum ``G``, L2-normalised q
    (times ``scale``) and k; stores ``G``, ``qg = q e^G``, ``kg = k e^(G_L - G)`` and ``e^(G_L)``.
-2. ``_intra_kernel``, one program per (chunk, head), the rest of the intra-chunk work fused: in 16 x 16
-   sub-blocks with ``beta = sigmoid(beta_raw)``, ``A[i,j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` (j < i)
-   and the causal ``Aqk[i,j] = sum_c q_ic k_jc exp(G_ic - G_jc)`` (j <= i, stored); the UT solve
-   ``M = (I + A)^-1`` (a product of four factors on each diagonal block, then block products) kept in
-   registers; ``w = M (beta k e^G)``, ``u = M (beta v)`` (stored). Pairwise decays use one reference row per
-   16-row block (its middle): ``q_i e^(G_i - G_r)`` and ``k_j e^(G_r - G_j)`` stay within e^(+-8|lb|) (so
-   ``lower_bound >= -10``), and never ``exp(-G)``.
-3. ``_state_kernel`` — the only serial pass: one program per (sequence, head, BV state columns) walks the
+2. ``_intra_kernel``, one program per (chunk, head, 16-row block i): in 16 x 16 sub-blocks with
+   ``beta = sigmoid(beta_raw)``, ``A[i,j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` (j < i) and the causal
+   ``Aqk[i,j] = sum_c q_ic k_jc exp(G_ic - G_jc)`` (j <= i), both stored. Pairwise decays use one reference
+   row per 16-row block (its middle): ``q_i e^(G_i - G_r)`` and ``k_j e^(G_r - G_j)`` stay within e^(+-8|lb|)
+   (so ``lower_bound >= -10``), and never ``exp(-G)``.
+3. ``_solve_kernel``, one program per (chunk, head): the UT solve ``M = (I + A)^-1`` (a product of four
+   factors on each diagonal block, then block products), stored.
+4. ``_wu_kernel``, one program per (chunk, head, w or u): ``w = M (beta k e^G)``, ``u = M (beta v)`` as one
+   64-row product each (stored). Until 2026-12-06 steps 2-4 were one program per (chunk, head) holding the
+   pairs, the solve and eight ``[16, 128]`` w / u accumulators at once: ptxas put it at 255 registers with
+   408-544 bytes of spills on sm_90 (4 / 8 warps), and 12,288 such programs ran B1 T8192 H96 in 2.73 ms.
+5. ``_state_kernel`` — the only serial pass: one program per (sequence, head, BV state columns) walks the
    sequence's chunks in order, stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps
    ``h <- e^(G_L) h + kg^T v'`` (fp32 registers).
-4. ``_out_kernel`` — one program per (chunk, head, BV columns), all chunks in parallel:
+6. ``_out_kernel`` — one program per (chunk, head, BV columns), all chunks in parallel:
    ``o = qg h_c + Aqk v'``.
 
 Precision (bf16 / fp16 inputs, and fp32 inputs with ``products="split"``): every product of inputs,
@@ -162,118 +166,99 @@ def _inv_diag(a, BC: tl.constexpr):
 
 
 @_interp.kjit
-def _store_rows(ptr, x, t0, L, hh, H, i: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
-    r = i * BC + tl.arange(0, BC)
-    tl.store(_at(ptr, t0, r, hh, H, tl.arange(0, D), D), x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
-
-
-@_interp.kjit
-def _bkv(k, v, gbuf, braw, t0, L, hh, H, j: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
-    """beta k e^G and beta v of block j."""
-    r = j * BC + tl.arange(0, BC)
-    m = (r < L)[:, None]
-    kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
-    Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
-    bj = _beta(braw, t0, L, hh, H, j, BC)
-    bk = tl.where(m, kj * tl.exp(Gj) * bj[:, None], 0.0)
-    bv = _rows(v, t0, L, hh, H, j, V, BC) * bj[:, None]
-    return bk, bv
-
-
-@_interp.kjit
-def _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33,
-        K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
-    """w_i = sum_{j<=i} M_ij (beta k e^G)_j, u_i = sum_{j<=i} M_ij (beta v)_j for the four blocks i; stored.
-    Each block j's ``beta k e^G`` and ``beta v`` is made once (j outer, all four accumulators live), and each
-    w_i / u_i sums its terms in ascending j as before (the compiler shares the bf16 split of an operand that
-    several products use). The products of w take :func:`_mm` with ``WOPD``, those of u with ``UOPD``."""
-    bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 0, K, V, BC)
-    w0, w1, w2, w3 = _mm(m00, bk, WOPD), _mm(m10, bk, WOPD), _mm(m20, bk, WOPD), _mm(m30, bk, WOPD)
-    u0, u1, u2, u3 = _mm(m00, bv, UOPD), _mm(m10, bv, UOPD), _mm(m20, bv, UOPD), _mm(m30, bv, UOPD)
-    _store_rows(w, w0, t0, L, hh, H, 0, K, BC)
-    _store_rows(u, u0, t0, L, hh, H, 0, V, BC)
-    bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 1, K, V, BC)
-    w1 += _mm(m11, bk, WOPD)
-    w2 += _mm(m21, bk, WOPD)
-    w3 += _mm(m31, bk, WOPD)
-    u1 += _mm(m11, bv, UOPD)
-    u2 += _mm(m21, bv, UOPD)
-    u3 += _mm(m31, bv, UOPD)
-    _store_rows(w, w1, t0, L, hh, H, 1, K, BC)
-    _store_rows(u, u1, t0, L, hh, H, 1, V, BC)
-    bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 2, K, V, BC)
-    w2 += _mm(m22, bk, WOPD)
-    w3 += _mm(m32, bk, WOPD)
-    u2 += _mm(m22, bv, UOPD)
-    u3 += _mm(m32, bv, UOPD)
-    _store_rows(w, w2, t0, L, hh, H, 2, K, BC)
-    _store_rows(u, u2, t0, L, hh, H, 2, V, BC)
-    bk, bv = _bkv(k, v, gbuf, braw, t0, L, hh, H, 3, K, V, BC)
-    w3 += _mm(m33, bk, WOPD)
-    u3 += _mm(m33, bv, UOPD)
-    _store_rows(w, w3, t0, L, hh, H, 3, K, BC)
-    _store_rows(u, u3, t0, L, hh, H, 3, V, BC)
+def _gate_rows(draw, a_h, dtb, t0, L, hh, H, lower_bound, j: tl.constexpr, K: tl.constexpr, GR: tl.constexpr):
+    """(rows, row mask, g) of rows ``j*GR ..`` of a chunk: the log-decay ``g = lb sigmoid(a_h (raw + dt_bias))``
+    in fp32, 0 past L."""
+    rows = j * GR + tl.arange(0, GR)
+    mr = (rows < L)[:, None]
+    raw = tl.load(_at(draw, t0, rows, hh, H, tl.arange(0, K), K), mask=mr, other=0.0).to(tl.float32)
+    g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
+    return rows, mr, tl.where(mr, g, 0.0)
 
 
 @_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
-                 K: tl.constexpr, BT: tl.constexpr):
+                 K: tl.constexpr, BT: tl.constexpr, GR: tl.constexpr):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
-    (in the dtype of their buffers), ``e^G_L`` (fp32)."""
+    (in the dtype of their buffers), ``e^G_L`` (fp32).
+
+    The chunk is walked in ``GR``-row slices (``[GR, K]`` tiles: at GR = 16 and 4 warps 16 values a thread a
+    tile, where the whole ``[64, K]`` chunk held ~255 registers and let two 4-warp programs share an SM): a first
+    sweep sums g over the chunk (``G_L``, what ``kg`` needs), the second makes G as the slice's cumulative sum
+    plus the sum of the slices before it, and stores everything. The second sweep recomputes g from
+    ``decay_raw`` (re-read from L2) rather than reading back its own stores."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    rows = tl.arange(0, BT)
-    mr = (rows < L)[:, None]
     offs_k = tl.arange(0, K)
-    raw = tl.load(_at(draw, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
     dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
-    g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
-    g = tl.where(mr, g, 0.0)
-    G = tl.cumsum(g, 0)
-    gl = tl.sum(g, 0)
-    tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
+    gl = tl.zeros([K], tl.float32)
+    for j in tl.static_range(0, BT // GR):
+        _, _, g = _gate_rows(draw, a_h, dtb, t0, L, hh, H, lower_bound, j, K, GR)
+        gl += tl.sum(g, 0)
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
-    qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
-    qn = _l2n(qn) * scale
-    tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
-    kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
-    kn = _l2n(kn)
-    tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty), mask=mr)
+    carry = tl.zeros([K], tl.float32)
+    for j in tl.static_range(0, BT // GR):
+        rows, mr, g = _gate_rows(draw, a_h, dtb, t0, L, hh, H, lower_bound, j, K, GR)
+        G = tl.cumsum(g, 0) + carry[None, :]
+        carry += tl.sum(g, 0)
+        tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
+        qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
+        qn = _l2n(qn) * scale
+        tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
+        kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
+        kn = _l2n(kn)
+        tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0)
+                 .to(kg.dtype.element_ty), mask=mr)
 
 
 @_interp.kjit
-def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                  OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
-    """Phases 2-4 of a chunk in one program: A and Aqk in 16 x 16 blocks (Aqk stored), the UT solve
-    ``M = (I + A)^-1`` kept in fp32 registers (never stored), then ``w = M (beta k e^G)``, ``u = M (beta v)``
-    (stored). A and Aqk take :func:`_mm` with ``OPD``, w ``WOPD``, u ``UOPD``; the solve's block products
-    ``PREC``."""
+def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr):
+    """Phase 2 of a chunk, one program per (chunk, head, 16-row block i): row block i of A and of Aqk, the
+    blocks (i, j <= i), both stored (A in fp32 for :func:`_solve_kernel`). The products take :func:`_mm` with
+    ``OPD``. A row block past the chunk's length does nothing."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    ib = tl.program_id(2)
+    t0 = tl.load(chunk_tok + c)
+    L = tl.load(chunk_len + c)
+    for i in tl.static_range(0, BT // BC):
+        if (ib == i) & (i * BC < L):
+            ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
+            for j in tl.static_range(0, i + 1):
+                a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
+                _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+
+
+@_interp.kjit
+def _blk(ptr, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    """The [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] fp32 buffer (zeros past L)."""
+    r = i * BC + tl.arange(0, BC)
+    return tl.load(_at(ptr, t0, r, hh, H, j * BC + tl.arange(0, BC), D), mask=(r < L)[:, None], other=0.0)
+
+
+@_interp.kjit
+def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Phase 3 of a chunk, one program per (chunk, head): the UT solve ``M = (I + A)^-1`` of the stored A (its
+    16 x 16 blocks: :func:`_inv_diag` on the diagonal, then block products at ``PREC``), stored in fp32 (lower
+    triangle; :func:`_wu_kernel` applies it)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 0, K, BC)
-    a00 = _pair(k, gbuf, aqk, t0, L, hh, H, 0, 0, Gr, ka, qa, K, BT, BC, OPD)
-    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 1, K, BC)
-    a10 = _pair(k, gbuf, aqk, t0, L, hh, H, 1, 0, Gr, ka, qa, K, BT, BC, OPD)
-    a11 = _pair(k, gbuf, aqk, t0, L, hh, H, 1, 1, Gr, ka, qa, K, BT, BC, OPD)
-    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 2, K, BC)
-    a20 = _pair(k, gbuf, aqk, t0, L, hh, H, 2, 0, Gr, ka, qa, K, BT, BC, OPD)
-    a21 = _pair(k, gbuf, aqk, t0, L, hh, H, 2, 1, Gr, ka, qa, K, BT, BC, OPD)
-    a22 = _pair(k, gbuf, aqk, t0, L, hh, H, 2, 2, Gr, ka, qa, K, BT, BC, OPD)
-    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, 3, K, BC)
-    a30 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 0, Gr, ka, qa, K, BT, BC, OPD)
-    a31 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 1, Gr, ka, qa, K, BT, BC, OPD)
-    a32 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 2, Gr, ka, qa, K, BT, BC, OPD)
-    a33 = _pair(k, gbuf, aqk, t0, L, hh, H, 3, 3, Gr, ka, qa, K, BT, BC, OPD)
-    m00 = _inv_diag(a00, BC)
-    m11 = _inv_diag(a11, BC)
-    m22 = _inv_diag(a22, BC)
-    m33 = _inv_diag(a33, BC)
+    a10 = _blk(abuf, t0, L, hh, H, 1, 0, BT, BC)
+    a20 = _blk(abuf, t0, L, hh, H, 2, 0, BT, BC)
+    a21 = _blk(abuf, t0, L, hh, H, 2, 1, BT, BC)
+    a30 = _blk(abuf, t0, L, hh, H, 3, 0, BT, BC)
+    a31 = _blk(abuf, t0, L, hh, H, 3, 1, BT, BC)
+    a32 = _blk(abuf, t0, L, hh, H, 3, 2, BT, BC)
+    m00 = _inv_diag(_blk(abuf, t0, L, hh, H, 0, 0, BT, BC), BC)
+    m11 = _inv_diag(_blk(abuf, t0, L, hh, H, 1, 1, BT, BC), BC)
+    m22 = _inv_diag(_blk(abuf, t0, L, hh, H, 2, 2, BT, BC), BC)
+    m33 = _inv_diag(_blk(abuf, t0, L, hh, H, 3, 3, BT, BC), BC)
     m10 = -tl.dot(m11, tl.dot(a10, m00, input_precision=PREC), input_precision=PREC)
     m21 = -tl.dot(m22, tl.dot(a21, m11, input_precision=PREC), input_precision=PREC)
     m20 = -tl.dot(m22, tl.dot(a20, m00, input_precision=PREC) + tl.dot(a21, m10, input_precision=PREC),
@@ -283,8 +268,46 @@ def _intra_kernel(q, k, v, braw, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H
                   input_precision=PREC)
     m30 = -tl.dot(m33, tl.dot(a30, m00, input_precision=PREC) + tl.dot(a31, m10, input_precision=PREC)
                   + tl.dot(a32, m20, input_precision=PREC), input_precision=PREC)
-    _wu(k, v, gbuf, braw, w, u, t0, L, hh, H, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, K, V, BC, WOPD,
-        UOPD)
+    _store_blk(mbuf, m00, t0, L, hh, H, 0, 0, BT, BC)
+    _store_blk(mbuf, m10, t0, L, hh, H, 1, 0, BT, BC)
+    _store_blk(mbuf, m11, t0, L, hh, H, 1, 1, BT, BC)
+    _store_blk(mbuf, m20, t0, L, hh, H, 2, 0, BT, BC)
+    _store_blk(mbuf, m21, t0, L, hh, H, 2, 1, BT, BC)
+    _store_blk(mbuf, m22, t0, L, hh, H, 2, 2, BT, BC)
+    _store_blk(mbuf, m30, t0, L, hh, H, 3, 0, BT, BC)
+    _store_blk(mbuf, m31, t0, L, hh, H, 3, 1, BT, BC)
+    _store_blk(mbuf, m32, t0, L, hh, H, 3, 2, BT, BC)
+    _store_blk(mbuf, m33, t0, L, hh, H, 3, 3, BT, BC)
+
+
+@_interp.kjit
+def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
+               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
+    """Phase 4 of a chunk, one program per (chunk, head, part): part 0 ``w = M (beta k e^G)`` (``[BT, K]``),
+    part 1 ``u = M (beta v)`` (``[BT, V]``), each one ``[BT, BT] x [BT, D]`` product of the stored solve ``M``
+    (its upper triangle read as 0) on the matrix unit (64-row tiles: wgmma on sm_90), ``w`` through :func:`_mm`
+    with ``WOPD``, ``u`` with ``UOPD``; stored."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    part = tl.program_id(2)
+    t0 = tl.load(chunk_tok + c)
+    L = tl.load(chunk_len + c)
+    rows = tl.arange(0, BT)
+    ok = rows < L
+    mr = ok[:, None]
+    m = tl.load(_at(mbuf, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+    b = tl.load(braw + (t0.to(tl.int64) * H + hh) + rows * H, mask=ok, other=0.0).to(tl.float32)
+    b = tl.where(ok, tl.sigmoid(b), 0.0)
+    if part == 0:
+        offs_k = tl.arange(0, K)
+        kn = _l2n(tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32))
+        G = tl.load(_at(gbuf, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+        bk = tl.where(mr, kn * tl.exp(G) * b[:, None], 0.0)
+        tl.store(_at(w, t0, rows, hh, H, offs_k, K), _mm(m, bk, WOPD).to(w.dtype.element_ty), mask=mr)
+    else:
+        offs_v = tl.arange(0, V)
+        bv = tl.load(_at(v, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32) * b[:, None]
+        tl.store(_at(u, t0, rows, hh, H, offs_v, V), _mm(m, bv, UOPD).to(u.dtype.element_ty), mask=mr)
 
 
 @_interp.kjit
@@ -464,7 +487,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     Args: as the oracle (q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` in fp32 / bf16 / fp16, decay_raw
         ``[B, T, H*K]``, beta_raw ``[B, T, H]``, A_log ``[>= H]``, dt_bias ``[H*K]``, initial_state
         ``[N, H, K, V]`` fp32 or None, cu_seqlens ``[N+1]`` int32 with B = 1), plus
-        ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"intra": cfg, "state": cfg,
+        ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"intra": cfg, "wu": cfg, "state": cfg,
         "out": cfg}`` entries of the :mod:`configs` tables to force (tests; a missing entry is tuned); default:
         :func:`k3rocm.kernels.tune.pick`, keyed on powers of two of the token and sequence counts.
         ``products``: how the matrix products run. ``"ieee"``: IEEE fp32 operands throughout (fp32 FMA on
@@ -494,7 +517,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     Args, raises: as :func:`kda_prefill`. Runs the prefill once (tuning each kernel first where needed).
     Returns:
         ``(launches, o, final_state)``: ``launches`` is ``[(name, fn)]`` in launch order, ``name`` one of
-        ``"gate"``, ``"intra"``, ``"state"``, ``"out"``; ``fn()`` runs that kernel again with its chosen config on
+        ``"gate"``, ``"intra"``, ``"solve"``, ``"wu"``, ``"state"``, ``"out"``; ``fn()`` runs that kernel again with its chosen config on
         the same buffers (running them all in order recomputes ``o`` and ``final_state``).
     """
     B, T, H, K = q.shape
@@ -546,6 +569,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     u = C.empty(TT, H, V, dtype=bf("u"), device=dev)
     vnew = C.empty(TT, H, V, dtype=bf("vnew"), device=dev)
     aqk = C.empty(TT, H, BT, dtype=bf("aqk"), device=dev)
+    abuf = C.empty(TT, H, BT, dtype=f32, device=dev)  # A, row by row (lower triangle)
+    mbuf = C.empty(TT, H, BT, dtype=f32, device=dev)  # the UT solve M = (I + A)^-1, row by row
     glast = C.empty(max(NC, 1), H, K, dtype=f32, device=dev)
     hbuf = C.empty(max(NC, 1), H, K, V, dtype=bf("hbuf"), device=dev)
     o = C.empty(B, T, H, V, dtype=out_dtype, device=dev)
@@ -558,18 +583,31 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
         if NC:
             _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
-                           scale, float(lower_bound), H, K=K, BT=BT, **gate_opts)
+                           scale, float(lower_bound), H, K=K, BT=BT, GR=BC, **gate_opts)
 
     def launch_intra(c):
         meta, opts = tune.split(c)
         if NC:
-            _interp.launch(_intra_kernel, (NC, H), qc, kc, vc, br, chunk_tok, chunk_len, gbuf, aqk, w, u, scale, H,
-                           K=K, V=V, BT=BT, BC=BC, PREC=prec, OPD=opd["pair"], WOPD=opd["w"], UOPD=opd["u"],
-                           **meta, **opts)
+            _interp.launch(_intra_kernel, (NC, H, BT // BC), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk, abuf,
+                           scale, H, K=K, BT=BT, BC=BC, OPD=opd["pair"], **meta, **opts)
+
+    solve_opts = tune.split(tune.configs(C.SOLVE)[0])[1]
+
+    def launch_solve(_c=None):  # its own launch options (configs.SOLVE), timed with the intra kernel
+        if NC:
+            _interp.launch(_solve_kernel, (NC, H), abuf, mbuf, chunk_tok, chunk_len, H, BT=BT, BC=BC, PREC=prec,
+                           **solve_opts)
+
+    def launch_wu(c):
+        meta, opts = tune.split(c)
+        if NC:
+            _interp.launch(_wu_kernel, (NC, H, 2), kc, vc, br, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
+                           K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], **meta, **opts)
 
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
         launch_gate(c)
         launch_intra(c)
+        launch_solve(c)
 
     def launch_state(c):
         meta, opts = tune.split(c)
@@ -591,7 +629,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, tuple(sorted((kk, str(vv)) for kk, vv in prec_parts.items())))
     launches = []
     for name, table, run, parts in (
-            ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra))),
+            ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra),
+                                                   ("solve", launch_solve))),
+            ("wu", C.WU, launch_wu, (("wu", launch_wu),)),
             ("state", C.STATE, launch_state, (("state", launch_state),)),
             ("out", C.OUT, launch_out, (("out", launch_out),))):
         c = tune.pick(f"kda_{name}", key, [cfg[name]] if name in cfg else tune.configs(table), run)

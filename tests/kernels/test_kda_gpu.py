@@ -45,7 +45,7 @@ def first_configs():
     """The first config of each prefill kernel table (a fixed, untuned prefill)."""
     from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
-    return {"intra": tune.configs(KC.INTRA)[0], "state": tune.configs(KC.STATE)[0], "out": tune.configs(KC.OUT)[0]}
+    return {"intra": tune.configs(KC.INTRA)[0], "wu": tune.configs(KC.WU)[0], "state": tune.configs(KC.STATE)[0], "out": tune.configs(KC.OUT)[0]}
 
 
 def max_rel(got, want):
@@ -119,7 +119,7 @@ def test_every_config_20_runs_identical():
     from k3rocm.model import kda as O
     a = inputs(1, 1000, 12, torch.bfloat16, state=True)
     want_o, want_s = oracle(a)
-    for kind in ("intra", "state", "out"):
+    for kind in ("intra", "wu", "state", "out"):
         for i, c in enumerate(tune.configs(getattr(KC, kind.upper()))):
             cfg = {**first_configs(), kind: c}
             o0, s0 = P.kda_prefill(**a, config=cfg)

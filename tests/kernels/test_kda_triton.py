@@ -69,6 +69,7 @@ def test_prefill_grid_fp32(B, T, H, cfg):
     a = make_prefill(B, T, H, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
     c = {"intra": tune.configs(KC.INTRA)[cfg % len(tune.configs(KC.INTRA))],
+         "wu": tune.configs(KC.WU)[cfg % len(tune.configs(KC.WU))],
          "state": tune.configs(KC.STATE)[cfg % len(tune.configs(KC.STATE))],
          "out": tune.configs(KC.OUT)[cfg % len(tune.configs(KC.OUT))]}
     o, s = KPRE.kda_prefill(**a, config=c)
@@ -158,7 +159,7 @@ def test_prefill_launches_one_by_one():
     """The prefill's launches, rerun one by one on fresh outputs, recompute its output and final state."""
     a = make_prefill(1, 5, 1, D, _gen(), state=True)
     launches, o, s = KPRE.prefill_launches(**a)
-    assert [nm for nm, _ in launches] == ["gate", "intra", "state", "out"]
+    assert [nm for nm, _ in launches] == ["gate", "intra", "solve", "wu", "state", "out"]
     want_o, want_s = o.clone(), s.clone()
     o.fill_(float("nan"))
     s.fill_(float("nan"))
@@ -280,7 +281,7 @@ def test_tune_keys_bounded(monkeypatch):
     by = {}
     for name, key in keys:
         by.setdefault(name, set()).add(key)
-    assert set(by) == {"kda_intra", "kda_state", "kda_out", "kda_conv", "kda_decode"}
+    assert set(by) == {"kda_intra", "kda_wu", "kda_state", "kda_out", "kda_conv", "kda_decode"}
     assert all(len(v) == 1 for v in by.values()), by
 
 
