@@ -231,8 +231,7 @@ def gate_sweep(a) -> dict:
     res = {}
     for nw in (1, 2, 4, 8, 16):
         fn = lambda nw=nw: _interp.launch(P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl,  # noqa
-                                          g, qg, kg, gl, K ** -0.5, -5.0, H, K=K, BT=P.BT, GR=P.BC,
-                                          num_warps=nw)
+                                          g, qg, kg, gl, K ** -0.5, -5.0, H, K=K, BT=P.BT, num_warps=nw)
         try:
             fn()
             res[f"gate_ms[num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
@@ -241,8 +240,8 @@ def gate_sweep(a) -> dict:
     return res
 
 
-def sweep(rows=((1, 8192, 96), (1, 131072, 12))) -> list[dict]:
-    """Where each launch could go: per row, every config of the intra, wu, state and out kernels timed alone, the gate
+def sweep(rows=None) -> list[dict]:
+    """Where each launch could go: per row (default B1 T8192 H96 and B1 T131072 H12), every config of the intra, wu, state and out kernels timed alone, the gate
     kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
     config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
     import triton.testing as tt
@@ -251,6 +250,7 @@ def sweep(rows=((1, 8192, 96), (1, 131072, 12))) -> list[dict]:
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     from k3rocm.model import kda as O
+    rows = rows or ((1, 8192, 96), (1, 131072, 12))  # --prefill picks others
     out = []
     acc_in = prefill_inputs(1, 4096, 12, seed=7)
     acc_in["initial_state"] = torch.randn(1, 12, D, D, device="cuda") * 0.1
@@ -366,7 +366,7 @@ def main():
         if part in ("decode", "prefill"):
             rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels)
     acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
-    sw = sweep() if "sweep" in parts else []
+    sw = (sweep(tuple(sel) if sel else None) if "sweep" in parts else [])
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)

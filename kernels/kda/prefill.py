@@ -2,7 +2,7 @@
 
 Six launches:
 
-1. ``_gate_kernel``, one program per (chunk of BT = 64 tokens, head), in 16-row slices: in fp32 the gate
+1. ``_gate_kernel``, one program per (chunk of BT = 64 tokens, head): in fp32 the gate
    ``g = lb * sigmoid(exp(A_log[h]) * (raw + dt_bias))``, its in-chunk cumulative sum ``G``, L2-normalised q
    (times ``scale``) and k; stores ``G``, ``qg = q e^G``, ``kg = k e^(G_L - G)`` and ``e^(G_L)``.
 2. ``_intra_kernel``, one program per (chunk, head, 16-row block i): in 16 x 16 sub-blocks with
@@ -166,52 +166,34 @@ def _inv_diag(a, BC: tl.constexpr):
 
 
 @_interp.kjit
-def _gate_rows(draw, a_h, dtb, t0, L, hh, H, lower_bound, j: tl.constexpr, K: tl.constexpr, GR: tl.constexpr):
-    """(rows, row mask, g) of rows ``j*GR ..`` of a chunk: the log-decay ``g = lb sigmoid(a_h (raw + dt_bias))``
-    in fp32, 0 past L."""
-    rows = j * GR + tl.arange(0, GR)
-    mr = (rows < L)[:, None]
-    raw = tl.load(_at(draw, t0, rows, hh, H, tl.arange(0, K), K), mask=mr, other=0.0).to(tl.float32)
-    g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
-    return rows, mr, tl.where(mr, g, 0.0)
-
-
-@_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
-                 K: tl.constexpr, BT: tl.constexpr, GR: tl.constexpr):
+                 K: tl.constexpr, BT: tl.constexpr):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
-    (in the dtype of their buffers), ``e^G_L`` (fp32).
-
-    The chunk is walked in ``GR``-row slices (``[GR, K]`` tiles: at GR = 16 and 4 warps 16 values a thread a
-    tile, where the whole ``[64, K]`` chunk held ~255 registers and let two 4-warp programs share an SM): a first
-    sweep sums g over the chunk (``G_L``, what ``kg`` needs), the second makes G as the slice's cumulative sum
-    plus the sum of the slices before it, and stores everything. The second sweep recomputes g from
-    ``decay_raw`` (re-read from L2) rather than reading back its own stores."""
+    (in the dtype of their buffers), ``e^G_L`` (fp32), on whole ``[BT, K]`` tiles. (Walking the chunk in 16-row
+    slices took the registers from 255 to 144 but the kernel from 1.14 to 1.58 ms at B1 T8192 H96 on an H100,
+    2026-12-06: fewer bytes in flight a program.)"""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
+    rows = tl.arange(0, BT)
+    mr = (rows < L)[:, None]
     offs_k = tl.arange(0, K)
+    raw = tl.load(_at(draw, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
     dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
-    gl = tl.zeros([K], tl.float32)
-    for j in tl.static_range(0, BT // GR):
-        _, _, g = _gate_rows(draw, a_h, dtb, t0, L, hh, H, lower_bound, j, K, GR)
-        gl += tl.sum(g, 0)
+    g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
+    g = tl.where(mr, g, 0.0)
+    G = tl.cumsum(g, 0)
+    gl = tl.sum(g, 0)
+    tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
-    carry = tl.zeros([K], tl.float32)
-    for j in tl.static_range(0, BT // GR):
-        rows, mr, g = _gate_rows(draw, a_h, dtb, t0, L, hh, H, lower_bound, j, K, GR)
-        G = tl.cumsum(g, 0) + carry[None, :]
-        carry += tl.sum(g, 0)
-        tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
-        qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
-        qn = _l2n(qn) * scale
-        tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
-        kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
-        kn = _l2n(kn)
-        tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0)
-                 .to(kg.dtype.element_ty), mask=mr)
+    qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
+    qn = _l2n(qn) * scale
+    tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
+    kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
+    kn = _l2n(kn)
+    tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty), mask=mr)
 
 
 @_interp.kjit
@@ -311,11 +293,13 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
 
 
 @_interp.kjit
-def _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, ok, hh, H, offs_v,
+def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
-    """(w_c, kg_c, u_c, e^(G_L), t0, L) of chunk ``c`` for the state pass; ``ok`` (int) 0: all masked, L = 0."""
-    t0 = tl.load(chunk_tok + c, mask=ok > 0, other=0)
-    L = tl.load(chunk_len + c, mask=ok > 0, other=0)
+    """(w_c, kg_c, u_c, e^(G_L), t0, L) of chunk ``c`` of the sequence of tokens ``[s0, s1)`` whose first chunk
+    is ``c0`` (chunks are BT tokens of one sequence: the addresses are affine in ``c``, no table read in the
+    loop, so the compiler may pipeline the loads); ``ok`` (int) 0: all masked, L <= 0."""
+    t0 = s0 + (c - c0) * BT
+    L = tl.minimum(s1 - t0, BT) * ok
     offs_k = tl.arange(0, K)
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
@@ -351,16 +335,18 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         h = tl.zeros([K, BV], dtype=tl.float32)
     c0 = tl.load(seq_chunk + n)
     c1 = tl.load(seq_chunk + n + 1)
+    some = c0 < c1
+    s0 = tl.load(chunk_tok + c0, mask=some, other=0)
+    s1 = tl.load(chunk_tok + c1 - 1, mask=some, other=0) + tl.load(chunk_len + c1 - 1, mask=some, other=0)
     if PF:
-        w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c0,
-                                                 (c0 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
+        w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c0, some.to(tl.int32), hh, H,
+                                                 offs_v, K, V, BT)
     for c in range(c0, c1):
         if PF:
-            w_n, kg_n, u_n, gl_n, t0_n, L_n = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c + 1,
+            w_n, kg_n, u_n, gl_n, t0_n, L_n = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c + 1,
                                                            (c + 1 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
         else:
-            w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, chunk_tok, chunk_len, c, 1, hh, H, offs_v,
-                                                     K, V, BT)
+            w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, 1, hh, H, offs_v, K, V, BT)
         mr = (rows < L)[:, None]
         ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
         tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
@@ -583,7 +569,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
         if NC:
             _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
-                           scale, float(lower_bound), H, K=K, BT=BT, GR=BC, **gate_opts)
+                           scale, float(lower_bound), H, K=K, BT=BT, **gate_opts)
 
     def launch_intra(c):
         meta, opts = tune.split(c)
