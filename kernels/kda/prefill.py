@@ -306,7 +306,9 @@ def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
     w_c = tl.load(_at(w, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
     kg_c = tl.load(_at(kg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
     u_c = tl.load(_at(u, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32)
-    gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k, mask=(ok + 0 * offs_k) > 0, other=0.0)
+    # masked by the chunk's length, not only by ``ok``: a pipelined loop (2-stage configs) may issue the loads of
+    # the step after the last, whose glast row can lie past the buffer's end
+    gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k, mask=(L + 0 * offs_k) > 0, other=0.0)
     return w_c, kg_c, u_c, gl, t0, L
 
 

@@ -301,3 +301,28 @@ def test_layer_asks_the_kernel_not_to_store_h(K):
         assert x.dtype == ref.dtype
         torch.testing.assert_close(x.cpu().float(), ref.float(), **(TOL if dt is None else dict(atol=2e-2, rtol=2e-2)))
     assert seen == [False, False]
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("num_rows,append", [(0, True), (3, False), (4, True), (8, False)])
+def test_kernel_bf16_bank_every_config(K, T, num_rows, append):
+    """A bf16 bank and prefix (what the engine keeps; the tests above use fp32 banks), every config: ``h`` and
+    ``h_normed`` within the tolerance of the oracle on the same values in fp32, the appended row bit for bit, the
+    call without ``h`` bit for bit the one with it."""
+    g = torch.Generator().manual_seed(90 + 10 * T + num_rows)
+    D = 72
+    bank0 = torch.randn(9, T, D, generator=g).to(torch.bfloat16)
+    bank0[num_rows:] = float("nan")
+    pre = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    w, nw = torch.randn(D, generator=g) * 0.3, 1 + 0.1 * torch.randn(D, generator=g)
+    b_ref = bank0.float()
+    h_ref, hn_ref = A.attn_res_norm(b_ref, num_rows, pre.float(), w, nw, 1e-5, append=append)
+    args = (num_rows, pre.to(DEV), w.to(DEV), nw.to(DEV), 1e-5)
+    for cfg in _configs(K):
+        b, b2 = bank0.clone().to(DEV), bank0.clone().to(DEV)
+        h, hn = K.attn_res_norm(b, *args, append=append, config=cfg)
+        torch.testing.assert_close(h.cpu(), h_ref, **TOL)
+        torch.testing.assert_close(hn.cpu(), hn_ref, **TOL)
+        torch.testing.assert_close(b.cpu().float(), b_ref, equal_nan=True, atol=0, rtol=0)
+        h2, hn2 = K.attn_res_norm(b2, *args, append=append, config=cfg, store_h=False)
+        assert h2 is None and torch.equal(hn2, hn), cfg
