@@ -208,8 +208,9 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
 
 
 #: precision variants the sweep times and checks (``kda_prefill(products=...)``; prefill.PRODUCTS)
-SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)),
-                  "w in bf16": dict(w="bf16", wh="bf16", store=("w",))}
+#: ("w in bf16", w / wh single bf16 with w stored in bf16, is refused by the kernel since 2026-12-06: it faulted on
+#: the H100; its accuracy was past the 3e-3 bound near decay 1 in the runs before)
+SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)), "w, wh in bf16": dict(w="bf16", wh="bf16")}
 
 
 def gate_sweep(a) -> dict:
@@ -267,6 +268,7 @@ def sweep(rows=None) -> list[dict]:
                 res[f"{kind}_ms[{json.dumps(c, sort_keys=True)}]"] = tt.do_bench(fn, warmup=10, rep=50)
         res.update(gate_sweep(a))
         for name, prod in SWEEP_VARIANTS.items():
+            print(f"variant {name} ({res['row']})", flush=True)  # a fault's log names the variant it hit
             launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=first, products=prod)
             for nm, fn in launches:
                 res[f"{name}:{nm}_ms"] = tt.do_bench(fn, warmup=10, rep=50)

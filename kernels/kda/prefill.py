@@ -458,6 +458,12 @@ def _precision(products, dtype: torch.dtype) -> dict:
         out = dict(PRODUCTS["split"], **products)
         ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in _PARTS)
               and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"]))
+        if ok and "w" in out["store"] and out["wh"] == "bf16":
+            # measured 2026-12-06 on an H100 (triton 3.6, B1 T8192 H96): the state pass with a PF = 0 config
+            # faults (illegal address) when it reads w stored in bf16 into a single-bf16 product; fine with w in
+            # fp32 or wh split, and at 1,000 tokens. Refused rather than risk the process's CUDA context
+            raise ConfigError("kda_prefill (triton): products store w in bf16 with wh='bf16' is refused (the state "
+                              "pass faults on sm_90 with it); keep wh 'split' or w stored in fp32")
         if ok:
             out["store"] = tuple(sorted(out["store"]))
             return out

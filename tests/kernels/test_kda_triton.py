@@ -146,11 +146,13 @@ def test_prefill_precision_parts():
     want_o, want_s = O.kda_recurrent(**a)
     split_o, split_s = KPRE.kda_prefill(**a, products="split")
     for prod in (dict(pair="bf16"), dict(u="bf16"), dict(kv="bf16"), dict(out="bf16"),
-                 dict(w="bf16", wh="bf16", store=("w",)), dict(store=("hbuf", "w"))):
+                 dict(w="bf16", wh="bf16"), dict(store=("hbuf", "w"))):
         o, s = KPRE.kda_prefill(**a, products=prod)
         assert _rel_rms(o, want_o) < 3e-2 and _rel_rms(s, want_s) < 3e-2, prod
         assert not (torch.equal(o, split_o) and torch.equal(s, split_s)), f"{prod} ran the split path"
-    for bad in (dict(pair="tf32"), dict(store=("h",)), dict(solve="bf16"), dict(outs="bf16"), dict(wu="bf16")):
+    # the last: w stored in bf16 read by a single-bf16 w h product, which faulted on the H100 (refused)
+    for bad in (dict(pair="tf32"), dict(store=("h",)), dict(solve="bf16"), dict(outs="bf16"), dict(wu="bf16"),
+                dict(wh="bf16", store=("w",))):
         with pytest.raises(ConfigError, match="products"):
             KPRE.kda_prefill(**a, products=bad)
 
