@@ -57,16 +57,19 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
                     K="constexpr", BT="constexpr")
     intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
-                     scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr")
+                     scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
+                     INNER="constexpr")
     solve_sig = dict(abuf="*fp32", mbuf="*fp32", chunk_tok="*i32", chunk_len="*i32", H="i32", BT="constexpr",
                      BC="constexpr", PREC="constexpr")
     wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
-                  H="i32", K="constexpr", V="constexpr", BT="constexpr", WOPD="constexpr", UOPD="constexpr")
+                  H="i32", K="constexpr", V="constexpr", BT="constexpr", WOPD="constexpr", UOPD="constexpr",
+                  INNER="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf="*bf16", vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
-                     BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr")
+                     BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr",
+                     INNER="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf="*bf16", vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
-                   V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr")
+                   V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
                    slot_ids="*i32", out=p, H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", sg="i32",
@@ -81,13 +84,16 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.GATE)),
-        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1), True, _opts(configs.INTRA)),
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0), True,
+         _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
-        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1), True, _opts(configs.WU)),
+        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0), True,
+         _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0), True,
          _opts(configs.STATE)),
-        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1), True, _opts(configs.OUT)),
+        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0), True,
+         _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,
          _opts(configs.DECODE)),
     ]

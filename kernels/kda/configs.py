@@ -23,13 +23,18 @@ _CUDA = {
     "conv": [dict(BLOCK_T=32, BLOCK_C=128, num_warps=4, num_stages=1),
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, num_stages=1),
              dict(BLOCK_T=16, BLOCK_C=256, num_warps=4, num_stages=1)],
+    # INNER 1 (intra, wu, state, out): the kernel's inner split (row block, w / u, V block) fastest in launch
+    # order, so the programs of one chunk / sequence run together and share its tiles in L2 (prefill._pids);
+    # added 2026-12-06 as candidates after the served entries, not yet timed on a GPU
     "intra": [dict(num_warps=4, num_stages=1),
-              dict(num_warps=8, num_stages=1)],
+              dict(num_warps=8, num_stages=1),
+              dict(INNER=1, num_warps=4, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
     "wu": [dict(num_warps=4, num_stages=1),
-           dict(num_warps=8, num_stages=1)],
+           dict(num_warps=8, num_stages=1),
+           dict(INNER=1, num_warps=4, num_stages=1)],
     # the gate kernel's launch options (first entry, not tuned): on an H200 at B1 T8192 H96 it took 1.08 ms at
     # 4 warps against 1.33 / 1.41 at 8 / 16 (the intra kernel's tuned 8, which it used to share) and 3.1+ at 1-2
     "gate": [dict(num_warps=4, num_stages=1)],
@@ -40,14 +45,17 @@ _CUDA = {
               dict(BV=16, PF=1, num_warps=8, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, num_stages=1),
               dict(BV=16, PF=0, num_warps=4, num_stages=1),
-              dict(BV=64, PF=0, num_warps=4, num_stages=1)],
+              dict(BV=64, PF=0, num_warps=4, num_stages=1),
+              dict(BV=32, PF=1, INNER=1, num_warps=4, num_stages=1),
+              dict(BV=32, PF=0, INNER=1, num_warps=4, num_stages=1)],
     # not listed: 2-stage state configs (BV 32 / 16, PF 0, 4 / 8 warps). With the chunks at affine addresses the
     # loop pipeliner stages the next chunk's w / kg / u in shared memory (cp.async), but ptxas still puts them at
     # 255 registers with 148-716 bytes of spills, the tuned prefill moved by 1-2% (H100, 2026-12-06), and the
     # precision sweep's bf16-storage variants hit an illegal address with them in the table
     "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
-            dict(BV=32, BK=64, num_warps=4, num_stages=1)],
+            dict(BV=32, BK=64, num_warps=4, num_stages=1),
+            dict(BV=64, BK=32, INNER=1, num_warps=4, num_stages=2)],
     # decode: the fused one-launch kernel of b5aae80, kept over the V-tiled-grid rewrite that measured slower on
     # every row (BENCHMARKS, 2026-12-02). WIN 1: the conv window read as one tile behind one barrier (0: a
     # barrier per position); PRE 1: the whole state load issued before the convolutions. H200 2026-12-03, ms at
@@ -65,18 +73,24 @@ _HIP = {
     "conv": [dict(BLOCK_T=32, BLOCK_C=128, num_warps=8, waves_per_eu=0),
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+              dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
-    "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+    "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+           dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "gate": [dict(num_warps=4, waves_per_eu=0)],  # as on CUDA (not measured on CDNA)
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
-              dict(BV=16, PF=0, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
+              dict(BV=16, PF=0, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+              dict(BV=32, PF=1, INNER=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1,
+                   num_stages=1)],
     "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
-            dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1)],
+            dict(BV=32, BK=32, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
+            dict(BV=64, BK=32, INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1,
+                 num_stages=1)],
     "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
                dict(BV=16, num_warps=4, waves_per_eu=2),
                # the one-barrier conv window (fastest on the H200; timed on CDNA by the tuned pick)

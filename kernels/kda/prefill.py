@@ -166,6 +166,20 @@ def _inv_diag(a, BC: tl.constexpr):
 
 
 @_interp.kjit
+def _pids(INNER: tl.constexpr, NI: tl.constexpr):
+    """``(outer, inner)`` program indices of a kernel whose grid splits each outer item (a chunk or a sequence)
+    ``NI`` ways (row blocks, w / u, V blocks). ``INNER = 1``: axis 0 is ``outer * NI + inner``, so the programs
+    of one item are adjacent in launch order and run together, sharing the item's tiles in L2 (with the split on
+    axis 2 they are ``NC * H`` launches apart, and a B1 T8192 H96 prefill's tiles are far larger than L2);
+    ``INNER = 0``: ``(axis 0, axis 2)``. Axis 1 is the head either way."""
+    if INNER:
+        pid = tl.program_id(0)
+        return pid // NI, pid % NI
+    else:
+        return tl.program_id(0), tl.program_id(2)
+
+
+@_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
                  K: tl.constexpr, BT: tl.constexpr):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
@@ -198,13 +212,12 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
 
 @_interp.kjit
 def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
-                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr):
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, INNER: tl.constexpr = 0):
     """Phase 2 of a chunk, one program per (chunk, head, 16-row block i): row block i of A and of Aqk, the
     blocks (i, j <= i), both stored (A in fp32 for :func:`_solve_kernel`). The products take :func:`_mm` with
     ``OPD``. A row block past the chunk's length does nothing."""
-    c = tl.program_id(0)
+    c, ib = _pids(INNER, BT // BC)
     hh = tl.program_id(1)
-    ib = tl.program_id(2)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     for i in tl.static_range(0, BT // BC):
@@ -264,14 +277,14 @@ def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.
 
 @_interp.kjit
 def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
-               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr):
+               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr,
+               INNER: tl.constexpr = 0):
     """Phase 4 of a chunk, one program per (chunk, head, part): part 0 ``w = M (beta k e^G)`` (``[BT, K]``),
     part 1 ``u = M (beta v)`` (``[BT, V]``), each one ``[BT, BT] x [BT, D]`` product of the stored solve ``M``
     (its upper triangle read as 0) on the matrix unit (64-row tiles: wgmma on sm_90), ``w`` through :func:`_mm`
     with ``WOPD``, ``u`` with ``UOPD``; stored."""
-    c = tl.program_id(0)
+    c, part = _pids(INNER, 2)
     hh = tl.program_id(1)
-    part = tl.program_id(2)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     rows = tl.arange(0, BT)
@@ -315,7 +328,7 @@ def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
 @_interp.kjit
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr):
+                  OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr, INNER: tl.constexpr = 0):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
     The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`,
@@ -323,9 +336,8 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     ``PF = 1``: the next chunk's tiles are loaded while the current one is computed (they do not depend on the
     state), so their memory latency leaves the serial chain, for twice the tile registers; ``PF = 0``: each
     chunk's tiles are loaded at the top of its step."""
-    n = tl.program_id(0)
+    n, vb = _pids(INNER, V // BV)
     hh = tl.program_id(1)
-    vb = tl.program_id(2)
     offs_k = tl.arange(0, K)
     offs_v = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, BT)
@@ -363,13 +375,12 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
 @_interp.kjit
 def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                OPD: tl.constexpr):
+                OPD: tl.constexpr, INNER: tl.constexpr = 0):
     """The output, all chunks in parallel: one program per (chunk, head, BV columns),
     ``o = qg h_c + Aqk v'`` from the stored chunk state ``h_c`` and ``v'`` (``qg h_c`` in BK-wide slices of K,
     which bounds the live registers)."""
-    c = tl.program_id(0)
+    c, vb = _pids(INNER, V // BV)
     hh = tl.program_id(1)
-    vb = tl.program_id(2)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     offs_v = vb * BV + tl.arange(0, BV)
@@ -384,6 +395,11 @@ def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
         h_c = tl.load(hbuf + (c.to(tl.int64) * H + hh) * (K * V) + (offs_k[:, None] * V + offs_v[None, :]))
         oc += _mm(qg_c, h_c, OPD)
     tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
+
+
+def _grid(outer: int, H: int, inner: int, meta: dict) -> tuple[int, int, int]:
+    """The launch grid of a kernel split ``inner`` ways per outer item (see :func:`_pids`; ``meta["INNER"]``)."""
+    return (outer * inner, H, 1) if meta.get("INNER") else (outer, H, inner)
 
 
 def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -585,8 +601,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_intra(c):
         meta, opts = tune.split(c)
         if NC:
-            _interp.launch(_intra_kernel, (NC, H, BT // BC), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk, abuf,
-                           scale, H, K=K, BT=BT, BC=BC, OPD=opd["pair"], **meta, **opts)
+            _interp.launch(_intra_kernel, _grid(NC, H, BT // BC, meta), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk,
+                           abuf, scale, H, K=K, BT=BT, BC=BC, OPD=opd["pair"], **meta, **opts)
 
     solve_opts = tune.split(tune.configs(C.SOLVE)[0])[1]
 
@@ -598,8 +614,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_wu(c):
         meta, opts = tune.split(c)
         if NC:
-            _interp.launch(_wu_kernel, (NC, H, 2), kc, vc, br, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
-                           K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], **meta, **opts)
+            _interp.launch(_wu_kernel, _grid(NC, H, 2, meta), kc, vc, br, gbuf, mbuf, w, u, chunk_tok, chunk_len,
+                           H, K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], **meta, **opts)
 
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
         launch_gate(c)
@@ -610,8 +626,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         meta, opts = tune.split(c)
         bv = min(meta.pop("BV"), V)
         if N:
-            _interp.launch(_state_kernel, (N, H, V // bv), kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk,
-                           chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
+            _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
+                           seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
                            OPD=opd["kv"], WHOPD=opd["wh"], **meta, **opts)
 
     def launch_out(c):
@@ -619,8 +635,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         bv = min(meta.pop("BV"), V)
         bk = min(meta.pop("BK"), K)
         if NC:
-            _interp.launch(_out_kernel, (NC, H, V // bv), qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
-                           K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd["out"], **meta, **opts)
+            _interp.launch(_out_kernel, _grid(NC, H, V // bv, meta), qg, aqk, hbuf, vnew, o, chunk_tok,
+                           chunk_len, H, K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd["out"], **meta, **opts)
 
     # bounded specialisation: token and sequence counts enter the key as powers of two
     key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, tuple(sorted((kk, str(vv)) for kk, vv in prec_parts.items())))
