@@ -20,8 +20,9 @@
 #          and fp32-split tests), figures into RESULTS_DIR/kda_gpu.jsonl
 #   kda    gpu-runs/bench_kda.py prefill rows with the per-launch and per-kernel tables (ours and fla's chunk_kda
 #          where fla is importable; KDA_BENCH_ARGS replaces those arguments), into RESULTS_DIR/kda/
-#   ksweep gpu-runs/bench_kda.py --only sweep: every state / out config, the gate per num_warps and the precision
-#          variants (time per launch, accuracy), into RESULTS_DIR/ksweep/
+#   ksweep gpu-runs/bench_kda.py --only sweep: every intra / wu / state / out config, the gate per num_warps and the
+#          precision variants (time per launch, accuracy), into RESULTS_DIR/ksweep/ (KSWEEP_ARGS: e.g.
+#          "--prefill 1x8192x96" for other rows than B1 T8192 H96 and B1 T131072 H12)
 #   attn   gpu-runs/sweep_attn.py: MLA decode (configs x split counts), MLA prefill (vs SDPA) and AttnRes config
 #          sweeps beyond the shipped tables, into RESULTS_DIR/attn/ (ATTN_PARTS picks parts, default all three;
 #          ATTN_LIMIT its seconds, default 330)
@@ -90,7 +91,7 @@ for s in $STEPS; do
     ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
     kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
-    ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla --out "$R/ksweep" ;;
+    ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla ${KSWEEP_ARGS:-} --out "$R/ksweep" ;;
     attn) step attn "$(lim "${ATTN_LIMIT:-330}")" $PY "$HERE/sweep_attn.py" --only "${ATTN_PARTS:-decode,prefill,attnres}" \
           --deadline "$(( $(lim "${ATTN_LIMIT:-330}") - 30 ))" --out "$R/attn" ;;
     mla) step mla "$(lim 150)" $PY "$HERE/bench_mla.py" --no-peers --only "${MLA_PARTS:-decode,prefill,attnres,odd}" \
