@@ -210,8 +210,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
 #: precision variants the sweep times and checks (``kda_prefill(products=...)``; prefill.PRODUCTS)
 #: ("w in bf16", w / wh single bf16 with w stored in bf16, is refused by the kernel since 2026-12-06: it faulted on
 #: the H100; its accuracy was past the 3e-3 bound near decay 1 in the runs before)
-SWEEP_VARIANTS = {"split (hbuf bf16)": "split", "split, hbuf fp32": dict(store=()),
-                  "w, wh in bf16": dict(w="bf16", wh="bf16")}
+SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)), "w, wh in bf16": dict(w="bf16", wh="bf16")}
 
 
 def gate_sweep(a) -> dict:

@@ -48,7 +48,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     precision (``PREC = None``).
     """
     p = f"*{dtype}"
-    b = "*fp32"  # the prefill's intermediate buffers (but the chunk states, bf16: prefill.PRODUCTS)
+    b = "*fp32"  # the prefill's intermediate buffers
     conv_sig = dict(x=p, w="*fp32", y=p, state_in="*fp32", cu="*i32", tok_seq="*i32", TT="i32", NCH="i32",
                     HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
     cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
@@ -64,11 +64,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
                   H="i32", K="constexpr", V="constexpr", BT="constexpr", WOPD="constexpr", UOPD="constexpr",
                   INNER="constexpr")
-    state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf="*bf16", vnew=b, ht="*fp32", seq_chunk="*i32",
+    state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr",
                      INNER="constexpr")
-    out_sig = dict(qg=b, aqk=b, hbuf="*bf16", vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
+    out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",

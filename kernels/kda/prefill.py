@@ -457,12 +457,14 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: ``u - w h`` correct an error in the prediction while the state forgets) but 3.8e-3 / 4.8e-3 where the decay
 #: is near 1 (``dt_bias`` shifted by -12, nothing forgotten), past the 3e-3 bound, so they stay split.
 #: The chunk states ``hbuf`` (written by the state pass, read once by the output kernel; never the carried state)
-#: are stored in bf16: on an H100 (2026-12-06, B1 T8192 H96) 9e-5 rel. RMS on o against 1e-5 in fp32, and the
-#: prefill 6.48 vs 6.88 ms (state pass 1.93 vs 2.21, output 0.90 vs 1.00: half the state bytes written and read).
+#: in bf16 (``store=("hbuf",)``): on an H100 (2026-12-06, B1 T8192 H96) 9e-5 rel. RMS on o against 1e-5 in fp32 and
+#: the prefill 6.48 vs 6.88 ms (state pass 1.93 vs 2.21, output 0.90 vs 1.00), but in the interpreter (T 70 / 256,
+#: two heads, 6 seeds) 3.0e-3 / 3.2e-3 where the decay is near 1 (``dt_bias`` - 12: the inter-chunk term carries
+#: o) against 6e-5 in fp32, past the 3e-3 bound, so they stay fp32 (5e-4 to 1e-3 at ordinary decays).
 PRODUCTS = {
     "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=()),
     "split": dict(pair="split", w="split", u="split", wh="split", kv="split", out="split", solve="backend",
-                  store=("hbuf",)),
+                  store=()),
 }
 _PARTS = ("pair", "w", "u", "wh", "kv", "out")
 _STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf")

@@ -124,23 +124,28 @@ def _rel_rms(got, want):
 
 def test_prefill_products_split_on_fp32_inputs():
     """fp32 inputs with ``products="split"`` (the serving engine in a bf16 matmul scope) take the split-bf16
-    products: within 3e-4 relative RMS of the oracle with fp32 chunk states, within 1e-3 on o with the default
-    bf16 chunk states (read only by the output; the final state is the fp32 carried one, within 3e-4), and not
-    the IEEE path's result (which is within 1e-5)."""
+    products: within 3e-4 relative RMS of the oracle, and not the IEEE path's result (which is within 1e-5)."""
     a = make_prefill(1, 70, 2, D, _gen(), state=True)
     want_o, want_s = O.kda_recurrent(**a)
     ieee_o, ieee_s = KPRE.kda_prefill(**a, products="ieee")
     split_o, split_s = KPRE.kda_prefill(**a, products="split")
-    f32_o, f32_s = KPRE.kda_prefill(**a, products=dict(store=()))
     close(ieee_o, want_o, 1e-5)
-    assert _rel_rms(f32_o, want_o) < 3e-4 and _rel_rms(f32_s, want_s) < 3e-4
-    assert _rel_rms(split_o, want_o) < 1e-3 and _rel_rms(split_s, want_s) < 3e-4
-    assert torch.equal(split_s, f32_s), "the chunk states' storage changed the carried state"
+    assert _rel_rms(split_o, want_o) < 3e-4 and _rel_rms(split_s, want_s) < 3e-4
     assert not torch.equal(split_o, ieee_o), "products='split' ran the IEEE path"
     with pytest.raises(ConfigError, match="products"):
         KPRE.kda_prefill(**a, products="tf32")
     with pytest.raises(ConfigError, match="products"):
         O.kda_prefill(**a, products="bf16")
+
+
+def test_prefill_split_near_decay_one_within_bound():
+    """Where the decay is near 1 (``dt_bias`` - 12: nothing forgotten, the inter-chunk term carries o) the default
+    split products stay within 3e-4 relative RMS on o and the state over four chunks (~6e-5 measured). bf16 chunk
+    states measured 3.0e-3 to 3.2e-3 on o here, past the prefill's 3e-3 bound, so they are not the default."""
+    a = make_prefill(1, 256, 2, D, _gen(), dt_shift=-12.0, state=True)
+    want_o, want_s = O.kda_recurrent(**a)
+    o, s = KPRE.kda_prefill(**a, products="split")
+    assert _rel_rms(o, want_o) < 3e-4 and _rel_rms(s, want_s) < 3e-4
 
 
 def test_prefill_precision_parts():
