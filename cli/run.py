@@ -140,7 +140,7 @@ Examples:
   k3rocm bench --concurrency 1,8,64 --input-len 1024 --output-len 1024 --profile mi355x-8 \\
                --checkpoint /models/Kimi-K3
   k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
-  k3rocm bench --synthetic --preset k3-prefix-4 --concurrency 64 --input-len 256 --output-len 64 \
+  k3rocm bench --synthetic --preset k3-prefix-4 --concurrency 64 --input-len 256 --output-len 64 \\
                --max-num-batched-tokens 1024   # larger steps: more tok/s and shorter TTFT, a longer ITL tail
   k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --endpoint-gpus 8 \\
                --concurrency 64 --input-len 1024 --output-len 1024   # hold a vLLM/SGLang deployment to the same load

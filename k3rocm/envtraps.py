@@ -143,12 +143,16 @@ def server_options(command: str) -> dict[str, str]:
     ``"1"``.
 
     Raises:
-        ConfigError: the command line cannot be split (an unclosed quote).
+        ConfigError: the command line cannot be split (an unclosed quote), or is empty (nothing would be checked, and
+            every trap would read "clear").
     """
     try:
         words = shlex.split(command)
     except ValueError as e:
         raise ConfigError(f"--server-args: cannot split the command line ({e}); quote it as a shell would") from None
+    if not words:
+        raise ConfigError("--server-args is empty: give the server's command line, e.g. --server-args "
+                          "\"vllm serve moonshotai/Kimi-K3 -tp 8\"")
     out: dict[str, str] = {}
     for i, w in enumerate(words):
         if not w.startswith("--"):

@@ -19,6 +19,7 @@ Hardware profiles (the TOML schema, loading and matching a profile to what :func
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import platform
 from dataclasses import asdict, dataclass, field
@@ -171,6 +172,26 @@ def package_version(name: str) -> str | None:
 #: environment variable naming the commit of a source tree that is not a git checkout (an unpacked copy on a
 #: borrowed machine): the evidence report's ``git_sha`` then says this commit, marked as declared
 SOURCE_COMMIT_ENV = "K3ROCM_SOURCE_COMMIT"
+
+
+def dist_timeout() -> float:
+    """Seconds every collective and the rendezvous may take: ``K3ROCM_DIST_TIMEOUT`` (default 300).
+
+    Raises:
+        ConfigError: the variable is set but is not a finite number of seconds above 0.
+    """
+    raw = os.environ.get("K3ROCM_DIST_TIMEOUT")
+    if raw is None or not raw.strip():
+        return 300.0
+    try:
+        val = float(raw)
+    except ValueError:
+        val = float("nan")
+    if not (math.isfinite(val) and val > 0):
+        from k3rocm.errors import ConfigError
+        raise ConfigError(f"K3ROCM_DIST_TIMEOUT={raw!r} is not a number of seconds above 0; unset it (default 300) "
+                          "or set e.g. K3ROCM_DIST_TIMEOUT=600")
+    return val
 
 
 def declared_commit() -> str | None:

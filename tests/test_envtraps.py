@@ -38,6 +38,9 @@ def test_the_kda_backend_trap_reads_the_server_command_line():
     assert names(server_options("vllm serve m --kda-prefill-backend auto")) == []
     with pytest.raises(ConfigError, match="cannot split"):
         server_options("vllm serve 'unclosed")
+    for empty in ("", "   "):  # nothing to check: every trap would read "clear"
+        with pytest.raises(ConfigError, match="empty"):
+            server_options(empty)
 
 
 def test_env_files_of_every_common_shape(tmp_path):

@@ -119,7 +119,7 @@ def render_markdown(rep: Report) -> str:
                 f"{r['endpoint'].get('gpus_source')}); the checkpoint above only gave the prompts' vocabulary"]
                if isinstance(r.get("endpoint"), dict) else []),
              f"- k3rocm {sw.get('k3rocm')} @ {sw.get('git_sha')}; torch {sw.get('torch')} ({sw.get('torch_build')}),"
-             f" triton {sw.get('triton')}, aiter {sw.get('aiter')}",
+             f" triton {sw.get('triton')}, aiter {sw.get('aiter') or 'absent'}",
              "- evidence levels: " + ", ".join(f"{k} {v}" for k, v in d["evidence_levels"].items()), ""]
     lines += ["| stage | status | seconds | rows | failures |", "|---|---|---:|---:|---:|"]
     for s in rep.ordered():
@@ -265,7 +265,7 @@ def _html_context(r: dict) -> list[str]:
                    f"{e(str(ep.get('gpus_source')))}); the checkpoint above only gave the prompts' vocabulary</li>")
     out += [f"<li>k3rocm {e(str(sw.get('k3rocm')))} @ <code>{e(str(sw.get('git_sha')))}</code>; torch "
             f"{e(str(sw.get('torch')))} ({e(str(sw.get('torch_build')))}), triton {e(str(sw.get('triton')))}, "
-            f"aiter {e(str(sw.get('aiter')))}</li>", "</ul>"]
+            f"aiter {e(str(sw.get('aiter') or 'absent'))}</li>", "</ul>"]
     return out
 
 

@@ -40,7 +40,7 @@ from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
 from k3rocm.runtime import registry
 from k3rocm.model.model import K3Model
-from k3rocm.runtime.dist import ProjectedGroup, under_torchrun
+from k3rocm.runtime.dist import ProjectedGroup, dist_timeout, under_torchrun
 from k3rocm.runtime.engine import Engine
 from k3rocm.runtime.load import LoadReport, LoadResult, load_checkpoint
 from k3rocm.runtime.plan import plan, scaled_profile
@@ -213,12 +213,23 @@ class Session:
     @property
     def index(self):
         """The validated checkpoint index (:func:`k3rocm.checkpoint.reader.open_checkpoint`: directory, index,
-        shard headers, tensor set vs the config's layout, E8M0 scales)."""
+        shard headers, tensor set vs the config's layout, E8M0 scales). The seconds its first build took are
+        :attr:`index_open_seconds` (the pre-flight check builds it, so a later caller's own timer reads a cache
+        lookup)."""
         def build():
             if self.synthetic:
                 return SyntheticIndex(self.config, layout.counts(self.config)["tensors"])
-            return open_checkpoint(self.checkpoint_dir)
+            t0 = time.perf_counter()
+            idx = open_checkpoint(self.checkpoint_dir)
+            self._cache["index_open_seconds"] = time.perf_counter() - t0
+            return idx
         return self._memo("index", build)
+
+    @property
+    def index_open_seconds(self) -> float | None:
+        """Seconds the checkpoint index took to open and validate (None before :attr:`index` is built, or for
+        synthetic weights)."""
+        return self._cache.get("index_open_seconds")
 
     @property
     def config(self):
@@ -356,7 +367,7 @@ class Session:
             pl = self.run_placement
             prof = self.opts.profile if self.hardware_matches and self.opts.profile else self.run_profile.name
             spec = RankSpec(str(self.checkpoint_dir), str(prof), pl.tp, pl.ep, dict(self.kernel_override),
-                            self.device, float(os.environ.get("K3ROCM_DIST_TIMEOUT", "300")))
+                            self.device, dist_timeout())
             if under_torchrun():
                 n = int(os.environ.get("WORLD_SIZE", "1"))
                 if n != pl.world:

@@ -206,7 +206,9 @@ class OpenAIClient:
                 try:
                     msg = json.loads(data)
                 except (json.JSONDecodeError, UnicodeDecodeError):
-                    continue
+                    # a token in it would go uncounted (TPOT / ITL wrong): the request fails, saying so
+                    raise HardwareError(f"POST {self.path}: a malformed server-sent event (not JSON) after {events} "
+                                        f"token events: {body_snippet(data)}") from None
                 err = msg.get("error") if isinstance(msg, dict) else None
                 if err:  # an error event inside the stream (vLLM / SGLang send {"error": {"message": ...}})
                     text = err.get("message") if isinstance(err, dict) else err

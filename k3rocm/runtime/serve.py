@@ -378,12 +378,10 @@ class Cluster:
         port = free_port()
         mctx = mp.get_context("spawn")
         errq = mctx.Queue()
-        procs = []
-        for r in range(1, world):
-            p = mctx.Process(target=_follower_main, name=f"k3rocm-rank{r}",
-                             args=(r, world, port, spec.backend, spec.timeout_s, errq, os.getpid()), daemon=True)
-            p.start()
-            procs.append(p)
+        procs = [start_ignoring_sigint(mctx.Process(
+            target=_follower_main, name=f"k3rocm-rank{r}",
+            args=(r, world, port, spec.backend, spec.timeout_s, errq, os.getpid()), daemon=True))
+            for r in range(1, world)]
         mine = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": str(world),
                 "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
         saved = {k: os.environ.get(k) for k in mine}
@@ -614,6 +612,25 @@ def follow(backend: str | None = None, timeout_s: float = 120.0, errq: Any = Non
             tdist.destroy_process_group()
     except Exception:
         pass
+
+
+def start_ignoring_sigint(proc):
+    """Start ``proc`` (a ``multiprocessing`` process, spawn context) with Ctrl-C ignored from its first instruction.
+
+    Python leaves SIGINT ignored in a process whose parent ignored it, so SIGINT is ignored here around
+    ``proc.start()`` (main thread only; other threads cannot set handlers) and restored: a Ctrl-C while a follower
+    still imports the package printed the follower's ``KeyboardInterrupt`` traceback before rank 0's one line
+    (rank 0 handles Ctrl-C for every rank). Returns ``proc``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return proc
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return proc
 
 
 def _follower_main(rank: int, world: int, port: int, backend: str, timeout_s: float, errq: Any, ppid: int) -> None:

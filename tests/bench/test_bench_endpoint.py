@@ -349,6 +349,22 @@ def test_a_stream_without_its_end_marker_is_a_failed_truncated_request(tmp_path)
     assert "truncated" in one_line_error(r)
 
 
+class _Malformed(_FixedStream):
+    """A broken event among good token events (a token in it would go uncounted)."""
+
+    BODY = (b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' * 2 + b'data: {not json\n\n'
+            + b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' * 2 + b'data: [DONE]\n\n')
+
+
+def test_a_malformed_event_fails_the_request_and_says_so(tmp_path):
+    """It was skipped: the run passed with those tokens uncounted (TPOT / ITL wrong) and said nothing."""
+    out = tmp_path / "r"
+    with serve(_Malformed) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out], code=3)
+    line = one_line_error(r)
+    assert "malformed" in line and "truncated" not in line, line
+
+
 class _BigUsage(_FixedStream):
     """Four token events but a usage claiming 10,000 completion tokens."""
 

@@ -81,6 +81,18 @@ def test_malformed_source_commit_is_one_line_exit_2(value):
     assert len(lines) == 1 and lines[0].startswith("error: K3ROCM_SOURCE_COMMIT=") and "hex" in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
+def test_malformed_dist_timeout_is_one_line_exit_2(value):
+    """A malformed $K3ROCM_DIST_TIMEOUT stops every command before it works, one process or many (it was parsed only
+    when a multi-rank run started, as a ValueError traceback, and ignored otherwise)."""
+    env = dict(os.environ, K3ROCM_DIST_TIMEOUT=value)
+    r = subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", "plan", "--preset", "k3",
+                        "--profile", "mi355x-8"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-300:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: K3ROCM_DIST_TIMEOUT=") and "seconds" in lines[0], r.stderr
+
+
 def test_profiles_env_and_kernels_list():
     table = run(["profiles"]).output
     assert "mi355x-8" in table

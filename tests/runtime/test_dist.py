@@ -93,6 +93,32 @@ def test_hang_is_ended_by_deadline():
     assert not _children_of_me()
 
 
+def _report_sigint(q):
+    """Spawned child: what SIGINT does in this process as it starts (before any code of ours could set it)."""
+    import signal
+    q.put(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+
+
+def test_followers_start_with_ctrl_c_ignored():
+    """A follower is spawned with SIGINT already ignored (a Ctrl-C while it still imported the package printed its
+    KeyboardInterrupt traceback); rank 0's own handler is back once the child has started."""
+    import multiprocessing as mp
+    import signal
+
+    from k3rocm.runtime.serve import start_ignoring_sigint
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    before = signal.getsignal(signal.SIGINT)
+    p = start_ignoring_sigint(ctx.Process(target=_report_sigint, args=(q,)))
+    assert signal.getsignal(signal.SIGINT) is before
+    assert q.get(timeout=60) is True
+    p.join(timeout=60)
+    plain = ctx.Process(target=_report_sigint, args=(q,))  # the control: a plain start keeps Python's handler
+    plain.start()
+    assert q.get(timeout=60) is False
+    plain.join(timeout=60)
+
+
 def test_init_without_env_is_clear(monkeypatch):
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)

@@ -292,6 +292,10 @@ def test_html_header_names_checkpoint_profile_device_and_commit():
     sw = rep.reproduction["software"]
     assert "config sha256" in page and "profile <code>cpu</code>" in page and "device cpu" in page
     assert f"@ <code>{sw['git_sha']}</code>" in page
+    # a package that is not installed reads "absent" in both headers, as in the env table (not "None")
+    sw["aiter"] = None
+    assert "aiter absent" in render_html(rep) and "aiter absent" in render_markdown(rep)
+    assert "aiter None" not in render_html(rep) + render_markdown(rep)
 
 
 def test_out_that_is_a_dangling_link_or_loop_is_one_clear_line(tmp_path):

@@ -53,6 +53,8 @@ def test_evidence_content_and_levels(good_run):
     # every MoE layer's experts repacked into the GEMM's kernel layout read back to the checkpoint's bytes
     assert load["kernel_layout.layers_differing"].value == 0 and load["kernel_layout.layers_differing"].passed
     assert load["kernel_layout.bytes"].value > 0
+    # the index's own open time (it read ~0 ms: the tier timed a cache lookup of what the pre-flight built)
+    assert s.index_open_seconds > 0 and load["index.open"].value == round(s.index_open_seconds * 1e3, 2)
     fwd = _rows(stages, "forward")
     assert fwd["prefill.shape"].value == [2, 16, 512]
     cor = _rows(stages, "correctness")
