@@ -390,17 +390,21 @@ class Cluster:
             ctx = init(spec.backend, spec.timeout_s)
             group = _control_group(spec.backend)
             _send_spec(spec, group)
-            for k, v in saved.items():  # read once by the rendezvous; the user's environment is what reports record
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         except Exception as e:
             line = _first_error(errq, wait=1.0) or _dead_rank(procs, "joining the group")
             for p in procs:
                 _stop(p)
             raise WorkerFailed(f"distributed run on {world} ranks stopped: "
                                f"{line or f'the {world}-rank group did not form: {_line(e)}'}") from None
+        finally:
+            # read once by the rendezvous; the user's environment is what reports record. Restored on failure too:
+            # RANK / WORLD_SIZE left behind made a later call in this process look like a torchrun rank (a second
+            # rendezvous, and its traceback, after a group that did not form)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return cls(spec, ctx, group, procs, errq)
 
     @staticmethod

@@ -119,6 +119,24 @@ def test_followers_start_with_ctrl_c_ignored():
     plain.join(timeout=60)
 
 
+def test_a_group_that_does_not_form_leaves_no_rank_environment(monkeypatch):
+    """After a failed start rank 0's environment is as it was: RANK / WORLD_SIZE left behind made the next call in
+    the process look like a torchrun rank (a second rendezvous and its traceback)."""
+    from k3rocm.runtime import serve
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+    def no_group(*a, **kw):
+        raise RuntimeError("Timed out after 1 seconds waiting for clients. 1/2 clients joined.")
+    monkeypatch.setattr(serve, "init", no_group)
+    spec = serve.RankSpec("unused", "cpu", 2, 2, timeout_s=5.0)
+    with pytest.raises(dist.WorkerFailed, match="did not form"):
+        serve.Cluster.start(spec, 2)
+    assert not dist.under_torchrun()
+    assert all(k not in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")), dict(os.environ)
+
+
 def test_init_without_env_is_clear(monkeypatch):
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
