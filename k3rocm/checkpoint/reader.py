@@ -382,7 +382,10 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"{index_file}: not valid JSON ({why}); re-download it") from None
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not wm:
+        if wm is not None and not isinstance(wm, dict):
+            raise CheckpointError(f"{index_file}: weight_map is a JSON {type(wm).__name__}, not an object of tensor "
+                                  "name -> shard file; re-download the index")
+        if not wm:
             raise CheckpointError(f"{index_file}: no weight_map; re-download the index")
         bad = next(((k, v) for k, v in wm.items() if not isinstance(v, str) or not v), None)
         if bad is not None:

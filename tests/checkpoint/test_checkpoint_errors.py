@@ -347,6 +347,8 @@ def test_make_leaves_no_probe_behind(tmp_path):
 @pytest.mark.parametrize("edit, needle", [
     (lambda d: d["weight_map"].__setitem__(A_LOG, [S1]), "weight_map entry for " + A_LOG),
     (lambda d: d["weight_map"].__setitem__(A_LOG, None), "weight_map entry for " + A_LOG),
+    (lambda d: d.__setitem__("weight_map", sorted(d["weight_map"])), "weight_map is a JSON list"),  # said "no weight_map"
+    (lambda d: d.pop("weight_map"), "no weight_map"),
     (lambda d: d.__setitem__("metadata", {"total_size": "lots"}), "metadata.total_size"),
     (lambda d: d.__setitem__("metadata", {"total_size": -1}), "metadata.total_size"),
 ])
