@@ -376,7 +376,14 @@ class Session:
                                         f"(tp={pl.tp}, ep={pl.ep}); start --nnodes x --nproc-per-node = {pl.world}")
                 return Cluster.attach(spec)
             return Cluster.start(spec, pl.world)
-        return self._memo("cluster", build)
+        failed = self._cache.get("cluster_error")
+        if failed is not None:  # a group that did not form is not tried again (each try waits its timeout)
+            raise failed
+        try:
+            return self._memo("cluster", build)
+        except K3Error as e:
+            self._cache["cluster_error"] = e
+            raise
 
     def close(self) -> None:
         """Stop the other ranks of a multi-rank run (no-op for one process)."""

@@ -6,6 +6,7 @@ The checkpoint is the external golden k3-tiny (written by Moonshot's layout) and
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -481,3 +482,25 @@ def test_the_golden_comparison_is_teacher_forced_so_depth_does_not_amplify_it(go
     assert 0 < rr["golden.router.topk_margin.min"].value < THRESHOLDS["golden.router_margin"]
     assert rr["golden.router.near_ties"].value >= 1 and "layer" in rr["golden.router.topk_margin.min"].detail
     assert ref.series["router_margin"]["x"] == [i for i in range(s.config.num_hidden_layers) if s.config.is_moe_layer(i)]
+
+
+def test_a_group_that_did_not_form_is_not_started_again(golden_ckpt, tmp_path, monkeypatch):
+    """Every later use of the session's cluster re-raises the first failure instead of starting the group again
+    (the report's load table asked a second time: a second wait of K3ROCM_DIST_TIMEOUT)."""
+    from k3rocm.runtime import serve
+    from k3rocm.runtime.dist import WorkerFailed
+
+    cpu = Path(__file__).resolve().parents[2] / "hwprofiles" / "cpu.toml"
+    prof = tmp_path / "cpu-tp2.toml"
+    prof.write_text(cpu.read_text().replace("tp = 1", "tp = 2").replace("ep = 1", "ep = 2"))
+    calls = []
+
+    def start(spec, world):
+        calls.append(world)
+        raise WorkerFailed("distributed run on 2 ranks stopped: the 2-rank group did not form: timed out")
+    monkeypatch.setattr(serve.Cluster, "start", staticmethod(start))
+    s = _session(golden_ckpt, profile=str(prof))
+    for _ in range(3):
+        with pytest.raises(WorkerFailed, match="did not form"):
+            s.cluster
+    assert calls == [2]
