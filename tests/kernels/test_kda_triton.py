@@ -77,6 +77,23 @@ def test_prefill_grid_fp32(B, T, H, cfg):
     close(s, want_s, 1e-5)
 
 
+@pytest.mark.parametrize("kind", ["intra", "wu", "state", "out"])
+def test_prefill_every_config_of_each_table(kind):
+    """Every config of each prefill table (the tuner may pick any; the INNER ones launch their split on axis 0),
+    the others at their first entry: the oracle's output and state on a packed batch of three sequences, one of
+    them a single token and one two chunks long."""
+    gen = _gen()
+    lens = [70, 1, 9]
+    a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+    first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("intra", "wu", "state", "out")}
+    for c in tune.configs(getattr(KC, kind.upper())):
+        o, s = KPRE.kda_prefill(**a, cu_seqlens=cu, config=dict(first, **{kind: c}))
+        close(o, want_o, 1e-5)
+        close(s, want_s, 1e-5)
+
+
 def test_prefill_fp16_and_decay_bounds():
     gen = _gen()
     for shift in (-12.0, 12.0):  # alpha -> 1 (g -> 0) and alpha -> e^-5 (g -> -5)
