@@ -50,8 +50,7 @@ _CUDA = {
               dict(BV=32, PF=0, INNER=1, num_warps=4, num_stages=1)],
     # not listed: 2-stage state configs (BV 32 / 16, PF 0, 4 / 8 warps). With the chunks at affine addresses the
     # loop pipeliner stages the next chunk's w / kg / u in shared memory (cp.async), but ptxas still puts them at
-    # 255 registers with 148-716 bytes of spills, the tuned prefill moved by 1-2% (H100, 2026-12-06), and the
-    # precision sweep's bf16-storage variants hit an illegal address with them in the table
+    # 255 registers with 148-716 bytes of spills, and the tuned prefill moved by 1-2% (H100, 2026-12-06)
     "out": [dict(BV=64, BK=32, num_warps=4, num_stages=2),
             dict(BV=128, BK=32, num_warps=8, num_stages=2),
             dict(BV=32, BK=64, num_warps=4, num_stages=1),
