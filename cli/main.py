@@ -90,6 +90,19 @@ class _PipeSafeStdout:
         return getattr(self._s, name)
 
 
+def _command_path(args: list[str]) -> str:
+    """``k3rocm`` plus the (sub)command names that lead ``args`` (``["load", "--checkpoint"]`` ->
+    ``"k3rocm load"``), for the ``--help`` a usage error points to."""
+    path, grp = ["k3rocm"], cli
+    for a in args:
+        sub = grp.commands.get(a) if isinstance(grp, click.Group) else None
+        if sub is None:
+            break
+        path.append(a)
+        grp = sub
+    return " ".join(path)
+
+
 def main(argv=None) -> None:
     """Console-script entry point (``k3rocm = k3rocm.cli.main:main``).
 
@@ -134,6 +147,8 @@ def main(argv=None) -> None:
         sys.exit(0)
     except click.UsageError as e:
         cmd = e.ctx.command_path if e.ctx else "k3rocm"
+        if cmd == "k3rocm":  # an option's missing value is raised before the subcommand has a context
+            cmd = _command_path(sys.argv[1:] if argv is None else list(argv))
         click.echo(f"error: {e.format_message()} (see `{cmd} --help`)", err=True)
         sys.exit(2)
     except click.ClickException as e:

@@ -461,6 +461,13 @@ def test_usage_errors_are_one_line_through_the_console_script(tmp_path):
         assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and "--help" in err[0], r.stderr
     r = script("kernels")
     assert r.returncode == 0 and "isa" in r.stdout
+    # an option's missing value points to the subcommand's help, as every other usage error does (it named
+    # `k3rocm --help`: click raises it before the subcommand has a context)
+    for args, want in ((["load", "--checkpoint"], "`k3rocm load --help`"),
+                       (["kernels", "isa", "--target"], "`k3rocm kernels isa --help`")):
+        r = script(*args)
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(err) == 1 and "requires an argument" in err[0] and want in err[0], r.stderr
 
 
 def test_unreachable_endpoint_is_exit_3_one_line(cache, tmp_path):
