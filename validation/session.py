@@ -35,6 +35,7 @@ from k3rocm.checkpoint.reader import DTYPES, open_checkpoint
 from k3rocm.config import K3Config
 from k3rocm.config import preset as preset_config
 from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
+from k3rocm.checkpoint.verify import MANIFEST_NAME, read_manifest
 from k3rocm.errors import CheckpointError, ConfigError, HardwareError, K3Error, ValidationFailed, unresolved_link
 from k3rocm.hw import detect
 from k3rocm.profiles import load_profile, match_profile
@@ -128,13 +129,16 @@ class Session:
 
     def preflight(self) -> None:
         """Resolve what bad input can break before any tier runs or anything is printed: the checkpoint (the
-        reader's whole structural check: index, shards, headers, tensor set, scales), the hardware profile,
+        reader's whole structural check: index, shards, headers, tensor set, scales; its manifest parses where
+        there is one), the hardware profile,
         the --kernels choice (triton/aiter need a GPU: exit 3), the --golden file, the --out directory
         (writable, not inside the checkpoint or the k3rocm cache).
         Raises the one-line K3Error."""
         self._check_synthetic()
         self.checkpoint_dir
         self.index
+        if not self.synthetic and (self.checkpoint_dir / MANIFEST_NAME).exists():
+            read_manifest(self.checkpoint_dir)  # a broken manifest stops here, not after the plan tables print
         self.config
         self.profile
         if self.synthetic:

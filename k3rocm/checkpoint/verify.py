@@ -77,6 +77,25 @@ def make_manifest(path: str | Path, progress: Progress | None = None) -> Path:
     return dst
 
 
+def read_manifest(path: str | Path) -> dict[str, dict]:
+    """The ``files`` map (name -> ``{"size", "sha256"}``) of checkpoint directory ``path``'s ``k3rocm-manifest.json``.
+
+    Raises:
+        CheckpointError: no manifest, an unreadable one, or one that is not a k3rocm manifest (one line naming the
+            file and what to do).
+    """
+    mf = Path(path) / MANIFEST_NAME
+    try:
+        doc = json.loads(mf.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{mf}: no manifest; create one first with k3rocm.checkpoint.verify.make_manifest") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mf}: unreadable manifest ({e}); re-create it") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), dict):
+        raise CheckpointError(f"{mf}: not a {MANIFEST_FORMAT} manifest; re-create it")
+    return doc["files"]
+
+
 def verify_manifest(path: str | Path, progress: Progress | None = None) -> list[str]:
     """Re-hash a checkpoint directory against its ``k3rocm-manifest.json``.
 
@@ -88,16 +107,7 @@ def verify_manifest(path: str | Path, progress: Progress | None = None) -> list[
         CheckpointError: no manifest, or it is not a k3rocm manifest.
     """
     root = Path(path)
-    mf = root / MANIFEST_NAME
-    try:
-        doc = json.loads(mf.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{mf}: no manifest; create one first with k3rocm.checkpoint.verify.make_manifest") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mf}: unreadable manifest ({e}); re-create it") from None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), dict):
-        raise CheckpointError(f"{mf}: not a {MANIFEST_FORMAT} manifest; re-create it")
-    want: dict[str, dict] = doc["files"]
+    want = read_manifest(root)
     problems: list[str] = []
     present = {p.name: p for p in _files(root)}
     total = sum(present[n].stat().st_size for n in want if n in present)

@@ -340,6 +340,19 @@ def test_load_without_a_manifest_says_the_files_are_not_checked(golden_ckpt, tmp
     assert ev["manifest.sha256"]["value"] == "absent" and "NOT checked" in ev["manifest.sha256"]["detail"]
 
 
+@pytest.mark.parametrize("text", ["{not json", '{"format": "other", "files": {}}'])
+def test_a_broken_manifest_stops_before_anything_is_printed(golden_ckpt, tmp_path, text):
+    """It was found in the load tier, after the plan tables had printed; now the pre-flight check refuses it: one
+    line naming the file, exit 2, nothing on stdout, no report."""
+    d = tmp_path / "ck"
+    shutil.copytree(golden_ckpt, d)
+    (d / "k3rocm-manifest.json").write_text(text)
+    r = run(["load", "--checkpoint", d, "--out", tmp_path / "r"], code=2)
+    line = one_line_error(r)
+    assert "k3rocm-manifest.json" in line and "re-create it" in line, line
+    assert "plan:" not in r.output and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("args,what", [
     (["--input-len", "1000000000"], "max_position_embeddings"),
     (["--concurrency", "1000000", "--num-prompts", "1000000", "--warmups", "0"], "of cache per GPU"),
