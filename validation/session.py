@@ -37,11 +37,11 @@ from k3rocm.config import preset as preset_config
 from k3rocm.checkpoint.embedded import cache_root, default_checkpoint
 from k3rocm.checkpoint.verify import MANIFEST_NAME, read_manifest
 from k3rocm.errors import CheckpointError, ConfigError, HardwareError, K3Error, ValidationFailed, unresolved_link
-from k3rocm.hw import detect
+from k3rocm.hw import detect, dist_timeout
 from k3rocm.profiles import load_profile, match_profile
 from k3rocm.runtime import registry
 from k3rocm.model.model import K3Model
-from k3rocm.runtime.dist import ProjectedGroup, dist_timeout, under_torchrun
+from k3rocm.runtime.dist import ProjectedGroup, under_torchrun
 from k3rocm.runtime.engine import Engine
 from k3rocm.runtime.load import LoadReport, LoadResult, load_checkpoint
 from k3rocm.runtime.plan import plan, scaled_profile

@@ -47,7 +47,6 @@ import torch.distributed as tdist
 
 from k3rocm.checkpoint.layout import PREFIX
 from k3rocm.errors import HardwareError, K3Error
-from k3rocm.hw import dist_timeout  # noqa: F401  (re-exported: the runtime's name for it)
 from k3rocm.model.decoder import Parallel
 
 __all__ = ["DistContext", "WorkerFailed", "default_backend", "init", "launch", "run_under_torchrun",

@@ -70,27 +70,29 @@ def test_help_and_a_preset_plan_import_neither_torch_nor_triton(args):
     assert r.stdout.rstrip().endswith("heavy: []"), r.stdout[-300:]
 
 
-@pytest.mark.parametrize("value", ["not-a-sha", "abc12", "g" * 40, "0123456789abcdef0123456789abcdef012345678"])
-def test_malformed_source_commit_is_one_line_exit_2(value):
-    """A malformed $K3ROCM_SOURCE_COMMIT stops every command before it works (not when its report is written)."""
-    env = dict(os.environ, K3ROCM_SOURCE_COMMIT=value)
+def _plan_with_env(name: str, value: str) -> str:
+    """``plan`` run with ``$name=value``: it must stop before it works, one ``error:`` line naming the variable, exit
+    2, nothing on stdout. Returns that line."""
+    env = dict(os.environ, **{name: value})
     r = subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", "plan", "--preset", "k3",
                         "--profile", "mi355x-8"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-300:])
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: K3ROCM_SOURCE_COMMIT=") and "hex" in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {name}="), r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("value", ["not-a-sha", "abc12", "g" * 40, "0123456789abcdef0123456789abcdef012345678"])
+def test_malformed_source_commit_is_one_line_exit_2(value):
+    """A malformed $K3ROCM_SOURCE_COMMIT stops every command before it works (not when its report is written)."""
+    assert "hex" in _plan_with_env("K3ROCM_SOURCE_COMMIT", value)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
 def test_malformed_dist_timeout_is_one_line_exit_2(value):
     """A malformed $K3ROCM_DIST_TIMEOUT stops every command before it works, one process or many (it was parsed only
     when a multi-rank run started, as a ValueError traceback, and ignored otherwise)."""
-    env = dict(os.environ, K3ROCM_DIST_TIMEOUT=value)
-    r = subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", "plan", "--preset", "k3",
-                        "--profile", "mi355x-8"], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout[-300:])
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: K3ROCM_DIST_TIMEOUT=") and "seconds" in lines[0], r.stderr
+    assert "seconds" in _plan_with_env("K3ROCM_DIST_TIMEOUT", value)
 
 
 def test_profiles_env_and_kernels_list():
