@@ -115,7 +115,19 @@ def kernel_breakdown(fn, iters: int = 5, top: int = 12) -> list[dict]:
     return out[:top]
 
 
-def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None, kernels=False):
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """This GPU's device-to-device copy rate (bytes/s: read + write of ``nbytes``, do_bench median): the floors'
+    bandwidth on the machine that runs the rows (the 4.2 TB/s default was measured on an H200)."""
+    import triton.testing as tt
+    a = torch.empty(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+    ms = tt.do_bench(lambda: b.copy_(a), warmup=20, rep=100)
+    del a, b
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None, kernels=False,
+               decode_rows=None):
     import triton.testing as tt
 
     from k3rocm.kernels.kda import decode as DE
@@ -155,7 +167,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         print(json.dumps(row), flush=True)
         del a
         torch.cuda.empty_cache()
-    for N, H in (DECODE_ROWS if "decode" in only else []):
+    for N, H in ((decode_rows or DECODE_ROWS) if "decode" in only else []):
         name = f"decode B{N} H{H}"
         xs, ws, A_log, dt, onw, cp, sp, sid = decode_inputs(N, H)
         out = torch.empty(N, H * D, device="cuda", dtype=torch.bfloat16)
@@ -350,7 +362,21 @@ def main():
                     help="also profile each prefill row kernel by kernel (ours and fla's chunk_kda, torch.profiler)")
     ap.add_argument("--prefill", default=None, metavar="BxTxH,...",
                     help="prefill rows to run instead of the default four, e.g. 1x32768x12,4x8192x12")
+    ap.add_argument("--decode", default=None, metavar="NxH,...",
+                    help="decode rows to run instead of the default three, e.g. 64x96")
+    ap.add_argument("--bw", default="4.2e12",
+                    help="bytes/s of the floors, or 'measure': this GPU's copy rate, timed first (default 4.2e12, "
+                         "an H200's measured copy)")
     args = ap.parse_args()
+    global BW
+    try:
+        BW = copy_bandwidth() if args.bw == "measure" else float(args.bw)
+        dsel = [tuple(int(v) for v in r.split("x")) for r in args.decode.split(",")] if args.decode else None
+    except ValueError:
+        ap.error(f"--decode {args.decode!r} / --bw {args.bw!r}: rows are NxH separated by commas, e.g. 64x96; "
+                 "--bw is a number of bytes/s or 'measure'")
+    if dsel and any(len(r) != 2 or min(r) < 1 for r in dsel):
+        ap.error(f"--decode {args.decode!r}: each row needs two positive numbers N x H")
     try:
         sel = [tuple(int(v) for v in r.split("x")) for r in args.prefill.split(",")] if args.prefill else None
     except ValueError:
@@ -366,15 +392,17 @@ def main():
     rows = []
     for part in parts:
         if part in ("decode", "prefill"):
-            rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels)
+            rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels,
+                               decode_rows=dsel)
     acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
     sw = (sweep(tuple(sel) if sel else None) if "sweep" in parts else [])
-    info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+    info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, floor_bw_Bps=BW,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)
     with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
         json.dump(dict(info=info, accuracy=acc, rows=rows, sweep=sw), f, indent=1)
-    lines = [f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, {info['date']}", "",
+    lines = [f"device {info['device']}, torch {info['torch']}, triton {info['triton']}, {info['date']}, "
+             f"floors at {BW / 1e12:.2f} TB/s", "",
              "| row | ours ms | fla ms (fused gate) | fla ms (precomputed gate) | ours/fla | floor ms | frac of floor |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
