@@ -24,11 +24,12 @@ _CUDA = {
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, num_stages=1),
              dict(BLOCK_T=16, BLOCK_C=256, num_warps=4, num_stages=1)],
     # INNER 1 (intra, wu, state, out): the kernel's inner split (row block, w / u, V block) fastest in launch
-    # order, so the programs of one chunk / sequence run together and share its tiles in L2 (prefill._pids);
-    # added 2026-12-06 as candidates after the served entries, not yet timed on a GPU
-    "intra": [dict(num_warps=4, num_stages=1),
-              dict(num_warps=8, num_stages=1),
-              dict(INNER=1, num_warps=4, num_stages=1)],
+    # order, so the programs of one chunk / sequence run together and share its tiles in L2 (prefill._pids).
+    # H100 2026-12-06 (gpu-runs/results/h100_2026-12-06b/c1): intra 1.215 vs 1.251 ms at B1 T8192 H96 and 0.601
+    # vs 0.637 at B1 T32768 H12, so it leads the intra table; wu / state / out within 0.5% either way (kept after)
+    "intra": [dict(INNER=1, num_warps=4, num_stages=1),
+              dict(num_warps=4, num_stages=1),
+              dict(num_warps=8, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
@@ -65,7 +66,17 @@ _CUDA = {
     "decode": [dict(BV=32, WIN=1, num_warps=4, num_stages=1), dict(BV=64, WIN=1, num_warps=4, num_stages=1),
                dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                dict(BV=128, WIN=1, num_warps=8, num_stages=1), dict(BV=128, num_warps=8, num_stages=1),
-               dict(BV=128, num_warps=16, num_stages=1), dict(BV=128, PRE=1, num_warps=8, num_stages=1)],
+               dict(BV=128, num_warps=16, num_stages=1), dict(BV=128, PRE=1, num_warps=8, num_stages=1),
+               # RED 1: both reductions of a column block in one round, from the loaded block (decode.
+               # _delta_step_one_round); PF 1: the next block's load issued while one is stepped. Candidates
+               # (2026-12-06, after an H100 profile of BV 32 WIN 1 at B64 H96: DRAM 72% busy, 85% of issue
+               # cycles with no eligible warp, 69% of stalls on loads, 96 registers = 5 blocks per SM)
+               dict(BV=32, WIN=1, RED=1, num_warps=4, num_stages=1),
+               dict(BV=32, WIN=1, RED=1, PF=1, num_warps=4, num_stages=1),
+               dict(BV=32, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
+               dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
+               dict(BV=16, WIN=1, RED=1, PF=1, num_warps=4, num_stages=1),
+               dict(BV=16, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1)],
 }
 
 _HIP = {
@@ -93,7 +104,11 @@ _HIP = {
     "decode": [dict(BV=32, num_warps=4, waves_per_eu=0), dict(BV=64, num_warps=8, waves_per_eu=0),
                dict(BV=16, num_warps=4, waves_per_eu=2),
                # the one-barrier conv window (fastest on the H200; timed on CDNA by the tuned pick)
-               dict(BV=32, WIN=1, num_warps=4, waves_per_eu=0), dict(BV=64, WIN=1, num_warps=8, waves_per_eu=0)],
+               dict(BV=32, WIN=1, num_warps=4, waves_per_eu=0), dict(BV=64, WIN=1, num_warps=8, waves_per_eu=0),
+               # one reduction round per column block, with and without the next block's prefetch (as on CUDA)
+               dict(BV=32, WIN=1, RED=1, num_warps=4, waves_per_eu=0),
+               dict(BV=32, WIN=1, RED=1, PF=1, num_warps=4, waves_per_eu=0),
+               dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, waves_per_eu=0)],
 }
 
 

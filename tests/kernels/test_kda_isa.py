@@ -63,7 +63,10 @@ def test_kda_decode_vgpr_budget(ci, target, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, fn, sig, consts, _, _ = CASES["decode"]
     meta, opts = tune.split(kda.configs.DECODE["hip"][ci], interp=False)
-    rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"], "PRE": int(meta.get("PRE", 0)), "WIN": int(meta.get("WIN", 0))}, target,
+    bv = meta["BV"]
+    rep = compile_kernel(fn, sig, {**consts, "BV": bv, "PRE": int(meta.get("PRE", 0)), "WIN": int(meta.get("WIN", 0)),
+                                   "RED": int(meta.get("RED", 0)) if bv < consts["V"] else 0,
+                                   "PF": int(meta.get("PF", 0)) if bv < consts["V"] else 0}, target,
                          name="kda.decode", options=opts)
     assert rep.error is None, rep.error
     assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
