@@ -14,7 +14,7 @@ from k3rocm.kernels import tune
 
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
-from .decode import _decode_kernel, kda_decode
+from .decode import _decode_kernel, _split_norm_kernel, _split_prep_kernel, _split_state_kernel, kda_decode
 from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _solve_kernel, _state_kernel, _wu_kernel,
                       kda_prefill)
 
@@ -76,6 +76,15 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                    scale="fp32", lower_bound="fp32", eps="fp32",
                    K="constexpr", V="constexpr", W="constexpr", WP="constexpr", BV="constexpr", PRE="constexpr", WIN="constexpr",
                    RED="constexpr", PF="constexpr")
+    prep_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
+                    A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", slot_ids="*i32", vec="*fp32", sca="*fp32",
+                    H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", scale="fp32", lower_bound="fp32",
+                    K="constexpr", W="constexpr", WP="constexpr", WIN="constexpr")
+    sst_sig = dict(vec="*fp32", sca="*fp32", state_pool="*fp32", slot_ids="*i32", ob="*fp32", H="i32",
+                   K="constexpr", V="constexpr", BV="constexpr")
+    norm_sig = dict(ob="*fp32", g_raw=p, onw="*fp32", slot_ids="*i32", out=p, H="i32", sg="i32", eps="fp32",
+                    V="constexpr")
+    split = next(c for c in configs.DECODE["cuda"] if c.get("SPLIT"))
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]
     ot = configs.OUT["cuda"][0]
@@ -97,4 +106,13 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0, RED=0, PF=0), False,
          _opts(configs.DECODE)),
+        # the three-launch decode (SPLIT configs): prologue and norm at their fixed warps, the state grid at the
+        # first SPLIT config's tile
+        ("decode_split_prep", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4, WIN=1), False,
+         {"hip": dict(num_warps=4), "cuda": dict(num_warps=4)}),
+        ("decode_split_state", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"]), False,
+         {be: tune.split(next(c for c in configs.DECODE[be] if c.get("SPLIT")), interp=False)[1]
+          for be in ("hip", "cuda")}),
+        ("decode_split_norm", _split_norm_kernel, norm_sig, dict(V=K), False,
+         {"hip": dict(num_warps=1), "cuda": dict(num_warps=1)}),
     ]

@@ -76,7 +76,15 @@ _CUDA = {
                dict(BV=32, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
                dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
                dict(BV=16, WIN=1, RED=1, PF=1, num_warps=4, num_stages=1),
-               dict(BV=16, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1)],
+               dict(BV=16, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
+               # SPLIT 1: three launches (decode._split_*): the per-(row, head) prologue once, then a (V tile, row,
+               # head) grid whose programs each step one [K, BV] state tile (no loop, the tile's load first), then the
+               # gated norm; BV and num_warps are the state launch's
+               dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
+               dict(SPLIT=1, BV=32, num_warps=2, num_stages=1),
+               dict(SPLIT=1, BV=16, num_warps=2, num_stages=1),
+               dict(SPLIT=1, BV=64, num_warps=4, num_stages=1),
+               dict(SPLIT=1, BV=16, num_warps=1, num_stages=1)],
 }
 
 _HIP = {
@@ -108,7 +116,10 @@ _HIP = {
                # one reduction round per column block, with and without the next block's prefetch (as on CUDA)
                dict(BV=32, WIN=1, RED=1, num_warps=4, waves_per_eu=0),
                dict(BV=32, WIN=1, RED=1, PF=1, num_warps=4, waves_per_eu=0),
-               dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, waves_per_eu=0)],
+               dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, waves_per_eu=0),
+               # the three-launch form (as on CUDA)
+               dict(SPLIT=1, BV=32, num_warps=4, waves_per_eu=0),
+               dict(SPLIT=1, BV=16, num_warps=2, waves_per_eu=0)],
 }
 
 

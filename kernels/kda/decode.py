@@ -201,6 +201,87 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
     tl.store(obase + offs_v, y.to(out.dtype.element_ty))
 
 
+@_interp.kjit
+def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_bias, conv_pool, slot_ids, vec, sca,
+                       H, sq, sk, sv, sd, sb, scale, lower_bound,
+                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr):
+    """SPLIT decode, launch 1 of 3, one program per (row, head): the q / k / v short convs (the slot's windows
+    shifted here, their only writer), SiLU, L2 norms and q scale, ``e^g`` and beta, written to the row's
+    ``vec[n, h] = [q, k, e^g, v]`` (fp32 ``[4, K]``) and ``sca[n, h] = [beta, q . k]``. A padding row writes
+    nothing (the state launch skips it, the norm launch writes its zeros)."""
+    n = tl.program_id(0)
+    hh = tl.program_id(1)
+    slot_raw = tl.load(slot_ids + n)
+    if slot_raw < 0:
+        return
+    offs_k = tl.arange(0, K)
+    valid = (slot_raw >= 0).to(tl.int32)
+    slot = tl.maximum(slot_raw, 0)
+    NCH = H * K
+    ck = hh * K + offs_k
+    q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, WIN)
+    k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, WIN)
+    v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, WIN)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    raw = tl.load(d_raw + n.to(tl.int64) * sd + ck).to(tl.float32)
+    a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
+    eg = tl.exp(lower_bound * tl.sigmoid(a_h * (raw + tl.load(dt_bias + ck).to(tl.float32))))
+    base = vec + (n.to(tl.int64) * H + hh) * (4 * K)
+    tl.store(base + offs_k, q)
+    tl.store(base + K + offs_k, k)
+    tl.store(base + 2 * K + offs_k, eg)
+    tl.store(base + 3 * K + offs_k, v)
+    sbase = sca + (n.to(tl.int64) * H + hh) * 2
+    tl.store(sbase, tl.sigmoid(tl.load(b_raw + n.to(tl.int64) * sb + hh).to(tl.float32)))
+    tl.store(sbase + 1, tl.sum(q * k, 0))
+
+
+@_interp.kjit
+def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """SPLIT decode, launch 2 of 3, one program per (V tile, row, head), V tiles fastest in launch order: the
+    delta-rule step on state columns ``[vt BV, (vt + 1) BV)`` (:func:`_delta_step_one_round`), the state tile's
+    load issued first; the raw output columns go to ``ob`` (fp32 ``[N, H, V]``)."""
+    vt = tl.program_id(0)
+    n = tl.program_id(1)
+    hh = tl.program_id(2)
+    slot_raw = tl.load(slot_ids + n)
+    if slot_raw < 0:
+        return
+    offs_k = tl.arange(0, K)
+    offs_c = tl.arange(0, BV)
+    sp = state_pool + (slot_raw.to(tl.int64) * H + hh) * (K * V) + vt * BV + (offs_k[:, None] * V + offs_c[None, :])
+    S = tl.load(sp)
+    row = n.to(tl.int64) * H + hh
+    base = vec + row * (4 * K)
+    q = tl.load(base + offs_k)
+    k = tl.load(base + K + offs_k)
+    eg = tl.load(base + 2 * K + offs_k)
+    v = tl.load(base + 3 * K + vt * BV + offs_c)
+    beta = tl.load(sca + row * 2)
+    qk = tl.load(sca + row * 2 + 1)
+    o = _delta_step_one_round(S, sp, eg, k, k * eg, q * eg, qk, beta, v)
+    tl.store(ob + row * V + vt * BV + offs_c, o)
+
+
+@_interp.kjit
+def _split_norm_kernel(ob, g_raw, onw, slot_ids, out, H, sg, eps, V: tl.constexpr):
+    """SPLIT decode, launch 3 of 3, one program per (row, head): the gated per-head RMSNorm
+    ``rms_norm(o) * o_norm.weight * sigmoid(gate_raw)`` of the raw output row; zeros for a padding row."""
+    n = tl.program_id(0)
+    hh = tl.program_id(1)
+    offs_v = tl.arange(0, V)
+    obase = out + n.to(tl.int64) * (H * V) + hh * V
+    if tl.load(slot_ids + n) < 0:
+        tl.store(obase + offs_v, tl.zeros([V], tl.float32).to(out.dtype.element_ty))
+        return
+    o = tl.load(ob + (n.to(tl.int64) * H + hh) * V + offs_v)
+    rstd = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
+    gr = tl.load(g_raw + n.to(tl.int64) * sg + hh * V + offs_v).to(tl.float32)
+    y = o * rstd * tl.load(onw + offs_v).to(tl.float32) * tl.sigmoid(gr)
+    tl.store(obase + offs_v, y.to(out.dtype.element_ty))
+
+
 def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights, A_log, dt_bias, o_norm_weight,
                conv_pool, state_pool, slot_ids, eps, scale=None, lower_bound=-5.0, out: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32, config: dict | None = None):
@@ -241,6 +322,22 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
     def launch(cfg: dict, cpool: torch.Tensor, spool: torch.Tensor, sids: torch.Tensor, o: torch.Tensor) -> None:
         meta, opts = tune.split(dict(cfg))
         bv = min(meta.get("BV", V), V)
+        if meta.get("SPLIT"):
+            # three launches: per-(row, head) prologue, a (V tile, row, head) grid over the state, the gated norm
+            vec = torch.empty(N, H, 4, K, dtype=torch.float32, device=q_raw.device)
+            sca = torch.empty(N, H, 2, dtype=torch.float32, device=q_raw.device)
+            ob = torch.empty(N, H, V, dtype=torch.float32, device=q_raw.device)
+            # the config's warps are the state launch's; the prologue runs 4 warps, the norm one (none under the
+            # interpreter, where opts is empty)
+            po = {k: v for k, v in opts.items() if k != "num_warps"}
+            _interp.launch(_split_prep_kernel, (N, H), *rows[:5], ws[0], ws[1], ws[2], A_log, dt_bias, cpool, sids,
+                           vec, sca, H, *strides[:5], scale, float(lower_bound), K=K, W=W,
+                           WP=max(2, tune.pow2(W - 1)), WIN=int(meta.get("WIN", 1)), **(dict(po, num_warps=4) if opts else {}))
+            _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
+                           **opts)
+            _interp.launch(_split_norm_kernel, (N, H), ob, rows[5], o_norm_weight, sids, o, H, strides[5],
+                           float(eps), V=V, **(dict(po, num_warps=1) if opts else {}))
+            return
         _interp.launch(_decode_kernel, (N, H), *args, cpool, spool, sids, o, H, *strides, scale, float(lower_bound),
                        float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
                        PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)),

@@ -59,10 +59,17 @@ def test_kda_kernel_isa(name, target, monkeypatch):
 @pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
 @pytest.mark.parametrize("ci", range(len(kda.configs.DECODE["hip"])))
 def test_kda_decode_vgpr_budget(ci, target, monkeypatch):
-    """Every HIP decode config (whole-row and V-tiled) fits 128 VGPRs (two waves per SIMD or more), no spills."""
+    """Every HIP decode config (whole-row, V-tiled and three-launch) fits 128 VGPRs (two waves per SIMD or more), no spills."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _, fn, sig, consts, _, _ = CASES["decode"]
     meta, opts = tune.split(kda.configs.DECODE["hip"][ci], interp=False)
+    if meta.get("SPLIT"):  # the three-launch form: its per-config launch is the state grid
+        _, fn, sig, consts, _, _ = CASES["decode_split_state"]
+        rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"]}, target, name="kda.decode_split_state",
+                             options=opts)
+        assert rep.error is None, rep.error
+        assert rep.vgpr_spill == 0 and rep.vgpr + (rep.agpr or 0) <= 128, f"decode config {ci} on {target}: {rep}"
+        return
+    _, fn, sig, consts, _, _ = CASES["decode"]
     bv = meta["BV"]
     rep = compile_kernel(fn, sig, {**consts, "BV": bv, "PRE": int(meta.get("PRE", 0)), "WIN": int(meta.get("WIN", 0)),
                                    "RED": int(meta.get("RED", 0)) if bv < consts["V"] else 0,
