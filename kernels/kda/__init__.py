@@ -74,8 +74,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
                    slot_ids="*i32", out=p, H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", sg="i32",
                    scale="fp32", lower_bound="fp32", eps="fp32",
-                   K="constexpr", V="constexpr", W="constexpr", WP="constexpr", BV="constexpr", PRE="constexpr", WIN="constexpr",
-                   RED="constexpr", PF="constexpr")
+                   K="constexpr", V="constexpr", W="constexpr", WP="constexpr", BV="constexpr", PRE="constexpr", WIN="constexpr")
     prep_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                     A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", slot_ids="*i32", vec="*fp32", sca="*fp32",
                     H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", scale="fp32", lower_bound="fp32",
@@ -104,7 +103,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          _opts(configs.STATE)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0), True,
          _opts(configs.OUT)),
-        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0, RED=0, PF=0), False,
+        ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,
          _opts(configs.DECODE)),
         # the three-launch decode (SPLIT configs): prologue and norm at their fixed warps, the state grid at the
         # first SPLIT config's tile

@@ -67,24 +67,17 @@ _CUDA = {
                dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
                dict(BV=128, WIN=1, num_warps=8, num_stages=1), dict(BV=128, num_warps=8, num_stages=1),
                dict(BV=128, num_warps=16, num_stages=1), dict(BV=128, PRE=1, num_warps=8, num_stages=1),
-               # RED 1: both reductions of a column block in one round, from the loaded block (decode.
-               # _delta_step_one_round); PF 1: the next block's load issued while one is stepped. Candidates
-               # (2026-12-06, after an H100 profile of BV 32 WIN 1 at B64 H96: DRAM 72% busy, 85% of issue
-               # cycles with no eligible warp, 69% of stalls on loads, 96 registers = 5 blocks per SM)
-               dict(BV=32, WIN=1, RED=1, num_warps=4, num_stages=1),
-               dict(BV=32, WIN=1, RED=1, PF=1, num_warps=4, num_stages=1),
-               dict(BV=32, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
-               dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
-               dict(BV=16, WIN=1, RED=1, PF=1, num_warps=4, num_stages=1),
-               dict(BV=16, WIN=1, RED=1, PF=1, num_warps=8, num_stages=1),
                # SPLIT 1: three launches (decode._split_*): the per-(row, head) prologue once, then a (V tile, row,
                # head) grid whose programs each step one [K, BV] state tile (no loop, the tile's load first), then the
-               # gated norm; BV and num_warps are the state launch's
-               dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=32, num_warps=2, num_stages=1),
-               dict(SPLIT=1, BV=16, num_warps=2, num_stages=1),
+               # gated norm; BV and num_warps are the state launch's. H100 2026-12-06 (eager, --bw measure):
+               # BV 64 4 warps 0.332 ms at B64 H96 (0.82 of the state floor) vs the fused kernel's best 0.349;
+               # slower eagerly at B64 H12 / B256 H12 (0.070 / 0.192 vs 0.050 / 0.178: two more launches). Tried and
+               # dropped: the fused kernel with one reduction round per block and the next block prefetched
+               # (0.3515 best), SPLIT at BV 16 on 1-2 warps (0.42)
                dict(SPLIT=1, BV=64, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=16, num_warps=1, num_stages=1)],
+               dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
+               dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
+               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1)],
 }
 
 _HIP = {
@@ -113,13 +106,9 @@ _HIP = {
                dict(BV=16, num_warps=4, waves_per_eu=2),
                # the one-barrier conv window (fastest on the H200; timed on CDNA by the tuned pick)
                dict(BV=32, WIN=1, num_warps=4, waves_per_eu=0), dict(BV=64, WIN=1, num_warps=8, waves_per_eu=0),
-               # one reduction round per column block, with and without the next block's prefetch (as on CUDA)
-               dict(BV=32, WIN=1, RED=1, num_warps=4, waves_per_eu=0),
-               dict(BV=32, WIN=1, RED=1, PF=1, num_warps=4, waves_per_eu=0),
-               dict(BV=64, WIN=1, RED=1, PF=1, num_warps=8, waves_per_eu=0),
                # the three-launch form (as on CUDA)
-               dict(SPLIT=1, BV=32, num_warps=4, waves_per_eu=0),
-               dict(SPLIT=1, BV=16, num_warps=2, waves_per_eu=0)],
+               dict(SPLIT=1, BV=64, num_warps=4, waves_per_eu=0),
+               dict(SPLIT=1, BV=32, num_warps=4, waves_per_eu=0)],
 }
 
 

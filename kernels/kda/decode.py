@@ -110,7 +110,7 @@ def _state_step(state_pool, slot, hh, H, offs_k, cols, valid, eg, k, q, beta, v,
 def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, dt_bias, onw,
                    conv_pool, state_pool, slot_ids, out, H, sq, sk, sv, sd, sb, sg, scale, lower_bound, eps,
                    K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-                   PRE: tl.constexpr, WIN: tl.constexpr, RED: tl.constexpr, PF: tl.constexpr):
+                   PRE: tl.constexpr, WIN: tl.constexpr):
     n = tl.program_id(0)
     hh = tl.program_id(1)
     slot_raw = tl.load(slot_ids + n)
@@ -130,13 +130,6 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         # the whole state's load issued first: its latency overlaps the convolutions and norms below
         sp, smask = _state_ptrs(state_pool, slot, hh, H, offs_k, offs_v, valid, K, V)
         S0 = tl.load(sp, mask=smask, other=0.0)
-    if RED and BV < V:
-        # the head state addressed as one int64 base plus int32 offsets (a [K, BV] tile of 64-bit addresses
-        # would take 2 registers an element); no masks: a padding row has returned above
-        sbase = state_pool + (slot.to(tl.int64) * H + hh) * (K * V)
-        soff = offs_k[:, None] * V + tl.arange(0, BV)[None, :]
-        if PF:
-            S_next = tl.load(sbase + soff)  # the first column block, issued before the convolutions
     q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, WIN)
     k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, WIN)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
@@ -156,31 +149,6 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
         else:
             o = _state_step(state_pool, slot, hh, H, offs_k, offs_v, valid, eg, k, q, beta, v, K, V)
         rstd = tl.rsqrt(tl.sum(o * o, 0) / V + eps)
-    elif RED:
-        # the column-block walk (below) with one reduction round per block (_delta_step_one_round); PF 1: the
-        # first block's load is issued before the convolutions and block vb + 1's while block vb is stepped
-        ke = k * eg
-        qe = q * eg
-        qk = tl.sum(q * k, 0)
-        ss = tl.sum(tl.zeros([BV], dtype=tl.float32), 0)
-        offs_c = tl.arange(0, BV)
-        for vb in range(0, V // BV):
-            offs_b = vb * BV + offs_c
-            sp = sbase + vb * BV + soff
-            if PF:
-                S = S_next
-                # the next block's load (the last iteration reloads block 0 from L2, unused: no branch in the loop)
-                S_next = tl.load(sbase + ((vb + 1) % (V // BV)) * BV + soff)
-            else:
-                S = tl.load(sp)
-            vblk = _conv_step(v_raw, sv, wv, conv_pool, n, slot, hh * V + offs_b, valid, NCH, 2, W, WP, WIN)
-            ob = _delta_step_one_round(S, sp, eg, k, ke, qe, qk, beta, vblk)
-            ss += tl.sum(ob * ob, 0)
-            tl.store(obase + offs_b, ob.to(out.dtype.element_ty))
-        tl.debug_barrier()
-        rstd = tl.rsqrt(ss / V + eps)
-        o = tl.load(obase + offs_v).to(tl.float32)
-        tl.debug_barrier()  # every thread has read the raw row before the normalised one overwrites it
     else:
         # the state is walked in [K, BV] column blocks (columns of S are independent in the delta rule); each
         # block convolves its own v channels (and updates their conv state); the raw output goes through the
@@ -340,9 +308,7 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
             return
         _interp.launch(_decode_kernel, (N, H), *args, cpool, spool, sids, o, H, *strides, scale, float(lower_bound),
                        float(eps), K=K, V=V, W=W, WP=max(2, tune.pow2(W - 1)), BV=bv,
-                       PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)),
-                       RED=int(meta.get("RED", 0)) if bv < V else 0, PF=int(meta.get("PF", 0)) if bv < V else 0,
-                       **opts)
+                       PRE=int(meta.get("PRE", 0)) if bv == V else 0, WIN=int(meta.get("WIN", 0)), **opts)
 
     if not N:
         return out

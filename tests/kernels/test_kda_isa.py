@@ -71,10 +71,8 @@ def test_kda_decode_vgpr_budget(ci, target, monkeypatch):
         return
     _, fn, sig, consts, _, _ = CASES["decode"]
     bv = meta["BV"]
-    rep = compile_kernel(fn, sig, {**consts, "BV": bv, "PRE": int(meta.get("PRE", 0)), "WIN": int(meta.get("WIN", 0)),
-                                   "RED": int(meta.get("RED", 0)) if bv < consts["V"] else 0,
-                                   "PF": int(meta.get("PF", 0)) if bv < consts["V"] else 0}, target,
-                         name="kda.decode", options=opts)
+    rep = compile_kernel(fn, sig, {**consts, "BV": bv, "PRE": int(meta.get("PRE", 0)), "WIN": int(meta.get("WIN", 0))},
+                         target, name="kda.decode", options=opts)
     assert rep.error is None, rep.error
     assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
         f"decode config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
