@@ -106,7 +106,7 @@ def current_mode() -> str:
 
 
 def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config], None] | None = None,
-         rows: float | None = None, can_time: bool = True) -> Config:
+         rows: float | None = None, can_time: bool = True, graphed: bool = False) -> Config:
     """Choose the config of ``candidates`` for kernel ``name`` at the shape ``key``.
 
     1. ``rows`` given: the first candidate whose ``max_rows`` (default unbounded) is >= ``rows``, else the
@@ -119,7 +119,9 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
        launches (:func:`_first_fit`; under the interpreter or during capture simply the first).
     5. Else each candidate is timed by ``run(cfg)`` (median of ``triton.testing.do_bench``; configs that fail
        to compile or launch are skipped) and the fastest is cached for ``(name, key)``. ``run`` must be safe to
-       repeat (no in-place side effects).
+       repeat (no in-place side effects). ``graphed``: timed as a captured CUDA / HIP graph replays it
+       (``triton.testing.do_bench_cudagraph``), for a kernel the engine only runs inside graphs, where a
+       config of several launches pays no host launch gaps; ``run`` must then be capturable.
     """
     if rows is not None:
         candidates = [next((c for c in candidates if rows <= c.get("max_rows", math.inf)), candidates[-1])]
@@ -137,7 +139,11 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
     best, best_t = None, math.inf
     for cfg in candidates:
         try:
-            t = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
+            if graphed:
+                run(cfg)  # compiled outside the capture
+                t = triton.testing.do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20)
+            else:
+                t = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
         except Exception:  # an out-of-resources config on this device: try the next one
             continue
         if t < best_t:
