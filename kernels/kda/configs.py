@@ -77,13 +77,11 @@ _CUDA = {
                # BV 64 4 warps 0.332 ms at B64 H96 (0.82 of the state floor) vs the fused kernel's best 0.349;
                # slower eagerly at B64 H12 / B256 H12 (0.070 / 0.192 vs 0.050 / 0.178: two more launches). Tried and
                # dropped: the fused kernel with one reduction round per block and the next block prefetched
-               # (0.3515 best), SPLIT at BV 16 on 1-2 warps (0.42)
+               # (0.3515 best), SPLIT at BV 16 on 1-2 warps (0.42), the prologue on 2 or 1 warps instead of 4
+               # (within 0.3% graph-replayed on all rows)
                dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
-               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
-               # PW: the prologue's warps (4 by default; it took 35 of the 332 us at B64 H96)
-               dict(SPLIT=1, BV=64, PW=2, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=64, PW=1, num_warps=4, num_stages=1)],
+               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1)],
 }
 
 _HIP = {

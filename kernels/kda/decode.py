@@ -6,8 +6,16 @@ update), SiLU, L2 norm of q and k, the q scale, the gate ``lb * sigmoid(exp(A_lo
 ``[K, V]`` state read from and written back to ``state_pool[slot, h]``, ``o = S^T q`` and the gated per-head
 RMSNorm ``rms_norm(o) * o_norm.weight * sigmoid(gate_raw)`` (K3_FACTS §5).
 
+The SPLIT configs run the same step in three launches, so the state traffic is spread over a
+(V tile, row, head) grid with one ``[K, BV]`` tile per program (the layout of fla's recurrent kernel): a
+per-(row, head) prologue (convs, window shifts, norms, gate, beta) writes fp32 ``[q, k, e^g, v]`` rows and
+``[beta, q . k]``; the state launch steps each tile with both reductions over K taken from the loaded tile
+(``o = (e^g q)^T S + (q . k) u``, :func:`_delta_step_one_round`); a last launch applies the gated norm. The
+prologue is the windows' only writer, so no V tile reads a window another program is shifting.
+
 A padding row (slot id < 0) loads nothing, stores nothing but zeros into its output row. No host
-synchronisation, no data-dependent allocation: safe under CUDA / HIP graph capture.
+synchronisation, no data-dependent allocation (the SPLIT intermediates are sized by the call's shapes): safe
+under CUDA / HIP graph capture.
 """
 
 from __future__ import annotations
@@ -300,13 +308,13 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         if meta.get("SPLIT"):
             # three launches: per-(row, head) prologue, a (V tile, row, head) grid over the state, the gated norm
             vec, sca, ob = work or split_work()
-            # the config's warps are the state launch's; the prologue runs PW warps (default 4), the norm one
-            # (none under the interpreter, where opts is empty)
+            # the config's warps are the state launch's; the prologue runs 4 warps (2 and 1 timed the same), the
+            # norm one (none under the interpreter, where opts is empty)
             po = {k: v for k, v in opts.items() if k != "num_warps"}
             _interp.launch(_split_prep_kernel, (N, H), *rows[:5], ws[0], ws[1], ws[2], A_log, dt_bias, cpool, sids,
                            vec, sca, H, *strides[:5], scale, float(lower_bound), K=K, W=W,
                            WP=max(2, tune.pow2(W - 1)), WIN=int(meta.get("WIN", 1)),
-                           **(dict(po, num_warps=int(meta.get("PW", 4))) if opts else {}))
+                           **(dict(po, num_warps=4) if opts else {}))
             _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
                            **opts)
             _interp.launch(_split_norm_kernel, (N, H), ob, rows[5], o_norm_weight, sids, o, H, strides[5],
