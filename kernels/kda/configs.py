@@ -63,8 +63,8 @@ _CUDA = {
     # BV64 WIN1 0.058 / 0.282 / 0.146, BV64 0.055 / 0.296 / 0.154, BV128 WIN1 0.059 / 0.399 / 0.205, BV128 (the
     # first entry until then, what the engine ran) 0.079 / 0.567 / 0.285, BV128 PRE1 0.077 / 0.568 / 0.289. The
     # engine path takes the tuned pick (kda_decode, config None); the first entry is the untimed fallback
-    # From 2026-12-06 the three-launch SPLIT form (described below) leads: graph-replayed on the H100 its BV 64 / 4-warp entry
-    # was at or below the fused kernel's best on all three rows (0.0476 / 0.3317 / 0.1705 ms vs 0.0477 / 0.353 /
+    # From 2026-12-06 the three-launch SPLIT form (described below) leads: graph-replayed on the H100 its BV 64 /
+    # 4-warp entry was at or below the fused kernel's best on all three rows (0.0476 / 0.3317 / 0.1705 ms vs 0.0477 / 0.353 /
     # 0.1762 at B64 H12 / B64 H96 / B256 H12), and the tuned pick now times configs graph-replayed
     "decode": [dict(SPLIT=1, BV=64, num_warps=4, num_stages=1),
                dict(BV=32, WIN=1, num_warps=4, num_stages=1), dict(BV=64, WIN=1, num_warps=4, num_stages=1),
@@ -81,7 +81,10 @@ _CUDA = {
                # (within 0.3% graph-replayed on all rows)
                dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
-               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1)],
+               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
+               # WIN 0 in a SPLIT config: the prologue's three convs each behind their own barrier (as up to
+               # 24dccc7) instead of all loads first and one barrier
+               dict(SPLIT=1, BV=64, WIN=0, num_warps=4, num_stages=1)],
 }
 
 _HIP = {

@@ -178,6 +178,31 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
 
 
 @_interp.kjit
+def _conv_read(xr, sx, wt, pool, n, slot, ch, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The loads and SiLU(conv) of one token's channels ``ch`` (a valid row): returns ``(x, window, window
+    offsets, SiLU(conv))``; the window is shifted later by :func:`_conv_shift`, after every thread of the
+    program has read it (one barrier for all three convs, where :func:`_conv_step` takes one each)."""
+    x = tl.load(xr + n.to(tl.int64) * sx + ch).to(tl.float32)
+    base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
+    j = tl.arange(0, WP)
+    jm = (j < W - 1)[None, :] & (ch >= 0)[:, None]
+    win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
+    wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=jm, other=0.0).to(tl.float32)
+    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32) + tl.sum(win * wj, 1)
+    return x, win, base, acc * tl.sigmoid(acc)
+
+
+@_interp.kjit
+def _conv_shift(pool, x, win, base, W: tl.constexpr, WP: tl.constexpr):
+    """Store the shifted window read by :func:`_conv_read`: position j - 1 takes the value read at j, the
+    newest input goes last."""
+    j = tl.arange(0, WP)
+    jm = ((j >= 1) & (j < W - 1))[None, :] & (base >= 0)[:, None]
+    tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm)
+    tl.store(pool + base + (W - 2), x)
+
+
+@_interp.kjit
 def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_bias, conv_pool, slot_ids, vec, sca,
                        H, sq, sk, sv, sd, sb, scale, lower_bound,
                        K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr):
@@ -195,9 +220,19 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
     slot = tl.maximum(slot_raw, 0)
     NCH = H * K
     ck = hh * K + offs_k
-    q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, WIN)
-    k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, WIN)
-    v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, WIN)
+    if WIN:
+        # the three convs' loads first, one barrier, then the three window shifts
+        xq, wnq, bq, q = _conv_read(q_raw, sq, wq, conv_pool, n, slot, ck, NCH, 0, W, WP)
+        xk, wnk, bk, k = _conv_read(k_raw, sk, wk, conv_pool, n, slot, ck, NCH, 1, W, WP)
+        xv, wnv, bv, v = _conv_read(v_raw, sv, wv, conv_pool, n, slot, ck, NCH, 2, W, WP)
+        tl.debug_barrier()  # every thread has read every window
+        _conv_shift(conv_pool, xq, wnq, bq, W, WP)
+        _conv_shift(conv_pool, xk, wnk, bk, W, WP)
+        _conv_shift(conv_pool, xv, wnv, bv, W, WP)
+    else:
+        q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, 1)
+        k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, 1)
+        v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, 1)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     raw = tl.load(d_raw + n.to(tl.int64) * sd + ck).to(tl.float32)
@@ -299,7 +334,8 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
         """The SPLIT form's fp32 intermediates: [q, k, e^g, v] rows, [beta, q . k], the raw output."""
         dev = q_raw.device
         return (torch.empty(N, H, 4, K, dtype=torch.float32, device=dev),
-                torch.empty(N, H, 2, dtype=torch.float32, device=dev), torch.empty(N, H, V, dtype=torch.float32, device=dev))
+                torch.empty(N, H, 2, dtype=torch.float32, device=dev),
+                torch.empty(N, H, V, dtype=torch.float32, device=dev))
 
     def launch(cfg: dict, cpool: torch.Tensor, spool: torch.Tensor, sids: torch.Tensor, o: torch.Tensor,
                work: tuple | None = None) -> None:
@@ -313,7 +349,7 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
             po = {k: v for k, v in opts.items() if k != "num_warps"}
             _interp.launch(_split_prep_kernel, (N, H), *rows[:5], ws[0], ws[1], ws[2], A_log, dt_bias, cpool, sids,
                            vec, sca, H, *strides[:5], scale, float(lower_bound), K=K, W=W,
-                           WP=max(2, tune.pow2(W - 1)), WIN=int(meta.get("WIN", 1)),
+                           WP=max(2, tune.pow2(W - 1)), WIN=int(meta.get("WIN", 1)),  # 1: one barrier for three convs
                            **(dict(po, num_warps=4) if opts else {}))
             _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
                            **opts)
