@@ -80,7 +80,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", scale="fp32", lower_bound="fp32",
                     K="constexpr", W="constexpr", WP="constexpr", WIN="constexpr")
     sst_sig = dict(vec="*fp32", sca="*fp32", state_pool="*fp32", slot_ids="*i32", ob="*fp32", H="i32",
-                   K="constexpr", V="constexpr", BV="constexpr")
+                   K="constexpr", V="constexpr", BV="constexpr", EV="constexpr")
     norm_sig = dict(ob="*fp32", g_raw=p, onw="*fp32", slot_ids="*i32", out=p, H="i32", sg="i32", eps="fp32",
                     V="constexpr")
     split = next(c for c in configs.DECODE["cuda"] if c.get("SPLIT"))
@@ -109,7 +109,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         # first SPLIT config's tile
         ("decode_split_prep", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4, WIN=1), False,
          {"hip": dict(num_warps=4), "cuda": dict(num_warps=4)}),
-        ("decode_split_state", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"]), False,
+        ("decode_split_state", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"], EV=0), False,
          {be: tune.split(next(c for c in configs.DECODE[be] if c.get("SPLIT")), interp=False)[1]
           for be in ("hip", "cuda")}),
         ("decode_split_norm", _split_norm_kernel, norm_sig, dict(V=K), False,

@@ -84,7 +84,10 @@ _CUDA = {
                dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
                # WIN 0 in a SPLIT config: the prologue's three convs each behind their own barrier (as up to
                # 24dccc7) instead of all loads first and one barrier
-               dict(SPLIT=1, BV=64, WIN=0, num_warps=4, num_stages=1)],
+               dict(SPLIT=1, BV=64, WIN=0, num_warps=4, num_stages=1),
+               # EV 1: the state tile's load and store evict-first
+               dict(SPLIT=1, BV=64, EV=1, num_warps=4, num_stages=1),
+               dict(SPLIT=1, BV=32, EV=1, num_warps=4, num_stages=1)],
 }
 
 _HIP = {

@@ -95,14 +95,18 @@ def _add2(a0, b0, a1, b1):
 
 
 @_interp.kjit
-def _delta_step_one_round(S, sp, eg, k, ke, qe, qk, beta, v):
+def _delta_step_one_round(S, sp, eg, k, ke, qe, qk, beta, v, EV: tl.constexpr):
     """:func:`_delta_step` with both reductions over K taken from the loaded (undecayed) block in one round:
     ``pred = (e^g k)^T S``, ``o = (e^g q)^T S + (q . k) u`` with ``u = beta (v - pred)``, the same algebra as
     ``o = q^T (diag(e^g) S + k u^T)``, so ``o`` no longer waits for the updated state. ``ke = e^g k``,
-    ``qe = e^g q``, ``qk = q . k`` (a scalar) come precomputed."""
+    ``qe = e^g q``, ``qk = q . k`` (a scalar) come precomputed. ``EV``: the store marked evict-first (streamed
+    once; the L2 keeps the rows the other V tiles still read)."""
     pred, qs = tl.reduce((S * ke[:, None], S * qe[:, None]), 0, _add2)
     u = beta * (v - pred)
-    tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :])
+    if EV:
+        tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :], eviction_policy="evict_first")
+    else:
+        tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :])
     return qs + qk * u
 
 
@@ -249,10 +253,12 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
 
 
 @_interp.kjit
-def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                        EV: tl.constexpr):
     """SPLIT decode, launch 2 of 3, one program per (V tile, row, head), V tiles fastest in launch order: the
     delta-rule step on state columns ``[vt BV, (vt + 1) BV)`` (:func:`_delta_step_one_round`), the state tile's
-    load issued first; the raw output columns go to ``ob`` (fp32 ``[N, H, V]``)."""
+    load issued first; the raw output columns go to ``ob`` (fp32 ``[N, H, V]``). ``EV`` 1: the state tile's
+    load and store marked evict-first."""
     vt = tl.program_id(0)
     n = tl.program_id(1)
     hh = tl.program_id(2)
@@ -262,7 +268,10 @@ def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, 
     offs_k = tl.arange(0, K)
     offs_c = tl.arange(0, BV)
     sp = state_pool + (slot_raw.to(tl.int64) * H + hh) * (K * V) + vt * BV + (offs_k[:, None] * V + offs_c[None, :])
-    S = tl.load(sp)
+    if EV:
+        S = tl.load(sp, eviction_policy="evict_first")
+    else:
+        S = tl.load(sp)
     row = n.to(tl.int64) * H + hh
     base = vec + row * (4 * K)
     q = tl.load(base + offs_k)
@@ -271,7 +280,7 @@ def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, 
     v = tl.load(base + 3 * K + vt * BV + offs_c)
     beta = tl.load(sca + row * 2)
     qk = tl.load(sca + row * 2 + 1)
-    o = _delta_step_one_round(S, sp, eg, k, k * eg, q * eg, qk, beta, v)
+    o = _delta_step_one_round(S, sp, eg, k, k * eg, q * eg, qk, beta, v, EV)
     tl.store(ob + row * V + vt * BV + offs_c, o)
 
 
@@ -352,7 +361,7 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
                            WP=max(2, tune.pow2(W - 1)), WIN=int(meta.get("WIN", 1)),  # 1: one barrier for three convs
                            **(dict(po, num_warps=4) if opts else {}))
             _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
-                           **opts)
+                           EV=int(meta.get("EV", 0)), **opts)
             _interp.launch(_split_norm_kernel, (N, H), ob, rows[5], o_norm_weight, sids, o, H, strides[5],
                            float(eps), V=V, **(dict(po, num_warps=1) if opts else {}))
             return
