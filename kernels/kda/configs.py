@@ -82,12 +82,13 @@ _CUDA = {
                dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
                dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
-               # WIN 0 in a SPLIT config: the prologue's three convs each behind their own barrier (as up to
-               # 24dccc7) instead of all loads first and one barrier
-               dict(SPLIT=1, BV=64, WIN=0, num_warps=4, num_stages=1),
-               # EV 1: the state tile's load and store evict-first
+               # candidates written after the last GPU call of 2026-12-06, run in the interpreter and compiled for
+               # sm_90 / gfx942 / gfx950, NOT yet run or timed on a GPU: P1 1, the prologue's three convs' loads
+               # first and one barrier (a barrier per conv otherwise; the prologue was 35 of 331 us at B64 H96,
+               # latency-bound); EV 1, the state tile's load and store evict-first
+               dict(SPLIT=1, BV=64, P1=1, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, EV=1, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=32, EV=1, num_warps=4, num_stages=1)],
+               dict(SPLIT=1, BV=64, P1=1, EV=1, num_warps=4, num_stages=1)],
 }
 
 _HIP = {

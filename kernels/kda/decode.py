@@ -209,11 +209,12 @@ def _conv_shift(pool, x, win, base, W: tl.constexpr, WP: tl.constexpr):
 @_interp.kjit
 def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_bias, conv_pool, slot_ids, vec, sca,
                        H, sq, sk, sv, sd, sb, scale, lower_bound,
-                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIN: tl.constexpr):
+                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, P1: tl.constexpr):
     """SPLIT decode, launch 1 of 3, one program per (row, head): the q / k / v short convs (the slot's windows
     shifted here, their only writer), SiLU, L2 norms and q scale, ``e^g`` and beta, written to the row's
     ``vec[n, h] = [q, k, e^g, v]`` (fp32 ``[4, K]``) and ``sca[n, h] = [beta, q . k]``. A padding row writes
-    nothing (the state launch skips it, the norm launch writes its zeros)."""
+    nothing (the state launch skips it, the norm launch writes its zeros). ``P1`` 1: the three convs' loads
+    issued first and one barrier before the three window shifts (:func:`_conv_read`); 0: a barrier per conv."""
     n = tl.program_id(0)
     hh = tl.program_id(1)
     slot_raw = tl.load(slot_ids + n)
@@ -224,7 +225,7 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
     slot = tl.maximum(slot_raw, 0)
     NCH = H * K
     ck = hh * K + offs_k
-    if WIN:
+    if P1:
         # the three convs' loads first, one barrier, then the three window shifts
         xq, wnq, bq, q = _conv_read(q_raw, sq, wq, conv_pool, n, slot, ck, NCH, 0, W, WP)
         xk, wnk, bk, k = _conv_read(k_raw, sk, wk, conv_pool, n, slot, ck, NCH, 1, W, WP)
@@ -234,6 +235,7 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
         _conv_shift(conv_pool, xk, wnk, bk, W, WP)
         _conv_shift(conv_pool, xv, wnv, bv, W, WP)
     else:
+        # each conv reads its window as one tile behind its own barrier (_conv_step, WIN 1)
         q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, 1)
         k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, 1)
         v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, 1)
@@ -358,7 +360,7 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
             po = {k: v for k, v in opts.items() if k != "num_warps"}
             _interp.launch(_split_prep_kernel, (N, H), *rows[:5], ws[0], ws[1], ws[2], A_log, dt_bias, cpool, sids,
                            vec, sca, H, *strides[:5], scale, float(lower_bound), K=K, W=W,
-                           WP=max(2, tune.pow2(W - 1)), WIN=int(meta.get("WIN", 1)),  # 1: one barrier for three convs
+                           WP=max(2, tune.pow2(W - 1)), P1=int(meta.get("P1", 0)),
                            **(dict(po, num_warps=4) if opts else {}))
             _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
                            EV=int(meta.get("EV", 0)), **opts)
