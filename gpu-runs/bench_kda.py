@@ -2,11 +2,13 @@
 
 Rows (bf16, K = V = 128), issue 3: prefill B1 T8192 H96; B1 T32768 H12; B4 T8192 H12; B1 T131072 H12;
 decode B64 H12; B64 H96; B256 H12. Times: ``triton.testing.do_bench`` median after warm-up, fresh random data.
-Floors: bytes / 4.2 TB/s (measured H200 copy) and FLOPs / 682 TFLOP/s (measured bf16 GEMM); fraction = floor / time.
+Floors: bytes / 4.2 TB/s (measured H200 copy; ``--bw measure`` times this GPU's copy instead) and FLOPs / 682 TFLOP/s
+(measured bf16 GEMM); fraction = floor / time. Decode rows time every config eagerly and graph-replayed.
 Also the accuracy of both against the fp32 oracle on a smaller prefill (relative RMS error), and per prefill row
 each of our launches (gate, intra, state, out) timed alone plus the q/k/v short conv (a second table).
 
-Usage: ``python gpu-runs/bench_kda.py --out DIR`` (writes ``kda_bench.json`` and ``kda_bench.md``);
+Usage: ``python gpu-runs/bench_kda.py --out DIR [--decode 64x96] [--prefill 1x8192x96] [--bw measure]`` (writes
+``kda_bench.json`` and ``kda_bench.md``);
 ``--warm I/N`` only compiles (share I of N of the kernel variants) to fill Triton's cache in parallel.
 """
 
