@@ -378,7 +378,7 @@ class Cluster:
         port = free_port()
         mctx = mp.get_context("spawn")
         errq = mctx.Queue()
-        procs = [start_ignoring_sigint(mctx.Process(
+        procs = [start_follower(mctx.Process(
             target=_follower_main, name=f"k3rocm-rank{r}",
             args=(r, world, port, spec.backend, spec.timeout_s, errq, os.getpid()), daemon=True))
             for r in range(1, world)]
@@ -618,23 +618,34 @@ def follow(backend: str | None = None, timeout_s: float = 120.0, errq: Any = Non
         pass
 
 
-def start_ignoring_sigint(proc):
-    """Start ``proc`` (a ``multiprocessing`` process, spawn context) with Ctrl-C ignored from its first instruction.
+def start_follower(proc):
+    """Start ``proc`` (a ``multiprocessing`` process, spawn context) as a follower rank: Ctrl-C ignored from its
+    first instruction, and torch's C++ log at ``FATAL`` unless the user set ``TORCH_CPP_LOG_LEVEL``.
 
     Python leaves SIGINT ignored in a process whose parent ignored it, so SIGINT is ignored here around
     ``proc.start()`` (main thread only; other threads cannot set handlers) and restored: a Ctrl-C while a follower
     still imports the package printed the follower's ``KeyboardInterrupt`` traceback before rank 0's one line
-    (rank 0 handles Ctrl-C for every rank). Returns ``proc``.
+    (rank 0 handles Ctrl-C for every rank). The C++ log level is read once as the child loads torch, so it is set in
+    the environment the child inherits, around ``proc.start()``, and restored: a follower that could not join
+    printed c10d's ``[E ... socket.cpp]`` lines and their frame lists before rank 0's one line (the follower's
+    error reaches rank 0 through the error queue, which quotes it). Returns ``proc``.
     """
-    if threading.current_thread() is not threading.main_thread():
-        proc.start()
-        return proc
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    if user_level is None:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
-        proc.start()
+        if threading.current_thread() is not threading.main_thread():
+            proc.start()
+            return proc
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, old)
+        return proc
     finally:
-        signal.signal(signal.SIGINT, old)
-    return proc
+        if user_level is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def _follower_main(rank: int, world: int, port: int, backend: str, timeout_s: float, errq: Any, ppid: int) -> None:

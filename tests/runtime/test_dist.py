@@ -99,17 +99,42 @@ def _report_sigint(q):
     q.put(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
 
 
+def _report_cpp_log_level(q):
+    """Spawned child: the C++ log level it inherited."""
+    q.put(os.environ.get("TORCH_CPP_LOG_LEVEL"))
+
+
+def test_followers_start_with_cpp_logs_quiet_unless_the_user_set_them(monkeypatch):
+    """A follower starts with torch's C++ log at FATAL (c10d's socket errors of a follower that could not join printed
+    before rank 0's one line) and rank 0's environment is unchanged after; a level the user set is kept."""
+    import multiprocessing as mp
+
+    from k3rocm.runtime.serve import start_follower
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    p = start_follower(ctx.Process(target=_report_cpp_log_level, args=(q,)))
+    assert "TORCH_CPP_LOG_LEVEL" not in os.environ
+    assert q.get(timeout=60) == "FATAL"
+    p.join(timeout=60)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    p = start_follower(ctx.Process(target=_report_cpp_log_level, args=(q,)))
+    assert q.get(timeout=60) == "INFO"
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    p.join(timeout=60)
+
+
 def test_followers_start_with_ctrl_c_ignored():
     """A follower is spawned with SIGINT already ignored (a Ctrl-C while it still imported the package printed its
     KeyboardInterrupt traceback); rank 0's own handler is back once the child has started."""
     import multiprocessing as mp
     import signal
 
-    from k3rocm.runtime.serve import start_ignoring_sigint
+    from k3rocm.runtime.serve import start_follower
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     before = signal.getsignal(signal.SIGINT)
-    p = start_ignoring_sigint(ctx.Process(target=_report_sigint, args=(q,)))
+    p = start_follower(ctx.Process(target=_report_sigint, args=(q,)))
     assert signal.getsignal(signal.SIGINT) is before
     assert q.get(timeout=60) is True
     p.join(timeout=60)
