@@ -1,7 +1,7 @@
 """Benchmark the KDA Triton kernels against fla-core (chunk_kda / fused_recurrent_kda) on one GPU.
 
 Rows (bf16, K = V = 128), issue 3: prefill B1 T8192 H96; B1 T32768 H12; B4 T8192 H12; B1 T131072 H12;
-decode B64 H12; B64 H96; B256 H12. Times: ``triton.testing.do_bench`` median after warm-up, fresh random data.
+decode B64 H12; B64 H96; B256 H12. Times: ``triton.testing.do_bench`` (mean) after warm-up, fresh random data.
 Floors: bytes / 4.2 TB/s (measured H200 copy; ``--bw measure`` times this GPU's copy instead) and FLOPs / 682 TFLOP/s
 (measured bf16 GEMM); fraction = floor / time. Decode rows time every config eagerly and graph-replayed.
 Also the accuracy of both against the fp32 oracle on a smaller prefill (relative RMS error), and per prefill row
@@ -118,7 +118,7 @@ def kernel_breakdown(fn, iters: int = 5, top: int = 12) -> list[dict]:
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """This GPU's device-to-device copy rate (bytes/s: read + write of ``nbytes``, do_bench median): the floors'
+    """This GPU's device-to-device copy rate (bytes/s: read + write of ``nbytes``, do_bench mean): the floors'
     bandwidth on the machine that runs the rows (the 4.2 TB/s default was measured on an H200)."""
     import triton.testing as tt
     a = torch.empty(nbytes // 4, device="cuda")

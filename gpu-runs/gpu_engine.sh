@@ -35,8 +35,9 @@
 #   ncu    Nsight Compute (`ncu --set full`, where the machine has it) of the first NCU_COUNT (default 2: w1|w3 and
 #          w2 of the served config) decode-path MoE GEMM launches of `bench_moe.py --tokens ${NCU_TOKENS:-64}`: every
 #          section's details in ncu.log
-#   kncu   Nsight Compute of one KDA decode launch (`bench_kda.py --only decode --decode ${KNCU_ROWS:-64x96}`, the
-#          first config's launch after NCU_SKIP (default 60) warm ones), into kncu.log
+#   kncu   Nsight Compute of one KDA decode launch (`bench_kda.py --only decode --decode ${KNCU_ROWS:-64x96}`: the
+#          first launch of a kernel matching NCU_KERNEL (default _split_state_kernel, the served config's state grid;
+#          _decode_kernel for the fused one) after NCU_SKIP (default 60) warm ones), into kncu.log
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
@@ -104,7 +105,7 @@ for s in $STEPS; do
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode ${KDEC_ARGS:-} --out "$R/kdec" ;;
     ncu) step ncu "$(lim 200)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count "${NCU_COUNT:-2}" \
           --set full $PY "$HERE/bench_moe.py" --tokens "${NCU_TOKENS:-64}" --no-bf16 --out "$R/ncu_moe" ;;
-    kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name regex:_decode_kernel \
+    kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name "regex:${NCU_KERNEL:-_split_state_kernel}" \
           --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" --only decode --no-fla \
           --decode "${KNCU_ROWS:-64x96}" --out "$R/kncu" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \

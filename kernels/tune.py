@@ -117,11 +117,12 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
     4. Without ``run``, with one candidate, under the interpreter, with ``K3ROCM_TUNE=0``, in tune mode
        ``"frozen"``, during CUDA/HIP graph capture or when ``can_time`` is False: the first candidate that
        launches (:func:`_first_fit`; under the interpreter or during capture simply the first).
-    5. Else each candidate is timed by ``run(cfg)`` (median of ``triton.testing.do_bench``; configs that fail
+    5. Else each candidate is timed by ``run(cfg)`` (``triton.testing.do_bench``'s mean; configs that fail
        to compile or launch are skipped) and the fastest is cached for ``(name, key)``. ``run`` must be safe to
        repeat (no in-place side effects). ``graphed``: timed as a captured CUDA / HIP graph replays it
-       (``triton.testing.do_bench_cudagraph``), for a kernel the engine only runs inside graphs, where a
-       config of several launches pays no host launch gaps; ``run`` must then be capturable.
+       (``triton.testing.do_bench_cudagraph``, no L2 flush between calls), for a kernel the engine runs inside
+       its step graphs, where a config of several launches pays no host launch gaps; a candidate whose capture
+       fails is timed eagerly instead.
     """
     if rows is not None:
         candidates = [next((c for c in candidates if rows <= c.get("max_rows", math.inf)), candidates[-1])]
@@ -139,10 +140,14 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
     best, best_t = None, math.inf
     for cfg in candidates:
         try:
+            run(cfg)  # compiled (and a config that cannot launch here found) outside any capture
+            t = None
             if graphed:
-                run(cfg)  # compiled outside the capture
-                t = triton.testing.do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20)
-            else:
+                try:
+                    t = triton.testing.do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20)
+                except Exception:  # not capturable here: timed eagerly below rather than dropped
+                    torch.cuda.synchronize()
+            if t is None:
                 t = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
         except Exception:  # an out-of-resources config on this device: try the next one
             continue

@@ -64,8 +64,8 @@ _CUDA = {
     # first entry until then, what the engine ran) 0.079 / 0.567 / 0.285, BV128 PRE1 0.077 / 0.568 / 0.289. The
     # engine path takes the tuned pick (kda_decode, config None); the first entry is the untimed fallback
     # From 2026-12-06 the three-launch SPLIT form (described below) leads: graph-replayed on the H100 its BV 64 /
-    # 4-warp entry was at or below the fused kernel's best on all three rows (0.0476 / 0.3317 / 0.1705 ms vs 0.0477 / 0.353 /
-    # 0.1762 at B64 H12 / B64 H96 / B256 H12), and the tuned pick now times configs graph-replayed
+    # 4-warp entry was at or below the fused kernel's best on all three rows (0.0474 / 0.3313 / 0.1694 ms vs
+    # 0.0473 / 0.3509 / 0.1759 at B64 H12 / B64 H96 / B256 H12), and the tuned pick times configs graph-replayed
     "decode": [dict(SPLIT=1, BV=64, num_warps=4, num_stages=1),
                dict(BV=32, WIN=1, num_warps=4, num_stages=1), dict(BV=64, WIN=1, num_warps=4, num_stages=1),
                dict(BV=64, num_warps=4, num_stages=1), dict(BV=32, num_warps=4, num_stages=1),
@@ -81,14 +81,7 @@ _CUDA = {
                # (within 0.3% graph-replayed on all rows)
                dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
-               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
-               # candidates written after the last GPU call of 2026-12-06, run in the interpreter and compiled for
-               # sm_90 / gfx942 / gfx950, NOT yet run or timed on a GPU: P1 1, the prologue's three convs' loads
-               # first and one barrier (a barrier per conv otherwise; the prologue was 35 of 331 us at B64 H96,
-               # latency-bound); EV 1, the state tile's load and store evict-first
-               dict(SPLIT=1, BV=64, P1=1, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=64, EV=1, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=64, P1=1, EV=1, num_warps=4, num_stages=1)],
+               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1)],
 }
 
 _HIP = {

@@ -185,7 +185,13 @@ def test_decode_default_advances_pools_once():
     assert max(e) <= 1e-4 and torch.equal(cp, cpr)
 
 
-def test_prefill_then_decode_and_graph_capture():
+@pytest.mark.parametrize("form", ["tuned", "split", "fused"])
+def test_prefill_then_decode_and_graph_capture(form):
+    """Prefill T tokens, then decode steps captured in one graph and replayed per token (a padding row beside the
+    real one) == the oracle's prefill of T + k: the tuned pick, and the first SPLIT (three-launch, intermediates
+    allocated inside the capture) and first fused configs explicitly."""
+    from k3rocm.kernels import tune
+    from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import conv as CV
     from k3rocm.kernels.kda import decode as DE
     from k3rocm.kernels.kda import prefill as P
@@ -210,28 +216,33 @@ def test_prefill_then_decode_and_graph_capture():
         cp[1, i] = f[0]
     _, s_T = P.kda_prefill(*cvt, dr[None, :T], br[None, :T], A_log, dt)
     sp[1] = s_T[0]
-    sid = torch.tensor([1], dtype=torch.int32, device="cuda")
+    sid = torch.tensor([1, -1], dtype=torch.int32, device="cuda")  # row 1: a graph's padding row
+    cfg = {"tuned": None, "split": next(c for c in tune.configs(KC.DECODE) if c.get("SPLIT")),
+           "fused": next(c for c in tune.configs(KC.DECODE) if not c.get("SPLIT"))}[form]
     # the decode steps run inside a captured graph, replayed once per token with new inputs copied in
-    bufs = [torch.empty(1, C, dtype=torch.bfloat16, device="cuda") for _ in range(4)] + [
-        torch.empty(1, H, dtype=torch.bfloat16, device="cuda"), torch.empty(1, C, dtype=torch.bfloat16, device="cuda")]
-    out = torch.empty(1, C, device="cuda")
+    bufs = [torch.empty(2, C, dtype=torch.bfloat16, device="cuda") for _ in range(4)] + [
+        torch.empty(2, H, dtype=torch.bfloat16, device="cuda"), torch.empty(2, C, dtype=torch.bfloat16, device="cuda")]
+    out = torch.full((2, C), float("nan"), device="cuda")
     srcs = [X[0], X[1], X[2], dr, br, gr]
     for b, s in zip(bufs, srcs):
-        b.copy_(s[T:T + 1])
+        b.copy_(s[T:T + 1].expand(2, -1))
     cp_w, sp_w = cp.clone(), sp.clone()  # warm-up (compile) on copies
-    DE.kda_decode(*bufs, ws, A_log, dt, onw, cp_w, sp_w, sid, 1e-5, out=out)
+    DE.kda_decode(*bufs, ws, A_log, dt, onw, cp_w, sp_w, sid, 1e-5, out=out, config=cfg)
     torch.cuda.synchronize()
+    out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        DE.kda_decode(*bufs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out)
+        DE.kda_decode(*bufs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=cfg)
     outs = []
     for t in range(T, T + kd):
         for b, s in zip(bufs, srcs):
-            b.copy_(s[t:t + 1])
+            b.copy_(s[t:t + 1].expand(2, -1))
         graph.replay()
-        outs.append(out.clone())
+        assert torch.equal(out[1], torch.zeros_like(out[1])), "the padding row must be written as zeros"
+        outs.append(out[:1].clone())
+    assert not sp[0].any() and not cp[0].any(), "the padding row touched a slot"
     e = (rel_rms(torch.cat(outs), want), rel_rms(sp[1], s_ref[0]))
-    _log(test="prefill_then_decode_graph_bf16", rel_rms_o=e[0], rel_rms_state=e[1])
+    _log(test="prefill_then_decode_graph_bf16", form=form, cfg=cfg, rel_rms_o=e[0], rel_rms_state=e[1])
     assert max(e) <= BF16_REL_RMS
 
 

@@ -67,7 +67,8 @@ def test_kda_decode_vgpr_budget(ci, target, monkeypatch):
         rep = compile_kernel(fn, sig, {**consts, "BV": meta["BV"]}, target, name="kda.decode_split_state",
                              options=opts)
         assert rep.error is None, rep.error
-        assert rep.vgpr_spill == 0 and rep.vgpr + (rep.agpr or 0) <= 128, f"decode config {ci} on {target}: {rep}"
+        assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
+            f"decode config {ci} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
         return
     _, fn, sig, consts, _, _ = CASES["decode"]
     bv = meta["BV"]
