@@ -140,9 +140,9 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
     best, best_t = None, math.inf
     for cfg in candidates:
         try:
-            run(cfg)  # compiled (and a config that cannot launch here found) outside any capture
             t = None
             if graphed:
+                run(cfg)  # compiled (and a config that cannot launch here found) outside the capture
                 try:
                     t = triton.testing.do_bench_cudagraph(lambda cfg=cfg: run(cfg), rep=20)
                 except Exception:  # not capturable here: timed eagerly below rather than dropped

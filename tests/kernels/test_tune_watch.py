@@ -123,3 +123,45 @@ def test_tune_modes(monkeypatch):
         for k in ("a", "b", "c", "t"):
             tune._CACHE.pop((name, (k,)), None)
             tune._FIT.pop((name, (k,)), None)
+
+
+def test_graphed_pick_times_replays_and_falls_back_to_eager(monkeypatch):
+    """``graphed=True`` times each candidate graph-replayed (after one run outside the capture); a candidate whose
+    capture fails is timed eagerly instead of dropped, so it can still win; one that cannot launch is skipped."""
+    monkeypatch.setattr(tune, "interpreting", lambda: False)
+    monkeypatch.setattr(tune, "_capturing", lambda: False)
+    monkeypatch.setattr(tune, "_spin_up", lambda: None)
+    monkeypatch.setattr(tune.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.delenv("K3ROCM_TUNE", raising=False)
+    times = {16: 3.0, 32: 2.0, 64: 1.0}  # 64 only capturable eagerly: its graph capture raises
+    graphed, eager = [], []
+
+    def bench_graph(fn, **kw):
+        fn()
+        block = last[0]
+        graphed.append(block)
+        if block == 64:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return times[block]
+
+    def bench_eager(fn, **kw):
+        fn()
+        eager.append(last[0])
+        return times[last[0]]
+
+    last = [None]
+
+    def run(c):
+        if c["BLOCK"] == 8:
+            raise RuntimeError("out of resources: shared memory")
+        last[0] = c["BLOCK"]
+
+    monkeypatch.setattr(tune.triton.testing, "do_bench_cudagraph", bench_graph)
+    monkeypatch.setattr(tune.triton.testing, "do_bench", bench_eager)
+    name = "graphed_test_kernel"
+    try:
+        got = tune.pick(name, ("g",), [{"BLOCK": 8}, {"BLOCK": 16}, {"BLOCK": 32}, {"BLOCK": 64}], run, graphed=True)
+        assert got == {"BLOCK": 64}
+        assert graphed == [16, 32, 64] and eager == [64]
+    finally:
+        tune._CACHE.pop((name, ("g",)), None)
