@@ -94,3 +94,16 @@ def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monk
     assert rep.error is None, rep.error
     assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
     assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, f"{name} config {ci} on {target}: {rep.vgpr_spill} spills"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
+@pytest.mark.parametrize("name", ["decode_split_prep", "decode_split_norm"])
+def test_kda_split_decode_side_launches_vgpr_budget(name, target, monkeypatch):
+    """The SPLIT decode's prologue and norm launches (fixed warps, not in the config table) fit 128 VGPRs with no
+    spills on CDNA, as every decode config's state launch does (test_kda_decode_vgpr_budget)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, fn, sig, consts, _, opts = CASES[name]
+    rep = compile_kernel(fn, sig, consts, target, name=f"kda.{name}", options=opts["hip"])
+    assert rep.error is None, rep.error
+    assert rep.vgpr_spill == 0 and rep.vgpr is not None and rep.vgpr + (rep.agpr or 0) <= 128, \
+        f"{name} on {target}: {rep.vgpr} VGPRs + {rep.agpr} AGPRs, {rep.vgpr_spill} spills"
