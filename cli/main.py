@@ -126,10 +126,11 @@ def main(argv=None) -> None:
             follow()
             sys.exit(0)
     from k3rocm.errors import ConfigError
-    from k3rocm.hw import declared_commit, dist_timeout
+    from k3rocm.hw import declared_commit, dist_timeout, tune_env
     try:  # checked before any work, so a malformed value never surfaces only when the report is written
         declared_commit()
         dist_timeout()  # (every command: a junk value is refused even where one process serves)
+        tune_env()
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -194,6 +194,23 @@ def dist_timeout() -> float:
     return val
 
 
+def tune_env() -> str | None:
+    """``$K3ROCM_TUNE``: ``"1"`` (a timed warm-up), ``"0"`` (no timing anywhere) or None (unset or empty: the
+    defaults of ``k3rocm.kernels.tune``).
+
+    Raises:
+        ConfigError: the variable is set to anything else (``yes`` / ``true`` used to mean off, silently).
+    """
+    raw = os.environ.get("K3ROCM_TUNE")
+    if raw is None or not raw.strip():
+        return None
+    if raw.strip() not in ("0", "1"):
+        from k3rocm.errors import ConfigError
+        raise ConfigError(f"K3ROCM_TUNE={raw!r} must be 1 (time the kernel configs during warm-up) or 0 (never "
+                          "time them); unset it for the defaults")
+    return raw.strip()
+
+
 def declared_commit() -> str | None:
     """The commit in ``$K3ROCM_SOURCE_COMMIT`` (7-40 hex digits, optionally ``-dirty``; any case), lower-cased, or
     None when unset or empty.

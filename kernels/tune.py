@@ -39,6 +39,7 @@ import torch
 import triton.testing
 
 from k3rocm.errors import ConfigError
+from k3rocm.hw import tune_env
 from k3rocm.kernels.target import current_target, interpreting
 
 __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", "pick", "mode", "current_mode",
@@ -132,7 +133,7 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
     if ck in _CACHE:
         return _CACHE[ck]
     if (run is None or len(candidates) == 1 or not can_time or interpreting() or _MODE[0] == "frozen"
-            or os.environ.get("K3ROCM_TUNE") == "0" or _capturing()):
+            or tune_env() == "0" or _capturing()):
         return _first_fit(ck, candidates, run if can_time else None)
     for fn in list(LISTENERS):
         fn(name, key)

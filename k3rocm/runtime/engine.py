@@ -44,6 +44,7 @@ from k3rocm.config import K3Config
 from k3rocm.kernels import tune
 from k3rocm.kernels.compile_watch import CompileWatch
 from k3rocm.errors import ConfigError, PlanError
+from k3rocm.hw import tune_env
 from k3rocm.runtime import registry
 from k3rocm.model.common import MATMUL_DTYPES, fp32_out_supported, matmul_dtype
 from k3rocm.model.decoder import Decoder, Parallel
@@ -210,7 +211,7 @@ class Engine:
         self.ops["mla_decode"] = self._static_split_plan(self.ops["mla_decode"])
         # ---- tuning: serving never times a kernel (module docstring of k3rocm.kernels.tune)
         if autotune is None:
-            autotune = os.environ.get("K3ROCM_TUNE") == "1"
+            autotune = tune_env() == "1"
         self.autotune = bool(autotune)
         self._tune_mode = "frozen" if self.autotune else "first"
         # ---- weights: this rank's, on the engine device in the engine dtype (the one Weights protocol); the MoE

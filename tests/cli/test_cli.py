@@ -95,6 +95,13 @@ def test_malformed_dist_timeout_is_one_line_exit_2(value):
     assert "seconds" in _plan_with_env("K3ROCM_DIST_TIMEOUT", value)
 
 
+@pytest.mark.parametrize("value", ["yes", "true", "2", "off"])
+def test_malformed_tune_setting_is_one_line_exit_2(value):
+    """$K3ROCM_TUNE is 1 or 0: anything else stops every command before it works (``yes`` used to mean off,
+    silently)."""
+    assert "must be 1" in _plan_with_env("K3ROCM_TUNE", value)
+
+
 def test_profiles_env_and_kernels_list():
     table = run(["profiles"]).output
     assert "mi355x-8" in table
