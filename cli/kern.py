@@ -85,8 +85,9 @@ def isa_cmd(targets, families, as_json, debug):
         if reps:
             ok = sum(r.ok for r in reps)
             kinds = len({r.name for r in reps})
-            console().print(f"{ok}/{len(reps)} compilations ok ({kinds} kernel configs x "
-                            f"{len({r.target for r in reps})} targets)")
+            console().print(f"{ok}/{len(reps)} compilations ok ({kinds} kernel configs on "
+                            f"{len({r.target for r in reps})} targets; a config that runs on one backend only is "
+                            "compiled for its targets only)")
     if not reps:
         click.echo("no kernel family exposes isa_cases() yet")
     bad = [r for r in reps if not r.ok]

@@ -190,11 +190,14 @@ def family_cases(families: tuple[str, ...] | None = None) -> list[tuple]:
 
 def run_isa(targets: tuple[str, ...] = TARGETS, families: tuple[str, ...] | None = None,
             progress: Callable[[str], None] | None = None) -> list[IsaReport]:
-    """Compile every family's kernels for every target. Returns one :class:`IsaReport` per (kernel, target)."""
+    """Compile every family's kernels for every target. Returns one :class:`IsaReport` per (kernel, target); a
+    case whose options for a backend are ``None`` does not run on that backend and is not compiled for it."""
     out = []
     for name, fn, sig, consts, expects, opts in family_cases(families):
         for t in targets:
             backend = "hip" if t.startswith("gfx") else "cuda"
+            if backend in opts and opts[backend] is None:
+                continue
             if progress:
                 progress(f"{name} -> {t}")
             o = dict(opts.get(backend, {}))

@@ -51,8 +51,9 @@ def isa_cases() -> list[tuple]:
         sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"])
         opts = {"cuda": {"num_warps": cfg["num_warps"], "num_stages": 2},
                 "hip": {k: v for k, v in cfg.items() if not k.startswith("BLOCK")}}
-        cases.append((f"mla_decode_split_bf16_h{cfg['BLOCK_H']}_n{cfg['BLOCK_N']}", _mla_decode_split_kernel, sig,
-                      consts, True, opts))
+        # the launch options in the name too: two HIP configs may share a tile and differ in warps or stages
+        cases.append((f"mla_decode_split_bf16_h{cfg['BLOCK_H']}_n{cfg['BLOCK_N']}_w{cfg['num_warps']}"
+                      f"s{cfg.get('num_stages', 1)}", _mla_decode_split_kernel, sig, consts, True, opts))
     cfg = DECODE_CONFIGS["hip"][0]  # the die-ordered linear grid of MI300 / MI355X (xcd_count() = 8)
     sig, consts = _decode_split_sig("*bf16", "*bf16", cfg["BLOCK_H"], cfg["BLOCK_N"], xcd=8)
     cases.append(("mla_decode_split_bf16_xcd8", _mla_decode_split_kernel, sig, consts, True,

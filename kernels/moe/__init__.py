@@ -8,6 +8,7 @@ an explicit argument (``mode="a16w4"`` or ``"a8w4"``); no environment variable o
 from __future__ import annotations
 
 import math
+import re
 
 from k3rocm.kernels import tune
 
@@ -67,7 +68,8 @@ def isa_cases() -> list[tuple]:
     """Kernels for ``kernels isa`` (compiled for every target): both grouped GEMMs x both modes with the first
     and last HIP configs (spill-free on gfx950/gfx942; the same tiles compile for sm_90), the router logits
     GEMM (bf16 serving path; fp32 IEEE validation path), the A16W4 decode-path GEMM with the first and last
-    CUDA tiles, the one-program dispatch, the top-k kernel (alone and with the fused dispatch) and the reduce kernel (no matrix work).
+    CUDA tiles (sm_90 only: ``None`` options for HIP) and one AMD portability tile of it (gfx only), the
+    one-program dispatch, the top-k kernel (alone and with the fused dispatch) and the reduce kernel (no matrix work).
     Every CUDA config is compiled for sm_90 by tests/kernels/test_moe_isa.py.
     """
     cases = []
@@ -78,20 +80,28 @@ def isa_cases() -> list[tuple]:
                 name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, a8, cfg, "hip")
                 cuda_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                 cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
-    # the A16W4 decode-path GEMM (the CUDA list's kind "dq"; it also compiles spill-free for gfx950/gfx942, without
-    # its inline-PTX bf16x2 multiplies there), in its one-multiply variant (every K3 layer) and the general one
+    # the A16W4 decode-path GEMM (the CUDA list's decode kinds; the HIP tables serve tl.dot_scaled, so its CUDA
+    # tiles are compiled for sm_90 only: the 4-warp m16 tile CUDA serves spills 24-31 SGPRs on gfx950 / gfx942),
+    # in its one-multiply variant (every K3 layer) and the general one; plus one AMD portability case of the
+    # source (the 8-warp m16 tile without the inline-PTX bf16x2 multiplies, spill-free there; not compiled for
+    # sm_90, whose tiles are the cases above)
+    amd = next(c for c in GEMM_CONFIGS["cuda"] if c["kind"] != "scaled" and c["num_warps"] == 8
+               and c["BLOCK_M"] == 16 and c.get("split_k", 1) == 1)
     for gated in (True, False):
         big = max(GEMM_CONFIGS["cuda"], key=lambda c: c.get("max_rows", math.inf))  # the served large-group tile
         for cfg, fused in ((GEMM_CONFIGS["cuda"][0], True), (big, True),
                            (GEMM_CONFIGS["cuda"][0], False)):
             name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda", fused_scale=fused)
-            hip_opts = {"num_warps": cfg["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
-            cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
+            cases.append((name, fn, sig, consts, expects, {"hip": None, "cuda": cuda_opts}))
         # what CUDA serves: the first config on the tiled layout with its planar value bits
         name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda",
                                                                 LAYOUT_TILES["cuda"], bits=LAYOUT_BITS["cuda"])
-        hip_opts = {"num_warps": GEMM_CONFIGS["cuda"][0]["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
-        cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
+        cases.append((name, fn, sig, consts, expects, {"hip": None, "cuda": cuda_opts}))
+        name, fn, sig, consts, expects, _ = dq_isa_case(gated, amd, "cuda", fused_scale=True)
+        hip_opts = {"num_warps": amd["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
+        base, tag = name[:-1].split("[", 1)  # the tile's name at the 2 stages it compiles with, no inline PTX
+        cases.append((f"{base}[{re.sub(r's[0-9]+$', 's2', tag)},amd-portability]", fn, sig, consts, expects,
+                      {"hip": hip_opts, "cuda": None}))
     # the one-program dispatch at K3 size (896 local experts, up to 8192 pairs), as ops.dispatch_gpu launches it
     dpsig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
              "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32", "bstart_ptr": "*i32",

@@ -73,3 +73,19 @@ def test_alignment_hints_reach_the_compiler(target, vector_load, scalar_load):
     plain = compile_kernel(_axpy, sig, {"BLOCK": 1024}, target, aligned=False)
     assert vector_load in set(re.findall(loads, hinted.asm))
     assert set(re.findall(loads, plain.asm)) == {scalar_load}
+
+
+def test_a_case_without_options_for_a_backend_is_not_compiled_there(monkeypatch):
+    """``None`` options for a backend: the case does not run there and ``run_isa`` does not compile it for that
+    backend's targets (the CUDA-only decode-path MoE tiles spilled SGPRs when compiled for gfx and failed the check);
+    every other case is compiled for every target asked."""
+    from k3rocm.kernels import isa
+
+    sig = {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    cases = [("f.cuda_only", _axpy, sig, {"BLOCK": 256}, False, {"hip": None, "cuda": {"num_warps": 4}}),
+             ("f.amd_only", _axpy, sig, {"BLOCK": 256}, False, {"hip": {"num_warps": 4}, "cuda": None}),
+             ("f.everywhere", _axpy, sig, {"BLOCK": 256}, False, {})]
+    monkeypatch.setattr(isa, "family_cases", lambda families=None: cases)
+    got = sorted((r.name, r.target) for r in isa.run_isa(("gfx950", "sm_90")))
+    assert got == [("f.amd_only", "gfx950"), ("f.cuda_only", "sm_90"), ("f.everywhere", "gfx950"),
+                   ("f.everywhere", "sm_90")]
