@@ -234,6 +234,10 @@ def _print_bench(stage) -> None:
         for f, u, vals in rows:
             t.add_row(f, u, lv.get(f, ""), *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
         c.print(t)
+    for e in stage.evidence:  # a point row without a figure says why on the console too, not only in the report
+        m = re.fullmatch(r"c(\d+)\.(.+)", e.name)
+        if m and e.value == "not formed":
+            c.print(f"note: c={m.group(1)} {m.group(2)}: not formed ({e.detail})", highlight=False)
     for e in stage.evidence:  # a lighter load than asked is said on the console too, not only in a report row
         m = re.fullmatch(r"c(\d+)\.short_outputs", e.name)
         if m and e.value:

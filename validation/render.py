@@ -56,7 +56,10 @@ def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int,
         :data:`k3rocm.validation.tiers.performance.POINT_FIELDS`). Empty lists when the stage has no such rows.
     """
     concs: list[int] = []
-    rows: dict[str, tuple[str, dict[int, object]]] = {}
+    units: dict[str, str] = {}
+    vals: dict[str, dict[int, object]] = {}
+    order: list[str] = []  # fields merged over the points: a field first seen at a later point goes after the
+    prev: dict[int, str | None] = {}  # field before it in that point (c=1 forms no mixed step, c=2 does)
     for e in stage.evidence:
         m = _POINT.fullmatch(e.name)
         if not m:
@@ -64,8 +67,14 @@ def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int,
         c, f = int(m.group(1)), m.group(2)
         if c not in concs:
             concs.append(c)
-        rows.setdefault(f, (e.unit or "", {}))[1][c] = e.value
-    return concs, [(f, u, v) for f, (u, v) in rows.items()]
+        if f not in vals:
+            before = prev.get(c)
+            order.insert(order.index(before) + 1 if before in order else len(order) if before else 0, f)
+        prev[c] = f
+        vals.setdefault(f, {})[c] = e.value
+        if e.unit and not units.get(f):  # a row without a figure ("not formed") may come first
+            units[f] = e.unit
+    return concs, [(f, units.get(f, ""), vals[f]) for f in order]
 
 
 def point_levels(stage: Stage) -> dict[str, str]:

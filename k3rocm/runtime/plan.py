@@ -484,11 +484,27 @@ def valid_layouts(cfg: K3Config, profile: Profile) -> list[tuple[int, int]]:
 
 
 def _valid_hint(cfg: K3Config, profile: Profile) -> str:
+    """The layouts to suggest: those of :func:`valid_layouts` that also hold the model in memory at the default
+    cache settings (the official K3 at tp=1 on mi355x-8 splits evenly but needs 1.58 TB a GPU), else the ones that
+    split it evenly, said so."""
     lay = valid_layouts(cfg, profile)
     if not lay:
         return f"no tp/ep layout works on {profile.name}"
-    shown = ", ".join(f"tp={t}/ep={e}" for t, e in lay[:12]) + (", ..." if len(lay) > 12 else "")
-    return f"layouts that work on {profile.name}: {shown}"
+
+    def fits(tp: int, ep: int) -> bool:
+        try:
+            return plan(cfg, profile, tp=tp, ep=ep, strict=False).fits
+        except PlanError:
+            return False
+
+    fit = [(t, e) for t, e in lay if fits(t, e)]
+
+    def shown(ls: list[tuple[int, int]]) -> str:
+        return ", ".join(f"tp={t}/ep={e}" for t, e in ls[:12]) + (", ..." if len(ls) > 12 else "")
+    if fit:
+        return f"layouts that work on {profile.name}: {shown(fit)}"
+    return (f"no layout of {profile.name} holds {cfg.name} in memory at the default cache settings; the ones that "
+            f"split it evenly: {shown(lay)}")
 
 
 def _divisors(n: int) -> str:

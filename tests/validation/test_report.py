@@ -390,3 +390,23 @@ def test_per_point_tables_label_each_row_with_its_level():
     assert "| median_tpot_ms | ms | measured |  | 3.00 |" in md
     html = render_html(rep)
     assert "<th>level</th><th>c=1</th>" in html and "<td>projected</td>" in html
+
+
+def test_point_table_rows_keep_each_points_order_and_unit():
+    """A field first seen at a later point sits after the field before it there, not after every row of the first
+    point, and a row that opens without a figure ("not formed", no unit) takes its unit from a later point (the
+    c=1 mixed-step breakdown used to sit above the decode rows with no unit, and the other mixed rows below the
+    roofline rows)."""
+    from k3rocm.validation.render import point_table
+    st = Stage("bench")
+    st.add(info("bench", "c1.output_throughput", 1.0, "tok/s"), info("bench", "c1.breakdown.decode.wall_ms", 2.0, "ms"),
+           info("bench", "c1.breakdown.mixed.wall_ms", "not formed"), info("bench", "c1.roofline.fraction", 0.1, ""))
+    st.add(info("bench", "c2.output_throughput", 2.0, "tok/s"), info("bench", "c2.breakdown.decode.wall_ms", 3.0, "ms"),
+           info("bench", "c2.breakdown.mixed.wall_ms", 9.0, "ms"), info("bench", "c2.breakdown.mixed.KDA", 4.0, "ms"),
+           info("bench", "c2.roofline.fraction", 0.2, ""))
+    concs, rows = point_table(st)
+    assert concs == [1, 2]
+    assert [f for f, _, _ in rows] == ["output_throughput", "breakdown.decode.wall_ms", "breakdown.mixed.wall_ms",
+                                       "breakdown.mixed.KDA", "roofline.fraction"]
+    assert dict((f, u) for f, u, _ in rows)["breakdown.mixed.wall_ms"] == "ms"
+    assert rows[2][2] == {1: "not formed", 2: 9.0}

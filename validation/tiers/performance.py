@@ -297,14 +297,15 @@ def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
                     detail=(f"tune.pick timing runs while measuring {after}" + (f": {names}" if names else ""))))
 
 
+#: why concurrency 1 has no mixed-step breakdown (the row's detail, and a console note)
+NO_MIXED_AT_C1 = ("at concurrency 1 the engine holds one sequence, and a mixed step needs a decode row beside a "
+                  "prefill chunk: the decode step alone is profiled")
+
+
 def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
     """Per op family of one decode and one mixed step (:func:`k3rocm.bench.breakdown.step_breakdown`): ms each
     and the step's wall time; the step is eager with a device sync per family, so shares are the reading."""
     parts = r.get("breakdown") or {}
-    if parts and "mixed" not in parts and r.get("concurrency") == 1:
-        stage.add(info(tier, f"{tag}.breakdown.mixed.wall_ms", "not formed", level=lv,
-                       detail="at concurrency 1 the engine holds one sequence, and a mixed step needs a decode row "
-                              "beside a prefill chunk: the decode step alone is profiled"))
     for kind, part in sorted(parts.items()):
         wall = float(part.get("wall_ms") or 0.0)
         nd, npre = part.get("num_decode"), part.get("num_prefill_tokens")
@@ -315,6 +316,9 @@ def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None
             share = float(ms) / wall if wall > 0 else 0.0
             stage.add(info(tier, f"{tag}.breakdown.{kind}.{fam.replace(' ', '_')}", round(float(ms), 4), "ms",
                            level=lv, detail=f"{share:.1%} of the profiled {kind} step"))
+    if parts and "mixed" not in parts and r.get("concurrency") == 1:  # after the decode rows, in their unit
+        stage.add(info(tier, f"{tag}.breakdown.mixed.wall_ms", "not formed", "ms", level=lv,
+                       detail=NO_MIXED_AT_C1))
 
 
 def _target_conc(setting: str) -> int | None:
