@@ -145,7 +145,9 @@ def env_cmd(profile, as_json, deployment_env, server_args, platform, debug):
         console().print(t)
     if profile and not matches:
         raise HardwareError(f"profile {prof.name} expects {prof.device_count} x {prof.arch} ({prof.backend}); "
-                            f"found {det.count} x {det.arch or 'cpu'} ({det.backend})")
+                            f"found {det.count} x {det.arch or 'cpu'} ({det.backend}); run `k3rocm env` without "
+                            "--profile to see what this machine is, or pass the profile that matches it "
+                            "(`k3rocm profiles`)")
 
 
 @click.command("plan", epilog="""\b

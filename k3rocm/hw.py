@@ -189,7 +189,7 @@ def dist_timeout() -> float:
         val = float("nan")
     if not (math.isfinite(val) and val > 0):
         from k3rocm.errors import ConfigError
-        raise ConfigError(f"K3ROCM_DIST_TIMEOUT={raw!r} is not a number of seconds above 0; unset it (default 300) "
+        raise ConfigError(f"K3ROCM_DIST_TIMEOUT={raw!r} is not a finite number of seconds above 0; unset it (default 300) "
                           "or set e.g. K3ROCM_DIST_TIMEOUT=600")
     return val
 

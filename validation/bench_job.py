@@ -172,16 +172,17 @@ def check_options(bench: BenchOptions, kernels: str, profile: str | None) -> tup
     """
     b = bench
     if b.input_len is not None and b.input_len < 1:
-        raise ConfigError(f"--input-len {b.input_len} must be >= 1 (tokens)")
+        raise ConfigError(f"--input-len {b.input_len} must be >= 1 (tokens per prompt); pass --input-len 1 or more")
     if b.output_len is not None and b.output_len < 2:
         raise ConfigError(f"--output-len {b.output_len} must be >= 2 (tokens): with fewer than 2 output tokens "
                           "there is no TPOT or ITL to measure; pass --output-len 2 or more")
     if b.num_prompts is not None and b.num_prompts < 1:
-        raise ConfigError(f"--num-prompts {b.num_prompts} must be >= 1")
+        raise ConfigError(f"--num-prompts {b.num_prompts} must be >= 1; pass --num-prompts 1 or more")
     if b.num_prompts is not None and b.num_prompts > MAX_PROMPTS:
         raise ConfigError(f"--num-prompts {b.num_prompts} is more than {MAX_PROMPTS:,}; run several benchmarks")
     if not 0.0 < b.range_ratio <= 1.0:
-        raise ConfigError(f"--range-ratio {b.range_ratio} must be in (0, 1]")
+        raise ConfigError(f"--range-ratio {b.range_ratio} must be in (0, 1]: lengths are drawn from [ratio x length, "
+                          "length]; pass e.g. --range-ratio 1 for fixed lengths")
     if b.warmups is not None and not 0 <= b.warmups <= MAX_PROMPTS:
         raise ConfigError(f"--warmups {b.warmups} must be in 0..{MAX_PROMPTS:,}")
     if b.model_name is not None and b.endpoint is None:

@@ -56,7 +56,8 @@ def length_bounds(length: int, range_ratio: float, minimum: int = 1) -> tuple[in
     if length < minimum:
         raise ConfigError(f"benchmark length {length} must be >= {minimum} (tokens)")
     if not 0.0 < range_ratio <= 1.0:
-        raise ConfigError(f"--range-ratio {range_ratio} must be in (0, 1]")
+        raise ConfigError(f"--range-ratio {range_ratio} must be in (0, 1]: lengths are drawn from [ratio x length, "
+                          "length]; pass e.g. --range-ratio 1 for fixed lengths")
     return max(minimum, int(np.floor(range_ratio * length))), length
 
 
