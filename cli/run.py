@@ -218,6 +218,12 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     report_and_finish(s, stages, html, extra=lambda: _print_bench(stage))
 
 
+def _short(text: str, field: str) -> str:
+    """A digest cell of the console table cut to 12 hex digits and an ellipsis (the 64 made the table 130-190
+    columns wide); the report files keep it whole."""
+    return text[:12] + "…" if field.endswith("sha256") and len(text) > 13 else text
+
+
 def _print_bench(stage) -> None:
     """The bench stage's figures: one table, a column per concurrency point (vLLM's result fields, in its order, at a
     precision that fits each unit), then the stage's other informational rows."""
@@ -232,7 +238,7 @@ def _print_bench(stage) -> None:
         for x in concs:
             t.add_column(f"c={x}", justify="right")
         for f, u, vals in rows:
-            t.add_row(f, u, lv.get(f, ""), *(fmt_value(vals[x], u) if x in vals else "" for x in concs))
+            t.add_row(f, u, lv.get(f, ""), *(_short(fmt_value(vals[x], u), f) if x in vals else "" for x in concs))
         c.print(t)
     for e in stage.evidence:  # a point row without a figure says why on the console too, not only in the report
         m = re.fullmatch(r"c(\d+)\.(.+)", e.name)

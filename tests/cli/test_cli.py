@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import os
 import subprocess
@@ -388,9 +389,13 @@ def test_bench_of_a_few_tokens_keeps_its_measurement(cache, tmp_path, lens):
 def test_bench_points_carry_their_budget_and_a_c1_breakdown(cache, tmp_path):
     # each point records the engine's tokens per step; at concurrency 1 the decode step is profiled per op family
     # and the missing mixed step says why (one sequence: no decode row beside a chunk)
-    run(["bench", "--concurrency", "1,2", "--input-len", "12", "--output-len", "4", "--num-prompts", "2",
-         "--warmups", "0", "--max-num-batched-tokens", "24", "--out", tmp_path / "r"])
+    out = run(["bench", "--concurrency", "1,2", "--input-len", "12", "--output-len", "4", "--num-prompts", "2",
+               "--warmups", "0", "--max-num-batched-tokens", "24", "--out", tmp_path / "r"]).output
     ev = {e["name"]: e for e in json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]["evidence"]}
+    # the console table: the outputs' digest cut short (the report keeps it whole), the missing mixed step explained
+    assert re.fullmatch(r"[0-9a-f]{64}", ev["c1.outputs_sha256"]["value"])
+    assert ev["c1.outputs_sha256"]["value"][:12] + "…" in out and ev["c1.outputs_sha256"]["value"] not in out
+    assert "note: c=1 breakdown.mixed.wall_ms: not formed (at concurrency 1" in out
     assert ev["c1.max_num_batched_tokens"]["value"] == 24 and ev["c2.max_num_batched_tokens"]["value"] == 24
     assert ev["c1.breakdown.decode.wall_ms"]["value"] > 0
     assert "1 decode row," in ev["c1.breakdown.decode.wall_ms"]["detail"]
