@@ -178,7 +178,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         from k3rocm.kernels import tune
         from k3rocm.kernels.kda import configs as KC
         best_graph = None
-        for c in tune.configs(KC.DECODE):
+        for c in tune.configs(KC.DECODE, candidates=True):
             f = lambda c=c: DE.kda_decode(*xs, ws, A_log, dt, onw, cp, sp, sid, 1e-5, out=out, config=c)  # noqa: E731
             f()
             t = tt.do_bench(f, warmup=50, rep=200)
@@ -197,7 +197,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         row["ours_ms"] = best[0]
         if best_graph:
             row["ours_best_graph_ms"], row["ours_best_graph_config"] = best_graph[0], best_graph[1]
-        splits = [c for c in tune.configs(KC.DECODE) if c.get("SPLIT")]
+        splits = [c for c in tune.configs(KC.DECODE, candidates=True) if c.get("SPLIT")]
         if splits:  # where a three-launch config's time goes
             c = min(splits, key=lambda c: row.get("ours_graph_ms[" + ",".join(
                 f"{k}={v}" for k, v in c.items() if k != "num_stages") + "]", 1e9))

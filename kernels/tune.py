@@ -8,7 +8,10 @@ A config (:data:`Config`) is a plain dict with three kinds of keys:
   at the price of spills the ISA tests count) (all dropped under the interpreter);
 * selection keys, :data:`SELECT_KEYS`: ``max_rows`` (use this config while the shape's row count is at most
   this; default unbounded) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the
-  MoE GEMMs' K splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``).
+  MoE GEMMs' K splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``), and
+  ``candidate`` (True: not yet run on a GPU — tested in the interpreter and compiled ahead of time like every
+  entry, timed by the kernel benchmarks, but left out of :func:`configs` unless asked, so neither a tuned pick nor
+  serving can choose it before a GPU has run it).
 
 Each family keeps, per kernel, one table ``{"cuda": [...], "hip": [...], "interpreter": [...]}`` keyed by
 the backend names of :func:`k3rocm.kernels.target.current_target`; these tables are the only place vendor
@@ -49,7 +52,7 @@ __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", 
 Config = dict[str, Any]
 
 LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "maxnreg")
-SELECT_KEYS = ("max_rows", "kind", "split_k", "w2")
+SELECT_KEYS = ("max_rows", "kind", "split_k", "w2", "candidate")
 
 _CACHE: dict[tuple, Config] = {}
 _FIT: dict[tuple, Config] = {}  # per (name, key): the first candidate that launched (see _first_fit)
@@ -63,9 +66,10 @@ _MODE = ["time"]
 LISTENERS: list[Callable[[str, tuple], None]] = []
 
 
-def configs(table: dict[str, list[Config]], backend: str | None = None) -> list[Config]:
-    """Copies of the configs of ``backend`` (default: the current target's) from a per-backend table."""
-    return [dict(c) for c in table[backend or current_target().backend]]
+def configs(table: dict[str, list[Config]], backend: str | None = None, candidates: bool = False) -> list[Config]:
+    """Copies of the configs of ``backend`` (default: the current target's) from a per-backend table; entries
+    marked ``candidate`` (not yet run on a GPU) only with ``candidates=True`` (tests, benchmarks)."""
+    return [dict(c) for c in table[backend or current_target().backend] if candidates or not c.get("candidate")]
 
 
 def split(cfg: Config, interp: bool | None = None) -> tuple[dict, dict]:

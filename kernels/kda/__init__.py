@@ -78,9 +78,9 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     prep_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                     A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", slot_ids="*i32", vec="*fp32", sca="*fp32",
                     H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", scale="fp32", lower_bound="fp32",
-                    K="constexpr", W="constexpr", WP="constexpr")
+                    K="constexpr", W="constexpr", WP="constexpr", P1="constexpr")
     sst_sig = dict(vec="*fp32", sca="*fp32", state_pool="*fp32", slot_ids="*i32", ob="*fp32", H="i32",
-                   K="constexpr", V="constexpr", BV="constexpr")
+                   K="constexpr", V="constexpr", BV="constexpr", EV="constexpr")
     norm_sig = dict(ob="*fp32", g_raw=p, onw="*fp32", slot_ids="*i32", out=p, H="i32", sg="i32", eps="fp32",
                     V="constexpr")
     split = next(c for c in configs.DECODE["cuda"] if c.get("SPLIT"))
@@ -107,9 +107,15 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          _opts(configs.DECODE)),
         # the three-launch decode (SPLIT configs): prologue and norm at their fixed warps, the state grid at the
         # first SPLIT config's tile
-        ("decode_split_prep", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4), False,
+        ("decode_split_prep", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4, P1=0), False,
          {"hip": dict(num_warps=4), "cuda": dict(num_warps=4)}),
-        ("decode_split_state", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"]), False,
+        # the candidates (tune.configs(..., candidates=True)): the one-barrier prologue, evict-first state traffic
+        ("decode_split_prep_p1", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4, P1=1), False,
+         {"hip": dict(num_warps=4), "cuda": dict(num_warps=4)}),
+        ("decode_split_state", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"], EV=0), False,
+         {be: tune.split(next(c for c in configs.DECODE[be] if c.get("SPLIT")), interp=False)[1]
+          for be in ("hip", "cuda")}),
+        ("decode_split_state_ev", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"], EV=1), False,
          {be: tune.split(next(c for c in configs.DECODE[be] if c.get("SPLIT")), interp=False)[1]
           for be in ("hip", "cuda")}),
         ("decode_split_norm", _split_norm_kernel, norm_sig, dict(V=K), False,

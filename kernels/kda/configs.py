@@ -81,7 +81,13 @@ _CUDA = {
                # (within 0.3% graph-replayed on all rows)
                dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
-               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1)],
+               dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
+               # candidates, not yet run on a GPU (tune.configs leaves them out unless asked; bench_kda and the tests
+               # take them): P1 1, the prologue's three convs' loads first and one barrier (the prologue was 35 of
+               # 331 us at B64 H96, latency-bound); EV 1, the state tile's load and store evict-first
+               dict(SPLIT=1, BV=64, P1=1, candidate=True, num_warps=4, num_stages=1),
+               dict(SPLIT=1, BV=64, EV=1, candidate=True, num_warps=4, num_stages=1),
+               dict(SPLIT=1, BV=64, P1=1, EV=1, candidate=True, num_warps=4, num_stages=1)],
 }
 
 _HIP = {

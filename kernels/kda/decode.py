@@ -95,14 +95,18 @@ def _add2(a0, b0, a1, b1):
 
 
 @_interp.kjit
-def _delta_step_one_round(S, sp, eg, k, ke, qe, qk, beta, v):
+def _delta_step_one_round(S, sp, eg, k, ke, qe, qk, beta, v, EV: tl.constexpr):
     """:func:`_delta_step` with both reductions over K taken from the loaded (undecayed) block in one round:
     ``pred = (e^g k)^T S``, ``o = (e^g q)^T S + (q . k) u`` with ``u = beta (v - pred)``, the same algebra as
     ``o = q^T (diag(e^g) S + k u^T)``, so ``o`` no longer waits for the updated state. ``ke = e^g k``,
-    ``qe = e^g q``, ``qk = q . k`` (a scalar) come precomputed."""
+    ``qe = e^g q``, ``qk = q . k`` (a scalar) come precomputed. ``EV``: the store marked evict-first (streamed
+    once; the L2 keeps the rows the other V tiles still read)."""
     pred, qs = tl.reduce((S * ke[:, None], S * qe[:, None]), 0, _add2)
     u = beta * (v - pred)
-    tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :])
+    if EV:
+        tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :], eviction_policy="evict_first")
+    else:
+        tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :])
     return qs + qk * u
 
 
@@ -178,14 +182,40 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
 
 
 @_interp.kjit
+def _conv_read(xr, sx, wt, pool, n, slot, ch, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The loads and SiLU(conv) of one token's channels ``ch`` (a valid row): returns ``(x, window, window
+    offsets, SiLU(conv))``; the window is shifted later by :func:`_conv_shift`, after every thread of the
+    program has read it (one barrier for all three convs, where :func:`_conv_step` takes one each)."""
+    x = tl.load(xr + n.to(tl.int64) * sx + ch).to(tl.float32)
+    base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
+    j = tl.arange(0, WP)
+    jm = (j < W - 1)[None, :] & (ch >= 0)[:, None]
+    win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
+    wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=jm, other=0.0).to(tl.float32)
+    acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32) + tl.sum(win * wj, 1)
+    return x, win, base, acc * tl.sigmoid(acc)
+
+
+@_interp.kjit
+def _conv_shift(pool, x, win, base, W: tl.constexpr, WP: tl.constexpr):
+    """Store the shifted window read by :func:`_conv_read`: position j - 1 takes the value read at j, the
+    newest input goes last."""
+    j = tl.arange(0, WP)
+    jm = ((j >= 1) & (j < W - 1))[None, :] & (base >= 0)[:, None]
+    tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm)
+    tl.store(pool + base + (W - 2), x)
+
+
+@_interp.kjit
 def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_bias, conv_pool, slot_ids, vec, sca,
                        H, sq, sk, sv, sd, sb, scale, lower_bound,
-                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, P1: tl.constexpr):
     """SPLIT decode, launch 1 of 3, one program per (row, head): the q / k / v short convs (the slot's windows
     shifted here, their only writer), SiLU, L2 norms and q scale, ``e^g`` and beta, written to the row's
     ``vec[n, h] = [q, k, e^g, v]`` (fp32 ``[4, K]``) and ``sca[n, h] = [beta, q . k]``. A padding row writes
-    nothing (the state launch skips it, the norm launch writes its zeros). Each conv reads its window as one tile
-    behind its own barrier (:func:`_conv_step`, ``WIN`` 1)."""
+    nothing (the state launch skips it, the norm launch writes its zeros). ``P1`` 0: each conv reads its window as
+    one tile behind its own barrier (:func:`_conv_step`, ``WIN`` 1); 1: the three convs' loads issued first and one
+    barrier before the three window shifts (:func:`_conv_read`)."""
     n = tl.program_id(0)
     hh = tl.program_id(1)
     slot_raw = tl.load(slot_ids + n)
@@ -196,9 +226,19 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
     slot = tl.maximum(slot_raw, 0)
     NCH = H * K
     ck = hh * K + offs_k
-    q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, 1)
-    k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, 1)
-    v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, 1)
+    if P1:
+        # the three convs' loads first, one barrier, then the three window shifts
+        xq, wnq, bq, q = _conv_read(q_raw, sq, wq, conv_pool, n, slot, ck, NCH, 0, W, WP)
+        xk, wnk, bk, k = _conv_read(k_raw, sk, wk, conv_pool, n, slot, ck, NCH, 1, W, WP)
+        xv, wnv, bv, v = _conv_read(v_raw, sv, wv, conv_pool, n, slot, ck, NCH, 2, W, WP)
+        tl.debug_barrier()  # every thread has read every window
+        _conv_shift(conv_pool, xq, wnq, bq, W, WP)
+        _conv_shift(conv_pool, xk, wnk, bk, W, WP)
+        _conv_shift(conv_pool, xv, wnv, bv, W, WP)
+    else:
+        q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, 1)
+        k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, 1)
+        v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, 1)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     raw = tl.load(d_raw + n.to(tl.int64) * sd + ck).to(tl.float32)
@@ -215,10 +255,12 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
 
 
 @_interp.kjit
-def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                        EV: tl.constexpr):
     """SPLIT decode, launch 2 of 3, one program per (V tile, row, head), V tiles fastest in launch order: the
     delta-rule step on state columns ``[vt BV, (vt + 1) BV)`` (:func:`_delta_step_one_round`), the state tile's
-    load issued first; the raw output columns go to ``ob`` (fp32 ``[N, H, V]``)."""
+    load issued first; the raw output columns go to ``ob`` (fp32 ``[N, H, V]``). ``EV`` 1: the state tile's
+    load and store marked evict-first."""
     vt = tl.program_id(0)
     n = tl.program_id(1)
     hh = tl.program_id(2)
@@ -228,7 +270,10 @@ def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, 
     offs_k = tl.arange(0, K)
     offs_c = tl.arange(0, BV)
     sp = state_pool + (slot_raw.to(tl.int64) * H + hh) * (K * V) + vt * BV + (offs_k[:, None] * V + offs_c[None, :])
-    S = tl.load(sp)
+    if EV:
+        S = tl.load(sp, eviction_policy="evict_first")
+    else:
+        S = tl.load(sp)
     row = n.to(tl.int64) * H + hh
     base = vec + row * (4 * K)
     q = tl.load(base + offs_k)
@@ -237,7 +282,7 @@ def _split_state_kernel(vec, sca, state_pool, slot_ids, ob, H, K: tl.constexpr, 
     v = tl.load(base + 3 * K + vt * BV + offs_c)
     beta = tl.load(sca + row * 2)
     qk = tl.load(sca + row * 2 + 1)
-    o = _delta_step_one_round(S, sp, eg, k, k * eg, q * eg, qk, beta, v)
+    o = _delta_step_one_round(S, sp, eg, k, k * eg, q * eg, qk, beta, v, EV)
     tl.store(ob + row * V + vt * BV + offs_c, o)
 
 
@@ -316,10 +361,10 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
             po = {k: v for k, v in opts.items() if k != "num_warps"}
             _interp.launch(_split_prep_kernel, (N, H), *rows[:5], ws[0], ws[1], ws[2], A_log, dt_bias, cpool, sids,
                            vec, sca, H, *strides[:5], scale, float(lower_bound), K=K, W=W,
-                           WP=max(2, tune.pow2(W - 1)),
+                           WP=max(2, tune.pow2(W - 1)), P1=int(meta.get("P1", 0)),
                            **(dict(po, num_warps=4) if opts else {}))
             _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
-                           **opts)
+                           EV=int(meta.get("EV", 0)), **opts)
             _interp.launch(_split_norm_kernel, (N, H), ob, rows[5], o_norm_weight, sids, o, H, strides[5],
                            float(eps), V=V, **(dict(po, num_warps=1) if opts else {}))
             return

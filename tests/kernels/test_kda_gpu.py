@@ -155,7 +155,7 @@ def test_every_decode_config_20_runs_identical():
     sid[5] = -1
     cpr, spr = cp.clone(), sp.clone()
     want = O.kda_decode(*xs, ws, A_log, dt, onw, cpr, spr, sid, 1e-5)
-    for c in tune.configs(KC.DECODE):
+    for c in tune.configs(KC.DECODE, candidates=True):
         outs = []
         for _ in range(20):
             cp1, sp1 = cp.clone(), sp.clone()

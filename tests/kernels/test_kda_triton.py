@@ -234,7 +234,7 @@ def _decode_setup(gen, N, S, H, Dk):
 def test_decode_every_config_padding(ci, halve):
     """Every decode config (its own V tile, and half of it: the V-tiled path) equals the oracle, a padding
     row writes zeros, untouched slots stay bit-identical."""
-    cands = tune.configs(KC.DECODE)
+    cands = tune.configs(KC.DECODE, candidates=True)
     if ci >= len(cands):
         pytest.skip("fewer decode configs on this backend")
     cfg = dict(cands[ci])
@@ -363,7 +363,7 @@ def test_decode_reads_column_views_in_place():
     sid = torch.tensor([5, -1, 0, 2], dtype=torch.int32, device=DEV)
     cpr, spr = cp.clone(), sp.clone()
     want = O.kda_decode(*xs, ws, A_log, dt, onw, cpr, spr, sid, 1e-5)
-    for cfg in tune.configs(KC.DECODE):
+    for cfg in tune.configs(KC.DECODE, candidates=True):
         cp1, sp1 = cp.clone(), sp.clone()
         got = KDEC.kda_decode(*views, ws, A_log, dt, onw, cp1, sp1, sid, 1e-5, config=dict(cfg, BV=min(cfg["BV"], D)))
         close(got, want, 1e-5)

@@ -165,3 +165,14 @@ def test_graphed_pick_times_replays_and_falls_back_to_eager(monkeypatch):
         assert graphed == [16, 32, 64] and eager == [64]
     finally:
         tune._CACHE.pop((name, ("g",)), None)
+
+
+def test_candidates_are_left_out_unless_asked():
+    """A table entry marked ``candidate`` (not yet run on a GPU) is not among the configs a pick or serving sees,
+    only where asked (tests, benchmarks); the key is a known selection key (no typo error) and never a launch
+    option or meta-parameter."""
+    table = {"cuda": [{"BV": 64}, {"BV": 32, "candidate": True}, {"BV": 16}]}
+    assert tune.configs(table, "cuda") == [{"BV": 64}, {"BV": 16}]
+    assert tune.configs(table, "cuda", candidates=True) == table["cuda"]
+    meta, opts = tune.split({"BV": 32, "candidate": True, "num_warps": 4}, interp=False)
+    assert meta == {"BV": 32} and opts == {"num_warps": 4}
