@@ -251,8 +251,9 @@ SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)), "w
 
 
 def gate_sweep(a) -> dict:
-    """The prefill's gate kernel alone on the row's inputs at each ``num_warps`` (its shipped launch options are
-    ``configs.GATE``), its buffers as the prefill makes them (fp32)."""
+    """The prefill's gate kernel alone on the row's inputs at each ``num_warps``, then at each entry of
+    ``configs.GATE`` (its shipped launch options first; the K-split candidates after), its buffers as the prefill
+    makes them (fp32)."""
     import triton.testing as tt
 
     from k3rocm.kernels import _interp
@@ -275,6 +276,20 @@ def gate_sweep(a) -> dict:
             res[f"gate_ms[num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
         except Exception as e:
             res[f"gate_error[num_warps={nw}]"] = f"{type(e).__name__}: {e}"[:200]
+    from k3rocm.kernels import tune
+    from k3rocm.kernels.kda import configs as KC
+    for cfg in tune.configs(KC.GATE, candidates=True):  # the table's entries, candidates (K-split) included
+        meta, opts = tune.split(cfg)
+        ks = int(meta.get("KS", 1))
+        tag = ",".join(f"{kk}={vv}" for kk, vv in cfg.items() if kk not in ("num_stages", "candidate"))
+        fn = lambda ks=ks, opts=opts: _interp.launch(  # noqa: E731
+            P._gate_kernel, (NC, H, ks), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qg, kg, gl, K ** -0.5, -5.0,
+            H, K=K, BT=P.BT, KS=ks, **opts)
+        try:
+            fn()
+            res[f"gate_ms[{tag}]"] = tt.do_bench(fn, warmup=10, rep=50)
+        except Exception as e:
+            res[f"gate_error[{tag}]"] = f"{type(e).__name__}: {e}"[:200]
     return res
 
 

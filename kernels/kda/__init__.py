@@ -55,7 +55,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                   W="constexpr", BLOCK_C="constexpr")
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
-                    K="constexpr", BT="constexpr")
+                    K="constexpr", BT="constexpr", KS="constexpr")
     intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
                      scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
                      INNER="constexpr")
@@ -92,7 +92,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT), False, _opts(configs.GATE)),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KS=1), False, _opts(configs.GATE)),
+        # the K-split candidates (configs.GATE, candidate entries)
+        ("prefill_gate_ks2", _gate_kernel, gate_sig, dict(K=K, BT=BT, KS=2), False, _opts(configs.GATE)),
+        ("prefill_gate_ks4", _gate_kernel, gate_sig, dict(K=K, BT=BT, KS=4), False, _opts(configs.GATE)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0), True,
          _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),

@@ -38,7 +38,11 @@ _CUDA = {
            dict(INNER=1, num_warps=4, num_stages=1)],
     # the gate kernel's launch options (first entry, not tuned): on an H200 at B1 T8192 H96 it took 1.08 ms at
     # 4 warps against 1.33 / 1.41 at 8 / 16 (the intra kernel's tuned 8, which it used to share) and 3.1+ at 1-2
-    "gate": [dict(num_warps=4, num_stages=1)],
+    "gate": [dict(num_warps=4, num_stages=1),
+             # candidates, not yet run on a GPU: the chunk's channels split over KS programs (the whole-chunk
+             # kernel sits at 255 registers, 2 programs per SM, at about half its byte floor on the H100)
+             dict(KS=2, candidate=True, num_warps=4, num_stages=1),
+             dict(KS=4, candidate=True, num_warps=4, num_stages=1)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -100,7 +104,8 @@ _HIP = {
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
            dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
-    "gate": [dict(num_warps=4, waves_per_eu=0)],  # as on CUDA (not measured on CDNA)
+    "gate": [dict(num_warps=4, waves_per_eu=0),  # as on CUDA (not measured on CDNA)
+             dict(KS=2, candidate=True, num_warps=4, waves_per_eu=0)],
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),

@@ -181,17 +181,23 @@ def _pids(INNER: tl.constexpr, NI: tl.constexpr):
 
 @_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
-                 K: tl.constexpr, BT: tl.constexpr):
+                 K: tl.constexpr, BT: tl.constexpr, KS: tl.constexpr = 1):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
     (in the dtype of their buffers), ``e^G_L`` (fp32), on whole ``[BT, K]`` tiles. (Walking the chunk in 16-row
     slices took the registers from 255 to 144 but the kernel from 1.14 to 1.58 ms at B1 T8192 H96 on an H100,
-    2026-12-06: fewer bytes in flight a program.)"""
+    2026-12-06: fewer bytes in flight a program.) ``KS`` > 1: the channels split over ``KS`` programs (grid axis
+    2; G and the decays are per channel), each taking the rows' L2 norms over all K in ``K / KS``-wide slices:
+    ``KS`` times the programs at about ``1 / KS`` of the registers, the other channels' q / k read again (L2)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
+    if KS > 1:
+        _gate_cols(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, H, c, hh, t0, rows, mr,
+                   tl.program_id(2), K, BT, KS)
+        return
     offs_k = tl.arange(0, K)
     raw = tl.load(_at(draw, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
@@ -208,6 +214,36 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     kn = _l2n(kn)
     tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty), mask=mr)
+
+
+@_interp.kjit
+def _gate_cols(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, H, c, hh, t0, rows, mr, ks,
+               K: tl.constexpr, BT: tl.constexpr, KS: tl.constexpr):
+    """:func:`_gate_kernel` for channels ``[ks K / KS, (ks + 1) K / KS)`` of a chunk (its ``KS`` > 1 form)."""
+    cols = ks * (K // KS) + tl.arange(0, K // KS)
+    raw = tl.load(_at(draw, t0, rows, hh, H, cols, K), mask=mr, other=0.0).to(tl.float32)
+    a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
+    dtb = tl.load(dt_bias + hh * K + cols).to(tl.float32)
+    g = tl.where(mr, lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :])), 0.0)
+    G = tl.cumsum(g, 0)
+    gl = tl.sum(g, 0)
+    tl.store(_at(gbuf, t0, rows, hh, H, cols, K), G, mask=mr)
+    tl.store(glast + (c.to(tl.int64) * H + hh) * K + cols, tl.exp(gl))
+    sq = tl.sum(tl.zeros([BT, K // KS], tl.float32), 1)
+    sk = tl.sum(tl.zeros([BT, K // KS], tl.float32), 1)
+    for j in tl.static_range(KS):  # the rows' squared norms over all K, one slice at a time
+        cj = j * (K // KS) + tl.arange(0, K // KS)
+        qj = tl.load(_at(q, t0, rows, hh, H, cj, K), mask=mr, other=0.0).to(tl.float32)
+        kj = tl.load(_at(k, t0, rows, hh, H, cj, K), mask=mr, other=0.0).to(tl.float32)
+        sq += tl.sum(qj * qj, 1)
+        sk += tl.sum(kj * kj, 1)
+    qn = tl.load(_at(q, t0, rows, hh, H, cols, K), mask=mr, other=0.0).to(tl.float32)
+    qn = qn * tl.rsqrt(sq + 1e-6)[:, None] * scale
+    tl.store(_at(qg, t0, rows, hh, H, cols, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
+    kn = tl.load(_at(k, t0, rows, hh, H, cols, K), mask=mr, other=0.0).to(tl.float32)
+    kn = kn * tl.rsqrt(sk + 1e-6)[:, None]
+    tl.store(_at(kg, t0, rows, hh, H, cols, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty),
+             mask=mr)
 
 
 @_interp.kjit
@@ -502,8 +538,9 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     Args: as the oracle (q, k ``[B, T, H, K]``, v ``[B, T, H, V]`` in fp32 / bf16 / fp16, decay_raw
         ``[B, T, H*K]``, beta_raw ``[B, T, H]``, A_log ``[>= H]``, dt_bias ``[H*K]``, initial_state
         ``[N, H, K, V]`` fp32 or None, cu_seqlens ``[N+1]`` int32 with B = 1), plus
-        ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"intra": cfg, "wu": cfg, "state": cfg,
-        "out": cfg}`` entries of the :mod:`configs` tables to force (tests; a missing entry is tuned); default:
+        ``out_dtype`` (dtype of ``o``; fp32 by contract) and ``config``: ``{"gate": cfg, "intra": cfg, "wu": cfg,
+        "state": cfg, "out": cfg}`` entries of the :mod:`configs` tables to force (tests; a missing entry is tuned,
+        the gate's is the first of its table); default:
         :func:`k3rocm.kernels.tune.pick`, keyed on powers of two of the token and sequence counts.
         ``products``: how the matrix products run. ``"ieee"``: IEEE fp32 operands throughout (fp32 FMA on
         Hopper, fp32 MFMA on CDNA); ``"split"``: split-bf16 operands on the bf16 matrix unit (:func:`_mm`, ~16
@@ -593,12 +630,16 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     h0 = initial_state.to(f32).contiguous() if initial_state is not None else ht
     cfg = config or {}
 
-    gate_opts = tune.split(tune.configs(C.GATE)[0])[1]
+    # the gate's own config (configs.GATE's first entry, not tuned; config["gate"] forces one: tests, sweeps)
+    gate_meta, gate_opts = tune.split(cfg.get("gate") or tune.configs(C.GATE)[0])
+    ks = int(gate_meta.get("KS", 1))
+    if ks < 1 or K % ks or (K // ks) & (K // ks - 1):
+        raise ConfigError(f"kda_prefill: gate config KS={ks} must split K={K} into equal power-of-two slices")
 
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
         if NC:
-            _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
-                           scale, float(lower_bound), H, K=K, BT=BT, **gate_opts)
+            _interp.launch(_gate_kernel, (NC, H, ks), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
+                           scale, float(lower_bound), H, K=K, BT=BT, KS=ks, **gate_opts)
 
     def launch_intra(c):
         meta, opts = tune.split(c)

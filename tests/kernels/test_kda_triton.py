@@ -77,21 +77,30 @@ def test_prefill_grid_fp32(B, T, H, cfg):
     close(s, want_s, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["intra", "wu", "state", "out"])
+@pytest.mark.parametrize("kind", ["gate", "intra", "wu", "state", "out"])
 def test_prefill_every_config_of_each_table(kind):
     """Every config of each prefill table (the tuner may pick any; the INNER ones launch their split on axis 0),
-    the others at their first entry: the oracle's output and state on a packed batch of three sequences, one of
-    them a single token and one two chunks long."""
+    candidates not yet run on a GPU included (the gate's K-split ones), the others at their first entry: the
+    oracle's output and state on a packed batch of three sequences, one of them a single token and one two chunks
+    long."""
     gen = _gen()
     lens = [70, 1, 9]
     a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
     want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
-    first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("intra", "wu", "state", "out")}
-    for c in tune.configs(getattr(KC, kind.upper())):
+    first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("gate", "intra", "wu", "state", "out")}
+    for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
         o, s = KPRE.kda_prefill(**a, cu_seqlens=cu, config=dict(first, **{kind: c}))
         close(o, want_o, 1e-5)
         close(s, want_s, 1e-5)
+
+
+def test_prefill_gate_split_must_cut_k_into_power_of_two_slices():
+    a = make_prefill(1, 8, 1, D, _gen())
+    with pytest.raises(ConfigError, match="KS=3"):
+        KPRE.kda_prefill(**a, config={"gate": {"KS": 3}})
+    with pytest.raises(ConfigError, match="KS=0"):
+        KPRE.kda_prefill(**a, config={"gate": {"KS": 0}})
 
 
 def test_prefill_fp16_and_decay_bounds():
