@@ -119,8 +119,8 @@ def test_every_config_20_runs_identical():
     from k3rocm.model import kda as O
     a = inputs(1, 1000, 12, torch.bfloat16, state=True)
     want_o, want_s = oracle(a)
-    for kind in ("intra", "wu", "state", "out"):
-        for i, c in enumerate(tune.configs(getattr(KC, kind.upper()))):
+    for kind in ("gate", "intra", "wu", "state", "out"):  # candidates (not yet run on a GPU) included
+        for i, c in enumerate(tune.configs(getattr(KC, kind.upper()), candidates=True)):
             cfg = {**first_configs(), kind: c}
             o0, s0 = P.kda_prefill(**a, config=cfg)
             e = rel_rms(o0, want_o)
