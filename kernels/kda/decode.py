@@ -103,10 +103,11 @@ def _delta_step_one_round(S, sp, eg, k, ke, qe, qk, beta, v, EV: tl.constexpr):
     once; the L2 keeps the rows the other V tiles still read)."""
     pred, qs = tl.reduce((S * ke[:, None], S * qe[:, None]), 0, _add2)
     u = beta * (v - pred)
+    s_new = S * eg[:, None] + k[:, None] * u[None, :]
     if EV:
-        tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :], eviction_policy="evict_first")
+        tl.store(sp, s_new, eviction_policy="evict_first")
     else:
-        tl.store(sp, S * eg[:, None] + k[:, None] * u[None, :])
+        tl.store(sp, s_new)
     return qs + qk * u
 
 
