@@ -247,7 +247,8 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
 #: precision variants the sweep times and checks (``kda_prefill(products=...)``; prefill.PRODUCTS)
 #: ("w in bf16", w / wh single bf16 with w stored in bf16, is refused by the kernel since 2026-12-06: it faulted on
 #: the H100; its accuracy was past the 3e-3 bound near decay 1 in the runs before)
-SWEEP_VARIANTS = {"split": "split", "split+hbuf-bf16": dict(store=("hbuf",)), "w, wh in bf16": dict(w="bf16", wh="bf16")}
+SWEEP_VARIANTS = {"split": "split", "split+pre": dict(pre=("kg", "w")), "split+hbuf-bf16": dict(store=("hbuf",)),
+                  "w, wh in bf16": dict(w="bf16", wh="bf16")}
 
 
 def gate_sweep(a) -> dict:
@@ -278,13 +279,12 @@ def gate_sweep(a) -> dict:
             res[f"gate_error[num_warps={nw}]"] = f"{type(e).__name__}: {e}"[:200]
     from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
-    for cfg in tune.configs(KC.GATE, candidates=True):  # the table's entries, candidates (K-split) included
+    for cfg in tune.configs(KC.GATE, candidates=True):  # the table's entries, candidates included
         meta, opts = tune.split(cfg)
-        ks = int(meta.get("KS", 1))
         tag = ",".join(f"{kk}={vv}" for kk, vv in cfg.items() if kk not in ("num_stages", "candidate"))
-        fn = lambda ks=ks, opts=opts: _interp.launch(  # noqa: E731
-            P._gate_kernel, (NC, H, ks), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qg, kg, gl, K ** -0.5, -5.0,
-            H, K=K, BT=P.BT, KS=ks, **opts)
+        fn = lambda opts=opts: _interp.launch(  # noqa: E731
+            P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qg, kg, gl, K ** -0.5, -5.0,
+            H, K=K, BT=P.BT, **meta, **opts)
         try:
             fn()
             res[f"gate_ms[{tag}]"] = tt.do_bench(fn, warmup=10, rep=50)
@@ -313,11 +313,14 @@ def sweep(rows=None) -> list[dict]:
         a = prefill_inputs(B, T, H)
         res = dict(row=f"prefill B{B} T{T} H{H}")
         first = {"intra": tune.configs(KC.INTRA)[0]}
-        for kind, table in (("intra", KC.INTRA), ("wu", KC.WU), ("state", KC.STATE), ("out", KC.OUT)):
-            for c in tune.configs(table):
-                launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=dict(first, **{kind: c}))
+        for kind, table, pre in (("intra", KC.INTRA, ()), ("wu", KC.WU, ()), ("state", KC.STATE, ()),
+                                 ("state", KC.STATE, ("kg", "w")), ("out", KC.OUT, ())):
+            for c in tune.configs(table, candidates=True):
+                launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=dict(first, **{kind: c}),
+                                                    products=dict(pre=pre))
                 fn = dict(launches)[kind]
-                res[f"{kind}_ms[{json.dumps(c, sort_keys=True)}]"] = tt.do_bench(fn, warmup=10, rep=50)
+                tag = ("pre:" if pre else "") + kind
+                res[f"{tag}_ms[{json.dumps(c, sort_keys=True)}]"] = tt.do_bench(fn, warmup=10, rep=50)
         res.update(gate_sweep(a))
         for name, prod in SWEEP_VARIANTS.items():
             print(f"variant {name} ({res['row']})", flush=True)  # a fault's log names the variant it hit

@@ -37,7 +37,9 @@
 #          section's details in ncu.log
 #   kncu   Nsight Compute of one KDA decode launch (`bench_kda.py --only decode --decode ${KNCU_ROWS:-64x96}`: the
 #          first launch of a kernel matching NCU_KERNEL (default _split_state_kernel, the served config's state grid;
-#          _decode_kernel for the fused one) after NCU_SKIP (default 60) warm ones), into kncu.log
+#          _decode_kernel for the fused one) after NCU_SKIP (default 60) warm ones), into kncu.log; KNCU_ARGS replaces
+#          the bench arguments (e.g. "--only prefill --no-fla --prefill 1x8192x96" with NCU_KERNEL=_state_kernel and
+#          K3ROCM_TUNE=0, so the launch profiled is the table's first config)
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
@@ -106,8 +108,8 @@ for s in $STEPS; do
     ncu) step ncu "$(lim 200)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count "${NCU_COUNT:-2}" \
           --set full $PY "$HERE/bench_moe.py" --tokens "${NCU_TOKENS:-64}" --no-bf16 --out "$R/ncu_moe" ;;
     kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name "regex:${NCU_KERNEL:-_split_state_kernel}" \
-          --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" --only decode --no-fla \
-          --decode "${KNCU_ROWS:-64x96}" --out "$R/kncu" ;;
+          --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" \
+          ${KNCU_ARGS:---only decode --no-fla --decode "${KNCU_ROWS:-64x96}"} --out "$R/kncu" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
     *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec ncu kncu moe)" >&2 ;;

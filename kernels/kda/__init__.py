@@ -55,7 +55,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                   W="constexpr", BLOCK_C="constexpr")
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
-                    K="constexpr", BT="constexpr", KS="constexpr")
+                    K="constexpr", BT="constexpr", KG2="constexpr")
     intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
                      scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
                      INNER="constexpr")
@@ -63,11 +63,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                      BC="constexpr", PREC="constexpr")
     wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
                   H="i32", K="constexpr", V="constexpr", BT="constexpr", WOPD="constexpr", UOPD="constexpr",
-                  INNER="constexpr")
+                  INNER="constexpr", W2="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr",
-                     INNER="constexpr")
+                     INNER="constexpr", SPL="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
@@ -78,7 +78,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     prep_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                     A_log="*fp32", dt_bias="*fp32", conv_pool="*fp32", slot_ids="*i32", vec="*fp32", sca="*fp32",
                     H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", scale="fp32", lower_bound="fp32",
-                    K="constexpr", W="constexpr", WP="constexpr", P1="constexpr")
+                    K="constexpr", W="constexpr", WP="constexpr")
     sst_sig = dict(vec="*fp32", sca="*fp32", state_pool="*fp32", slot_ids="*i32", ob="*fp32", H="i32",
                    K="constexpr", V="constexpr", BV="constexpr", EV="constexpr")
     norm_sig = dict(ob="*fp32", g_raw=p, onw="*fp32", slot_ids="*i32", out=p, H="i32", sg="i32", eps="fp32",
@@ -87,37 +87,43 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     cc = configs.CONV["cuda"][0]
     st = configs.STATE["cuda"][0]
     ot = configs.OUT["cuda"][0]
+    spl = next(c for c in configs.STATE["cuda"] if c.get("candidate"))
     bv = configs.DECODE["hip"][0]["BV"]
     return [
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KS=1), False, _opts(configs.GATE)),
-        # the K-split candidates (configs.GATE, candidate entries)
-        ("prefill_gate_ks2", _gate_kernel, gate_sig, dict(K=K, BT=BT, KS=2), False, _opts(configs.GATE)),
-        ("prefill_gate_ks4", _gate_kernel, gate_sig, dict(K=K, BT=BT, KS=4), False, _opts(configs.GATE)),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KG2=0), False, _opts(configs.GATE)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0), True,
          _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
-        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0), True,
+        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=0), True,
          _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0), True,
          _opts(configs.STATE)),
+        # w / kg stored split (prefill.PRODUCTS "pre"): their writers and the state pass's split loop at the first
+        # state candidate's options
+        ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16"), dict(K=K, BT=BT, KG2=1), False,
+         _opts(configs.GATE)),
+        ("prefill_wu_w2", _wu_kernel, dict(wu_sig, w="*bf16"),
+         dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=1), True, _opts(configs.WU)),
+        ("prefill_state_spl", _state_kernel, dict(state_sig, w="*bf16", kg="*bf16"),
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1), True,
+         {be: tune.split(next(c for c in configs.STATE[be] if c.get("candidate")) if be == "cuda"
+                         else configs.STATE[be][0], interp=False)[1] for be in ("hip", "cuda")}),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0), True,
          _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,
          _opts(configs.DECODE)),
         # the three-launch decode (SPLIT configs): prologue and norm at their fixed warps, the state grid at the
         # first SPLIT config's tile
-        ("decode_split_prep", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4, P1=0), False,
-         {"hip": dict(num_warps=4), "cuda": dict(num_warps=4)}),
-        # the candidates (tune.configs(..., candidates=True)): the one-barrier prologue, evict-first state traffic
-        ("decode_split_prep_p1", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4, P1=1), False,
+        ("decode_split_prep", _split_prep_kernel, prep_sig, dict(K=K, W=4, WP=4), False,
          {"hip": dict(num_warps=4), "cuda": dict(num_warps=4)}),
         ("decode_split_state", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"], EV=0), False,
          {be: tune.split(next(c for c in configs.DECODE[be] if c.get("SPLIT")), interp=False)[1]
           for be in ("hip", "cuda")}),
+        # the EV entry: the state tile's load and store evict-first
         ("decode_split_state_ev", _split_state_kernel, sst_sig, dict(K=K, V=K, BV=split["BV"], EV=1), False,
          {be: tune.split(next(c for c in configs.DECODE[be] if c.get("SPLIT")), interp=False)[1]
           for be in ("hip", "cuda")}),

@@ -38,11 +38,9 @@ _CUDA = {
            dict(INNER=1, num_warps=4, num_stages=1)],
     # the gate kernel's launch options (first entry, not tuned): on an H200 at B1 T8192 H96 it took 1.08 ms at
     # 4 warps against 1.33 / 1.41 at 8 / 16 (the intra kernel's tuned 8, which it used to share) and 3.1+ at 1-2
-    "gate": [dict(num_warps=4, num_stages=1),
-             # candidates, not yet run on a GPU: the chunk's channels split over KS programs (the whole-chunk
-             # kernel sits at 255 registers, 2 programs per SM, at about half its byte floor on the H100)
-             dict(KS=2, candidate=True, num_warps=4, num_stages=1),
-             dict(KS=4, candidate=True, num_warps=4, num_stages=1)],
+    # (a chunk's channels split over 2 / 4 programs, at 151 / 72 registers, ran 1.177 / 1.236 vs 1.168 ms at
+    # B1 T8192 H96 on the H100, 2026-12-06 12:17 UTC: removed)
+    "gate": [dict(num_warps=4, num_stages=1)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -52,7 +50,13 @@ _CUDA = {
               dict(BV=16, PF=0, num_warps=4, num_stages=1),
               dict(BV=64, PF=0, num_warps=4, num_stages=1),
               dict(BV=32, PF=1, INNER=1, num_warps=4, num_stages=1),
-              dict(BV=32, PF=0, INNER=1, num_warps=4, num_stages=1)],
+              dict(BV=32, PF=0, INNER=1, num_warps=4, num_stages=1),
+              # candidates for w / kg stored split (prefill.PRODUCTS "pre"; PF is moot there): ptxas sm_90a puts the
+              # split loop at 254 registers and no spills at BV 32 / 4 warps / 2 stages (cp.async staging) and BV 64 /
+              # 8 warps / 2 stages, 230 at BV 32 / 8 warps / 1 stage; the served form spills 436 - 944 bytes
+              dict(BV=32, PF=0, candidate=True, num_warps=4, num_stages=2),
+              dict(BV=32, PF=0, candidate=True, num_warps=8, num_stages=1),
+              dict(BV=64, PF=0, candidate=True, num_warps=8, num_stages=2)],
     # not listed: 2-stage state configs (BV 32 / 16, PF 0, 4 / 8 warps). With the chunks at affine addresses the
     # loop pipeliner stages the next chunk's w / kg / u in shared memory (cp.async), but ptxas still puts them at
     # 255 registers with 148-716 bytes of spills, and the tuned prefill moved by 1-2% (H100, 2026-12-06)
@@ -86,12 +90,11 @@ _CUDA = {
                dict(SPLIT=1, BV=32, num_warps=4, num_stages=1),
                dict(SPLIT=1, BV=64, num_warps=8, num_stages=1),
                dict(SPLIT=1, BV=128, num_warps=8, num_stages=1),
-               # candidates, not yet run on a GPU (tune.configs leaves them out unless asked; bench_kda and the tests
-               # take them): P1 1, the prologue's three convs' loads first and one barrier (the prologue was 35 of
-               # 331 us at B64 H96, latency-bound); EV 1, the state tile's load and store evict-first
-               dict(SPLIT=1, BV=64, P1=1, candidate=True, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=64, EV=1, candidate=True, num_warps=4, num_stages=1),
-               dict(SPLIT=1, BV=64, P1=1, EV=1, candidate=True, num_warps=4, num_stages=1)],
+               # EV 1: the state tile's load and store evict-first. H100 2026-12-06 12:15 UTC, graph-replayed, ms at
+               # B64 H12 / B64 H96 / B256 H12: 0.0444 / 0.3425 / 0.1706 against the first entry's 0.0468 / 0.3294 /
+               # 0.1686 (both with the one-barrier prologue, which every SPLIT entry runs since; without it 0.0475 /
+               # 0.3323 / 0.1707): kept for the tuner, which may take it at small N (the state within L2)
+               dict(SPLIT=1, BV=64, EV=1, num_warps=4, num_stages=1)],
 }
 
 _HIP = {
@@ -104,8 +107,7 @@ _HIP = {
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
            dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
-    "gate": [dict(num_warps=4, waves_per_eu=0),  # as on CUDA (not measured on CDNA)
-             dict(KS=2, candidate=True, num_warps=4, waves_per_eu=0)],
+    "gate": [dict(num_warps=4, waves_per_eu=0)],  # as on CUDA (not measured on CDNA)
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),

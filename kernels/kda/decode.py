@@ -41,20 +41,16 @@ def _conv_step(xr, sx, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W
     a barrier between each read and the store that shifts it down (``W - 1`` barriers). Without the barriers a
     fast thread feeds its neighbours the already-shifted window (wrong q/k/v on the GPU; the interpreter, which
     runs whole blocks at once, cannot show it)."""
+    if WIN:
+        x, win, base, y = _conv_read(xr, sx, wt, pool, n, slot, ch, valid, NCH, which, W, WP)
+        tl.debug_barrier()  # every thread has read the whole window
+        _conv_shift(pool, x, win, base, valid, W, WP)
+        return y
     valid = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
     x = tl.load(xr + n.to(tl.int64) * sx + ch, mask=valid, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
     acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32)
-    if WIN:
-        j = tl.arange(0, WP)  # window positions, padded to a power of two
-        jm = valid[:, None] & (j < W - 1)[None, :]
-        win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
-        wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=(j < W - 1)[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(win * wj, 1)
-        tl.debug_barrier()  # every thread has read the whole window
-        # shift from registers: position j - 1 takes the value read at j, the newest input goes last
-        tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm & (j >= 1)[None, :])
-    else:
+    if WIN == 0:
         prev = tl.load(pool + base, mask=valid, other=0.0)
         acc += prev * tl.load(wt + ch * W).to(tl.float32)
         for jj in tl.static_range(1, W - 1):
@@ -183,40 +179,42 @@ def _decode_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, g_raw, wq, wk, wv, A_log, 
 
 
 @_interp.kjit
-def _conv_read(xr, sx, wt, pool, n, slot, ch, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
-    """The loads and SiLU(conv) of one token's channels ``ch`` (a valid row): returns ``(x, window, window
-    offsets, SiLU(conv))``; the window is shifted later by :func:`_conv_shift`, after every thread of the
-    program has read it (one barrier for all three convs, where :func:`_conv_step` takes one each)."""
-    x = tl.load(xr + n.to(tl.int64) * sx + ch).to(tl.float32)
+def _conv_read(xr, sx, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The loads and SiLU(conv) of one token's channels ``ch`` (``valid`` 0: a padding row, nothing read):
+    returns ``(x, window, window offsets, SiLU(conv))``, the ``W - 1`` saved inputs read as one ``[C, WP]``
+    tile. The caller shifts the window with :func:`_conv_shift` after a barrier, once every thread of the
+    program has read it (a channel's value can be held by several threads)."""
+    vm = (valid + 0 * ch) > 0  # vector mask (the interpreter rejects a scalar mask on a vector load)
+    x = tl.load(xr + n.to(tl.int64) * sx + ch, mask=vm, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
     j = tl.arange(0, WP)
-    jm = (j < W - 1)[None, :] & (ch >= 0)[:, None]
+    jm = (j < W - 1)[None, :] & vm[:, None]
     win = tl.load(pool + base[:, None] + j[None, :], mask=jm, other=0.0)
-    wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=jm, other=0.0).to(tl.float32)
+    wj = tl.load(wt + ch[:, None] * W + j[None, :], mask=(j < W - 1)[None, :], other=0.0).to(tl.float32)
     acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32) + tl.sum(win * wj, 1)
     return x, win, base, acc * tl.sigmoid(acc)
 
 
 @_interp.kjit
-def _conv_shift(pool, x, win, base, W: tl.constexpr, WP: tl.constexpr):
-    """Store the shifted window read by :func:`_conv_read`: position j - 1 takes the value read at j, the
-    newest input goes last."""
+def _conv_shift(pool, x, win, base, valid, W: tl.constexpr, WP: tl.constexpr):
+    """Store the shifted window read by :func:`_conv_read` (``valid`` 0: nothing): position j - 1 takes the
+    value read at j, the newest input goes last."""
+    vm = (valid + 0 * base) > 0
     j = tl.arange(0, WP)
-    jm = ((j >= 1) & (j < W - 1))[None, :] & (base >= 0)[:, None]
+    jm = ((j >= 1) & (j < W - 1))[None, :] & vm[:, None]
     tl.store(pool + base[:, None] + (j - 1)[None, :], win, mask=jm)
-    tl.store(pool + base + (W - 2), x)
+    tl.store(pool + base + (W - 2), x, mask=vm)
 
 
 @_interp.kjit
 def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_bias, conv_pool, slot_ids, vec, sca,
                        H, sq, sk, sv, sd, sb, scale, lower_bound,
-                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, P1: tl.constexpr):
+                       K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
     """SPLIT decode, launch 1 of 3, one program per (row, head): the q / k / v short convs (the slot's windows
     shifted here, their only writer), SiLU, L2 norms and q scale, ``e^g`` and beta, written to the row's
     ``vec[n, h] = [q, k, e^g, v]`` (fp32 ``[4, K]``) and ``sca[n, h] = [beta, q . k]``. A padding row writes
-    nothing (the state launch skips it, the norm launch writes its zeros). ``P1`` 0: each conv reads its window as
-    one tile behind its own barrier (:func:`_conv_step`, ``WIN`` 1); 1: the three convs' loads issued first and one
-    barrier before the three window shifts (:func:`_conv_read`)."""
+    nothing (the state launch skips it, the norm launch writes its zeros). The three convs' window loads are issued
+    first (:func:`_conv_read`), then one barrier, then the three window shifts."""
     n = tl.program_id(0)
     hh = tl.program_id(1)
     slot_raw = tl.load(slot_ids + n)
@@ -227,19 +225,16 @@ def _split_prep_kernel(q_raw, k_raw, v_raw, d_raw, b_raw, wq, wk, wv, A_log, dt_
     slot = tl.maximum(slot_raw, 0)
     NCH = H * K
     ck = hh * K + offs_k
-    if P1:
-        # the three convs' loads first, one barrier, then the three window shifts
-        xq, wnq, bq, q = _conv_read(q_raw, sq, wq, conv_pool, n, slot, ck, NCH, 0, W, WP)
-        xk, wnk, bk, k = _conv_read(k_raw, sk, wk, conv_pool, n, slot, ck, NCH, 1, W, WP)
-        xv, wnv, bv, v = _conv_read(v_raw, sv, wv, conv_pool, n, slot, ck, NCH, 2, W, WP)
-        tl.debug_barrier()  # every thread has read every window
-        _conv_shift(conv_pool, xq, wnq, bq, W, WP)
-        _conv_shift(conv_pool, xk, wnk, bk, W, WP)
-        _conv_shift(conv_pool, xv, wnv, bv, W, WP)
-    else:
-        q = _conv_step(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP, 1)
-        k = _conv_step(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP, 1)
-        v = _conv_step(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP, 1)
+    # the three convs' loads first, one barrier, then the three window shifts (a barrier per conv, the form
+    # until 2026-12-06, ran 0.3323 / 0.0475 / 0.1707 ms graph-replayed against 0.3294 / 0.0468 / 0.1686 at B64 H96 /
+    # B64 H12 / B256 H12 on the H100, BV 64)
+    xq, wnq, bq, q = _conv_read(q_raw, sq, wq, conv_pool, n, slot, ck, valid, NCH, 0, W, WP)
+    xk, wnk, bk, k = _conv_read(k_raw, sk, wk, conv_pool, n, slot, ck, valid, NCH, 1, W, WP)
+    xv, wnv, bv, v = _conv_read(v_raw, sv, wv, conv_pool, n, slot, ck, valid, NCH, 2, W, WP)
+    tl.debug_barrier()  # every thread has read every window
+    _conv_shift(conv_pool, xq, wnq, bq, valid, W, WP)
+    _conv_shift(conv_pool, xk, wnk, bk, valid, W, WP)
+    _conv_shift(conv_pool, xv, wnv, bv, valid, W, WP)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
     raw = tl.load(d_raw + n.to(tl.int64) * sd + ck).to(tl.float32)
@@ -362,7 +357,7 @@ def kda_decode(q_raw, k_raw, v_raw, decay_raw, beta_raw, gate_raw, conv_weights,
             po = {k: v for k, v in opts.items() if k != "num_warps"}
             _interp.launch(_split_prep_kernel, (N, H), *rows[:5], ws[0], ws[1], ws[2], A_log, dt_bias, cpool, sids,
                            vec, sca, H, *strides[:5], scale, float(lower_bound), K=K, W=W,
-                           WP=max(2, tune.pow2(W - 1)), P1=int(meta.get("P1", 0)),
+                           WP=max(2, tune.pow2(W - 1)),
                            **(dict(po, num_warps=4) if opts else {}))
             _interp.launch(_split_state_kernel, (V // bv, N, H), vec, sca, spool, sids, ob, H, K=K, V=V, BV=bv,
                            EV=int(meta.get("EV", 0)), **opts)

@@ -78,6 +78,35 @@ def _mm(a, b, OPD: tl.constexpr):
 
 
 @_interp.kjit
+def _mm_pre(ah, al, b, OPD: tl.constexpr):
+    """:func:`_mm` with ``a`` already split in memory: ``ah`` / ``al`` its bf16 hi / lo parts (``al`` unused at
+    ``OPD`` 3 / 4). ``OPD`` 1 / 2 / 3 / 4 as :func:`_mm` (no IEEE form: fp32 operands are never stored split)."""
+    b = b.to(tl.float32)
+    bh = b.to(tl.bfloat16)
+    if OPD == 3:
+        return tl.dot(ah, bh)
+    if OPD == 4:
+        return tl.dot(ah.to(tl.float32), bh.to(tl.float32), input_precision="ieee")
+    bl = (b - bh.to(tl.float32)).to(tl.bfloat16)
+    if OPD == 1:
+        return tl.dot(ah, bh) + tl.dot(ah, bl) + tl.dot(al, bh)
+    else:
+        ah = ah.to(tl.float32)
+        bh = bh.to(tl.float32)
+        return (tl.dot(ah, bh, input_precision="ieee") + tl.dot(ah, bl.to(tl.float32), input_precision="ieee")
+                + tl.dot(al.to(tl.float32), bh, input_precision="ieee"))
+
+
+@_interp.kjit
+def _store_split(ptr, x, t0, rows, hh, H, cols, mask, D: tl.constexpr):
+    """Store fp32 ``x`` (``[rows, D]`` tile of a ``[tokens, H, D]`` tensor) as its bf16 hi / lo parts in a
+    ``[tokens, H, 2 D]`` bf16 buffer (hi in columns ``0 .. D``, ``lo = x - hi`` in ``D .. 2 D``)."""
+    hi = x.to(tl.bfloat16)
+    tl.store(_at(ptr, t0, rows, hh, H, cols, 2 * D), hi, mask=mask)
+    tl.store(_at(ptr, t0, rows, hh, H, D + cols, 2 * D), (x - hi.to(tl.float32)).to(tl.bfloat16), mask=mask)
+
+
+@_interp.kjit
 def _at(ptr, t0, r, hh, H, cols, D: tl.constexpr):
     """Addresses of rows ``t0 + r`` (tokens), head ``hh``, columns ``cols`` of a ``[tokens, H, D]`` tensor. The
     int64 part is one scalar, ``(t0 H + hh) D``; the per-element offsets ``r H D + cols`` are int32 (a chunk
@@ -181,23 +210,18 @@ def _pids(INNER: tl.constexpr, NI: tl.constexpr):
 
 @_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
-                 K: tl.constexpr, BT: tl.constexpr, KS: tl.constexpr = 1):
+                 K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
     (in the dtype of their buffers), ``e^G_L`` (fp32), on whole ``[BT, K]`` tiles. (Walking the chunk in 16-row
     slices took the registers from 255 to 144 but the kernel from 1.14 to 1.58 ms at B1 T8192 H96 on an H100,
-    2026-12-06: fewer bytes in flight a program.) ``KS`` > 1: the channels split over ``KS`` programs (grid axis
-    2; G and the decays are per channel), each taking the rows' L2 norms over all K in ``K / KS``-wide slices:
-    ``KS`` times the programs at about ``1 / KS`` of the registers, the other channels' q / k read again (L2)."""
+    2026-12-06: fewer bytes in flight a program; so did a chunk's channels split over 2 or 4 programs, 1.18 / 1.24
+    vs 1.17 ms, at 151 / 72 registers.) ``KG2 = 1``: ``kg`` stored split, bf16 hi / lo (:func:`_store_split`)"""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
-    if KS > 1:
-        _gate_cols(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, H, c, hh, t0, rows, mr,
-                   tl.program_id(2), K, BT, KS)
-        return
     offs_k = tl.arange(0, K)
     raw = tl.load(_at(draw, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
@@ -213,37 +237,11 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
     kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     kn = _l2n(kn)
-    tl.store(_at(kg, t0, rows, hh, H, offs_k, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty), mask=mr)
-
-
-@_interp.kjit
-def _gate_cols(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, H, c, hh, t0, rows, mr, ks,
-               K: tl.constexpr, BT: tl.constexpr, KS: tl.constexpr):
-    """:func:`_gate_kernel` for channels ``[ks K / KS, (ks + 1) K / KS)`` of a chunk (its ``KS`` > 1 form)."""
-    cols = ks * (K // KS) + tl.arange(0, K // KS)
-    raw = tl.load(_at(draw, t0, rows, hh, H, cols, K), mask=mr, other=0.0).to(tl.float32)
-    a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
-    dtb = tl.load(dt_bias + hh * K + cols).to(tl.float32)
-    g = tl.where(mr, lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :])), 0.0)
-    G = tl.cumsum(g, 0)
-    gl = tl.sum(g, 0)
-    tl.store(_at(gbuf, t0, rows, hh, H, cols, K), G, mask=mr)
-    tl.store(glast + (c.to(tl.int64) * H + hh) * K + cols, tl.exp(gl))
-    sq = tl.sum(tl.zeros([BT, K // KS], tl.float32), 1)
-    sk = tl.sum(tl.zeros([BT, K // KS], tl.float32), 1)
-    for j in tl.static_range(KS):  # the rows' squared norms over all K, one slice at a time
-        cj = j * (K // KS) + tl.arange(0, K // KS)
-        qj = tl.load(_at(q, t0, rows, hh, H, cj, K), mask=mr, other=0.0).to(tl.float32)
-        kj = tl.load(_at(k, t0, rows, hh, H, cj, K), mask=mr, other=0.0).to(tl.float32)
-        sq += tl.sum(qj * qj, 1)
-        sk += tl.sum(kj * kj, 1)
-    qn = tl.load(_at(q, t0, rows, hh, H, cols, K), mask=mr, other=0.0).to(tl.float32)
-    qn = qn * tl.rsqrt(sq + 1e-6)[:, None] * scale
-    tl.store(_at(qg, t0, rows, hh, H, cols, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
-    kn = tl.load(_at(k, t0, rows, hh, H, cols, K), mask=mr, other=0.0).to(tl.float32)
-    kn = kn * tl.rsqrt(sk + 1e-6)[:, None]
-    tl.store(_at(kg, t0, rows, hh, H, cols, K), tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0).to(kg.dtype.element_ty),
-             mask=mr)
+    kgv = tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0)
+    if KG2:
+        _store_split(kg, kgv, t0, rows, hh, H, offs_k, mr, K)
+    else:
+        tl.store(_at(kg, t0, rows, hh, H, offs_k, K), kgv.to(kg.dtype.element_ty), mask=mr)
 
 
 @_interp.kjit
@@ -314,11 +312,11 @@ def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.
 @_interp.kjit
 def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr,
-               INNER: tl.constexpr = 0):
+               INNER: tl.constexpr = 0, W2: tl.constexpr = 0):
     """Phase 4 of a chunk, one program per (chunk, head, part): part 0 ``w = M (beta k e^G)`` (``[BT, K]``),
     part 1 ``u = M (beta v)`` (``[BT, V]``), each one ``[BT, BT] x [BT, D]`` product of the stored solve ``M``
     (its upper triangle read as 0) on the matrix unit (64-row tiles: wgmma on sm_90), ``w`` through :func:`_mm`
-    with ``WOPD``, ``u`` with ``UOPD``; stored."""
+    with ``WOPD``, ``u`` with ``UOPD``; stored (``W2 = 1``: ``w`` split, bf16 hi / lo, :func:`_store_split`)."""
     c, part = _pids(INNER, 2)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
@@ -334,7 +332,10 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
         kn = _l2n(tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32))
         G = tl.load(_at(gbuf, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
         bk = tl.where(mr, kn * tl.exp(G) * b[:, None], 0.0)
-        tl.store(_at(w, t0, rows, hh, H, offs_k, K), _mm(m, bk, WOPD).to(w.dtype.element_ty), mask=mr)
+        if W2:
+            _store_split(w, _mm(m, bk, WOPD), t0, rows, hh, H, offs_k, mr, K)
+        else:
+            tl.store(_at(w, t0, rows, hh, H, offs_k, K), _mm(m, bk, WOPD).to(w.dtype.element_ty), mask=mr)
     else:
         offs_v = tl.arange(0, V)
         bv = tl.load(_at(v, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32) * b[:, None]
@@ -364,14 +365,17 @@ def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
 @_interp.kjit
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr, INNER: tl.constexpr = 0):
+                  OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr, INNER: tl.constexpr = 0,
+                  SPL: tl.constexpr = 0):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
     The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`,
     ``w h_c`` with ``WHOPD`` and ``kg^T v'`` with ``OPD``.
     ``PF = 1``: the next chunk's tiles are loaded while the current one is computed (they do not depend on the
     state), so their memory latency leaves the serial chain, for twice the tile registers; ``PF = 0``: each
-    chunk's tiles are loaded at the top of its step."""
+    chunk's tiles are loaded at the top of its step. ``SPL = 1``: ``w`` and ``kg`` are stored split
+    (``[tokens, H, 2 K]`` bf16 hi / lo, :func:`_store_split`) and go to :func:`_mm_pre` as loaded (no fp32 tile
+    in registers, no split in the serial loop); each chunk's tiles at the top of its step."""
     n, vb = _pids(INNER, V // BV)
     hh = tl.program_id(1)
     offs_k = tl.arange(0, K)
@@ -388,6 +392,10 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     some = c0 < c1
     s0 = tl.load(chunk_tok + c0, mask=some, other=0)
     s1 = tl.load(chunk_tok + c1 - 1, mask=some, other=0) + tl.load(chunk_len + c1 - 1, mask=some, other=0)
+    if SPL:
+        _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1, hh, H, offs_v, K, V, BT, BV,
+                     OPD, WHOPD)
+        return
     if PF:
         w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c0, some.to(tl.int32), hh, H,
                                                  offs_v, K, V, BT)
@@ -405,6 +413,31 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
         if PF:
             w_c, kg_c, u_c, gl, t0, L = w_n, kg_n, u_n, gl_n, t0_n, L_n
+    tl.store(ht + hbase + hoff, h)
+
+
+@_interp.kjit
+def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1, hh, H, offs_v,
+                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr,
+                 WHOPD: tl.constexpr):
+    """:func:`_state_kernel`'s chunk loop on split-stored ``w`` / ``kg`` (``SPL = 1``)."""
+    offs_k = tl.arange(0, K)
+    rows = tl.arange(0, BT)
+    for c in range(c0, c1):
+        t0 = s0 + (c - c0) * BT
+        L = tl.minimum(s1 - t0, BT)
+        mr = (rows < L)[:, None]
+        w_h = tl.load(_at(w, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
+        w_l = tl.load(_at(w, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
+        kg_h = tl.load(_at(kg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
+        kg_l = tl.load(_at(kg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
+        u_c = tl.load(_at(u, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32)
+        gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k)
+        ch = c * H + hh.to(tl.int64)
+        tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
+        vn = u_c - _mm_pre(w_h, w_l, h, WHOPD)
+        tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
+        h = h * gl[:, None] + _mm_pre(tl.trans(kg_h), tl.trans(kg_l), vn, OPD)
     tl.store(ht + hbase + hoff, h)
 
 
@@ -497,10 +530,14 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: the prefill 6.48 vs 6.88 ms (state pass 1.93 vs 2.21, output 0.90 vs 1.00), but in the interpreter (T 70 / 256,
 #: two heads, 6 seeds) 3.0e-3 / 3.2e-3 where the decay is near 1 (``dt_bias`` - 12: the inter-chunk term carries
 #: o) against 6e-5 in fp32, past the 3e-3 bound, so they stay fp32 (5e-4 to 1e-3 at ordinary decays).
+#: ``pre``: ``()`` or ``("kg", "w")``, the state pass's two fp32 inputs stored split (bf16 hi / lo planes, the
+#: same bytes as fp32), so the serial loop multiplies them as loaded (:func:`_mm_pre`) with no fp32 tile in registers
+#: and no split of its own; the same products as ``"split"`` (bit-identical operands), needs ``wh`` / ``kv`` not
+#: ``"ieee"`` and ``w`` / ``kg`` not in ``store``.
 PRODUCTS = {
-    "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=()),
+    "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=(), pre=()),
     "split": dict(pair="split", w="split", u="split", wh="split", kv="split", out="split", solve="backend",
-                  store=()),
+                  store=(), pre=()),
 }
 _PARTS = ("pair", "w", "u", "wh", "kv", "out")
 _STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf")
@@ -514,7 +551,9 @@ def _precision(products, dtype: torch.dtype) -> dict:
         bad = [kk for kk in products if kk not in PRODUCTS["split"]]
         out = dict(PRODUCTS["split"], **products)
         ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in _PARTS)
-              and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"]))
+              and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"])
+              and tuple(sorted(out["pre"])) in ((), ("kg", "w"))
+              and not (out["pre"] and ("ieee" in (out["wh"], out["kv"]) or {"w", "kg"} & set(out["store"]))))
         if ok and "w" in out["store"] and out["wh"] == "bf16":
             # measured 2026-12-06 on an H100 (triton 3.6, B1 T8192 H96): the state pass with a PF = 0 config
             # faults (illegal address) when it reads w stored in bf16 into a single-bf16 product; fine with w in
@@ -523,11 +562,12 @@ def _precision(products, dtype: torch.dtype) -> dict:
                               "pass faults on sm_90 with it); keep wh 'split' or w stored in fp32")
         if ok:
             out["store"] = tuple(sorted(out["store"]))
+            out["pre"] = tuple(sorted(out["pre"]))
             return out
     elif products in PRODUCTS:
         return PRODUCTS[products]
     raise ConfigError(f"kda_prefill (triton): products {products!r} is not one of None, 'ieee', 'split' "
-                      "(or a dict of parts, see prefill.PRODUCTS)")
+                      "(or a valid dict of parts, see prefill.PRODUCTS)")
 
 
 def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None, cu_seqlens=None, scale=None,
@@ -616,8 +656,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     bf = lambda name: torch.bfloat16 if name in prec_parts["store"] else f32  # noqa: E731
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
     qg = C.empty(TT, H, K, dtype=bf("qg"), device=dev)
-    kg = C.empty(TT, H, K, dtype=bf("kg"), device=dev)
-    w = C.empty(TT, H, K, dtype=bf("w"), device=dev)
+    pre = 1 if prec_parts["pre"] else 0  # kg and w stored split: [TT, H, 2K] bf16 hi / lo
+    kg = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("kg"), device=dev)
+    w = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("w"), device=dev)
     u = C.empty(TT, H, V, dtype=bf("u"), device=dev)
     vnew = C.empty(TT, H, V, dtype=bf("vnew"), device=dev)
     aqk = C.empty(TT, H, BT, dtype=bf("aqk"), device=dev)
@@ -632,14 +673,14 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     # the gate's own config (configs.GATE's first entry, not tuned; config["gate"] forces one: tests, sweeps)
     gate_meta, gate_opts = tune.split(cfg.get("gate") or tune.configs(C.GATE)[0])
-    ks = int(gate_meta.get("KS", 1))
-    if ks < 1 or K % ks or (K // ks) & (K // ks - 1):
-        raise ConfigError(f"kda_prefill: gate config KS={ks} must split K={K} into equal power-of-two slices")
+    if gate_meta:
+        raise ConfigError(f"kda_prefill: gate config keys {sorted(gate_meta)} are not kernel options (the gate takes "
+                          "launch options only: num_warps, num_stages, waves_per_eu)")
 
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
         if NC:
-            _interp.launch(_gate_kernel, (NC, H, ks), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
-                           scale, float(lower_bound), H, K=K, BT=BT, KS=ks, **gate_opts)
+            _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
+                           scale, float(lower_bound), H, K=K, BT=BT, KG2=pre, **gate_opts)
 
     def launch_intra(c):
         meta, opts = tune.split(c)
@@ -658,7 +699,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         meta, opts = tune.split(c)
         if NC:
             _interp.launch(_wu_kernel, _grid(NC, H, 2, meta), kc, vc, br, gbuf, mbuf, w, u, chunk_tok, chunk_len,
-                           H, K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], **meta, **opts)
+                           H, K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], W2=pre, **meta, **opts)
 
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
         launch_gate(c)
@@ -671,7 +712,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if N:
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
-                           OPD=opd["kv"], WHOPD=opd["wh"], **meta, **opts)
+                           OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, **meta, **opts)
 
     def launch_out(c):
         meta, opts = tune.split(c)

@@ -142,6 +142,30 @@ def test_every_config_20_runs_identical():
             assert torch.equal(y, y0) and torch.equal(f, f0)
 
 
+def test_prefill_split_stored_every_state_config():
+    """w / kg stored split (``products=dict(pre=("kg", "w"))``: the same operand bits as the split default, read as
+    bf16 planes): every state config, candidates included, against the oracle, against the split default
+    (max relative difference logged; the products are the same) and 20 x bit-identical."""
+    from k3rocm.kernels import tune
+    from k3rocm.kernels.kda import configs as KC
+    from k3rocm.kernels.kda import prefill as P
+    a = inputs(1, 1000, 12, torch.bfloat16, state=True)
+    want_o, want_s = oracle(a)
+    pre = dict(pre=("kg", "w"))
+    for c in tune.configs(KC.STATE, candidates=True):
+        cfg = {**first_configs(), "state": c}
+        so, ss = P.kda_prefill(**a, config=cfg)
+        o0, s0 = P.kda_prefill(**a, config=cfg, products=pre)
+        e = (rel_rms(o0, want_o), rel_rms(s0, want_s))
+        d = (max_rel(o0, so), max_rel(s0, ss))
+        _log(test="prefill_pre_state_config", cfg=c, rel_rms_o=e[0], rel_rms_state=e[1], vs_split=d,
+             bit_equal_split=bool(torch.equal(o0, so) and torch.equal(s0, ss)))
+        assert max(e) <= BF16_REL_RMS and max(d) <= 1e-5, (c, e, d)
+        for _ in range(19):
+            o, s = P.kda_prefill(**a, config=cfg, products=pre)
+            assert torch.equal(o, o0) and torch.equal(s, s0), f"pre state config {c} not deterministic"
+
+
 def test_every_decode_config_20_runs_identical():
     """Every decode config (V tiles, conv-window and state-prefetch variants) against the oracle at 64 rows with
     a padding row, and bit-identical output, state and conv pools over 20 runs."""

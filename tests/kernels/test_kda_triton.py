@@ -80,7 +80,7 @@ def test_prefill_grid_fp32(B, T, H, cfg):
 @pytest.mark.parametrize("kind", ["gate", "intra", "wu", "state", "out"])
 def test_prefill_every_config_of_each_table(kind):
     """Every config of each prefill table (the tuner may pick any; the INNER ones launch their split on axis 0),
-    candidates not yet run on a GPU included (the gate's K-split ones), the others at their first entry: the
+    candidates not yet run on a GPU included, the others at their first entry: the
     oracle's output and state on a packed batch of three sequences, one of them a single token and one two chunks
     long."""
     gen = _gen()
@@ -95,12 +95,32 @@ def test_prefill_every_config_of_each_table(kind):
         close(s, want_s, 1e-5)
 
 
-def test_prefill_gate_split_must_cut_k_into_power_of_two_slices():
+def test_prefill_gate_takes_launch_options_only():
     a = make_prefill(1, 8, 1, D, _gen())
-    with pytest.raises(ConfigError, match="KS=3"):
-        KPRE.kda_prefill(**a, config={"gate": {"KS": 3}})
-    with pytest.raises(ConfigError, match="KS=0"):
-        KPRE.kda_prefill(**a, config={"gate": {"KS": 0}})
+    with pytest.raises(ConfigError, match="KS"):
+        KPRE.kda_prefill(**a, config={"gate": {"KS": 2, "num_warps": 4}})
+
+
+def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
+    """``products=dict(pre=("kg", "w"))`` stores w and kg as bf16 hi / lo planes and multiplies them as loaded: the
+    same operand bits as the split default, so the same o and final state (bit for bit in the interpreter) on every
+    state config, candidates included, on a packed batch with a 1-token sequence, near decay 1 and at ordinary
+    decays; the bf16 / IEEE parts it cannot serve are refused."""
+    gen = _gen()
+    lens = [70, 1, 9]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    for shift in (0.0, -12.0):
+        a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
+        want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+        for c in tune.configs(KC.STATE, candidates=True):
+            so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": c}, products="split")
+            po, ps = KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": c}, products=dict(pre=("w", "kg")))
+            assert torch.equal(po, so) and torch.equal(ps, ss), c
+            assert _rel_rms(po, want_o) < 3e-4 and _rel_rms(ps, want_s) < 3e-4
+    for bad in (dict(pre=("w",)), dict(pre=("kg", "w"), wh="ieee"), dict(pre=("kg", "w"), store=("w",)),
+                dict(pre=("u", "w"))):
+        with pytest.raises(ConfigError, match="products"):
+            KPRE.kda_prefill(**a, cu_seqlens=cu, products=bad)
 
 
 def test_prefill_fp16_and_decay_bounds():
