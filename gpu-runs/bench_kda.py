@@ -247,7 +247,8 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
 #: precision variants the sweep times and checks (``kda_prefill(products=...)``; prefill.PRODUCTS)
 #: ("w in bf16", w / wh single bf16 with w stored in bf16, is refused by the kernel since 2026-12-06: it faulted on
 #: the H100; its accuracy was past the 3e-3 bound near decay 1 in the runs before)
-SWEEP_VARIANTS = {"split": "split", "split+pre": dict(pre=("kg", "w")), "split+hbuf-bf16": dict(store=("hbuf",)),
+SWEEP_VARIANTS = {"split": "split", "split+pre": dict(pre=("kg", "w")), "split+pre3": dict(pre=("kg", "qg", "w")),
+                  "split+hbuf-bf16": dict(store=("hbuf",)),
                   "w, wh in bf16": dict(w="bf16", wh="bf16")}
 
 
@@ -314,13 +315,19 @@ def sweep(rows=None) -> list[dict]:
         res = dict(row=f"prefill B{B} T{T} H{H}")
         first = {"intra": tune.configs(KC.INTRA)[0]}
         for kind, table, pre in (("intra", KC.INTRA, ()), ("wu", KC.WU, ()), ("state", KC.STATE, ()),
-                                 ("state", KC.STATE, ("kg", "w")), ("out", KC.OUT, ())):
+                                 ("state", KC.STATE, ("kg", "qg", "w")), ("out", KC.OUT, ())):
             for c in tune.configs(table, candidates=True):
+                if c.get("FO") and not pre:
+                    continue  # the output in the state loop needs qg / kg / w stored split
                 launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=dict(first, **{kind: c}),
                                                     products=dict(pre=pre))
-                fn = dict(launches)[kind]
+                fns = dict(launches)
                 tag = ("pre:" if pre else "") + kind
-                res[f"{tag}_ms[{json.dumps(c, sort_keys=True)}]"] = tt.do_bench(fn, warmup=10, rep=50)
+                cj = json.dumps(c, sort_keys=True)
+                res[f"{tag}_ms[{cj}]"] = tt.do_bench(fns[kind], warmup=10, rep=50)
+                if kind == "state":  # with the output launch it needs (none for FO: the loop wrote o)
+                    res[f"{tag}+out_ms[{cj}]"] = (res[f"{tag}_ms[{cj}]"] + tt.do_bench(fns["out"], warmup=10, rep=50)
+                                                  if "out" in fns else res[f"{tag}_ms[{cj}]"])
         res.update(gate_sweep(a))
         for name, prod in SWEEP_VARIANTS.items():
             print(f"variant {name} ({res['row']})", flush=True)  # a fault's log names the variant it hit

@@ -55,7 +55,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                   W="constexpr", BLOCK_C="constexpr")
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
-                    K="constexpr", BT="constexpr", KG2="constexpr")
+                    K="constexpr", BT="constexpr", KG2="constexpr", QG2="constexpr")
     intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
                      scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
                      INNER="constexpr")
@@ -67,9 +67,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr",
-                     INNER="constexpr", SPL="constexpr")
+                     INNER="constexpr", SPL="constexpr", FO="constexpr", qg=b, aqk=b, o=p, OOPD="constexpr")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
-                   V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr")
+                   V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr",
+                   Q2="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
                    slot_ids="*i32", out=p, H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", sg="i32",
@@ -93,26 +94,26 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KG2=0), False, _opts(configs.GATE)),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KG2=0, QG2=0), False, _opts(configs.GATE)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0), True,
          _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
         ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=0), True,
          _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0, FO=0, OOPD=1), True,
          _opts(configs.STATE)),
         # w / kg stored split (prefill.PRODUCTS "pre"): their writers and the state pass's split loop at the first
         # state candidate's options
-        ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16"), dict(K=K, BT=BT, KG2=1), False,
+        ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16", qg="*bf16"), dict(K=K, BT=BT, KG2=1, QG2=1), False,
          _opts(configs.GATE)),
         ("prefill_wu_w2", _wu_kernel, dict(wu_sig, w="*bf16"),
          dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=1), True, _opts(configs.WU)),
         ("prefill_state_spl", _state_kernel, dict(state_sig, w="*bf16", kg="*bf16"),
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=0, OOPD=1), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("candidate")) if be == "cuda"
                          else configs.STATE[be][0], interp=False)[1] for be in ("hip", "cuda")}),
-        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0), True,
+        ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0, Q2=0), True,
          _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,
          _opts(configs.DECODE)),

@@ -56,7 +56,11 @@ _CUDA = {
               # 8 warps / 2 stages, 230 at BV 32 / 8 warps / 1 stage; the served form spills 436 - 944 bytes
               dict(BV=32, PF=0, candidate=True, num_warps=4, num_stages=2),
               dict(BV=32, PF=0, candidate=True, num_warps=8, num_stages=1),
-              dict(BV=64, PF=0, candidate=True, num_warps=8, num_stages=2)],
+              dict(BV=64, PF=0, candidate=True, num_warps=8, num_stages=2),
+              # FO 1 (needs qg stored split too): the output in the loop, no chunk states / v' stored and no output
+              # launch; ptxas sm_90a: 255 registers, 40 / 284 bytes of spills (BV 16 at 2 stages / BV 32 at 1)
+              dict(BV=16, PF=0, FO=1, candidate=True, num_warps=4, num_stages=2),
+              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1)],
     # not listed: 2-stage state configs (BV 32 / 16, PF 0, 4 / 8 warps). With the chunks at affine addresses the
     # loop pipeliner stages the next chunk's w / kg / u in shared memory (cp.async), but ptxas still puts them at
     # 255 registers with 148-716 bytes of spills, and the tuned prefill moved by 1-2% (H100, 2026-12-06)

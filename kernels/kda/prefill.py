@@ -210,12 +210,13 @@ def _pids(INNER: tl.constexpr, NI: tl.constexpr):
 
 @_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
-                 K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0):
+                 K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0, QG2: tl.constexpr = 0):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
     (in the dtype of their buffers), ``e^G_L`` (fp32), on whole ``[BT, K]`` tiles. (Walking the chunk in 16-row
     slices took the registers from 255 to 144 but the kernel from 1.14 to 1.58 ms at B1 T8192 H96 on an H100,
     2026-12-06: fewer bytes in flight a program; so did a chunk's channels split over 2 or 4 programs, 1.18 / 1.24
-    vs 1.17 ms, at 151 / 72 registers.) ``KG2 = 1``: ``kg`` stored split, bf16 hi / lo (:func:`_store_split`)"""
+    vs 1.17 ms, at 151 / 72 registers.) ``KG2`` / ``QG2`` = 1: ``kg`` / ``qg`` stored split, bf16 hi / lo
+    (:func:`_store_split`)"""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
@@ -234,7 +235,10 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
     qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     qn = _l2n(qn) * scale
-    tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
+    if QG2:
+        _store_split(qg, qn * tl.exp(G), t0, rows, hh, H, offs_k, mr, K)
+    else:
+        tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
     kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     kn = _l2n(kn)
     kgv = tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0)
@@ -366,7 +370,7 @@ def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                   OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr, INNER: tl.constexpr = 0,
-                  SPL: tl.constexpr = 0):
+                  SPL: tl.constexpr = 0, FO: tl.constexpr = 0, qg=None, aqk=None, o=None, OOPD: tl.constexpr = 1):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
     The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`,
@@ -375,7 +379,10 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     state), so their memory latency leaves the serial chain, for twice the tile registers; ``PF = 0``: each
     chunk's tiles are loaded at the top of its step. ``SPL = 1``: ``w`` and ``kg`` are stored split
     (``[tokens, H, 2 K]`` bf16 hi / lo, :func:`_store_split`) and go to :func:`_mm_pre` as loaded (no fp32 tile
-    in registers, no split in the serial loop); each chunk's tiles at the top of its step."""
+    in registers, no split in the serial loop); each chunk's tiles at the top of its step. ``FO = 1`` (with
+    ``SPL``, ``qg`` stored split too): the output in the loop, ``o = qg h_c + Aqk v'`` with ``OOPD``, stored to
+    ``o``; no chunk state ``hbuf`` and no ``v'`` written (off the serial chain: nothing later reads ``o``), and no
+    output launch."""
     n, vb = _pids(INNER, V // BV)
     hh = tl.program_id(1)
     offs_k = tl.arange(0, K)
@@ -394,7 +401,7 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     s1 = tl.load(chunk_tok + c1 - 1, mask=some, other=0) + tl.load(chunk_len + c1 - 1, mask=some, other=0)
     if SPL:
         _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1, hh, H, offs_v, K, V, BT, BV,
-                     OPD, WHOPD)
+                     OPD, WHOPD, FO, qg, aqk, o, OOPD)
         return
     if PF:
         w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c0, some.to(tl.int32), hh, H,
@@ -419,8 +426,9 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
 @_interp.kjit
 def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1, hh, H, offs_v,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr,
-                 WHOPD: tl.constexpr):
-    """:func:`_state_kernel`'s chunk loop on split-stored ``w`` / ``kg`` (``SPL = 1``)."""
+                 WHOPD: tl.constexpr, FO: tl.constexpr, qg, aqk, o, OOPD: tl.constexpr):
+    """:func:`_state_kernel`'s chunk loop on split-stored ``w`` / ``kg`` (``SPL = 1``), the output in the loop
+    when ``FO = 1``."""
     offs_k = tl.arange(0, K)
     rows = tl.arange(0, BT)
     for c in range(c0, c1):
@@ -433,10 +441,17 @@ def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1
         kg_l = tl.load(_at(kg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
         u_c = tl.load(_at(u, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32)
         gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k)
-        ch = c * H + hh.to(tl.int64)
-        tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
         vn = u_c - _mm_pre(w_h, w_l, h, WHOPD)
-        tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
+        if FO:
+            q_h = tl.load(_at(qg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
+            q_l = tl.load(_at(qg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
+            a_c = tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+            oc = _mm_pre(q_h, q_l, h, OOPD) + _mm(a_c, vn, OOPD)
+            tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
+        else:
+            ch = c * H + hh.to(tl.int64)
+            tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
+            tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
         h = h * gl[:, None] + _mm_pre(tl.trans(kg_h), tl.trans(kg_l), vn, OPD)
     tl.store(ht + hbase + hoff, h)
 
@@ -444,7 +459,7 @@ def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1
 @_interp.kjit
 def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                OPD: tl.constexpr, INNER: tl.constexpr = 0):
+                OPD: tl.constexpr, INNER: tl.constexpr = 0, Q2: tl.constexpr = 0):
     """The output, all chunks in parallel: one program per (chunk, head, BV columns),
     ``o = qg h_c + Aqk v'`` from the stored chunk state ``h_c`` and ``v'`` (``qg h_c`` in BK-wide slices of K,
     which bounds the live registers)."""
@@ -460,9 +475,14 @@ def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
     oc = _mm(a_c, vn, OPD)
     for kb in tl.static_range(0, K // BK):
         offs_k = kb * BK + tl.arange(0, BK)
-        qg_c = tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
         h_c = tl.load(hbuf + (c.to(tl.int64) * H + hh) * (K * V) + (offs_k[:, None] * V + offs_v[None, :]))
-        oc += _mm(qg_c, h_c, OPD)
+        if Q2:  # qg stored split (bf16 hi / lo)
+            q_h = tl.load(_at(qg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
+            q_l = tl.load(_at(qg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
+            oc += _mm_pre(q_h, q_l, h_c, OPD)
+        else:
+            qg_c = tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+            oc += _mm(qg_c, h_c, OPD)
     tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
 
 
@@ -530,10 +550,11 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: the prefill 6.48 vs 6.88 ms (state pass 1.93 vs 2.21, output 0.90 vs 1.00), but in the interpreter (T 70 / 256,
 #: two heads, 6 seeds) 3.0e-3 / 3.2e-3 where the decay is near 1 (``dt_bias`` - 12: the inter-chunk term carries
 #: o) against 6e-5 in fp32, past the 3e-3 bound, so they stay fp32 (5e-4 to 1e-3 at ordinary decays).
-#: ``pre``: ``()`` or ``("kg", "w")``, the state pass's two fp32 inputs stored split (bf16 hi / lo planes, the
-#: same bytes as fp32), so the serial loop multiplies them as loaded (:func:`_mm_pre`) with no fp32 tile in registers
-#: and no split of its own; the same products as ``"split"`` (bit-identical operands), needs ``wh`` / ``kv`` not
-#: ``"ieee"`` and ``w`` / ``kg`` not in ``store``.
+#: ``pre``: ``()``, ``("kg", "w")`` or ``("kg", "qg", "w")``: those fp32 intermediates stored split (bf16 hi / lo
+#: planes, the same bytes as fp32), so the serial loop multiplies them as loaded (:func:`_mm_pre`) with no fp32 tile
+#: in registers and no split of its own; the same products as ``"split"`` (bit-identical operands); needs ``wh``,
+#: ``kv`` and ``out`` not ``"ieee"`` and the names not in ``store``. With ``qg`` the state table's ``FO`` configs
+#: (the output computed in the serial loop, no chunk states stored) may run.
 PRODUCTS = {
     "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=(), pre=()),
     "split": dict(pair="split", w="split", u="split", wh="split", kv="split", out="split", solve="backend",
@@ -552,8 +573,9 @@ def _precision(products, dtype: torch.dtype) -> dict:
         out = dict(PRODUCTS["split"], **products)
         ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in _PARTS)
               and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"])
-              and tuple(sorted(out["pre"])) in ((), ("kg", "w"))
-              and not (out["pre"] and ("ieee" in (out["wh"], out["kv"]) or {"w", "kg"} & set(out["store"]))))
+              and tuple(sorted(out["pre"])) in ((), ("kg", "w"), ("kg", "qg", "w"))
+              and not (out["pre"] and ("ieee" in (out["wh"], out["kv"], out["out"])
+                                       or set(out["pre"]) & set(out["store"]))))
         if ok and "w" in out["store"] and out["wh"] == "bf16":
             # measured 2026-12-06 on an H100 (triton 3.6, B1 T8192 H96): the state pass with a PF = 0 config
             # faults (illegal address) when it reads w stored in bf16 into a single-bf16 product; fine with w in
@@ -655,8 +677,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     prec = "ieee" if prec_parts["solve"] == "ieee" else None
     bf = lambda name: torch.bfloat16 if name in prec_parts["store"] else f32  # noqa: E731
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
-    qg = C.empty(TT, H, K, dtype=bf("qg"), device=dev)
     pre = 1 if prec_parts["pre"] else 0  # kg and w stored split: [TT, H, 2K] bf16 hi / lo
+    q2 = 1 if "qg" in prec_parts["pre"] else 0  # qg too (the state pass's FO configs need it)
+    qg = C.empty(TT, H, (1 + q2) * K, dtype=torch.bfloat16 if q2 else bf("qg"), device=dev)
     kg = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("kg"), device=dev)
     w = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("w"), device=dev)
     u = C.empty(TT, H, V, dtype=bf("u"), device=dev)
@@ -680,7 +703,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
         if NC:
             _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
-                           scale, float(lower_bound), H, K=K, BT=BT, KG2=pre, **gate_opts)
+                           scale, float(lower_bound), H, K=K, BT=BT, KG2=pre, QG2=q2, **gate_opts)
 
     def launch_intra(c):
         meta, opts = tune.split(c)
@@ -709,10 +732,21 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_state(c):
         meta, opts = tune.split(c)
         bv = min(meta.pop("BV"), V)
+        if meta.get("FO") and not q2:
+            raise ConfigError(f"kda_prefill: state config {c} computes the output in the loop (FO) and needs qg, kg "
+                              "and w stored split: products=dict(pre=('kg', 'qg', 'w'))")
         if N:
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
-                           OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, **meta, **opts)
+                           OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, qg=qg, aqk=aqk, o=o, OOPD=opd["out"], **meta,
+                           **opts)
+
+    out_first = tune.configs(C.OUT)[0]
+
+    def launch_state_out(c):  # tuning: a state config without FO is timed with the output launch it needs
+        launch_state(c)
+        if not c.get("FO"):
+            launch_out(out_first)
 
     def launch_out(c):
         meta, opts = tune.split(c)
@@ -720,18 +754,25 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         bk = min(meta.pop("BK"), K)
         if NC:
             _interp.launch(_out_kernel, _grid(NC, H, V // bv, meta), qg, aqk, hbuf, vnew, o, chunk_tok,
-                           chunk_len, H, K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd["out"], **meta, **opts)
+                           chunk_len, H, K=K, V=V, BT=BT, BV=bv, BK=bk, OPD=opd["out"], Q2=q2, **meta, **opts)
 
     # bounded specialisation: token and sequence counts enter the key as powers of two
     key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, tuple(sorted((kk, str(vv)) for kk, vv in prec_parts.items())))
     launches = []
+    fused_out = False
     for name, table, run, parts in (
             ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra),
                                                    ("solve", launch_solve))),
             ("wu", C.WU, launch_wu, (("wu", launch_wu),)),
-            ("state", C.STATE, launch_state, (("state", launch_state),)),
+            ("state", C.STATE, launch_state_out, (("state", launch_state),)),
             ("out", C.OUT, launch_out, (("out", launch_out),))):
-        c = tune.pick(f"kda_{name}", key, [cfg[name]] if name in cfg else tune.configs(table), run)
-        run(c)
+        if name == "out" and fused_out:
+            break  # the state pass wrote o
+        cands = [cfg[name]] if name in cfg else tune.configs(table)
+        if name == "state" and not q2:
+            cands = [c for c in cands if not c.get("FO")] or cands  # FO needs qg stored split (a forced one raises)
+        c = tune.pick(f"kda_{name}", key, cands, run)
+        (launch_state if name == "state" else run)(c)
+        fused_out = name == "state" and bool(c.get("FO"))
         launches += [(nm, lambda f=f, c=c: f(c)) for nm, f in parts]
     return launches, o, ht

@@ -122,12 +122,13 @@ def test_every_config_20_runs_identical():
     for kind in ("gate", "intra", "wu", "state", "out"):  # candidates (not yet run on a GPU) included
         for i, c in enumerate(tune.configs(getattr(KC, kind.upper()), candidates=True)):
             cfg = {**first_configs(), kind: c}
-            o0, s0 = P.kda_prefill(**a, config=cfg)
+            prod = dict(pre=("kg", "qg", "w")) if c.get("FO") else None  # FO needs qg, kg, w stored split
+            o0, s0 = P.kda_prefill(**a, config=cfg, products=prod)
             e = rel_rms(o0, want_o)
             _log(test="config_prefill", kind=kind, cfg=c, rel_rms_o=e)
             assert e <= BF16_REL_RMS
             for _ in range(19):
-                o, s = P.kda_prefill(**a, config=cfg)
+                o, s = P.kda_prefill(**a, config=cfg, products=prod)
                 assert torch.equal(o, o0) and torch.equal(s, s0), f"{kind} config {c} not deterministic"
     x = torch.randn(1, 777, 12 * D, device="cuda").to(torch.bfloat16)
     w = torch.randn(12 * D, 1, 4, device="cuda")
@@ -143,18 +144,19 @@ def test_every_config_20_runs_identical():
 
 
 def test_prefill_split_stored_every_state_config():
-    """w / kg stored split (``products=dict(pre=("kg", "w"))``: the same operand bits as the split default, read as
-    bf16 planes): every state config, candidates included, against the oracle, against the split default
-    (max relative difference logged; the products are the same) and 20 x bit-identical."""
+    """w / kg stored split (``products=dict(pre=("kg", "w"))``, with qg too for the FO configs: the same operand
+    bits as the split default, read as bf16 planes): every state config, candidates included, against the oracle,
+    against the split default (max relative difference logged; the same products, FO's output summed in another
+    order) and 20 x bit-identical."""
     from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     a = inputs(1, 1000, 12, torch.bfloat16, state=True)
     want_o, want_s = oracle(a)
-    pre = dict(pre=("kg", "w"))
     for c in tune.configs(KC.STATE, candidates=True):
+        pre = dict(pre=("kg", "qg", "w") if c.get("FO") else ("kg", "w"))
         cfg = {**first_configs(), "state": c}
-        so, ss = P.kda_prefill(**a, config=cfg)
+        so, ss = P.kda_prefill(**a, config={**cfg, "state": {kk: vv for kk, vv in c.items() if kk != "FO"}})
         o0, s0 = P.kda_prefill(**a, config=cfg, products=pre)
         e = (rel_rms(o0, want_o), rel_rms(s0, want_s))
         d = (max_rel(o0, so), max_rel(s0, ss))
