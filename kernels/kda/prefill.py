@@ -57,24 +57,10 @@ def _mm(a, b, OPD: tl.constexpr):
     in fp32 (the interpreter, whose bf16 ``tl.dot`` is wrong); 3 one bf16 product (operands rounded to bf16,
     8 mantissa bits); 4 the same rounding multiplied in fp32 (interpreter)."""
     a = a.to(tl.float32)
-    b = b.to(tl.float32)
     if OPD == 0:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b.to(tl.float32), input_precision="ieee")
     ah = a.to(tl.bfloat16)
-    bh = b.to(tl.bfloat16)
-    if OPD == 3:
-        return tl.dot(ah, bh)
-    if OPD == 4:
-        return tl.dot(ah.to(tl.float32), bh.to(tl.float32), input_precision="ieee")
-    al = (a - ah.to(tl.float32)).to(tl.bfloat16)
-    bl = (b - bh.to(tl.float32)).to(tl.bfloat16)
-    if OPD == 1:
-        return tl.dot(ah, bh) + tl.dot(ah, bl) + tl.dot(al, bh)
-    else:
-        ah = ah.to(tl.float32)
-        bh = bh.to(tl.float32)
-        return (tl.dot(ah, bh, input_precision="ieee") + tl.dot(ah, bl.to(tl.float32), input_precision="ieee")
-                + tl.dot(al.to(tl.float32), bh, input_precision="ieee"))
+    return _mm_pre(ah, (a - ah.to(tl.float32)).to(tl.bfloat16), b, OPD)
 
 
 @_interp.kjit
