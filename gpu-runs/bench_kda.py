@@ -79,14 +79,21 @@ def decode_inputs(N, H, S=None, seed=1):
         r(S, H, D, D) * 0.1, torch.randperm(S, device="cuda")[:N].to(torch.int32)
 
 
-def prefill_kernel_ms(a) -> dict:
+#: ``--products`` names: the prefill's precision forms the rows can time (``kda_prefill(products=...)``)
+PRODUCT_FORMS = {"default": None, "pre": dict(pre=("kg", "w")), "pre3": dict(pre=("kg", "qg", "w"))}
+
+
+def prefill_kernel_ms(a, products=None, tag="") -> dict:
     """Each prefill launch timed alone on the row's inputs (its tuned config), and the short conv of q, k and v
-    (three [B, T, H*D] calls, as the layer runs them before the prefill): where the time goes."""
+    (three [B, T, H*D] calls, as the layer runs them before the prefill): where the time goes. With ``tag`` the
+    keys read ``{tag}:{launch}_ms`` and the conv is left out."""
     import triton.testing as tt
 
     from k3rocm.kernels.kda import conv as CV
     from k3rocm.kernels.kda import prefill as P
-    launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16)
+    launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, products=products)
+    if tag:
+        return {f"{tag}:{nm}_ms": tt.do_bench(fn, warmup=20, rep=100) for nm, fn in launches}
     res = {f"{nm}_ms": tt.do_bench(fn, warmup=20, rep=100) for nm, fn in launches}
     B, T, H, _ = a["q"].shape
     wt = torch.randn(H * D, 1, 4, device="cuda") * 0.5
@@ -129,7 +136,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=None, kernels=False,
-               decode_rows=None):
+               decode_rows=None, forms=("default",)):
     import triton.testing as tt
 
     from k3rocm.kernels.kda import decode as DE
@@ -138,11 +145,17 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
     for B, T, H in ((prefill_rows or PREFILL_ROWS) if "prefill" in only else []):
         name = f"prefill B{B} T{T} H{H}"
         a = prefill_inputs(B, T, H)
-        ours = lambda: P.kda_prefill(**a, out_dtype=torch.bfloat16)  # noqa: E731
+        prod = PRODUCT_FORMS[forms[0]]
+        ours = lambda prod=prod: P.kda_prefill(**a, out_dtype=torch.bfloat16, products=prod)  # noqa: E731
         ours()
         t_ours = tt.do_bench(ours, warmup=50, rep=200)
-        row = dict(row=name, ours_ms=t_ours)
-        row.update(prefill_kernel_ms(a))
+        row = dict(row=name, ours_ms=t_ours, ours_form=forms[0])
+        row.update(prefill_kernel_ms(a, prod))
+        for form in forms[1:]:  # the other precision forms, timed whole and launch by launch
+            f = lambda p2=PRODUCT_FORMS[form]: P.kda_prefill(**a, out_dtype=torch.bfloat16, products=p2)  # noqa
+            f()
+            row[f"ours_ms[{form}]"] = tt.do_bench(f, warmup=50, rep=200)
+            row.update(prefill_kernel_ms(a, PRODUCT_FORMS[form], tag=form))
         byts, flops = prefill_cost(B, T, H)
         floor = max(byts / BW, flops / PEAK) * 1e3
         row.update(floor_ms=floor, frac_of_floor=floor / t_ours)
@@ -346,16 +359,20 @@ def sweep(rows=None) -> list[dict]:
     return out
 
 
-def accuracy(with_fla=True):
-    """Relative RMS error of ours and fla's against the fp32 oracle (bf16 inputs, B1 T4096 H12)."""
+def accuracy(with_fla=True, forms=("default",)):
+    """Relative RMS error of ours (each precision form of ``forms``) and fla's against the fp32 oracle (bf16
+    inputs, B1 T4096 H12)."""
     from k3rocm.kernels.kda import prefill as P
     from k3rocm.model import kda as O
     a = prefill_inputs(1, 4096, 12, seed=7)
     a["initial_state"] = torch.randn(1, 12, D, D, device="cuda") * 0.1
     want_o, want_s = O.kda_prefill(**a)
     rr = lambda x, y: ((x.float() - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt()).item()  # noqa: E731
-    o, s = P.kda_prefill(**a)
+    o, s = P.kda_prefill(**a, products=PRODUCT_FORMS[forms[0]])
     res = dict(ours_o=rr(o, want_o), ours_state=rr(s, want_s))
+    for form in forms[1:]:
+        o, s = P.kda_prefill(**a, products=PRODUCT_FORMS[form])
+        res[f"ours_o[{form}]"], res[f"ours_state[{form}]"] = rr(o, want_o), rr(s, want_s)
     if with_fla:
         try:
             from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -410,6 +427,9 @@ def main():
                          "fla's prefill autotuning is slow)")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile each prefill row kernel by kernel (ours and fla's chunk_kda, torch.profiler)")
+    ap.add_argument("--products", default="default", metavar="FORM,...",
+                    help="prefill precision forms to time (the first fills ours_ms; the others ours_ms[FORM] and "
+                         f"FORM:<launch>_ms): {', '.join(PRODUCT_FORMS)} (default: default)")
     ap.add_argument("--prefill", default=None, metavar="BxTxH,...",
                     help="prefill rows to run instead of the default four, e.g. 1x32768x12,4x8192x12")
     ap.add_argument("--decode", default=None, metavar="NxH,...",
@@ -433,6 +453,9 @@ def main():
         ap.error(f"--prefill {args.prefill!r}: rows are BxTxH separated by commas, e.g. 1x32768x12")
     if sel and any(len(r) != 3 or min(r) < 1 for r in sel):
         ap.error(f"--prefill {args.prefill!r}: each row needs three positive numbers B x T x H")
+    forms = tuple(args.products.split(","))
+    if not forms or any(f not in PRODUCT_FORMS for f in forms):
+        ap.error(f"--products {args.products!r}: names among {', '.join(PRODUCT_FORMS)}, separated by commas")
     if args.warm:
         warm(args.warm)
         return
@@ -443,8 +466,8 @@ def main():
     for part in parts:
         if part in ("decode", "prefill"):
             rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels,
-                               decode_rows=dsel)
-    acc = accuracy(not args.no_fla) if "accuracy" in parts else {}
+                               decode_rows=dsel, forms=forms)
+    acc = accuracy(not args.no_fla, forms) if "accuracy" in parts else {}
     sw = (sweep(tuple(sel) if sel else None) if "sweep" in parts else [])
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, floor_bw_Bps=BW,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -467,7 +490,7 @@ def main():
                   "| row | gate | intra | solve | wu | state | out | sum | conv q,k,v |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
-            ks = [r[f"{n}_ms"] for n in ("gate", "intra", "solve", "wu", "state", "out")]
+            ks = [r.get(f"{n}_ms", 0.0) for n in ("gate", "intra", "solve", "wu", "state", "out")]  # FO: no out
             lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
                          f"{r['conv_qkv_ms']:.3f} |")
     for r in rows:
