@@ -307,7 +307,7 @@ def gate_sweep(a) -> dict:
     return res
 
 
-def sweep(rows=None) -> list[dict]:
+def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
     """Where each launch could go: per row (default B1 T8192 H96 and B1 T131072 H12), every config of the intra, wu, state and out kernels timed alone, the gate
     kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
     config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
@@ -329,6 +329,8 @@ def sweep(rows=None) -> list[dict]:
         first = {"intra": tune.configs(KC.INTRA)[0]}
         for kind, table, pre in (("intra", KC.INTRA, ()), ("wu", KC.WU, ()), ("state", KC.STATE, ()),
                                  ("state", KC.STATE, ("kg", "qg", "w")), ("out", KC.OUT, ())):
+            if kind not in kinds:
+                continue
             for c in tune.configs(table, candidates=True):
                 if c.get("FO") and not pre:
                     continue  # the output in the state loop needs qg / kg / w stored split
@@ -427,6 +429,10 @@ def main():
                          "fla's prefill autotuning is slow)")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile each prefill row kernel by kernel (ours and fla's chunk_kda, torch.profiler)")
+    ap.add_argument("--candidates", action="store_true",
+                    help="the tuned picks also time the tables' candidate entries (which serving never takes)")
+    ap.add_argument("--sweep-kinds", default="intra,wu,state,out", metavar="KIND,...",
+                    help="the tables the sweep times config by config (default: intra,wu,state,out)")
     ap.add_argument("--products", default="default", metavar="FORM,...",
                     help="prefill precision forms to time (the first fills ours_ms; the others ours_ms[FORM] and "
                          f"FORM:<launch>_ms): {', '.join(PRODUCT_FORMS)} (default: default)")
@@ -459,6 +465,13 @@ def main():
     if args.warm:
         warm(args.warm)
         return
+    if args.candidates:
+        from k3rocm.kernels import tune
+        _configs = tune.configs
+        tune.configs = lambda table, backend=None, candidates=True: _configs(table, backend, True)
+    kinds = tuple(args.sweep_kinds.split(","))
+    if any(k not in ("intra", "wu", "state", "out") for k in kinds):
+        ap.error(f"--sweep-kinds {args.sweep_kinds!r}: names among intra, wu, state, out")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     parts = args.only.split(",")
@@ -468,7 +481,7 @@ def main():
             rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels,
                                decode_rows=dsel, forms=forms)
     acc = accuracy(not args.no_fla, forms) if "accuracy" in parts else {}
-    sw = (sweep(tuple(sel) if sel else None) if "sweep" in parts else [])
+    sw = (sweep(tuple(sel) if sel else None, kinds) if "sweep" in parts else [])
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, floor_bw_Bps=BW,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)
