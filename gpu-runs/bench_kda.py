@@ -334,15 +334,19 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
             for c in tune.configs(table, candidates=True):
                 if c.get("FO") and not pre:
                     continue  # the output in the state loop needs qg / kg / w stored split
-                launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=dict(first, **{kind: c}),
-                                                    products=dict(pre=pre))
-                fns = dict(launches)
                 tag = ("pre:" if pre else "") + kind
                 cj = json.dumps(c, sort_keys=True)
-                res[f"{tag}_ms[{cj}]"] = tt.do_bench(fns[kind], warmup=10, rep=50)
-                if kind == "state":  # with the output launch it needs (none for FO: the loop wrote o)
-                    res[f"{tag}+out_ms[{cj}]"] = (res[f"{tag}_ms[{cj}]"] + tt.do_bench(fns["out"], warmup=10, rep=50)
-                                                  if "out" in fns else res[f"{tag}_ms[{cj}]"])
+                try:
+                    launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16,
+                                                        config=dict(first, **{kind: c}), products=dict(pre=pre))
+                    fns = dict(launches)
+                    res[f"{tag}_ms[{cj}]"] = tt.do_bench(fns[kind], warmup=10, rep=50)
+                    if kind == "state":  # with the output launch it needs (none for FO: the loop wrote o)
+                        res[f"{tag}+out_ms[{cj}]"] = (res[f"{tag}_ms[{cj}]"]
+                                                      + (tt.do_bench(fns["out"], warmup=10, rep=50) if "out" in fns
+                                                         else 0.0))
+                except Exception as e:  # e.g. out of shared memory on this GPU: report, keep going
+                    res[f"{tag}_error[{cj}]"] = f"{type(e).__name__}: {e}"[:200]
         res.update(gate_sweep(a))
         for name, prod in SWEEP_VARIANTS.items():
             print(f"variant {name} ({res['row']})", flush=True)  # a fault's log names the variant it hit
