@@ -89,6 +89,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     st = configs.STATE["cuda"][0]
     ot = configs.OUT["cuda"][0]
     spl = next(c for c in configs.STATE["cuda"] if c.get("candidate"))
+    fo = next(c for c in configs.STATE["cuda"] if c.get("FO"))
     bv = configs.DECODE["hip"][0]["BV"]
     return [
         ("short_conv", _conv_fwd_kernel, conv_sig,
@@ -113,6 +114,12 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=0, OOPD=1), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("candidate")) if be == "cuda"
                          else configs.STATE[be][0], interp=False)[1] for be in ("hip", "cuda")}),
+        # the FO candidates: the output in the state loop (qg split too), at the CUDA table's first FO tile with each
+        # backend's first FO entry's launch options
+        ("prefill_state_fo", _state_kernel, dict(state_sig, w="*bf16", kg="*bf16", qg="*bf16"),
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=1, OOPD=1), True,
+         {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
+          for be in ("hip", "cuda")}),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0, Q2=0), True,
          _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,

@@ -117,6 +117,10 @@ _HIP = {
               dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=0, num_warps=4, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=32, PF=1, INNER=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1,
+                   num_stages=1),
+              # candidate (as on CUDA; never run on CDNA): the output in the loop with qg / kg / w stored split,
+              # 190 / 196 VGPRs and no spills on gfx950 / gfx942 (the non-FO split loop: 162 / 158)
+              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1,
                    num_stages=1)],
     "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
