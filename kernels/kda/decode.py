@@ -50,15 +50,14 @@ def _conv_step(xr, sx, wt, pool, n, slot, ch, valid, NCH, which: tl.constexpr, W
     x = tl.load(xr + n.to(tl.int64) * sx + ch, mask=valid, other=0.0).to(tl.float32)
     base = ((slot.to(tl.int64) * 3 + which) * NCH + ch) * (W - 1)
     acc = x * tl.load(wt + ch * W + (W - 1)).to(tl.float32)
-    if WIN == 0:
-        prev = tl.load(pool + base, mask=valid, other=0.0)
-        acc += prev * tl.load(wt + ch * W).to(tl.float32)
-        for jj in tl.static_range(1, W - 1):
-            cur = tl.load(pool + base + jj, mask=valid, other=0.0)
-            acc += cur * tl.load(wt + ch * W + jj).to(tl.float32)
-            tl.debug_barrier()  # every thread has read positions <= jj
-            tl.store(pool + base + (jj - 1), cur, mask=valid)
-        tl.debug_barrier()
+    prev = tl.load(pool + base, mask=valid, other=0.0)
+    acc += prev * tl.load(wt + ch * W).to(tl.float32)
+    for jj in tl.static_range(1, W - 1):
+        cur = tl.load(pool + base + jj, mask=valid, other=0.0)
+        acc += cur * tl.load(wt + ch * W + jj).to(tl.float32)
+        tl.debug_barrier()  # every thread has read positions <= jj
+        tl.store(pool + base + (jj - 1), cur, mask=valid)
+    tl.debug_barrier()
     tl.store(pool + base + (W - 2), x, mask=valid)
     return acc * tl.sigmoid(acc)
 

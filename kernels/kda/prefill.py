@@ -84,9 +84,13 @@ def _mm_pre(ah, al, b, OPD: tl.constexpr):
 
 
 @_interp.kjit
-def _store_split(ptr, x, t0, rows, hh, H, cols, mask, D: tl.constexpr):
+def _store_split(ptr, x, t0, rows, hh, H, cols, mask, D: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Store fp32 ``x`` (``[rows, D]`` tile of a ``[tokens, H, D]`` tensor) as its bf16 hi / lo parts in a
-    ``[tokens, H, 2 D]`` bf16 buffer (hi in columns ``0 .. D``, ``lo = x - hi`` in ``D .. 2 D``)."""
+    ``[tokens, H, 2 D]`` bf16 buffer (hi in columns ``0 .. D``, ``lo = x - hi`` in ``D .. 2 D``); ``SPLIT = 0``:
+    as is, in the dtype of a ``[tokens, H, D]`` buffer."""
+    if SPLIT == 0:
+        tl.store(_at(ptr, t0, rows, hh, H, cols, D), x.to(ptr.dtype.element_ty), mask=mask)
+        return
     hi = x.to(tl.bfloat16)
     tl.store(_at(ptr, t0, rows, hh, H, cols, 2 * D), hi, mask=mask)
     tl.store(_at(ptr, t0, rows, hh, H, D + cols, 2 * D), (x - hi.to(tl.float32)).to(tl.bfloat16), mask=mask)
@@ -221,17 +225,11 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
     qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     qn = _l2n(qn) * scale
-    if QG2:
-        _store_split(qg, qn * tl.exp(G), t0, rows, hh, H, offs_k, mr, K)
-    else:
-        tl.store(_at(qg, t0, rows, hh, H, offs_k, K), (qn * tl.exp(G)).to(qg.dtype.element_ty), mask=mr)
+    _store_split(qg, qn * tl.exp(G), t0, rows, hh, H, offs_k, mr, K, QG2)
     kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     kn = _l2n(kn)
     kgv = tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0)
-    if KG2:
-        _store_split(kg, kgv, t0, rows, hh, H, offs_k, mr, K)
-    else:
-        tl.store(_at(kg, t0, rows, hh, H, offs_k, K), kgv.to(kg.dtype.element_ty), mask=mr)
+    _store_split(kg, kgv, t0, rows, hh, H, offs_k, mr, K, KG2)
 
 
 @_interp.kjit
@@ -322,10 +320,7 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
         kn = _l2n(tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32))
         G = tl.load(_at(gbuf, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
         bk = tl.where(mr, kn * tl.exp(G) * b[:, None], 0.0)
-        if W2:
-            _store_split(w, _mm(m, bk, WOPD), t0, rows, hh, H, offs_k, mr, K)
-        else:
-            tl.store(_at(w, t0, rows, hh, H, offs_k, K), _mm(m, bk, WOPD).to(w.dtype.element_ty), mask=mr)
+        _store_split(w, _mm(m, bk, WOPD), t0, rows, hh, H, offs_k, mr, K, W2)
     else:
         offs_v = tl.arange(0, V)
         bv = tl.load(_at(v, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32) * b[:, None]
@@ -757,6 +752,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         cands = [cfg[name]] if name in cfg else tune.configs(table)
         if name == "state" and not q2:
             cands = [c for c in cands if not c.get("FO")] or cands  # FO needs qg stored split (a forced one raises)
+        if name == "state" and not any(cc.get("FO") for cc in cands):
+            run = launch_state  # no FO candidate: the output launch would add the same time to every config
         c = tune.pick(f"kda_{name}", key, cands, run)
         (launch_state if name == "state" else run)(c)
         fused_out = name == "state" and bool(c.get("FO"))
