@@ -31,12 +31,13 @@ FLA_REF_MS = {"prefill B1 T8192 H96": 2.75, "prefill B1 T32768 H12": 1.95, "pref
               "decode B256 H12": 0.110}
 
 
-def prefill_inputs(B, T, H, dtype=torch.bfloat16, seed=0):
+def prefill_inputs(B, T, H, dtype=torch.bfloat16, seed=0, dt_shift=0.0):
+    """Random prefill inputs on the GPU; ``dt_shift`` moves ``dt_bias`` (-12: decay near 1, nothing forgotten)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
     return dict(q=r(B, T, H, D).to(dtype), k=r(B, T, H, D).to(dtype), v=r(B, T, H, D).to(dtype),
                 decay_raw=(r(B, T, H * D) * 2).to(dtype), beta_raw=r(B, T, H).to(dtype),
-                A_log=r(H) * 0.5, dt_bias=r(H * D) * 0.5)
+                A_log=r(H) * 0.5, dt_bias=r(H * D) * 0.5 + dt_shift)
 
 
 def fla_prefill_fn(a, precomputed: bool):
@@ -80,7 +81,7 @@ def decode_inputs(N, H, S=None, seed=1):
 
 
 #: ``--products`` names: the prefill's precision forms the rows can time (``kda_prefill(products=...)``)
-PRODUCT_FORMS = {"default": None, "pre": dict(pre=("kg", "w")), "pre3": dict(pre=("kg", "qg", "w"))}
+PRODUCT_FORMS = {"default": None, "pre": dict(pre=("kg", "w")), "pre3": dict(pre=("kg", "qg", "w")), "fp16": "fp16"}
 
 
 def prefill_kernel_ms(a, products=None, tag="") -> dict:
@@ -261,7 +262,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
 #: ("w in bf16", w / wh single bf16 with w stored in bf16, is refused by the kernel since 2026-12-06: it faulted on
 #: the H100; its accuracy was past the 3e-3 bound near decay 1 in the runs before)
 SWEEP_VARIANTS = {"split": "split", "split+pre": dict(pre=("kg", "w")), "split+pre3": dict(pre=("kg", "qg", "w")),
-                  "split+hbuf-bf16": dict(store=("hbuf",)),
+                  "fp16": "fp16", "split+hbuf-bf16": dict(store=("hbuf",)),
                   "w, wh in bf16": dict(w="bf16", wh="bf16")}
 
 
@@ -322,23 +323,28 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
     acc_in = prefill_inputs(1, 4096, 12, seed=7)
     acc_in["initial_state"] = torch.randn(1, 12, D, D, device="cuda") * 0.1
     want_o, want_s = O.kda_prefill(**acc_in)
+    acc_d1 = dict(prefill_inputs(1, 4096, 12, seed=7, dt_shift=-12.0), initial_state=acc_in["initial_state"])
+    want_o1, want_s1 = O.kda_prefill(**acc_d1)
     rr = lambda x, y: ((x.float() - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt()).item()  # noqa: E731
     for B, T, H in rows:
         a = prefill_inputs(B, T, H)
         res = dict(row=f"prefill B{B} T{T} H{H}")
         first = {"intra": tune.configs(KC.INTRA)[0]}
         for kind, table, pre in (("intra", KC.INTRA, ()), ("wu", KC.WU, ()), ("state", KC.STATE, ()),
-                                 ("state", KC.STATE, ("kg", "qg", "w")), ("out", KC.OUT, ())):
+                                 ("state", KC.STATE, ("kg", "qg", "w")), ("out", KC.OUT, ()),
+                                 ("wu", KC.WU, "fp16"), ("state", KC.STATE, "fp16"), ("out", KC.OUT, "fp16")):
             if kind not in kinds:
                 continue
+            f16 = pre == "fp16"
             for c in tune.configs(table, candidates=True):
-                if c.get("FO") and not pre:
+                if c.get("FO") and (f16 or not pre):
                     continue  # the output in the state loop needs qg / kg / w stored split
-                tag = ("pre:" if pre else "") + kind
+                tag = ("f16:" if f16 else "pre:" if pre else "") + kind
                 cj = json.dumps(c, sort_keys=True)
                 try:
                     launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16,
-                                                        config=dict(first, **{kind: c}), products=dict(pre=pre))
+                                                        config=dict(first, **{kind: c}),
+                                                        products="fp16" if f16 else dict(pre=pre))
                     fns = dict(launches)
                     res[f"{tag}_ms[{cj}]"] = tt.do_bench(fns[kind], warmup=10, rep=50)
                     if kind == "state":  # with the output launch it needs (none for FO: the loop wrote o)
@@ -358,6 +364,9 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
                 o, st = P.kda_prefill(**acc_in, products=prod)
                 res[f"{name}:rel_rms_o"] = rr(o, want_o)
                 res[f"{name}:rel_rms_state"] = rr(st, want_s)
+                o, st = P.kda_prefill(**acc_d1, products=prod)
+                res[f"{name}:rel_rms_o_decay1"] = rr(o, want_o1)
+                res[f"{name}:rel_rms_state_decay1"] = rr(st, want_s1)
         print(json.dumps(res), flush=True)
         out.append(res)
         del a
@@ -379,6 +388,12 @@ def accuracy(with_fla=True, forms=("default",)):
     for form in forms[1:]:
         o, s = P.kda_prefill(**a, products=PRODUCT_FORMS[form])
         res[f"ours_o[{form}]"], res[f"ours_state[{form}]"] = rr(o, want_o), rr(s, want_s)
+    # near decay 1 (dt_bias - 12: nothing forgotten, the inter-chunk term carries o), each form
+    d1 = dict(prefill_inputs(1, 4096, 12, seed=7, dt_shift=-12.0), initial_state=a["initial_state"])
+    w1o, w1s = O.kda_prefill(**d1)
+    for form in forms:
+        o, s = P.kda_prefill(**d1, products=PRODUCT_FORMS[form])
+        res[f"ours_o_decay1[{form}]"], res[f"ours_state_decay1[{form}]"] = rr(o, w1o), rr(s, w1s)
     if with_fla:
         try:
             from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -388,6 +403,11 @@ def accuracy(with_fla=True, forms=("default",)):
                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                safe_gate=True, lower_bound=-5.0, A_log=a["A_log"], dt_bias=a["dt_bias"])
             res.update(fla_chunk_o=rr(fo, want_o), fla_chunk_state=rr(fs, want_s))
+            fo, fs = chunk_kda(d1["q"], d1["k"], d1["v"], d1["decay_raw"].view(B, T, H, D), d1["beta_raw"],
+                               scale=D ** -0.5, initial_state=d1["initial_state"].clone(), output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                               safe_gate=True, lower_bound=-5.0, A_log=d1["A_log"], dt_bias=d1["dt_bias"])
+            res.update(fla_chunk_o_decay1=rr(fo, w1o), fla_chunk_state_decay1=rr(fs, w1s))
             g = O.kda_gate(a["decay_raw"], a["A_log"], a["dt_bias"], H)
             beta = torch.sigmoid(a["beta_raw"].float())
             fo, fs = fused_recurrent_kda(a["q"], a["k"], a["v"], g, beta.to(a["q"].dtype), scale=D ** -0.5,

@@ -45,10 +45,12 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     Returns ``(name, fn, signature, constexprs, expects_matrix, options_by_backend)`` tuples. The prefill
     kernels are compiled as bf16 inputs run them (``prefill.PRODUCTS["split"]``): split-bf16 operands on the
     matrix unit (``OPD = WOPD = UOPD = WHOPD = 1``), the UT solve's block products at the backend's default fp32
-    precision (``PREC = None``).
+    precision (``PREC = None``); the ``*_f16`` cases as ``prefill.PRODUCTS["fp16"]`` runs them (fp16 intermediates,
+    one fp16 product in w / u / w h / the state step / the output, ``OPD = 5``).
     """
     p = f"*{dtype}"
     b = "*fp32"  # the prefill's intermediate buffers
+    h = "*fp16"  # the same under prefill.PRODUCTS "fp16"
     conv_sig = dict(x=p, w="*fp32", y=p, state_in="*fp32", cu="*i32", tok_seq="*i32", TT="i32", NCH="i32",
                     HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
     cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
@@ -120,6 +122,21 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=1, OOPD=1), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
           for be in ("hip", "cuda")}),
+        # prefill.PRODUCTS "fp16": the intermediates in fp16 and one fp16 product each in w / u / w h / the state
+        # step / the output (OPD 5), the pair products split as in "split"
+        ("prefill_gate_f16", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0), False,
+         _opts(configs.GATE)),
+        ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0),
+         True, _opts(configs.INTRA)),
+        ("prefill_solve_f16", _solve_kernel, dict(solve_sig, abuf=h, mbuf=h), dict(BT=BT, BC=BC, PREC=None), True,
+         _opts(configs.SOLVE)),
+        ("prefill_wu_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h),
+         dict(K=K, V=K, BT=BT, WOPD=5, UOPD=5, INNER=0, W2=0), True, _opts(configs.WU)),
+        ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5),
+         True, _opts(configs.STATE)),
+        ("prefill_out_f16", _out_kernel, dict(out_sig, qg=h, aqk=h, hbuf=h, vnew=h),
+         dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=5, INNER=0, Q2=0), True, _opts(configs.OUT)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0, Q2=0), True,
          _opts(configs.OUT)),
         ("decode", _decode_kernel, dec_sig, dict(K=K, V=K, W=4, WP=4, BV=bv, PRE=0, WIN=0), False,

@@ -55,7 +55,13 @@ def _mm(a, b, OPD: tl.constexpr):
     unit (``v_mfma_f32_*_bf16`` / bf16 wgmma): with ``x = x_hi + x_lo`` split into two bf16 parts,
     ``a_hi b_hi + a_hi b_lo + a_lo b_hi`` (about 16 mantissa bits, finer than TF32); 2 the same split multiplied
     in fp32 (the interpreter, whose bf16 ``tl.dot`` is wrong); 3 one bf16 product (operands rounded to bf16,
-    8 mantissa bits); 4 the same rounding multiplied in fp32 (interpreter)."""
+    8 mantissa bits); 4 the same rounding multiplied in fp32 (interpreter); 5 one fp16 product (``v_mfma_f32_*_f16``
+    / fp16 wgmma, 11 mantissa bits; operands within fp16's range); 6 the same rounding multiplied in fp32
+    (interpreter). 5 / 6 convert the operands straight from their dtype (an fp16 tile as loaded)."""
+    if OPD == 5:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    if OPD == 6:
+        return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
     a = a.to(tl.float32)
     if OPD == 0:
         return tl.dot(a, b.to(tl.float32), input_precision="ieee")
@@ -254,7 +260,8 @@ def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
 def _blk(ptr, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """The [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] fp32 buffer (zeros past L)."""
     r = i * BC + tl.arange(0, BC)
-    return tl.load(_at(ptr, t0, r, hh, H, j * BC + tl.arange(0, BC), D), mask=(r < L)[:, None], other=0.0)
+    return tl.load(_at(ptr, t0, r, hh, H, j * BC + tl.arange(0, BC), D), mask=(r < L)[:, None],
+                   other=0.0).to(tl.float32)
 
 
 @_interp.kjit
@@ -536,13 +543,25 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: in registers and no split of its own; the same products as ``"split"`` (bit-identical operands); needs ``wh``,
 #: ``kv`` and ``out`` not ``"ieee"`` and the names not in ``store``. With ``qg`` the state table's ``FO`` configs
 #: (the output computed in the serial loop, no chunk states stored) may run.
+#: ``"fp16"`` (one fp16 product, 11 mantissa bits against bf16's 8) in ``w``, ``u``, ``wh``, ``kv`` and ``out``,
+#: and ``half="fp16"``: the names of ``store`` (there, every intermediate but the fp32 cumulative gate G and
+#: ``e^(G_L)``) kept in fp16 instead of bf16. The pair products stay split: they factor the in-chunk decay about a
+#: block's middle row, ``e^(G_i - G_ref)`` up to ``e^40`` (past fp16's 65504, finite in bf16). Measured in the
+#: interpreter (K = V = 128, T = 256, two heads, two seeds; fp16-exact inputs): 3.5e-4 / 3.4e-4 to 3.6e-4 / 3.7e-4
+#: rel. RMS on o / final state at ordinary decays and 4.8e-4 / 4.8e-4 to 4.8e-4 / 4.9e-4 near decay 1, against 5e-5
+#: for "split" and 1.2e-2 to 1.4e-2 on o for the same parts in one bf16 product each: a sixth of the 3e-3 bound
+#: with a third of the split form's products and half its intermediate bytes. The range it needs: ``u``, ``v'``
+#: and the chunk states within fp16's 65504 (they scale with ``v``; an overflow shows as inf in o and the state).
 PRODUCTS = {
-    "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=(), pre=()),
+    "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=(), pre=(),
+                 half="bf16"),
     "split": dict(pair="split", w="split", u="split", wh="split", kv="split", out="split", solve="backend",
-                  store=(), pre=()),
+                  store=(), pre=(), half="bf16"),
+    "fp16": dict(pair="split", w="fp16", u="fp16", wh="fp16", kv="fp16", out="fp16", solve="backend",
+                 store=("abuf", "aqk", "hbuf", "kg", "mbuf", "qg", "u", "vnew", "w"), pre=(), half="fp16"),
 }
 _PARTS = ("pair", "w", "u", "wh", "kv", "out")
-_STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf")
+_STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf", "abuf", "mbuf")
 
 
 def _precision(products, dtype: torch.dtype) -> dict:
@@ -552,8 +571,9 @@ def _precision(products, dtype: torch.dtype) -> dict:
     if isinstance(products, dict):
         bad = [kk for kk in products if kk not in PRODUCTS["split"]]
         out = dict(PRODUCTS["split"], **products)
-        ok = (not bad and all(out[p_] in ("ieee", "split", "bf16") for p_ in _PARTS)
+        ok = (not bad and all(out[p_] in ("ieee", "split", "bf16", "fp16") for p_ in _PARTS)
               and out["solve"] in ("ieee", "backend") and all(n in _STORE for n in out["store"])
+              and out["half"] in ("bf16", "fp16")
               and tuple(sorted(out["pre"])) in ((), ("kg", "w"), ("kg", "qg", "w"))
               and not (out["pre"] and ("ieee" in (out["wh"], out["kv"], out["out"])
                                        or set(out["pre"]) & set(out["store"]))))
@@ -569,7 +589,7 @@ def _precision(products, dtype: torch.dtype) -> dict:
             return out
     elif products in PRODUCTS:
         return PRODUCTS[products]
-    raise ConfigError(f"kda_prefill (triton): products {products!r} is not one of None, 'ieee', 'split' "
+    raise ConfigError(f"kda_prefill (triton): products {products!r} is not one of None, 'ieee', 'split', 'fp16' "
                       "(or a valid dict of parts, see prefill.PRODUCTS)")
 
 
@@ -588,7 +608,9 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         ``products``: how the matrix products run. ``"ieee"``: IEEE fp32 operands throughout (fp32 FMA on
         Hopper, fp32 MFMA on CDNA); ``"split"``: split-bf16 operands on the bf16 matrix unit (:func:`_mm`, ~16
         mantissa bits) and the UT solve's off-diagonal block products at the backend's fp32 precision, whatever
-        the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); None: by
+        the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); ``"fp16"``:
+        the pair products split, the others one fp16 product each, the intermediates but G stored in fp16
+        (:data:`PRODUCTS`: ~5e-4 rel. RMS, a third of the products and half the bytes of ``"split"``); None: by
         input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"split"``); a dict of parts (:data:`PRODUCTS`) for
         precision sweeps (``gpu-runs/bench_kda.py --only sweep``).
     Returns:
@@ -596,7 +618,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
     Raises:
         ConfigError: gate form other than ``"k3"``, ``lower_bound < -10`` (the in-chunk decay factorisation
         would overflow fp32), K or V not a power of two >= 16, ``products`` not one of None / "ieee" /
-        "split" / a valid dict of parts, or inconsistent shapes.
+        "split" / "fp16" / a valid dict of parts, or inconsistent shapes.
     Note: reads ``cu_seqlens`` on the host once (to build the chunk table); not for graph capture.
     """
     _, o, ht = prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state, cu_seqlens, scale,
@@ -653,10 +675,12 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     NC = chunk_tok.numel()
     f32 = torch.float32
     prec_parts = _precision(products, q.dtype)
-    lvl = {"ieee": 0, "split": 2 if interpreting() else 1, "bf16": 4 if interpreting() else 3}
+    lvl = {"ieee": 0, "split": 2 if interpreting() else 1, "bf16": 4 if interpreting() else 3,
+           "fp16": 6 if interpreting() else 5}
     opd = {part: lvl[prec_parts[part]] for part in _PARTS}
     prec = "ieee" if prec_parts["solve"] == "ieee" else None
-    bf = lambda name: torch.bfloat16 if name in prec_parts["store"] else f32  # noqa: E731
+    half = torch.float16 if prec_parts.get("half") == "fp16" else torch.bfloat16
+    bf = lambda name: half if name in prec_parts["store"] else f32  # noqa: E731
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
     pre = 1 if prec_parts["pre"] else 0  # kg and w stored split: [TT, H, 2K] bf16 hi / lo
     q2 = 1 if "qg" in prec_parts["pre"] else 0  # qg too (the state pass's FO configs need it)
@@ -666,8 +690,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     u = C.empty(TT, H, V, dtype=bf("u"), device=dev)
     vnew = C.empty(TT, H, V, dtype=bf("vnew"), device=dev)
     aqk = C.empty(TT, H, BT, dtype=bf("aqk"), device=dev)
-    abuf = C.empty(TT, H, BT, dtype=f32, device=dev)  # A, row by row (lower triangle)
-    mbuf = C.empty(TT, H, BT, dtype=f32, device=dev)  # the UT solve M = (I + A)^-1, row by row
+    abuf = C.empty(TT, H, BT, dtype=bf("abuf"), device=dev)  # A, row by row (lower triangle)
+    mbuf = C.empty(TT, H, BT, dtype=bf("mbuf"), device=dev)  # the UT solve M = (I + A)^-1, row by row
     glast = C.empty(max(NC, 1), H, K, dtype=f32, device=dev)
     hbuf = C.empty(max(NC, 1), H, K, V, dtype=bf("hbuf"), device=dev)
     o = C.empty(B, T, H, V, dtype=out_dtype, device=dev)

@@ -18,7 +18,9 @@ from k3rocm.kernels import kda, tune
 CASES = {c[0]: c for c in kda.isa_cases()}
 #: the one prefill kernel whose matrix work stays fp32 on AMD: the UT solve's 16 x 16 block products (fp32 MFMA;
 #: its diagonal-block inverses are IEEE fp32), where a bf16 operand would cost the solve's accuracy
-FP32_MATRIX = {"prefill_solve"}
+FP32_MATRIX = {"prefill_solve", "prefill_solve_f16"}
+#: the kernels of prefill.PRODUCTS "fp16" whose products are all one fp16 product (fp16 MFMA, no bf16 and no fp32)
+F16_MATRIX = {"prefill_wu_f16", "prefill_state_f16", "prefill_out_f16"}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -43,6 +45,9 @@ def test_kda_kernel_isa(name, target, monkeypatch):
         if be == "hip" and name in FP32_MATRIX:
             assert all(op.startswith("v_mfma_f32_") and op.endswith("_f32") for op in rep.matrix_ops), \
                 f"{name} on {target}: {rep.matrix_ops}"
+        elif be == "hip" and name in F16_MATRIX:
+            assert rep.matrix_ops and all(op.startswith("v_mfma_f32_") and "f16" in op and "bf16" not in op
+                                          for op in rep.matrix_ops), f"{name} on {target}: {rep.matrix_ops}"
         elif be == "hip":
             assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), \
                 f"{name} on {target}: no bf16 MFMA in {rep.matrix_ops}"
@@ -80,19 +85,25 @@ def test_kda_decode_vgpr_budget(ci, target, monkeypatch):
 
 
 PREFILL_TABLES = {"prefill_intra": kda.configs.INTRA, "prefill_wu": kda.configs.WU, "prefill_state": kda.configs.STATE,
-                  "prefill_out": kda.configs.OUT}
+                  "prefill_out": kda.configs.OUT, "prefill_wu_f16": kda.configs.WU,
+                  "prefill_state_f16": kda.configs.STATE, "prefill_out_f16": kda.configs.OUT}
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t.startswith("gfx")])
 @pytest.mark.parametrize("name,ci", [(n, i) for n, t in PREFILL_TABLES.items() for i in range(len(t["hip"]))])
 def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monkeypatch):
-    """Every HIP config of the prefill kernels runs bf16 MFMA and spills nothing (the tuner may pick any)."""
+    """Every HIP config of the prefill kernels runs 16-bit MFMA (bf16 for "split", fp16 for the ``_f16`` cases of
+    prefill.PRODUCTS "fp16") and spills nothing (the tuner may pick any)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, fn, sig, consts, _, _ = CASES[name]
     meta, opts = tune.split(PREFILL_TABLES[name]["hip"][ci], interp=False)
     rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
     assert rep.error is None, rep.error
-    assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+    if name in F16_MATRIX:
+        assert any(op.startswith("v_mfma_f32_") and "f16" in op and "bf16" not in op for op in rep.matrix_ops), \
+            rep.matrix_ops
+    else:
+        assert any(op.startswith("v_mfma_f32_") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
     assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, f"{name} config {ci} on {target}: {rep.vgpr_spill} spills"
 
 

@@ -139,6 +139,40 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
             KPRE.kda_prefill(**a, cu_seqlens=cu, products=bad)
 
 
+def test_prefill_fp16_products_on_every_wu_state_out_config():
+    """``products="fp16"`` (the pair products split, one fp16 product in w / u / w h / the state step / the output,
+    the intermediates but G in fp16): within 1.5e-3 rel. RMS of the oracle on o and the state (~5e-4 measured at
+    K = V = 128; the bound of the prefill is 3e-3) on every w / u, state and output config (candidates included, but
+    the output-in-the-loop FO ones, which need split-stored qg), on a packed batch with a 1-token sequence, at
+    ordinary decays and near decay 1; not the split form's result; and scale-free in v up to fp16's range (v x 1000
+    as accurate), an overflow past it non-finite, never a finite wrong answer."""
+    gen = _gen()
+    lens = [70, 1, 9]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    for shift in (0.0, -12.0):
+        a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
+        want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+        so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, products="split")
+        for kind in ("wu", "state", "out"):
+            for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
+                if c.get("FO"):
+                    continue
+                o, st = KPRE.kda_prefill(**a, cu_seqlens=cu, config={kind: c}, products="fp16")
+                assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3, (kind, c)
+                assert not torch.equal(o, so), f"{kind} {c}: products='fp16' ran the split path"
+    a = make_prefill(1, 70, 2, D, gen, state=True)
+    for scale, finite in ((1e3, True), (1e6, False)):
+        b = dict(a, v=a["v"] * scale, initial_state=a["initial_state"] * scale)
+        want_o, want_s = O.kda_recurrent(**b)
+        o, st = KPRE.kda_prefill(**b, products="fp16")
+        if finite:
+            assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3
+        else:  # u = M beta v past 65504: inf / NaN in o, not a finite wrong value
+            assert not torch.isfinite(o).all()
+    with pytest.raises(ConfigError, match="products"):
+        KPRE.kda_prefill(**a, products=dict(half="fp8"))
+
+
 def test_prefill_fp16_and_decay_bounds():
     gen = _gen()
     for shift in (-12.0, 12.0):  # alpha -> 1 (g -> 0) and alpha -> e^-5 (g -> -5)
