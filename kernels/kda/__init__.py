@@ -135,6 +135,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5),
          True, _opts(configs.STATE)),
+        ("prefill_state_f16_fo", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h, qg=h, aqk=h),
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=5, PF=0, WHOPD=5, INNER=0, SPL=0, FO=1, OOPD=5), True,
+         {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
+          for be in ("hip", "cuda")}),
         ("prefill_out_f16", _out_kernel, dict(out_sig, qg=h, aqk=h, hbuf=h, vnew=h),
          dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=5, INNER=0, Q2=0), True, _opts(configs.OUT)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0, Q2=0), True,

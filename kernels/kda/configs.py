@@ -60,7 +60,13 @@ _CUDA = {
               # FO 1 (needs qg stored split too): the output in the loop, no chunk states / v' stored and no output
               # launch; ptxas sm_90a: 255 registers, 40 / 284 bytes of spills (BV 16 at 2 stages / BV 32 at 1)
               dict(BV=16, PF=0, FO=1, candidate=True, num_warps=4, num_stages=2),
-              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1)],
+              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1),
+              # for prefill.PRODUCTS "fp16" (fp16 tiles, one product each; ptxas sm_90a, no spills): the output in the
+              # loop at BV 32 / 4 warps / 2 stages (162 registers) and BV 64 / 8 warps (244), the plain loop at BV 64 /
+              # 4 warps / 2 stages (243; BV 32 at 2 stages, the first candidate above: 133)
+              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=2),
+              dict(BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              dict(BV=64, PF=0, candidate=True, num_warps=4, num_stages=2)],
     # not listed: 2-stage state configs (BV 32 / 16, PF 0, 4 / 8 warps). With the chunks at affine addresses the
     # loop pipeliner stages the next chunk's w / kg / u in shared memory (cp.async), but ptxas still puts them at
     # 255 registers with 148-716 bytes of spills, and the tuned prefill moved by 1-2% (H100, 2026-12-06)

@@ -368,9 +368,10 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     chunk's tiles are loaded at the top of its step. ``SPL = 1``: ``w`` and ``kg`` are stored split
     (``[tokens, H, 2 K]`` bf16 hi / lo, :func:`_store_split`) and go to :func:`_mm_pre` as loaded (no fp32 tile
     in registers, no split in the serial loop); each chunk's tiles at the top of its step. ``FO = 1`` (with
-    ``SPL``, ``qg`` stored split too): the output in the loop, ``o = qg h_c + Aqk v'`` with ``OOPD``, stored to
+    ``SPL``, ``qg`` stored split too; without, any precision form): the output in the loop, ``o = qg h_c + Aqk v'`` with ``OOPD``, stored to
     ``o``; no chunk state ``hbuf`` and no ``v'`` written (off the serial chain: nothing later reads ``o``), and no
-    output launch."""
+    output launch; one program per (sequence, head, V block) then does the output's work too, so it pays where
+    sequences x heads fill the GPU (B1 T8192 H96), not for one long sequence of few heads."""
     n, vb = _pids(INNER, V // BV)
     hh = tl.program_id(1)
     offs_k = tl.arange(0, K)
@@ -401,10 +402,16 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         else:
             w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, 1, hh, H, offs_v, K, V, BT)
         mr = (rows < L)[:, None]
-        ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
-        tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
         vn = u_c - _mm(w_c, h, WHOPD)
-        tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
+        if FO:
+            qg_c = tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+            a_c = tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+            oc = _mm(qg_c, h, OOPD) + _mm(a_c, vn, OOPD)
+            tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
+        else:
+            ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
+            tl.store(hbuf + ch * (K * V) + hoff, h.to(hbuf.dtype.element_ty))
+            tl.store(_at(vnew, t0, rows, hh, H, offs_v, V), vn.to(vnew.dtype.element_ty), mask=mr)
         h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
         if PF:
             w_c, kg_c, u_c, gl, t0, L = w_n, kg_n, u_n, gl_n, t0_n, L_n
@@ -541,8 +548,8 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: ``pre``: ``()``, ``("kg", "w")`` or ``("kg", "qg", "w")``: those fp32 intermediates stored split (bf16 hi / lo
 #: planes, the same bytes as fp32), so the serial loop multiplies them as loaded (:func:`_mm_pre`) with no fp32 tile
 #: in registers and no split of its own; the same products as ``"split"`` (bit-identical operands); needs ``wh``,
-#: ``kv`` and ``out`` not ``"ieee"`` and the names not in ``store``. With ``qg`` the state table's ``FO`` configs
-#: (the output computed in the serial loop, no chunk states stored) may run.
+#: ``kv`` and ``out`` not ``"ieee"`` and the names not in ``store``. The state table's ``FO`` configs (the output
+#: computed in the serial loop, no chunk states stored) run without ``pre`` or with ``qg`` in it.
 #: ``"fp16"`` (one fp16 product, 11 mantissa bits against bf16's 8) in ``w``, ``u``, ``wh``, ``kv`` and ``out``,
 #: and ``half="fp16"``: the names of ``store`` (there, every intermediate but the fp32 cumulative gate G and
 #: ``e^(G_L)``) kept in fp16 instead of bf16. The pair products stay split: they factor the in-chunk decay about a
@@ -737,9 +744,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_state(c):
         meta, opts = tune.split(c)
         bv = min(meta.pop("BV"), V)
-        if meta.get("FO") and not q2:
-            raise ConfigError(f"kda_prefill: state config {c} computes the output in the loop (FO) and needs qg, kg "
-                              "and w stored split: products=dict(pre=('kg', 'qg', 'w'))")
+        if meta.get("FO") and pre and not q2:
+            raise ConfigError(f"kda_prefill: state config {c} computes the output in the loop (FO); with kg and w "
+                              "stored split it needs qg split too: products=dict(pre=('kg', 'qg', 'w'))")
         if N:
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
@@ -774,8 +781,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if name == "out" and fused_out:
             break  # the state pass wrote o
         cands = [cfg[name]] if name in cfg else tune.configs(table)
-        if name == "state" and not q2:
-            cands = [c for c in cands if not c.get("FO")] or cands  # FO needs qg stored split (a forced one raises)
+        if name == "state" and pre and not q2:
+            cands = [c for c in cands if not c.get("FO")] or cands  # the split loop's FO needs qg split (forced: raises)
         if name == "state" and not any(cc.get("FO") for cc in cands):
             run = launch_state  # no FO candidate: the output launch would add the same time to every config
         c = tune.pick(f"kda_{name}", key, cands, run)

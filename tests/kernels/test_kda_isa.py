@@ -20,7 +20,7 @@ CASES = {c[0]: c for c in kda.isa_cases()}
 #: its diagonal-block inverses are IEEE fp32), where a bf16 operand would cost the solve's accuracy
 FP32_MATRIX = {"prefill_solve", "prefill_solve_f16"}
 #: the kernels of prefill.PRODUCTS "fp16" whose products are all one fp16 product (fp16 MFMA, no bf16 and no fp32)
-F16_MATRIX = {"prefill_wu_f16", "prefill_state_f16", "prefill_out_f16"}
+F16_MATRIX = {"prefill_wu_f16", "prefill_state_f16", "prefill_state_f16_fo", "prefill_out_f16"}
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -90,13 +90,13 @@ def test_prefill_every_config_of_each_table(kind):
     want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
     first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("gate", "intra", "wu", "state", "out")}
     for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
-        # the output in the state loop (FO) needs qg / kg / w stored split, so it runs the split products (~16
-        # mantissa bits) where the others run IEEE fp32 on these fp32 inputs
-        prod = dict(pre=("kg", "qg", "w")) if c.get("FO") else None
-        tol = 1e-4 if prod else 1e-5
-        o, s = KPRE.kda_prefill(**a, cu_seqlens=cu, config=dict(first, **{kind: c}), products=prod)
-        close(o, want_o, tol)
-        close(s, want_s, tol)
+        # the output in the state loop (FO): on the fp32 inputs' IEEE products (the plain loop) and on qg / kg / w
+        # stored split (the split loop, ~16 mantissa bits)
+        for prod in ((None, dict(pre=("kg", "qg", "w"))) if c.get("FO") else (None,)):
+            tol = 1e-4 if prod else 1e-5
+            o, s = KPRE.kda_prefill(**a, cu_seqlens=cu, config=dict(first, **{kind: c}), products=prod)
+            close(o, want_o, tol)
+            close(s, want_s, tol)
 
 
 def test_prefill_gate_takes_launch_options_only():
@@ -142,8 +142,8 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
 def test_prefill_fp16_products_on_every_wu_state_out_config():
     """``products="fp16"`` (the pair products split, one fp16 product in w / u / w h / the state step / the output,
     the intermediates but G in fp16): within 1.5e-3 rel. RMS of the oracle on o and the state (~5e-4 measured at
-    K = V = 128; the bound of the prefill is 3e-3) on every w / u, state and output config (candidates included, but
-    the output-in-the-loop FO ones, which need split-stored qg), on a packed batch with a 1-token sequence, at
+    K = V = 128; the bound of the prefill is 3e-3) on every w / u, state and output config (candidates included, the
+    output-in-the-loop FO ones too), on a packed batch with a 1-token sequence, at
     ordinary decays and near decay 1; not the split form's result; and scale-free in v up to fp16's range (v x 1000
     as accurate), an overflow past it non-finite, never a finite wrong answer."""
     gen = _gen()
@@ -155,8 +155,6 @@ def test_prefill_fp16_products_on_every_wu_state_out_config():
         so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, products="split")
         for kind in ("wu", "state", "out"):
             for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
-                if c.get("FO"):
-                    continue
                 o, st = KPRE.kda_prefill(**a, cu_seqlens=cu, config={kind: c}, products="fp16")
                 assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3, (kind, c)
                 assert not torch.equal(o, so), f"{kind} {c}: products='fp16' ran the split path"
