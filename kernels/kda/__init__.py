@@ -126,7 +126,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         # step / the output (OPD 5), the pair products split as in "split"
         ("prefill_gate_f16", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0), False,
          _opts(configs.GATE)),
-        ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0),
+        ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0),
          True, _opts(configs.INTRA)),
         ("prefill_solve_f16", _solve_kernel, dict(solve_sig, abuf=h, mbuf=h), dict(BT=BT, BC=BC, PREC=None), True,
          _opts(configs.SOLVE)),

@@ -159,9 +159,13 @@ def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka
 
 
 @_interp.kjit
-def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """(ka_i, qa_i, Gref_i): beta k and scaled q of block i, decayed relative to the block's middle row."""
-    rref = tl.minimum(i * BC + BC // 2, L - 1)
+def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+              FIRST: tl.constexpr = 0):
+    """(ka_i, qa_i, Gref_i): beta k and scaled q of block i, decayed relative to the block's middle row
+    (``FIRST = 1``: its first row, so every factor ``e^(G_r - G_ref)`` <= 1 and, for a block j < i, every
+    ``e^(G_ref - G_c)`` <= 1: fp16 operands cannot overflow; not for the diagonal block, whose later columns would
+    take ``e^(G_ref - G_c)`` up to ``e^150``)."""
+    rref = tl.minimum(i * BC + (0 if FIRST else BC // 2), L - 1)
     Gref = tl.load(gbuf + ((t0 + rref).to(tl.int64) * H + hh) * K + tl.arange(0, K)).to(tl.float32)
     r = i * BC + tl.arange(0, BC)
     m = (r < L)[:, None]
@@ -242,18 +246,29 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
 def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, INNER: tl.constexpr = 0):
     """Phase 2 of a chunk, one program per (chunk, head, 16-row block i): row block i of A and of Aqk, the
-    blocks (i, j <= i), both stored (A in fp32 for :func:`_solve_kernel`). The products take :func:`_mm` with
-    ``OPD``. A row block past the chunk's length does nothing."""
+    blocks (i, j <= i), both stored (A in fp32 for :func:`_solve_kernel`, or in abuf's dtype). The products take
+    :func:`_mm` with ``OPD``; ``OPD`` 5 / 6 (fp16): the blocks j < i in fp16 about the block's first row, the
+    diagonal block split (``OPD`` - 4) about its middle row (:func:`_row_side`). A row block past the chunk's
+    length does nothing."""
     c, ib = _pids(INNER, BT // BC)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     for i in tl.static_range(0, BT // BC):
         if (ib == i) & (i * BC < L):
-            ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
-            for j in tl.static_range(0, i + 1):
-                a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
-                _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+            if OPD >= 5:  # fp16 blocks j < i about the block's first row, the diagonal split about its middle
+                ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, 1)
+                for j in tl.static_range(0, i):
+                    a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
+                    _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+                ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
+                a = _pair(k, gbuf, aqk, t0, L, hh, H, i, i, Gr, ka, qa, K, BT, BC, OPD - 4)
+                _store_blk(abuf, a, t0, L, hh, H, i, i, BT, BC)
+            else:
+                ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
+                for j in tl.static_range(0, i + 1):
+                    a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
+                    _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
 
 
 @_interp.kjit
@@ -552,19 +567,22 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: computed in the serial loop, no chunk states stored) run without ``pre`` or with ``qg`` in it.
 #: ``"fp16"`` (one fp16 product, 11 mantissa bits against bf16's 8) in ``w``, ``u``, ``wh``, ``kv`` and ``out``,
 #: and ``half="fp16"``: the names of ``store`` (there, every intermediate but the fp32 cumulative gate G and
-#: ``e^(G_L)``) kept in fp16 instead of bf16. The pair products stay split: they factor the in-chunk decay about a
-#: block's middle row, ``e^(G_i - G_ref)`` up to ``e^40`` (past fp16's 65504, finite in bf16). Measured in the
-#: interpreter (K = V = 128, T = 256, two heads, two seeds; fp16-exact inputs): 3.5e-4 / 3.4e-4 to 3.6e-4 / 3.7e-4
-#: rel. RMS on o / final state at ordinary decays and 4.8e-4 / 4.8e-4 to 4.8e-4 / 4.9e-4 near decay 1, against 5e-5
-#: for "split" and 1.2e-2 to 1.4e-2 on o for the same parts in one bf16 product each: a sixth of the 3e-3 bound
-#: with a third of the split form's products and half its intermediate bytes. The range it needs: ``u``, ``v'``
-#: and the chunk states within fp16's 65504 (they scale with ``v``; an overflow shows as inf in o and the state).
+#: ``e^(G_L)``) kept in fp16 instead of bf16. ``pair="fp16"``: the blocks j < i of A / Aqk as one fp16 product,
+#: decayed about block i's first row (every factor <= 1), the diagonal blocks split about their middle row (their
+#: factors reach ``e^40``, past fp16's 65504). Measured in the interpreter (K = V = 128, T = 256, two heads, two
+#: seeds; fp16-exact inputs), rel. RMS on o / final state: with the pair split and the rest fp16, 3.5e-4 / 3.4e-4 to
+#: 3.6e-4 / 3.7e-4 at ordinary decays and 4.8e-4 / 4.9e-4 near decay 1; the fp16 pair adds < 2e-5 (5.0e-4 / 4.9e-4
+#: near decay 1; 6.8e-4 on o at the strongest decay, ``lower_bound`` -10 and ``dt_bias`` + 12, where "split" gives
+#: 7.8e-4); "split" 5e-5, the same parts in one bf16 product each 1.2e-2 to 1.4e-2 on o: a sixth of the 3e-3
+#: bound with a third of the split form's products and half its intermediate bytes. The range it needs: ``u``,
+#: ``v'`` and the chunk states within fp16's 65504 (they scale with ``v``; an overflow shows as inf in o and the
+#: state, never a finite wrong value).
 PRODUCTS = {
     "ieee": dict(pair="ieee", w="ieee", u="ieee", wh="ieee", kv="ieee", out="ieee", solve="ieee", store=(), pre=(),
                  half="bf16"),
     "split": dict(pair="split", w="split", u="split", wh="split", kv="split", out="split", solve="backend",
                   store=(), pre=(), half="bf16"),
-    "fp16": dict(pair="split", w="fp16", u="fp16", wh="fp16", kv="fp16", out="fp16", solve="backend",
+    "fp16": dict(pair="fp16", w="fp16", u="fp16", wh="fp16", kv="fp16", out="fp16", solve="backend",
                  store=("abuf", "aqk", "hbuf", "kg", "mbuf", "qg", "u", "vnew", "w"), pre=(), half="fp16"),
 }
 _PARTS = ("pair", "w", "u", "wh", "kv", "out")

@@ -142,7 +142,7 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
 def test_prefill_fp16_products_on_every_wu_state_out_config():
     """``products="fp16"`` (the pair products split, one fp16 product in w / u / w h / the state step / the output,
     the intermediates but G in fp16): within 1.5e-3 rel. RMS of the oracle on o and the state (~5e-4 measured at
-    K = V = 128; the bound of the prefill is 3e-3) on every w / u, state and output config (candidates included, the
+    K = V = 128; the bound of the prefill is 3e-3) on every intra, w / u, state and output config (candidates included, the
     output-in-the-loop FO ones too), on a packed batch with a 1-token sequence, at
     ordinary decays and near decay 1; not the split form's result; and scale-free in v up to fp16's range (v x 1000
     as accurate), an overflow past it non-finite, never a finite wrong answer."""
@@ -153,7 +153,7 @@ def test_prefill_fp16_products_on_every_wu_state_out_config():
         a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
         want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
         so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, products="split")
-        for kind in ("wu", "state", "out"):
+        for kind in ("intra", "wu", "state", "out"):
             for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
                 o, st = KPRE.kda_prefill(**a, cu_seqlens=cu, config={kind: c}, products="fp16")
                 assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3, (kind, c)
