@@ -284,14 +284,17 @@ def gate_sweep(a) -> dict:
     q, k = (a[n].reshape(TT, H, K) for n in ("q", "k"))
     dr = a["decay_raw"].reshape(TT, H * K)
     res = {}
+    qh, kh = (torch.empty(TT, H, K, dtype=torch.float16, device="cuda") for _ in range(2))  # the "fp16" form's
     for nw in (1, 2, 4, 8, 16):
-        fn = lambda nw=nw: _interp.launch(P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl,  # noqa
-                                          g, qg, kg, gl, K ** -0.5, -5.0, H, K=K, BT=P.BT, num_warps=nw)
-        try:
-            fn()
-            res[f"gate_ms[num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
-        except Exception as e:
-            res[f"gate_error[num_warps={nw}]"] = f"{type(e).__name__}: {e}"[:200]
+        for tag, qq, kk in (("", qg, kg), ("fp16 ", qh, kh)):
+            fn = lambda nw=nw, qq=qq, kk=kk: _interp.launch(  # noqa: E731
+                P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qq, kk, gl, K ** -0.5, -5.0,
+                H, K=K, BT=P.BT, num_warps=nw)
+            try:
+                fn()
+                res[f"gate_ms[{tag}num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
+            except Exception as e:
+                res[f"gate_error[{tag}num_warps={nw}]"] = f"{type(e).__name__}: {e}"[:200]
     from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     for cfg in tune.configs(KC.GATE, candidates=True):  # the table's entries, candidates included
@@ -332,7 +335,8 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
         first = {"intra": tune.configs(KC.INTRA)[0]}
         for kind, table, pre in (("intra", KC.INTRA, ()), ("wu", KC.WU, ()), ("state", KC.STATE, ()),
                                  ("state", KC.STATE, ("kg", "qg", "w")), ("out", KC.OUT, ()),
-                                 ("wu", KC.WU, "fp16"), ("state", KC.STATE, "fp16"), ("out", KC.OUT, "fp16")):
+                                 ("intra", KC.INTRA, "fp16"), ("wu", KC.WU, "fp16"), ("state", KC.STATE, "fp16"),
+                                 ("out", KC.OUT, "fp16")):
             if kind not in kinds:
                 continue
             f16 = pre == "fp16"
