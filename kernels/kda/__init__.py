@@ -69,7 +69,8 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr",
-                     INNER="constexpr", SPL="constexpr", FO="constexpr", qg=b, aqk=b, o=p, OOPD="constexpr")
+                     INNER="constexpr", SPL="constexpr", FO="constexpr", qg=b, aqk=b, o=p, OOPD="constexpr",
+                     RB="constexpr", one="fp32")
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr",
                    Q2="constexpr")
@@ -104,7 +105,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=0), True,
          _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0, FO=0, OOPD=1), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0, FO=0, OOPD=1, RB=0), True,
          _opts(configs.STATE)),
         # w / kg stored split (prefill.PRODUCTS "pre"): their writers and the state pass's split loop at the first
         # state candidate's options
@@ -113,13 +114,13 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_wu_w2", _wu_kernel, dict(wu_sig, w="*bf16"),
          dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=1), True, _opts(configs.WU)),
         ("prefill_state_spl", _state_kernel, dict(state_sig, w="*bf16", kg="*bf16"),
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=0, OOPD=1), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=0, OOPD=1, RB=0), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("candidate")) if be == "cuda"
                          else configs.STATE[be][0], interp=False)[1] for be in ("hip", "cuda")}),
         # the FO candidates: the output in the state loop (qg split too), at the CUDA table's first FO tile with each
         # backend's first FO entry's launch options
         ("prefill_state_fo", _state_kernel, dict(state_sig, w="*bf16", kg="*bf16", qg="*bf16"),
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=1, OOPD=1), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=1, OOPD=1, RB=0), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
           for be in ("hip", "cuda")}),
         # prefill.PRODUCTS "fp16": the intermediates in fp16 and one fp16 product each in w / u / w h / the state
@@ -133,10 +134,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_wu_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h),
          dict(K=K, V=K, BT=BT, WOPD=5, UOPD=5, INNER=0, W2=0), True, _opts(configs.WU)),
         ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5),
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5, RB=0),
          True, _opts(configs.STATE)),
         ("prefill_state_f16_fo", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h, qg=h, aqk=h),
-         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=5, PF=0, WHOPD=5, INNER=0, SPL=0, FO=1, OOPD=5), True,
+         dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=5, PF=0, WHOPD=5, INNER=0, SPL=0, FO=1, OOPD=5, RB=0), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
           for be in ("hip", "cuda")}),
         ("prefill_out_f16", _out_kernel, dict(out_sig, qg=h, aqk=h, hbuf=h, vnew=h),

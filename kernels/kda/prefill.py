@@ -350,6 +350,20 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
 
 
 @_interp.kjit
+def _reg(x, mr, one, RB: tl.constexpr):
+    """A loaded tile on its way to a matrix product, as is (``RB = 0``), through a select on its row mask
+    (``RB = 1``) or times the runtime scalar ``one`` = 1.0 (``RB = 2``, in x's dtype): both keep the value and
+    keep the load from feeding the product directly (an experiment: on sm_90 with triton 3.6, 16-bit tiles
+    loaded and multiplied in the same step of the state loop gave wrong states, 2026-12-06)."""
+    if RB == 1:
+        return tl.where(mr, x, 0.0)
+    elif RB == 2:
+        return x * one.to(x.dtype)
+    else:
+        return x
+
+
+@_interp.kjit
 def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """(w_c, kg_c, u_c, e^(G_L), t0, L) of chunk ``c`` of the sequence of tokens ``[s0, s1)`` whose first chunk
@@ -373,7 +387,8 @@ def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
 def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chunk_len, H,
                   HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                   OPD: tl.constexpr, PF: tl.constexpr, WHOPD: tl.constexpr, INNER: tl.constexpr = 0,
-                  SPL: tl.constexpr = 0, FO: tl.constexpr = 0, qg=None, aqk=None, o=None, OOPD: tl.constexpr = 1):
+                  SPL: tl.constexpr = 0, FO: tl.constexpr = 0, qg=None, aqk=None, o=None, OOPD: tl.constexpr = 1,
+                  RB: tl.constexpr = 0, one=1.0):
     """The serial pass: one program per (sequence, head, BV state columns) walks the sequence's chunks in order,
     stores the chunk's initial state ``h_c`` and ``v' = u - w h_c``, and steps ``h <- e^(G_L) h + kg^T v'``.
     The state is accumulated in fp32 registers; the two products take their operands through :func:`_mm`,
@@ -405,7 +420,7 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     s1 = tl.load(chunk_tok + c1 - 1, mask=some, other=0) + tl.load(chunk_len + c1 - 1, mask=some, other=0)
     if SPL:
         _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1, hh, H, offs_v, K, V, BT, BV,
-                     OPD, WHOPD, FO, qg, aqk, o, OOPD)
+                     OPD, WHOPD, FO, qg, aqk, o, OOPD, RB, one)
         return
     if PF:
         w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c0, some.to(tl.int32), hh, H,
@@ -417,10 +432,13 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         else:
             w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, 1, hh, H, offs_v, K, V, BT)
         mr = (rows < L)[:, None]
+        w_c = _reg(w_c, mr, one, RB)
+        kg_c = _reg(kg_c, mr, one, RB)
         vn = u_c - _mm(w_c, h, WHOPD)
         if FO:
-            qg_c = tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
-            a_c = tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+            qg_c = _reg(tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0), mr, one, RB)
+            a_c = _reg(tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]),
+                               other=0.0), mr, one, RB)
             oc = _mm(qg_c, h, OOPD) + _mm(a_c, vn, OOPD)
             tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
         else:
@@ -436,7 +454,7 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
 @_interp.kjit
 def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1, hh, H, offs_v,
                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr,
-                 WHOPD: tl.constexpr, FO: tl.constexpr, qg, aqk, o, OOPD: tl.constexpr):
+                 WHOPD: tl.constexpr, FO: tl.constexpr, qg, aqk, o, OOPD: tl.constexpr, RB: tl.constexpr, one):
     """:func:`_state_kernel`'s chunk loop on split-stored ``w`` / ``kg`` (``SPL = 1``), the output in the loop
     when ``FO = 1``."""
     offs_k = tl.arange(0, K)
@@ -445,16 +463,16 @@ def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1
         t0 = s0 + (c - c0) * BT
         L = tl.minimum(s1 - t0, BT)
         mr = (rows < L)[:, None]
-        w_h = tl.load(_at(w, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
-        w_l = tl.load(_at(w, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
-        kg_h = tl.load(_at(kg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
-        kg_l = tl.load(_at(kg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
+        w_h = _reg(tl.load(_at(w, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0), mr, one, RB)
+        w_l = _reg(tl.load(_at(w, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0), mr, one, RB)
+        kg_h = _reg(tl.load(_at(kg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0), mr, one, RB)
+        kg_l = _reg(tl.load(_at(kg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0), mr, one, RB)
         u_c = tl.load(_at(u, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32)
         gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k)
         vn = u_c - _mm_pre(w_h, w_l, h, WHOPD)
         if FO:
-            q_h = tl.load(_at(qg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0)
-            q_l = tl.load(_at(qg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0)
+            q_h = _reg(tl.load(_at(qg, t0, rows, hh, H, offs_k, 2 * K), mask=mr, other=0.0), mr, one, RB)
+            q_l = _reg(tl.load(_at(qg, t0, rows, hh, H, K + offs_k, 2 * K), mask=mr, other=0.0), mr, one, RB)
             a_c = tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
             oc = _mm_pre(q_h, q_l, h, OOPD) + _mm(a_c, vn, OOPD)
             tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
@@ -768,7 +786,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if N:
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
-                           OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, qg=qg, aqk=aqk, o=o, OOPD=opd["out"], **meta,
+                           OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, qg=qg, aqk=aqk, o=o, OOPD=opd["out"], one=1.0,
+                           **meta,
                            **opts)
 
     out_first = tune.configs(C.OUT)[0]
