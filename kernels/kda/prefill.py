@@ -358,7 +358,7 @@ def _reg(x, mr, one, RB: tl.constexpr):
     if RB == 1:
         return tl.where(mr, x, 0.0)
     elif RB == 2:
-        return x * one.to(x.dtype)
+        return (x * one).to(x.dtype)
     else:
         return x
 
@@ -381,6 +381,17 @@ def _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, ok, hh, H, offs_v,
     # the step after the last, whose glast row can lie past the buffer's end
     gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k, mask=(L + 0 * offs_k) > 0, other=0.0)
     return w_c, kg_c, u_c, gl, t0, L
+
+
+@_interp.kjit
+def _out_tiles(qg, aqk, t0, L, hh, H, K: tl.constexpr, BT: tl.constexpr):
+    """(qg_c, Aqk_c) of the chunk at token ``t0`` with ``L`` tokens (zeros past L; Aqk's upper triangle as 0): the
+    output's operands when the state loop computes it (``FO``)."""
+    rows = tl.arange(0, BT)
+    mr = (rows < L)[:, None]
+    qg_c = tl.load(_at(qg, t0, rows, hh, H, tl.arange(0, K), K), mask=mr, other=0.0)
+    a_c = tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+    return qg_c, a_c
 
 
 @_interp.kjit
@@ -425,21 +436,24 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
     if PF:
         w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c0, some.to(tl.int32), hh, H,
                                                  offs_v, K, V, BT)
+        if FO:
+            qg_c, a_c = _out_tiles(qg, aqk, t0, L, hh, H, K, BT)
     for c in range(c0, c1):
         if PF:
             w_n, kg_n, u_n, gl_n, t0_n, L_n = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c + 1,
                                                            (c + 1 < c1).to(tl.int32), hh, H, offs_v, K, V, BT)
+            if FO:
+                qg_n, a_n = _out_tiles(qg, aqk, t0_n, L_n, hh, H, K, BT)
         else:
             w_c, kg_c, u_c, gl, t0, L = _chunk_tiles(kg, w, u, glast, s0, s1, c0, c, 1, hh, H, offs_v, K, V, BT)
+            if FO:
+                qg_c, a_c = _out_tiles(qg, aqk, t0, L, hh, H, K, BT)
         mr = (rows < L)[:, None]
         w_c = _reg(w_c, mr, one, RB)
         kg_c = _reg(kg_c, mr, one, RB)
         vn = u_c - _mm(w_c, h, WHOPD)
         if FO:
-            qg_c = _reg(tl.load(_at(qg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0), mr, one, RB)
-            a_c = _reg(tl.load(_at(aqk, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]),
-                               other=0.0), mr, one, RB)
-            oc = _mm(qg_c, h, OOPD) + _mm(a_c, vn, OOPD)
+            oc = _mm(_reg(qg_c, mr, one, RB), h, OOPD) + _mm(_reg(a_c, mr, one, RB), vn, OOPD)
             tl.store(_at(o, t0, rows, hh, H, offs_v, V), oc.to(o.dtype.element_ty), mask=mr)
         else:
             ch = c * H + hh.to(tl.int64)  # int64: the chunk states of a long sequence pass 2^31 elements
@@ -448,6 +462,8 @@ def _state_kernel(kg, w, u, glast, h0, hbuf, vnew, ht, seq_chunk, chunk_tok, chu
         h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
         if PF:
             w_c, kg_c, u_c, gl, t0, L = w_n, kg_n, u_n, gl_n, t0_n, L_n
+            if FO:
+                qg_c, a_c = qg_n, a_n
     tl.store(ht + hbase + hoff, h)
 
 

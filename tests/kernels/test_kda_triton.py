@@ -153,8 +153,11 @@ def test_prefill_fp16_products_on_every_wu_state_out_config():
         a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
         want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
         so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, products="split")
+        # beyond the tables: the output in the prefetching loop, and each way a loaded tile reaches the products
+        extra = [dict(BV=16, PF=1, FO=1), dict(BV=32, PF=0, RB=1), dict(BV=32, PF=0, RB=2),
+                 dict(BV=32, PF=0, FO=1, RB=1), dict(BV=16, PF=1, FO=1, RB=2)]
         for kind in ("intra", "wu", "state", "out"):
-            for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
+            for c in tune.configs(getattr(KC, kind.upper()), candidates=True) + (extra if kind == "state" else []):
                 o, st = KPRE.kda_prefill(**a, cu_seqlens=cu, config={kind: c}, products="fp16")
                 assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3, (kind, c)
                 assert not torch.equal(o, so), f"{kind} {c}: products='fp16' ran the split path"
