@@ -743,6 +743,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
     pre = 1 if prec_parts["pre"] else 0  # kg and w stored split: [TT, H, 2K] bf16 hi / lo
     q2 = 1 if "qg" in prec_parts["pre"] else 0  # qg too (the state pass's FO configs need it)
+    # the output in the state loop (FO): in the split loop with qg split too, or in the plain loop where its tiles
+    # are not split there (one 16-bit product or IEEE fp32; splitting fp32 tiles in the loop spills on gfx942)
+    fo_ok = bool(q2) if pre else "split" not in (prec_parts["wh"], prec_parts["kv"], prec_parts["out"])
     qg = C.empty(TT, H, (1 + q2) * K, dtype=torch.bfloat16 if q2 else bf("qg"), device=dev)
     kg = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("kg"), device=dev)
     w = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("w"), device=dev)
@@ -796,9 +799,11 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_state(c):
         meta, opts = tune.split(c)
         bv = min(meta.pop("BV"), V)
-        if meta.get("FO") and pre and not q2:
-            raise ConfigError(f"kda_prefill: state config {c} computes the output in the loop (FO); with kg and w "
-                              "stored split it needs qg split too: products=dict(pre=('kg', 'qg', 'w'))")
+        if meta.get("FO") and not fo_ok:
+            raise ConfigError(f"kda_prefill: state config {c} computes the output in the loop (FO); it runs on "
+                              "products 'fp16' / 'ieee' or with kg, qg and w stored split "
+                              "(products=dict(pre=('kg', 'qg', 'w'))), not on split products splitting fp32 tiles in "
+                              "the loop (spills on gfx942)")
         if N:
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
@@ -834,8 +839,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if name == "out" and fused_out:
             break  # the state pass wrote o
         cands = [cfg[name]] if name in cfg else tune.configs(table)
-        if name == "state" and pre and not q2:
-            cands = [c for c in cands if not c.get("FO")] or cands  # the split loop's FO needs qg split (forced: raises)
+        if name == "state" and not fo_ok:
+            cands = [c for c in cands if not c.get("FO")] or cands  # FO not on this form (a forced one raises)
         if name == "state" and not any(cc.get("FO") for cc in cands):
             run = launch_state  # no FO candidate: the output launch would add the same time to every config
         c = tune.pick(f"kda_{name}", key, cands, run)
