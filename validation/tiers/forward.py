@@ -10,6 +10,7 @@ import torch
 from k3rocm.validation.evidence import Stage, Timer, check, info
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.adapters import layer_absmax, model_forward, random_ids
+from k3rocm.validation.tiers.performance import ran_alone
 from k3rocm.validation.tiers.thresholds import THRESHOLDS
 
 
@@ -27,8 +28,13 @@ def tier_forward(session: Session, stage: Stage) -> None:
     with Timer() as tp:
         logits, layers = model_forward(model, ids, cfg.num_hidden_layers)
     pl = session.run_placement
-    stage.add(info("forward", "dist.world", pl.world, "ranks", level=lv,
-                   detail=f"TP{pl.tp}/EP{pl.ep}: processes the engine and its model ran on (rank 0 here)"))
+    if ran_alone(session):  # --synthetic: one rank of a larger layout ran here; the others are not running
+        stage.add(info("forward", "dist.world", pl.world, "ranks", level="projected",
+                       detail=f"ranks of the TP{pl.tp}/EP{pl.ep} layout; only rank {session.rank} ran, alone in "
+                              "this process (--synthetic)"))
+    else:
+        stage.add(info("forward", "dist.world", pl.world, "ranks", level=lv,
+                       detail=f"TP{pl.tp}/EP{pl.ep}: processes the engine and its model ran on (rank 0 here)"))
     stage.add(check("forward", "prefill.shape", list(logits.shape), eq=[B, T, cfg.vocab_size], level=lv),
               check("forward", "prefill.finite", bool(torch.isfinite(logits).all()), eq=True, level=lv),
               info("forward", "prefill.ms", round(tp.seconds * 1e3, 3), "ms", level=lv,

@@ -89,6 +89,35 @@ POINT_FIELDS = (
 )
 
 
+def ran_alone(session: Session) -> bool:
+    """True when one rank of a larger layout ran alone in this process (``--synthetic``, with ``--rank``, default 0,
+    of a ``--tp/--ep`` layout of several ranks): the other ranks' work is counted and projected, never run. False
+    for every other run, one process or several (a multi-rank run starts all its ranks). Raises nothing beyond
+    what :attr:`Session.run_placement` raises."""
+    return bool(getattr(session, "synthetic", False)) and session.run_placement.world > 1
+
+
+def layout_rows(session: Session, tier: str, lv: str) -> list:
+    """``dist.world`` and ``dist.layout`` of the built-in engine: the ranks and the TP/EP layout that served the
+    load, at the run's level ``lv`` (``measured`` / ``measured-fallback``: the layout that ran is what this run
+    measured on). Only when one rank of a larger layout ran alone (:func:`ran_alone`) are they ``projected``,
+    saying which rank ran."""
+    pl = session.run_placement
+    per_rank = f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"
+    if ran_alone(session):
+        r = session.rank
+        return [info(tier, "dist.world", pl.world, "ranks", level="projected",
+                     detail=f"ranks of the TP{pl.tp}/EP{pl.ep} layout; only rank {r} ran, alone in this process "
+                            "(--synthetic)"),
+                info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}", level="projected",
+                     detail=f"{per_rank}; rank {r} alone ran, the others are projected")]
+    where = "GPU" if session.device != "cpu" else "gloo rank on this host"
+    return [info(tier, "dist.world", pl.world, "ranks", level=lv,
+                 detail=f"processes serving the load: TP{pl.tp}/EP{pl.ep}, one per {where}; rank 0 schedules"),
+            info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}", level=lv,
+                 detail=f"{per_rank}; every rank of the layout ran")]
+
+
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
     """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction).
 
@@ -96,16 +125,7 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
     """
     lv = level or session.measured_level
     if level is None:  # the built-in engine: the layout it ran
-        pl = session.run_placement
-        stage.add(info(tier, "dist.world", pl.world, "ranks", level=lv,
-                       detail=f"processes serving the load: TP{pl.tp}/EP{pl.ep}, one per "
-                              f"{'GPU' if session.device != 'cpu' else 'gloo rank on this host'}; rank 0 schedules"),
-                  # the layout that ran is what this run measured on; one rank of a larger layout (--rank) is not
-                  info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}",
-                       level="projected" if getattr(session, "rank", None) is not None else lv,
-                       detail=f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"
-                              + (f"; rank {session.rank} alone ran, the others are projected"
-                                 if getattr(session, "rank", None) is not None else "")))
+        stage.add(*layout_rows(session, tier, lv))
     for r in results:
         c = r.get("concurrency")
         tag = f"c{c}"
