@@ -375,10 +375,12 @@ def _written(path: Path, text: str) -> bool:
         return False
 
 
-class _DeferSignals:
+class DeferSignals:
     """Hold Ctrl-C (SIGINT) and SIGTERM while the report is written, then act on them: a run's measured stages are
     never lost to an interrupt that lands in the second or two of writing (the writes are atomic, so an interrupt
-    there used to leave only the lock file). Outside the main thread signals cannot be caught here: no-op."""
+    there used to leave only the lock file). On leaving without an exception, a held SIGTERM is raised as
+    :class:`~k3rocm.errors.Terminated`, a held Ctrl-C as ``KeyboardInterrupt``; nested uses each restore the
+    handlers they found. Outside the main thread signals cannot be caught here: no-op."""
 
     def __enter__(self):
         self.got: list[int] = []
@@ -405,13 +407,13 @@ def update_report(out_dir: str | Path, reproduction: dict, stages: list[Stage], 
     Reading (:func:`load_report`, same checkpoint and profile only), merging (:meth:`Report.merge_run`) and
     writing (:func:`write_report`) happen while the lock is held, so two commands writing into one directory
     at once both keep their stages and history entries. Ctrl-C or SIGTERM during it takes effect once the report
-    is written (:class:`_DeferSignals`). Returns the paths of report.json/md/html.
+    is written (:class:`DeferSignals`). Returns the paths of report.json/md/html.
 
     Raises:
         K3Error: an OS error as one line (see :func:`write_report`), or the lock timed out.
     """
     try:
-        with _DeferSignals(), report_lock(out_dir):
+        with DeferSignals(), report_lock(out_dir):
             rep = load_report(out_dir, config_hash, checkpoint, profile)
             lost = replaced_passing_stages(rep, stages)
             if lost:  # an interrupted or failed run replaces a passed stage: its figures stay in a kept copy

@@ -443,7 +443,7 @@ def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monke
 
     real = C.update_report
 
-    def held(*a, **k):  # what render._DeferSignals does: the write completes, then the held Ctrl-C is raised
+    def held(*a, **k):  # what render.DeferSignals does: the write completes, then the held Ctrl-C is raised
         real(*a, **k)
         raise KeyboardInterrupt
 
@@ -452,6 +452,64 @@ def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monke
     r = run(["load", "--out", tmp_path / "r2"], code=130)
     assert "it was written whole first" in r.output
     assert json.loads((tmp_path / "r2" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
+
+
+def test_sigterm_says_where_the_report_is_only_when_one_was_written(cache, tmp_path, monkeypatch):
+    """SIGTERM before anything is written: "nothing was written" and no --out left behind; after the report was
+    written: the line names it; while it is being written (from creating --out on): held until it is whole."""
+    import os
+    import signal
+
+    import k3rocm.cli.common as C
+    from k3rocm.errors import Terminated
+    from k3rocm.validation.session import Session
+
+    def term(*a, **k):
+        raise Terminated()
+
+    with monkeypatch.context() as m:  # ended during the pre-flight check: no report, no --out
+        m.setattr(Session, "preflight", term)
+        line = one_line_error(run(["load", "--out", tmp_path / "a" / "r"], code=143))
+    assert line == "error: terminated (SIGTERM); nothing was written", line
+    assert not (tmp_path / "a").exists()
+
+    with monkeypatch.context() as m:  # ended after the report was written: the line says where it is
+        m.setattr(C, "finish", term)
+        line = one_line_error(run(["load", "--out", tmp_path / "b"], code=143))
+    assert line == f"error: terminated (SIGTERM); what finished before it is in the report {tmp_path / 'b' / 'report.html'}"
+
+    real = C.reproduction_block
+
+    def signalled(*a, **k):  # SIGTERM after --out was created, before the report is written: held until it is
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(C, "reproduction_block", signalled)
+        line = one_line_error(run(["load", "--out", tmp_path / "c"], code=143))
+    assert "interrupted (SIGTERM) while the report was written; it was written whole first" in line, line
+    assert json.loads((tmp_path / "c" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
+
+
+def test_sigterm_during_checkpoint_make_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+    """checkpoint make writes no report: a SIGTERM while it writes removes the partial files and the parent
+    directories it created, and says so (not "what finished is in the report")."""
+    import k3rocm.checkpoint.writer as W
+    from k3rocm.errors import Terminated
+
+    calls = []
+
+    def tensor(*a, **k):
+        calls.append(1)
+        if len(calls) > 20:
+            raise Terminated()
+        return real(*a, **k)
+
+    real = W.random_tensor
+    monkeypatch.setattr(W, "random_tensor", tensor)
+    line = one_line_error(run(["checkpoint", "make", "--out", tmp_path / "new" / "deeper" / "ck"], code=143))
+    assert "report" not in line and "nothing was written (the partial files were removed)" in line, line
+    assert len(calls) > 20 and not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
 
 
 def test_profile_paths_and_platform_say_what_is_wrong(cache, tmp_path):
