@@ -154,6 +154,43 @@ def info(tier: str, name: str, value: Any, unit: str = "", level: str = "measure
 
 
 @dataclass
+class Setting:
+    """One setting of the run in a stage: an input the run was given or chose (the prompt lengths of a benchmark
+    point, the requests sent, the hardware profile), not a claim about what happened. It carries no level of
+    proof and no threshold (levels grade evidence; a setting is not evidence): the renderers show settings in
+    their own table beside the evidence, and ``evidence_levels`` does not count them.
+
+    Attributes:
+        tier: the stage it belongs to.
+        name: identifier, e.g. ``"c4.input_len"`` or ``"profile"``.
+        value: number, string or bool (JSON-serialisable after :func:`_jsonable`).
+        unit: unit of ``value`` (``"tokens"``, ``"requests"``, ``""``).
+        detail: one line: what the setting means and where it came from.
+    """
+
+    tier: str
+    name: str
+    value: Any
+    unit: str = ""
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        self.value = _jsonable(self.value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Setting":
+        return cls(**{k: d.get(k) for k in ("tier", "name", "value", "unit", "detail")})
+
+
+def setting(tier: str, name: str, value: Any, unit: str = "", detail: str = "") -> Setting:
+    """A :class:`Setting` row (an input of the run, no level). Raises nothing."""
+    return Setting(tier, name, value, unit or "", detail or "")
+
+
+@dataclass
 class Stage:
     """The result of one tier (or of ``bench``).
 
@@ -164,6 +201,7 @@ class Stage:
         started: ISO-8601 UTC start time.
         seconds: wall time of the stage in seconds.
         evidence: the rows.
+        settings: the run's inputs shown with the stage (:class:`Setting`: no level, not evidence).
         series: plot data, ``{name: {"x": [...], "y": {label: [...]}, "xlabel", "ylabel", "log"}}``.
         command: the command line that produced the stage.
         error: one-line reason when ``status == "error"``.
@@ -178,6 +216,7 @@ class Stage:
     series: dict = field(default_factory=dict)
     command: str = ""
     error: str | None = None
+    settings: list[Setting] = field(default_factory=list)
 
     def add(self, *rows: Evidence) -> None:
         """Append rows; a row whose ``passed`` is False turns the stage ``failed``."""
@@ -186,6 +225,10 @@ class Stage:
             if r.passed is False and self.status == "passed":
                 self.status = "failed"
 
+    def add_settings(self, *rows: Setting) -> None:
+        """Append settings (inputs of the run: no level, never pass or fail)."""
+        self.settings.extend(rows)
+
     @property
     def failures(self) -> list[Evidence]:
         return [e for e in self.evidence if e.passed is False]
@@ -193,13 +236,15 @@ class Stage:
     def to_dict(self) -> dict:
         return {"tier": self.tier, "status": self.status, "started": self.started,
                 "seconds": round(float(self.seconds), 4), "command": self.command, "error": self.error,
+                "settings": [x.to_dict() for x in self.settings],
                 "evidence": [e.to_dict() for e in self.evidence], "series": _jsonable(self.series)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Stage":
         return cls(tier=d["tier"], status=d.get("status", "passed"), started=d.get("started", ""),
                    seconds=float(d.get("seconds", 0.0)), command=d.get("command", ""), error=d.get("error"),
-                   evidence=[Evidence.from_dict(e) for e in d.get("evidence", [])], series=d.get("series", {}))
+                   evidence=[Evidence.from_dict(e) for e in d.get("evidence", [])], series=d.get("series", {}),
+                   settings=[Setting.from_dict(x) for x in d.get("settings", [])])
 
 
 def now_iso() -> str:

@@ -47,8 +47,10 @@ def _fmt(v) -> str:
 _POINT = re.compile(r"c(\d+)\.(.+)")
 
 
-def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int, object]]]]:
+def point_table(stage: Stage, rows=None) -> tuple[list[int], list[tuple[str, str, dict[int, object]]]]:
     """A benchmark stage's per-point rows (``c<N>.<field>``) as one table, grouped per concurrency point.
+
+    ``rows``: the rows to table (default the stage's evidence; its :attr:`Stage.settings` for the point settings).
 
     Returns:
         ``(concurrencies, rows)``: the points in the order they ran, and ``(field, unit, {concurrency: value})``
@@ -60,7 +62,7 @@ def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int,
     vals: dict[str, dict[int, object]] = {}
     order: list[str] = []  # fields merged over the points: a field first seen at a later point goes after the
     prev: dict[int, str | None] = {}  # field before it in that point (c=1 forms no mixed step, c=2 does)
-    for e in stage.evidence:
+    for e in (stage.evidence if rows is None else rows):
         m = _POINT.fullmatch(e.name)
         if not m:
             continue
@@ -87,6 +89,19 @@ def point_levels(stage: Stage) -> dict[str, str]:
         if m and e.level not in seen.setdefault(m.group(2), []):
             seen[m.group(2)].append(e.level)
     return {f: "/".join(v) for f, v in seen.items()}
+
+
+#: the heading of a stage's settings in every format: they are inputs, so they carry no level of proof
+SETTINGS_TITLE = "Settings of the run (inputs, not measurements: no level of proof)"
+
+
+def stage_settings(stage: Stage) -> tuple[list, list[int], list[tuple[str, str, dict[int, object]]]]:
+    """A stage's settings split for display: ``(others, concurrencies, point rows)``: the settings that are not
+    per benchmark point (e.g. ``profile``), then the per-point ones (``c<N>.input_len``, ...) as
+    :func:`point_table` rows. Raises nothing."""
+    others = [x for x in stage.settings if not _POINT.fullmatch(x.name)]
+    concs, rows = point_table(stage, stage.settings)
+    return others, concs, rows
 
 
 def fmt_value(v, unit: str = "") -> str:
@@ -139,6 +154,22 @@ def render_markdown(rep: Report) -> str:
             lines += [f"> error: {s.error}", ""]
         if s.command:
             lines += [f"`{s.command}`", ""]
+        others, sconcs, srows = stage_settings(s)
+        if others or sconcs:
+            lines += [SETTINGS_TITLE + ":", ""]
+        if others:
+            lines += ["| setting | value | unit | detail |", "|---|---|---|---|"]
+            for x in others:
+                det = str(x.detail).replace("|", "\\|")
+                lines.append(f"| {x.name} | {_fmt(x.value)} | {x.unit} | {det} |")
+            lines.append("")
+        if sconcs:
+            lines += ["| setting | unit | " + " | ".join(f"c={c}" for c in sconcs) + " |",
+                      "|---|---|" + "---:|" * len(sconcs)]
+            for f, u, vals in srows:
+                lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
+                                                           for c in sconcs) + " |")
+            lines.append("")
         concs, prow = point_table(s)
         if concs:
             lv = point_levels(s)
@@ -307,6 +338,20 @@ def render_html(rep: Report) -> str:
         plots = [p for p in (_series_svg(k, v) for k, v in (s.series or {}).items()) if p]
         if plots:
             out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
+        others, sconcs, srows = stage_settings(s)
+        if others or sconcs:
+            out.append(f"<p>{e(SETTINGS_TITLE)}:</p>")
+        if others:
+            out.append("<table><tr><th>setting</th><th>value</th><th>unit</th><th>detail</th></tr>" + "".join(
+                f"<tr><td>{e(x.name)}</td><td>{e(_fmt(x.value))}</td><td>{e(x.unit or '')}</td>"
+                f"<td>{e(str(x.detail))}</td></tr>" for x in others) + "</table>")
+        if sconcs:
+            out.append("<table><tr><th>setting</th><th>unit</th>" + "".join(f"<th>c={c}</th>" for c in sconcs)
+                       + "</tr>")
+            for f, u, vals in srows:
+                out.append(f"<tr><td>{e(f)}</td><td>{e(u)}</td>" + "".join(
+                    f"<td>{e(fmt_value(vals[c], u)) if c in vals else ''}</td>" for c in sconcs) + "</tr>")
+            out.append("</table>")
         concs, prow = point_table(s)
         if concs:
             lv = point_levels(s)

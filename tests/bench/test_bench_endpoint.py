@@ -108,6 +108,11 @@ def _rows(out) -> dict:
     return {e["name"]: e for e in json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]}
 
 
+def _settings(out) -> dict:
+    """The bench stage's settings (inputs of the run: no level) by name."""
+    return {x["name"]: x for x in json.loads((out / "report.json").read_text())["stages"]["bench"]["settings"]}
+
+
 LOAD = ["--concurrency", "2", "--num-prompts", "4", "--warmups", "1", "--input-len", "8", "--output-len", "4"]
 
 
@@ -123,7 +128,8 @@ def test_per_gpu_figures_divide_by_the_profile_gpus_and_say_so(tmp_path):
     assert tot > 0 and per == pytest.approx(tot / 8, rel=1e-3, abs=1e-3)
     detail = rows["c2.output_throughput_per_gpu"]["detail"]
     assert "8 GPUs" in detail and "--profile mi355x-8" in detail
-    assert rows["endpoint.gpus"]["value"] == 8 and "--profile mi355x-8" in rows["endpoint.gpus"]["detail"]
+    gpus = _settings(out)["endpoint.gpus"]  # the divisor given (or taken from --profile): a setting, not a claim
+    assert gpus["value"] == 8 and "--profile mi355x-8" in gpus["detail"] and "endpoint.gpus" not in rows
     assert rows["c2.output_throughput_per_gpu"]["level"] == "external"
     assert "endpoint.gpus" in r.output
     md = (out / "report.md").read_text()  # the header names the server measured, not only this machine
@@ -139,7 +145,7 @@ def test_endpoint_gpus_wins_over_the_profile(tmp_path):
     assert per == pytest.approx(tot / 2, rel=1e-3, abs=1e-3)
     assert "2 GPUs" in rows["c2.output_throughput_per_gpu"]["detail"]
     assert "--endpoint-gpus" in rows["c2.output_throughput_per_gpu"]["detail"]
-    assert rows["endpoint.gpus"]["value"] == 2
+    assert _settings(out)["endpoint.gpus"]["value"] == 2
 
 
 # ------------------------------------------------------------------------------------------------ nothing measured
@@ -400,8 +406,8 @@ def test_no_raw_bytes_reach_an_error_line():
 
 
 # ------------------------------------------------------------------------------------------------ what load was measured
-POINT_FIELDS = ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups", "duration",
-                "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+LOAD_FIELDS = ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups")  # settings of each point
+POINT_FIELDS = (*LOAD_FIELDS, "duration", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
                 "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
                                            for s in ("mean", "median", "p99")))
 
@@ -411,14 +417,16 @@ def test_each_point_states_its_load_and_vllms_result_fields_in_every_format(tmp_
     with serve(_Streaming) as url:
         r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2", "--num-prompts", "2",
                  "--warmups", "1", "--input-len", "8", "--output-len", "4", "--out", out])
-    rows = _rows(out)
+    rows, st = _rows(out), _settings(out)
     for c in (1, 2):
-        for f in POINT_FIELDS:
-            assert f"c{c}.{f}" in rows, (c, f)
-    assert rows["c2.input_len"]["value"] == 8 and rows["c2.range_ratio"]["value"] == 0.8
-    assert rows["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
+        for f in POINT_FIELDS:  # the load the point was given is a setting (no level); what it measured, evidence
+            assert (f"c{c}.{f}" in st) == (f in LOAD_FIELDS) and (f"c{c}.{f}" in rows) == (f not in LOAD_FIELDS), (c, f)
+    assert st["c2.input_len"]["value"] == 8 and st["c2.range_ratio"]["value"] == 0.8 and "level" not in st["c2.input_len"]
+    assert st["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "| field | unit | level | c=1 | c=2 |" in md and "<th>level</th><th>c=1</th><th>c=2</th>" in page
+    assert "| setting | unit | c=1 | c=2 |" in md and "<th>setting</th><th>unit</th><th>c=1</th><th>c=2</th>" in page
+    assert "inputs, not measurements" in md and "load of each point (settings)" in r.output
     for f in POINT_FIELDS:
         assert f"| {f} |" in md and f"<td>{f}</td>" in page and f in r.output, f
     assert "per concurrency point" in r.output

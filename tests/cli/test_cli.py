@@ -396,7 +396,10 @@ def test_bench_points_carry_their_budget_and_a_c1_breakdown(cache, tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}", ev["c1.outputs_sha256"]["value"])
     assert ev["c1.outputs_sha256"]["value"][:12] + "…" in out and ev["c1.outputs_sha256"]["value"] not in out
     assert "note: c=1 breakdown.mixed.wall_ms: not formed (at concurrency 1" in out
-    assert ev["c1.max_num_batched_tokens"]["value"] == 24 and ev["c2.max_num_batched_tokens"]["value"] == 24
+    bench = json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]
+    st = {x["name"]: x for x in bench["settings"]}  # the step budget is a setting of the point, not a claim
+    assert st["c1.max_num_batched_tokens"]["value"] == 24 and st["c2.max_num_batched_tokens"]["value"] == 24
+    assert "c1.max_num_batched_tokens" not in ev and "level" not in st["c1.max_num_batched_tokens"]
     assert ev["c1.breakdown.decode.wall_ms"]["value"] > 0
     assert "1 decode row," in ev["c1.breakdown.decode.wall_ms"]["detail"]
     assert ev["c1.breakdown.mixed.wall_ms"]["value"] == "not formed" and "concurrency 1" in ev["c1.breakdown.mixed.wall_ms"]["detail"]

@@ -82,6 +82,31 @@ def test_report_merge_accumulates_and_replaces():
         Report.from_dict({"schema": "other/9"})
 
 
+def test_settings_are_shown_apart_from_evidence_and_carry_no_level():
+    """Inputs of a run (a point's load, the profile) are settings: kept through a round trip, rendered in their own
+    table in md and html, and neither counted in evidence_levels nor given a level anywhere."""
+    from k3rocm.validation.evidence import setting
+
+    st = _stage("bench")
+    st.add_settings(setting("bench", "c4.input_len", 64, "tokens", "upper end L"),
+                    setting("bench", "c8.input_len", 64, "tokens", "upper end L"),
+                    setting("bench", "endpoint.gpus", 8, "GPU", "from --endpoint-gpus"))
+    rep = Report()
+    rep.merge_run(_repro(), [st])
+    d = rep.to_dict()
+    assert sum(d["evidence_levels"].values()) == 2  # the two evidence rows of _stage, no setting
+    sd = d["stages"]["bench"]["settings"]
+    assert [x["name"] for x in sd] == ["c4.input_len", "c8.input_len", "endpoint.gpus"]
+    assert all("level" not in x for x in sd) and all(e["name"] != "c4.input_len" for e in d["stages"]["bench"]["evidence"])
+    assert Report.from_dict(json.loads(render_json(rep))).to_dict()["stages"] == d["stages"]
+    md, page = render_markdown(rep), render_html(rep)
+    assert "inputs, not measurements" in md and "| setting | unit | c=4 | c=8 |" in md and "| input_len | tokens | 64 | 64 |" in md
+    assert "| endpoint.gpus | 8 | GPU | from --endpoint-gpus |" in md
+    assert "<th>setting</th><th>unit</th><th>c=4</th><th>c=8</th>" in page and "<td>endpoint.gpus</td>" in page
+    # and the measured per-point table does not list them
+    assert "| field | unit | level |" not in md  # _stage has no per-point evidence rows
+
+
 def test_load_report_merges_only_same_checkpoint(tmp_path):
     rep = Report()
     rep.merge_run(_repro("hashA"), [_stage("env")])

@@ -48,6 +48,10 @@ def test_every_tier_passes_on_k3_tiny(good_run):
 
 def test_evidence_content_and_levels(good_run):
     s, stages = good_run
+    env = next(st for st in stages if st.tier == "env")
+    # the profile is a setting of the run (what it checks against), not a projected claim
+    assert "profile" not in _rows(stages, "env") and [x.name for x in env.settings] == ["profile"]
+    assert env.settings[0].value == "cpu"
     load = _rows(stages, "load")
     assert load["index.tensors"].value == 1492 and load["index.tensors"].passed
     assert load["load.tensors_verified"].passed and load["plan.fits"].level == "projected"
@@ -72,6 +76,10 @@ def test_evidence_content_and_levels(good_run):
     assert s.measured_level == "measured"
     perf = _rows(stages, "performance")
     assert perf["c2.completed"].value == 4 and perf["c2.failed"].value == 0
+    # the load of the point is its settings, not measured rows
+    pst = {x.name: x for x in next(st for st in stages if st.tier == "performance").settings}
+    assert {f"c2.{k}" for k in ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups",
+                                "max_num_batched_tokens")} == set(pst) and not set(pst) & set(perf)
     assert perf["c2.roofline.floor_s"].level == "projected" and perf["c2.no_hang"].passed and "c2.p99_itl_ms" in perf
     assert 0 < perf["c2.roofline.fraction"].value < 1
     # the layout that ran (one process here) is what the run measured on: its level, never "projected"

@@ -11,7 +11,7 @@ import torch
 from k3rocm.bench import PointInterrupted, run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.runtime.sizing import StepRoofline
-from k3rocm.validation.evidence import Stage, check, info, listed
+from k3rocm.validation.evidence import Stage, check, info, listed, setting
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.env import figure_kind
 
@@ -67,8 +67,8 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     return d
 
 
-#: The rows of one benchmark point, in vLLM's ``benchmark_serving`` result names and order: the load it carried,
-#: then duration, token totals, throughputs and mean / median / p99 of each latency (``(field, unit, detail)``).
+#: The rows of one benchmark point, in vLLM's ``benchmark_serving`` result names and order: the load it carried
+#: (settings, :data:`POINT_SETTINGS`), then duration, token totals, throughputs and mean / median / p99 of each latency (``(field, unit, detail)``).
 POINT_FIELDS = (
     ("input_len", "tokens", "upper end L of the prompt-length draw [range_ratio x L, L]"),
     ("output_len", "tokens", "upper end L of the output-length draw [max(2, range_ratio x L), L], EOS ignored"),
@@ -87,6 +87,12 @@ POINT_FIELDS = (
     *((f"{stat}_{m}_ms", "ms", f"{stat} {m.upper()}") for m in ("ttft", "tpot", "itl", "e2el")
       for stat in ("mean", "median", "p99")),
 )
+
+
+#: the :data:`POINT_FIELDS` that are the point's settings (the load it was asked to carry and the engine's step
+#: budget): inputs of the run, so they go to the stage's settings (no level), not to its evidence
+POINT_SETTINGS = frozenset({"input_len", "output_len", "range_ratio", "num_prompts", "num_warmups",
+                            "max_num_batched_tokens"})
 
 
 def ran_alone(session: Session) -> bool:
@@ -157,7 +163,10 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
             if r.get(k) is not None:
                 v = r[k]
                 v = v if isinstance(v, int) and not isinstance(v, bool) else round(float(v), 4)
-                stage.add(info(tier, f"{tag}.{k}", v, unit, level=lv, detail=what))
+                if k in POINT_SETTINGS:  # the load the point was given: a setting, not a measurement
+                    stage.add_settings(setting(tier, f"{tag}.{k}", v, unit, what))
+                else:
+                    stage.add(info(tier, f"{tag}.{k}", v, unit, level=lv, detail=what))
         if r.get("outputs_sha256"):
             stage.add(info(tier, f"{tag}.outputs_sha256", r["outputs_sha256"], level=lv,
                            detail="sha256 of the greedy tokens served to the measured requests (seeded load): equal "
