@@ -170,6 +170,11 @@ def render_markdown(rep: Report) -> str:
                 lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
                                                            for c in sconcs) + " |")
             lines.append("")
+        plots = [(k, v) for k, v in (s.series or {}).items() if v.get("y")]
+        if plots:
+            lines += ["Plots (drawn in report.html), with the level of their series:", ""]
+            lines += [f"- {k} ({v.get('title', k)}): {plot_level_text(v)}" for k, v in plots]
+            lines.append("")
         concs, prow = point_table(s)
         if concs:
             lv = point_levels(s)
@@ -213,9 +218,30 @@ def _svg(fig) -> str:
     return re.sub(r'href="#([^"]+)"', lambda m: f'href="#{pre}{m.group(1)}"', s)
 
 
+def series_levels(spec: dict) -> dict[str, str | None]:
+    """The evidence level of each series (y label) of a plot spec, from its ``levels`` (``{label: level}``, written
+    by the tiers); None for a label without one (a report written before plots carried levels). Raises nothing."""
+    lv = spec.get("levels") if isinstance(spec.get("levels"), dict) else {}
+    return {lab: (lv.get(lab) if lv.get(lab) in LEVELS else None) for lab in (spec.get("y") or {})}
+
+
+def plot_level_text(spec: dict) -> str:
+    """The plot's level as one line of text: ``"level: measured"`` when every series has the same level, else
+    ``"levels: planned projected; loaded measured"`` (one per series), ``"level: not recorded"`` without any."""
+    per = series_levels(spec)
+    distinct = set(per.values())
+    if distinct == {None} or not per:
+        return "level: not recorded"
+    if len(distinct) == 1:
+        return f"level: {next(iter(distinct))}"
+    return "levels: " + "; ".join(f"{lab} {lv or 'not recorded'}" for lab, lv in per.items())
+
+
 def _series_svg(name: str, spec: dict) -> str | None:
-    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``
-    (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with the labels stacked).
+    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind",
+    "levels": {label: level}}`` (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with
+    the labels stacked). Where the series carry different levels (planned vs loaded bytes), each legend entry names
+    its series' level.
 
     Returns None for an empty series. Without matplotlib (a declared dependency, but a GPU node may run
     a bare environment) the plot becomes a one-line note instead of failing the report."""
@@ -239,22 +265,25 @@ def _series_svg(name: str, spec: dict) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=100)
     kind = spec.get("kind", "line")
     labels = list(ys)
+    levels = series_levels(spec)
+    mixed = len(set(levels.values())) > 1
     stack: dict = {}
     for j, lab in enumerate(labels):
+        shown = f"{lab} ({levels.get(lab) or 'level not recorded'})" if mixed else lab
         vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("nan") for v in ys[lab]]
         xs = x if len(x) == len(vals) else list(range(len(vals)))
         if kind == "stacked":  # one bar per x, the labels stacked bottom to top
             bottom = stack.setdefault("b", [0.0] * len(vals))
-            ax.bar(range(len(vals)), vals, width=0.6, bottom=bottom, label=lab)
+            ax.bar(range(len(vals)), vals, width=0.6, bottom=bottom, label=shown)
             stack["b"] = [b + (v if v == v else 0.0) for b, v in zip(bottom, vals)]
             ax.set_xticks(range(len(vals)), [str(v) for v in xs])
         elif kind == "bar":
             w = 0.8 / max(1, len(labels))
             pos = [i + j * w for i in range(len(vals))]
-            ax.bar(pos, vals, width=w, label=lab)
+            ax.bar(pos, vals, width=w, label=shown)
             ax.set_xticks([i + 0.4 - w / 2 for i in range(len(vals))], [str(v) for v in xs])
         else:
-            ax.plot(xs, vals, marker="o", markersize=3, label=lab)
+            ax.plot(xs, vals, marker="o", markersize=3, label=shown)
             for xv, yv, text in zip(xs, vals, spec.get("labels") or []):
                 ax.annotate(str(text), (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
     positive = [float(v) for vals in ys.values() for v in vals
@@ -280,11 +309,27 @@ table{border-collapse:collapse;font-size:.88em;margin:.6em 0}td,th{border:1px so
 th{background:#f6f8fa}.badge{display:inline-block;border-radius:1em;padding:0 .6em;color:#fff;font-size:.8em;white-space:nowrap}
 .fail{color:#cf222e;font-weight:600}.pass{color:#1a7f37}code{background:#f6f8fa;padding:0 .25em}
 .plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}details{margin:.5em 0}
+.caption{font-size:.85em;margin:.2em 0 0 0}
 """
 
 
 def _badge(text: str, color: str) -> str:
     return f'<span class="badge" style="background:{color}">{html.escape(text)}</span>'
+
+
+def _plot_caption(spec: dict) -> str:
+    """The HTML caption under a plot: its level as a badge (the table rows' colours), or one badge per series
+    where they differ."""
+    per = series_levels(spec)
+    distinct = set(per.values())
+    if not per or distinct == {None}:
+        return "<p class=\"caption\">level: not recorded</p>"
+    if len(distinct) == 1:
+        lv = next(iter(distinct))
+        return f"<p class=\"caption\">level {_badge(lv, LEVEL_COLORS[lv])}</p>"
+    return "<p class=\"caption\">levels per series: " + " · ".join(
+        f"{html.escape(lab)} {_badge(lv or 'not recorded', LEVEL_COLORS.get(lv or '', '#6e7781'))}"
+        for lab, lv in per.items()) + "</p>"
 
 
 def _html_context(r: dict) -> list[str]:
@@ -335,9 +380,10 @@ def render_html(rep: Report) -> str:
             out.append(f"<p><code>{e(s.command)}</code> · {s.seconds:.2f} s · started {e(s.started)}</p>")
         if s.error:
             out.append(f"<p class=\"fail\">error: {e(s.error)}</p>")
-        plots = [p for p in (_series_svg(k, v) for k, v in (s.series or {}).items()) if p]
-        if plots:
-            out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
+        plots = [(p, v) for p, v in ((_series_svg(k, v), v) for k, v in (s.series or {}).items()) if p]
+        if plots:  # each plot with its level under it, as every table row carries one
+            out.append("<div class=\"plots\">" + "".join(f"<div>{p}{_plot_caption(v)}</div>" for p, v in plots)
+                       + "</div>")
         others, sconcs, srows = stage_settings(s)
         if others or sconcs:
             out.append(f"<p>{e(SETTINGS_TITLE)}:</p>")

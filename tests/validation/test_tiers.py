@@ -88,6 +88,17 @@ def test_evidence_content_and_levels(good_run):
     # plots: per-layer error, activation max |h|, latency
     series = {k for st in stages for k in st.series}
     assert {"layer_error", "absmax", "latency", "throughput"} <= series
+    # every plot records the level of each of its series, as the rows it draws carry them
+    from k3rocm.validation.evidence import LEVELS
+    for st in stages:
+        for k, spec in st.series.items():
+            assert set(spec["levels"]) == set(spec["y"]) and set(spec["levels"].values()) <= set(LEVELS), (k, spec)
+    by = {k: spec["levels"] for st in stages for k, spec in st.series.items()}
+    assert by["bytes_per_device"] == {"planned": "projected", "loaded": "measured"}
+    assert set(by["roofline"].values()) == {"projected"} and set(by["latency"].values()) == {"measured"}
+    golden = {k: v for k, v in by["layer_error"].items() if "golden" in k}
+    assert golden and set(golden.values()) == {"external"}
+    assert {v for k, v in by["layer_error"].items() if "golden" not in k} == {"measured"}
     absmax = next(st for st in stages if st.tier == "forward").series["absmax"]["y"]["max |h|"]
     assert len(absmax) == 13 and all(0 < a < 1e3 for a in absmax)
 

@@ -47,7 +47,8 @@ def tier_forward(session: Session, stage: Stage) -> None:
         stage.add(check("forward", "layers.max_abs_h", worst, le=THRESHOLDS["forward.max_abs_h"], level=lv,
                         detail=f"max over {len(am)} layers of max |h|"))
         stage.series["absmax"] = {"title": "per-layer activation max |h|", "x": list(range(len(am))),
-                                  "y": {"max |h|": am}, "xlabel": "layer", "ylabel": "max |h|", "log": True}
+                                  "y": {"max |h|": am}, "xlabel": "layer", "ylabel": "max |h|", "log": True,
+                                  "levels": {"max |h|": lv}}
     def serve():
         if hasattr(eng, "generate") and hasattr(eng, "add_request"):
             return torch.tensor(eng.generate([r.tolist() for r in ids], steps))

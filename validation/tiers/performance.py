@@ -223,12 +223,14 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
             pct[f"p99 {m.upper()}"] = vals
     if pct:
         stage.series["latency"] = {"title": "latency percentiles vs concurrency", "kind": "bar",
-                                   "x": cs, "xlabel": "concurrency", "ylabel": "ms", "y": pct, "log": True}
+                                   "x": cs, "xlabel": "concurrency", "ylabel": "ms", "y": pct, "log": True,
+                                   "levels": {k: lv for k in pct}}
     thr = {k: [r.get(k) for r in results] for k in ("output_throughput", "total_token_throughput")}
     thr = {k: v for k, v in thr.items() if all(x is not None for x in v)}
     if thr:
         stage.series["throughput"] = {"title": "throughput vs concurrency", "kind": "bar", "x": cs,
-                                      "xlabel": "concurrency", "ylabel": "tok/s", "y": thr}
+                                      "xlabel": "concurrency", "ylabel": "tok/s", "y": thr,
+                                      "levels": {k: lv for k in thr}}
     # the serving trade-off (InferenceX's axes): output tok/s per GPU against tok/s per user, one point per
     # concurrency; tok/s/user = 1000 / median TPOT (ms)
     pts = sorted((1000.0 / r["median_tpot_ms"], r["output_throughput_per_gpu"], r.get("concurrency"))
@@ -246,7 +248,9 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                 y[label] = vals
         stage.series["roofline"] = {"title": "fraction of the roofline vs concurrency (1.0 = at the floor)",
                                     "kind": "bar", "x": cs, "xlabel": "concurrency", "ylabel": "floor / measured",
-                                    "y": y}
+                                    # a projected floor over a measured time: as strong as the projection (the
+                                    # roofline.fraction rows say the same)
+                                    "y": y, "levels": {k: "projected" for k in y}}
     bars = [(f"c{r.get('concurrency')} {kind}", part) for r in results
             for kind, part in sorted((r.get("breakdown") or {}).items())]
     if bars:
@@ -254,12 +258,12 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.series["breakdown"] = {"title": "where a step goes (eager profiled step, ms per op family)",
                                      "kind": "stacked", "x": [b[0] for b in bars], "xlabel": "step",
                                      "ylabel": "ms", "y": {f: [part["ms"].get(f, 0.0) for _, part in bars]
-                                                           for f in fams}}
+                                                           for f in fams}, "levels": {f: lv for f in fams}}
     if pts:
         stage.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)",
                                     "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",
                                     "ylabel": "output tok/s/GPU", "y": {"output tok/s/GPU": [p[1] for p in pts]},
-                                    "labels": [f"c={p[2]}" for p in pts]}
+                                    "labels": [f"c={p[2]}" for p in pts], "levels": {"output tok/s/GPU": lv}}
 
 
 #: what each counted collective of the decoder is (k3rocm.model.decoder / runtime.dist.TPGroup)
