@@ -444,9 +444,13 @@ def _nothing_measured(endpoint: str, r: dict) -> str:
     wu = r.get("warmup") or {}
     if n == 0 and wu.get("sent") and not wu.get("completed"):
         why = (wu.get("errors") or [{"error": "no warm-up finished"}])[0]["error"]
-        return (f"--endpoint {endpoint}: all {wu['sent']} warm-up requests at concurrency {r.get('concurrency')} "
-                f"failed ({why}), so no measured request was sent; is it an OpenAI-compatible server streaming "
-                "/v1/completions?")
+        sent, asked = int(wu["sent"]), int(wu.get("asked") or wu["sent"])
+        # the counts the progress line showed: the sending stops once every warm-up sent so far has failed
+        which = f"all {sent}" if sent >= asked else f"the first {sent} of {asked}"
+        rest = "no measured request was sent" if sent >= asked else \
+            f"the other {asked - sent} and every measured request were not sent"
+        return (f"--endpoint {endpoint}: {which} warm-up requests at concurrency {r.get('concurrency')} failed "
+                f"({why}), so {rest}; is it an OpenAI-compatible server streaming /v1/completions?")
     if errs:
         why = errs[0]["error"]
     elif hang:

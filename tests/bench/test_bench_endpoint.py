@@ -338,8 +338,40 @@ def test_a_server_that_never_answers_stops_after_the_warmups_and_says_connected_
     assert took < 3.0 and sent <= 3 and wu["sent"] <= 3  # about one wave of the 4 warm-ups, then nothing more
     assert r.records == [] and wu["failed"] == wu["sent"] and wu["completed"] == 0
     line = _nothing_measured(url, r.to_dict(per_request=False))
-    assert f"all {wu['sent']} warm-up requests" in line and "connected, no response within 0.3 s" in line
+    assert f"the first {wu['sent']} of 4 warm-up requests" in line and "connected, no response within 0.3 s" in line
+    assert f"the other {4 - wu['sent']} and every measured request were not sent" in line
     assert "cannot connect" not in line
+    wu["sent"] = wu["failed"] = wu["asked"]  # every planned warm-up sent and failed: "all"
+    line = _nothing_measured(url, {"concurrency": 2, "warmup": wu})
+    assert "all 4 warm-up requests at concurrency 2 failed" in line and "no measured request was sent" in line
+
+
+class _Fails(_Streaming):
+    """Answers every request with HTTP 500."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+
+def test_a_failing_server_gets_warm_up_counts_that_agree_in_progress_error_and_report(tmp_path):
+    """Concurrency 1, 2 warm-ups planned: the first fails and the second is not sent. The progress line (1/2, 1
+    failed), the error line and the report row say the same counts (not "all 1 warm-up requests")."""
+    out = tmp_path / "r"
+    with serve(_Fails) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1", "--num-prompts", "2",
+                 "--input-len", "8", "--output-len", "4", "--out", out], code=3)
+    assert "bench c=1 warm-up: 1/2 (50%), 1 failed" in r.stderr
+    line = one_line_error(r)
+    assert "the first 1 of 2 warm-up requests at concurrency 1 failed (" in line, line
+    assert "the other 1 and every measured request were not sent" in line and "all 1 warm-up" not in line
+    row = _rows(out)["c1.warmup_failed"]
+    assert row["value"] == 1 and "of 1 warm-up requests sent (not measured); 2 were planned, the other 1 not sent" \
+        in row["detail"], row["detail"]
+    assert _settings(out)["c1.num_warmups"]["value"] == 2
 
 
 class _NoDone(_FixedStream):

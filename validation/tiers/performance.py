@@ -155,8 +155,11 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                   "and requests with one token define no TPOT / ITL"))
         wu = r.get("warmup") or {}
         if wu.get("failed"):
+            sent, asked = int(wu.get("sent", 0)), int(wu.get("asked") or wu.get("sent", 0))
+            unsent = (f"; {asked} were planned, the other {asked - sent} not sent once every one sent had failed"
+                      if sent < asked else "")
             stage.add(info(tier, f"{tag}.warmup_failed", int(wu["failed"]), "requests", level=lv,
-                           detail=f"of {wu.get('sent', 0)} warm-up requests sent (not measured): "
+                           detail=f"of {sent} warm-up requests sent (not measured){unsent}: "
                                   + listed((f"{e['count']} x {e['error']}" for e in wu.get("errors") or []),
                                            limit=250)))
         for k, unit, what in POINT_FIELDS:
