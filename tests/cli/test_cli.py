@@ -189,6 +189,14 @@ def test_expected_failures_are_one_line(golden_ckpt, tmp_path):
     shard.write_bytes(shard.read_bytes()[:1000])
     line = one_line_error(run(["load", "--checkpoint", d, "--out", out], code=2))
     assert shard.name in line
+    # a config.json that is a directory is named as such (not "no config.json"), for load and --synthetic alike
+    c = tmp_path / "cfgdir"
+    shutil.copytree(golden_ckpt, c)
+    (c / "config.json").unlink()
+    (c / "config.json").mkdir()
+    for args in (["load"], ["bench", "--synthetic"]):
+        line = one_line_error(run([*args, "--checkpoint", c, "--out", out], code=2))
+        assert f"{c / 'config.json'}: is a directory, not a file" in line, line
     # --debug shows the traceback of the same failure
     r = run(["load", "--checkpoint", d, "--out", out, "--debug"], code=2)
     assert "Traceback" in r.output
