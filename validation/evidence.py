@@ -447,33 +447,58 @@ def report_lock(out_dir: str | Path, timeout_s: float = 300.0, poll_s: float = 0
     Two commands writing into one ``--out`` at once would each read the old report.json and the later write
     would drop the other's stages and history entry; under this lock the second waits for the first and then
     merges into what the first wrote. The lock is ``fcntl.flock`` on ``out_dir/.report.lock`` (released by the
-    kernel when the process dies, so a killed run never leaves a stale lock); the file itself stays.
-    After 1 s of waiting a one-line note on stderr says so.
+    kernel when the process dies, so a killed run never leaves a stale lock). The holder removes the file before
+    it releases the lock, so a finished run leaves no empty lock file in the report folder; a waiter that then
+    gets the lock on the removed file sees that the path no longer names the file it locked and locks the
+    current one instead (the usual lock-file protocol), so removing it never lets two writers in at once. A
+    file left by a process that was killed stays until the next writer removes it (it is not a stale lock: the
+    kernel released that one). After 1 s of waiting a one-line note on stderr says so.
 
     Raises:
         ConfigError: another process held the lock for more than ``timeout_s`` seconds.
         OSError: the lock file cannot be created (the caller turns it into one line).
     """
     path = Path(out_dir) / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        t0, noted = time.monotonic(), False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    t0, noted = time.monotonic(), False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - t0
+                    if waited > timeout_s:
+                        raise ConfigError(f"--out {out_dir}: another k3rocm has been writing its report there for "
+                                          f"{timeout_s:.0f} s; wait for it or choose another --out") from None
+                    if waited > 1.0 and not noted:
+                        print(f"note: waiting for another k3rocm writing the report in {out_dir}", file=sys.stderr)
+                        noted = True
+                    time.sleep(poll_s)
+            if _same_file(fd, path):
                 break
-            except BlockingIOError:
-                waited = time.monotonic() - t0
-                if waited > timeout_s:
-                    raise ConfigError(f"--out {out_dir}: another k3rocm has been writing its report there for "
-                                      f"{timeout_s:.0f} s; wait for it or choose another --out") from None
-                if waited > 1.0 and not noted:
-                    print(f"note: waiting for another k3rocm writing the report in {out_dir}", file=sys.stderr)
-                    noted = True
-                time.sleep(poll_s)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the holder before us removed the file we locked: lock the one the path names now
+    try:
         yield path
     finally:
+        try:
+            os.unlink(path)  # ours, and still locked: a waiter re-checks the path and locks a fresh file
+        except OSError:
+            pass
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """True when ``path`` still names the open file ``fd`` (same device and inode). Raises nothing."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint: str | None = None,
