@@ -13,7 +13,7 @@ from rich.table import Table
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
 from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, fail, handle_errors, kept
-from k3rocm.config import preset as make_preset
+from k3rocm.config import PRESETS, preset as make_preset
 from k3rocm.errors import CheckpointError, ConfigError, Terminated, unresolved_link
 
 GB = 1e9
@@ -31,7 +31,7 @@ Examples:
   k3rocm checkpoint make --preset k3-prefix-4 --out ./k3p4 --expert-init codes   # full width, fast
   k3rocm checkpoint make --out ./k3-tiny --manifest          # + k3rocm-manifest.json (sha256)""")
 @click.option("--preset", default="k3-tiny", show_default=True, metavar="NAME",
-              help="k3-tiny, k3-prefix-N, k3, kimi-linear-48b-a3b (full sizes need the disk space).")
+              help=f"{', '.join(PRESETS)} (full sizes need the disk space).")
 @click.option("--out", required=True, type=click.Path(path_type=str), metavar="DIR", help="New directory to write.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
               help="Weights are a function of (seed, tensor name).")

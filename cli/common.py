@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from k3rocm.config import PRESETS
 from k3rocm.errors import Interrupted, K3Error, Terminated, os_error
 from k3rocm.validation.evidence import command_line, reproduction_block
 from k3rocm.validation.render import DeferSignals, update_report
@@ -157,7 +158,7 @@ def synthetic_options(f):
                           "of the profile's GPUs as it needs; default: the profile's)."),
         click.option("--preset", default=None, metavar="NAME",
                      callback=not_empty("pass a preset name (k3, k3-tiny, k3-prefix-N, ...) or omit it"),
-                     help="With --synthetic: the preset config (k3, k3-tiny, k3-tiny-tp8, k3-prefix-N, kimi-linear-48b-a3b; "
+                     help=f"With --synthetic: the preset config ({', '.join(PRESETS)}; "
                           "default k3-tiny), or take it from --checkpoint's config.json."),
         click.option("--synthetic", is_flag=True,
                      help="Random weights made directly in device memory for one rank (--rank) of a layout "

@@ -103,6 +103,16 @@ def test_malformed_tune_setting_is_one_line_exit_2(value):
     assert "must be 1" in _plan_with_env("K3ROCM_TUNE", value)
 
 
+@pytest.mark.parametrize("cmd", [["checkpoint", "make"], ["plan"], ["bench"], ["validate"]])
+def test_every_preset_option_lists_every_preset(cmd):
+    """The --preset help of each command comes from one list (k3rocm.config.PRESETS): none lacks a preset."""
+    from k3rocm.config import PRESETS
+
+    text = "".join(run(cmd + ["--help"]).output.split())  # help text wraps, even inside a name
+    missing = [p for p in PRESETS if p not in text]
+    assert not missing, (cmd, missing)
+
+
 def test_profiles_env_and_kernels_list():
     table = run(["profiles"]).output
     assert "mi355x-8" in table
