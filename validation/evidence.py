@@ -178,10 +178,12 @@ class Setting:
         self.value = _jsonable(self.value)
 
     def to_dict(self) -> dict:
+        """``{tier, name, value, unit, detail}`` (the report's setting object)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Setting":
+        """A setting from its report object (missing keys: None). Raises nothing."""
         return cls(**{k: d.get(k) for k in ("tier", "name", "value", "unit", "detail")})
 
 
