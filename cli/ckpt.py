@@ -12,9 +12,9 @@ from rich.table import Table
 
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
-from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, handle_errors
-from k3rocm.config import preset as make_preset
-from k3rocm.errors import CheckpointError, ConfigError, unresolved_link
+from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, fail, handle_errors, kept
+from k3rocm.config import PRESETS, preset as make_preset
+from k3rocm.errors import CheckpointError, ConfigError, Terminated, unresolved_link
 
 GB = 1e9
 
@@ -31,7 +31,7 @@ Examples:
   k3rocm checkpoint make --preset k3-prefix-4 --out ./k3p4 --expert-init codes   # full width, fast
   k3rocm checkpoint make --out ./k3-tiny --manifest          # + k3rocm-manifest.json (sha256)""")
 @click.option("--preset", default="k3-tiny", show_default=True, metavar="NAME",
-              help="k3-tiny, k3-prefix-N, k3, kimi-linear-48b-a3b (full sizes need the disk space).")
+              help=f"{', '.join(PRESETS)} (full sizes need the disk space).")
 @click.option("--out", required=True, type=click.Path(path_type=str), metavar="DIR", help="New directory to write.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
               help="Weights are a function of (seed, tensor name).")
@@ -48,12 +48,19 @@ def make_cmd(preset, out, seed, shards, manifest, expert_init, debug):
 
     _check_out_dir(out)
     cfg = make_preset(preset, "--preset")
-    with Progress() as bar:
-        cb = bar.callback(f"writing {preset}")
-        path = write_checkpoint(cfg, out, seed=seed, num_shards=shards, progress=lambda done, total, *_: cb(done, total),
-                     expert_init=expert_init)
+    try:
+        with Progress() as bar:
+            cb = bar.callback(f"writing {preset}")
+            path = write_checkpoint(cfg, out, seed=seed, num_shards=shards,
+                                    progress=lambda done, total, *_: cb(done, total), expert_init=expert_init)
+    except Terminated:  # the writer removed its temporary directory and any parent it created
+        fail("terminated (SIGTERM) while writing the checkpoint; nothing was written (the partial files were "
+             "removed)", 143)
     if manifest:
+        kept(f"the checkpoint in {path} is complete but has no {MANIFEST_NAME} (write it with `k3rocm checkpoint "
+             f"verify --checkpoint {path} --write-manifest`)")
         make_manifest(path)
+    kept(f"the checkpoint in {path} is complete")
     files = sorted(Path(path).iterdir())
     click.echo(f"wrote {preset} (seed {seed}) to {path}: {len(files)} files, "
                f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB")

@@ -20,9 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from k3rocm.config import PRESETS
 from k3rocm.errors import Interrupted, K3Error, Terminated, os_error
 from k3rocm.validation.evidence import command_line, reproduction_block
-from k3rocm.validation.render import update_report
+from k3rocm.validation.render import DeferSignals, update_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
 
@@ -42,14 +43,33 @@ def fail(msg: str, code: int) -> None:
     raise SystemExit(code)
 
 
+#: what the running command has written and kept so far, as the clause its SIGTERM line ends with (None: nothing)
+_KEPT: dict[str, str | None] = {"kept": None}
+
+
+def kept(clause: str) -> None:
+    """Record what the running command has written and kept (``"what finished before it is in <report>"``), so a
+    SIGTERM that ends it later says where that is; the latest call wins. Raises nothing."""
+    _KEPT["kept"] = clause
+
+
+def terminated_line() -> str:
+    """The one line of a command ended by SIGTERM: where what it kept is (:func:`kept`), or that nothing was
+    written (every writer removes its partial output: reports are written whole or not at all, a checkpoint in
+    a temporary directory, an ``--out`` this command created is removed again)."""
+    return f"terminated (SIGTERM); {_KEPT['kept'] or 'nothing was written'}"
+
+
 def handle_errors(fn: Callable) -> Callable:
     """Turn a :class:`K3Error` into its one-line message and exit code; ``--debug`` adds the traceback.
 
     An :class:`OSError` that reaches here (no space, a path that is a directory, a symlink loop) is one line
-    too, with the exit code of its class (:func:`k3rocm.errors.os_error`: 3 environment, 2 bad input)."""
+    too, with the exit code of its class (:func:`k3rocm.errors.os_error`: 3 environment, 2 bad input). SIGTERM
+    exits 143 with :func:`terminated_line`: where the report is only when one was written."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         debug = bool(kwargs.get("debug"))
+        _KEPT["kept"] = None  # a command starts with nothing written (several commands may run in one process)
         try:
             return fn(*args, **kwargs)
         except K3Error as e:
@@ -62,7 +82,7 @@ def handle_errors(fn: Callable) -> Callable:
             err = os_error(e)
             fail(str(err), err.exit_code)
         except Terminated:
-            fail("terminated (SIGTERM); what finished before it is in the report", 143)
+            fail(terminated_line(), 143)
         except KeyboardInterrupt:
             fail("interrupted", 130)
     return wrapper
@@ -138,7 +158,7 @@ def synthetic_options(f):
                           "of the profile's GPUs as it needs; default: the profile's)."),
         click.option("--preset", default=None, metavar="NAME",
                      callback=not_empty("pass a preset name (k3, k3-tiny, k3-prefix-N, ...) or omit it"),
-                     help="With --synthetic: the preset config (k3, k3-tiny, k3-tiny-tp8, k3-prefix-N, kimi-linear-48b-a3b; "
+                     help=f"With --synthetic: the preset config ({', '.join(PRESETS)}; "
                           "default k3-tiny), or take it from --checkpoint's config.json."),
         click.option("--synthetic", is_flag=True,
                      help="Random weights made directly in device memory for one rank (--rank) of a layout "
@@ -264,7 +284,25 @@ def _extra(failed: int = 0, tokens: int | None = None) -> str:
 
 
 def write_stages(session, stages) -> Path:
-    """Merge ``stages`` into ``--out``'s report (same checkpoint config) and write json/md/html."""
+    """Merge ``stages`` into ``--out``'s report (same checkpoint config) and write json/md/html.
+
+    Ctrl-C / SIGTERM from the moment ``--out`` is created until the report is written whole is held and acted on
+    afterwards (exit 130 / 143, one line naming the report), so an interrupt never leaves an ``--out`` without
+    the report of the stages that finished."""
+    out = Path(session.opts.out)
+    try:
+        with DeferSignals():
+            out, paths = _write_stages(session, stages)
+    except KeyboardInterrupt as e:  # held until the report was written whole (render.DeferSignals), then raised
+        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        fail(f"interrupted ({how}) while the report was written; it was written whole first: {out / 'report.html'}",
+             code)
+    kept(f"what finished before it is in the report {paths['html']}")
+    return paths["html"]
+
+
+def _write_stages(session, stages) -> tuple[Path, dict[str, Path]]:
+    """:func:`write_stages` without the signal handling: ``(out directory, paths of report.json/md/html)``."""
     from k3rocm.validation.session import require_dir_for_output  # torch: 1.2 s (measured); --help needs none
     from k3rocm.validation.tiers.thresholds import THRESHOLDS  # torch and triton, as above
 
@@ -303,13 +341,7 @@ def write_stages(session, stages) -> Path:
     block = reproduction_block(command=session.opts.command, checkpoint=ckpt, config_hash=cfg_hash,
                                seed=session.opts.seed, device=dev, profile=prof, kernels=session.opts.kernels,
                                thresholds=THRESHOLDS, extra=extra)
-    try:
-        paths = update_report(out, block, stages, config_hash=cfg_hash, checkpoint=ckpt, profile=prof)
-    except KeyboardInterrupt as e:  # held until the report was written whole (render._DeferSignals), then raised
-        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
-        fail(f"interrupted ({how}) while the report was written; it was written whole first: {out / 'report.html'}",
-             code)
-    return paths["html"]
+    return out, update_report(out, block, stages, config_hash=cfg_hash, checkpoint=ckpt, profile=prof)
 
 
 def print_stages(stages, session=None) -> None:
@@ -390,8 +422,9 @@ def report_and_finish(session, stages, html: Path, extra: Callable | None = None
         print_stages(stages, session)
         if extra is not None:
             extra()
-    except KeyboardInterrupt:
-        fail(f"interrupted while printing the tables; the report is complete: {html}", 130)
+    except KeyboardInterrupt as e:
+        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        fail(f"interrupted ({how}) while printing the tables; the report is complete: {html}", code)
     finish(stages, html)
 
 

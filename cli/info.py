@@ -11,7 +11,7 @@ from rich.table import Table
 from k3rocm.cli.common import (checkpoint_option, checkpoint_session, console, debug_option, handle_errors, not_empty,
                                profile_option)
 from k3rocm.checkpoint import layout
-from k3rocm.config import preset as make_preset
+from k3rocm.config import PRESETS, preset as make_preset
 from k3rocm.envtraps import TRAPS, match_traps, read_env_file, server_options, settings_text
 from k3rocm.errors import ConfigError, HardwareError, PlanError
 from k3rocm.hw import detect
@@ -159,7 +159,7 @@ Examples:
 @checkpoint_option
 @click.option("--preset", default=None, metavar="NAME",
               callback=not_empty("pass k3, k3-tiny, k3-prefix-N or kimi-linear-48b-a3b, or omit it"),
-              help="Plan a preset config instead of a checkpoint: k3, k3-tiny, k3-tiny-tp8, k3-prefix-N, kimi-linear-48b-a3b.")
+              help=f"Plan a preset config instead of a checkpoint: {', '.join(PRESETS)}.")
 @profile_option
 @click.option("--tp", type=int, default=None, help="Tensor-parallel ranks (default: the profile's).")
 @click.option("--ep", type=int, default=None,

@@ -15,7 +15,7 @@ from k3rocm.cli.common import (Progress, common_options, console, handle_errors,
                                report_and_finish, run_tiers_kept, synthetic_options, write_stages)
 from k3rocm.cli.info import print_plan
 from k3rocm.errors import ConfigError, K3Error
-from k3rocm.validation.render import fmt_value, point_levels, point_table
+from k3rocm.validation.render import fmt_value, point_levels, point_table, stage_settings
 
 
 @click.command("load", epilog="""\b
@@ -225,10 +225,21 @@ def _short(text: str, field: str) -> str:
 
 
 def _print_bench(stage) -> None:
-    """The bench stage's figures: one table, a column per concurrency point (vLLM's result fields, in its order, at a
-    precision that fits each unit), then the stage's other informational rows."""
-    concs, rows = point_table(stage)
+    """The bench stage's figures: the load of each point (its settings), then one table, a column per concurrency
+    point (vLLM's result fields, in its order, at a precision that fits each unit), then the stage's other settings
+    and informational rows."""
     c = console()
+    others, sconcs, srows = stage_settings(stage)
+    if sconcs:  # the load each point was given: settings, shown apart from what was measured
+        t = Table(title="load of each point (settings)")
+        t.add_column("setting")
+        t.add_column("unit")
+        for x in sconcs:
+            t.add_column(f"c={x}", justify="right")
+        for f, u, vals in srows:
+            t.add_row(f, u, *(fmt_value(vals[x], u) if x in vals else "" for x in sconcs))
+        c.print(t)
+    concs, rows = point_table(stage)
     if concs:
         lv = point_levels(stage)
         t = Table(title="per concurrency point")
@@ -250,6 +261,13 @@ def _print_bench(stage) -> None:
             c.print(f"note: at concurrency {m.group(1)}, {e.value} completed request(s) returned fewer output "
                     "tokens than asked (the server stopped early: EOS or a length limit); the load was lighter "
                     "than asked, and a request with one token has no TPOT / ITL", highlight=False)
+    if others:
+        t = Table(title="settings")
+        for col in ("setting", "value", "unit"):
+            t.add_column(col)
+        for x in others:
+            t.add_row(x.name, fmt_value(x.value, x.unit), x.unit)
+        c.print(t)
     other = [e for e in stage.evidence if e.passed is None and not re.fullmatch(r"c\d+\..+", e.name)]
     if other:
         t = Table()

@@ -28,6 +28,9 @@ from typing import Any
 from k3rocm.errors import ConfigError
 
 PRESETS = ("k3", "k3-tiny", "k3-tiny-tp8", "k3-prefix-N", "kimi-linear-48b-a3b")
+#: ``model_type`` of the K3 wrapper and of its text model (the released config.json; K3_FACTS §2)
+K3_MODEL_TYPE = "kimi_k3"
+TEXT_MODEL_TYPE = "kimi_linear"
 # far above any real model; a larger count is a typo that would only exhaust memory listing the tensors
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 65_536
@@ -190,6 +193,9 @@ class K3Config:
     def from_file(cls, path: str | Path) -> "K3Config":
         """Parse a ``config.json``. Raises ConfigError naming the file on any problem."""
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a directory, not a file; config.json must be the checkpoint's JSON config "
+                              "file - replace the directory with the released config.json")
         try:
             doc = json.loads(path.read_text())
         except FileNotFoundError:
@@ -225,6 +231,20 @@ class K3Config:
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise ConfigError(f"architectures is {_short(archs)}; it must be a list of class names such as "
                               "[\"KimiK3ForConditionalGeneration\"] - fix config.json")
+        if "text_config" not in doc and ("KimiK3ForConditionalGeneration" in archs
+                                         or doc.get("model_type") == K3_MODEL_TYPE):
+            # the K3 wrapper without its text model: every field below would be reported missing one by one
+            raise ConfigError("text_config is missing; a Kimi K3 config.json (KimiK3ForConditionalGeneration) keeps "
+                              "the text model's fields there - restore it from the released config.json")
+        # model_type names the model the file describes: another one (llama, deepseek_v3, ...) would be run as K3
+        wrapper = text is not doc
+        for where, mt, want in (("", doc.get("model_type"), K3_MODEL_TYPE if wrapper else TEXT_MODEL_TYPE),
+                                ("text_config", text.get("model_type") if wrapper else None, TEXT_MODEL_TYPE)):
+            if mt is not None and mt != want:
+                raise ConfigError(f"{_dot(where, 'model_type')} is {_short(mt)}; k3rocm runs only Kimi K3 "
+                                  f"(model_type {K3_MODEL_TYPE!r} with text_config.model_type {TEXT_MODEL_TYPE!r}) and "
+                                  f"Kimi-Linear ({TEXT_MODEL_TYPE!r}) - pass a Kimi K3 checkpoint, or fix config.json "
+                                  "from the released config.json")
         if "KimiK3ForConditionalGeneration" in archs or "attn_res_block_size" in text:
             family = "k3"
         elif text.get("model_type") == "kimi_linear":
@@ -379,16 +399,14 @@ class K3Config:
             raise bad(TC, "hidden_act", act, f"{want_act!r} ({'Kimi K3' if family == 'k3' else 'Kimi-Linear'} "
                                              "uses only that activation)")
         vocab = ival("vocab_size")
-        n_exp = ival("num_experts", default=0, lo=0, hi=MAX_EXPERTS,
-                     must=f"an integer in 0..{MAX_EXPERTS} (0: no MoE; K3 has 896)")
+        # both families are mixtures of experts: a config without routed experts is not a model k3rocm runs (its
+        # MoE layers would silently become tensors "missing" from the checkpoint)
+        n_exp = ival("num_experts", hi=MAX_EXPERTS,
+                     must=f"an integer in 1..{MAX_EXPERTS} (the routed experts of each MoE layer; K3 has 896)")
         n_shared = ival("num_shared_experts", default=0, lo=0)
-        if n_exp:
-            topk = ival("num_experts_per_token", hi=n_exp,
-                        must=f"in 1..{n_exp} (at least one and at most {_dot(TC, 'num_experts')})")
-        else:
-            topk = ival("num_experts_per_token", default=0, lo=0)
-        moe_i = ival("moe_intermediate_size", default=0, lo=1 if (n_exp or n_shared) else 0,
-                     must="a positive integer (the width of each expert)" if (n_exp or n_shared) else None)
+        topk = ival("num_experts_per_token", hi=n_exp,
+                    must=f"in 1..{n_exp} (at least one and at most {_dot(TC, 'num_experts')})")
+        moe_i = ival("moe_intermediate_size", must="a positive integer (the width of each expert)")
 
         def token_id(key: str) -> int:
             v = text.get(key, doc.get(key))

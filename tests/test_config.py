@@ -128,6 +128,24 @@ def test_refuses_config_without_full_attn_layers():
         K3Config.from_dict(doc)
 
 
+def test_model_type_and_text_config_say_what_is_wrong():
+    """model_type must be K3's (the released file: kimi_k3 around a kimi_linear text model); a K3 wrapper without
+    text_config is refused as that, not as its first missing field."""
+    doc = _official_doc()
+    doc["model_type"] = "llama"
+    with pytest.raises(ConfigError, match=r"^model_type is 'llama'; k3rocm runs only Kimi K3 \(model_type 'kimi_k3'"):
+        K3Config.from_dict(doc)
+    doc = _official_doc()
+    del doc["text_config"]
+    with pytest.raises(ConfigError, match="^text_config is missing; "):
+        K3Config.from_dict(doc)
+    bare = copy.deepcopy(_official_doc()["text_config"])  # a bare text config is kimi_linear's
+    assert K3Config.from_dict(bare).family == "k3"
+    bare["model_type"] = "llama"
+    with pytest.raises(ConfigError, match="^model_type is 'llama'"):
+        K3Config.from_dict(bare)
+
+
 def test_refuses_quantization_config_at_top_level():
     doc = _official_doc()
     doc["quantization_config"] = doc["text_config"].pop("quantization_config")
@@ -205,6 +223,9 @@ _BAD_FIELDS = [
     (("text_config",), None, "text_config"),
     (("architectures",), 5, "architectures"),
     (_T + ("num_experts",), -16, "text_config.num_experts"),
+    (_T + ("num_experts",), 0, "text_config.num_experts"),  # K3 is a mixture of experts: no "0 = dense"
+    (("model_type",), "llama", "model_type"),  # another model than K3: refused, never run as K3
+    (_T + ("model_type",), "llama", "text_config.model_type"),
     (_T + ("num_experts",), "16", "text_config.num_experts"),
     (_T + ("num_experts",), 2**70, "text_config.num_experts"),  # would exhaust memory listing the tensors
     (_T + ("num_experts_per_token",), 0, "text_config.num_experts_per_token"),

@@ -23,7 +23,7 @@ from k3rocm.checkpoint import layout
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError, HardwareError, Interrupted, Terminated
 from k3rocm.profiles import load_profile
-from k3rocm.validation.evidence import Stage, info, now_iso
+from k3rocm.validation.evidence import Stage, info, now_iso, setting
 from k3rocm.validation.session import EndpointTarget, Session
 from k3rocm.validation.tiers import run_stage
 from k3rocm.validation.tiers.performance import bench_rows, run_bench_point
@@ -421,8 +421,8 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
         gpu_detail = f"{n_gpus} GPU{'s' if n_gpus != 1 else ''} serving the endpoint, {source}"
         # the report's header must say what was measured: the server, not this machine or the checkpoint
         session.opts.endpoint = EndpointTarget(endpoint, n_gpus, source)
-        stage.add(info("bench", "endpoint.gpus", n_gpus, "GPU", level="external",
-                       detail=f"the tok/s/GPU figures assume {gpu_detail}"))
+        stage.add_settings(setting("bench", "endpoint.gpus", n_gpus, "GPU",
+                                   detail=f"the tok/s/GPU figures assume {gpu_detail}"))
         bench_rows(session, stage, results, tier="bench", level="external")
         for e in stage.evidence:
             if e.name.endswith(".output_throughput_per_gpu"):
@@ -444,9 +444,13 @@ def _nothing_measured(endpoint: str, r: dict) -> str:
     wu = r.get("warmup") or {}
     if n == 0 and wu.get("sent") and not wu.get("completed"):
         why = (wu.get("errors") or [{"error": "no warm-up finished"}])[0]["error"]
-        return (f"--endpoint {endpoint}: all {wu['sent']} warm-up requests at concurrency {r.get('concurrency')} "
-                f"failed ({why}), so no measured request was sent; is it an OpenAI-compatible server streaming "
-                "/v1/completions?")
+        sent, asked = int(wu["sent"]), int(wu.get("asked") or wu["sent"])
+        # the counts the progress line showed: the sending stops once every warm-up sent so far has failed
+        which = f"all {sent}" if sent >= asked else f"the first {sent} of {asked}"
+        rest = "no measured request was sent" if sent >= asked else \
+            f"the other {asked - sent} and every measured request were not sent"
+        return (f"--endpoint {endpoint}: {which} warm-up requests at concurrency {r.get('concurrency')} failed "
+                f"({why}), so {rest}; is it an OpenAI-compatible server streaming /v1/completions?")
     if errs:
         why = errs[0]["error"]
     elif hang:

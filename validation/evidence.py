@@ -154,6 +154,45 @@ def info(tier: str, name: str, value: Any, unit: str = "", level: str = "measure
 
 
 @dataclass
+class Setting:
+    """One setting of the run in a stage: an input the run was given or chose (the prompt lengths of a benchmark
+    point, the requests sent, the hardware profile), not a claim about what happened. It carries no level of
+    proof and no threshold (levels grade evidence; a setting is not evidence): the renderers show settings in
+    their own table beside the evidence, and ``evidence_levels`` does not count them.
+
+    Attributes:
+        tier: the stage it belongs to.
+        name: identifier, e.g. ``"c4.input_len"`` or ``"profile"``.
+        value: number, string or bool (JSON-serialisable after :func:`_jsonable`).
+        unit: unit of ``value`` (``"tokens"``, ``"requests"``, ``""``).
+        detail: one line: what the setting means and where it came from.
+    """
+
+    tier: str
+    name: str
+    value: Any
+    unit: str = ""
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        self.value = _jsonable(self.value)
+
+    def to_dict(self) -> dict:
+        """``{tier, name, value, unit, detail}`` (the report's setting object)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Setting":
+        """A setting from its report object (missing keys: None). Raises nothing."""
+        return cls(**{k: d.get(k) for k in ("tier", "name", "value", "unit", "detail")})
+
+
+def setting(tier: str, name: str, value: Any, unit: str = "", detail: str = "") -> Setting:
+    """A :class:`Setting` row (an input of the run, no level). Raises nothing."""
+    return Setting(tier, name, value, unit or "", detail or "")
+
+
+@dataclass
 class Stage:
     """The result of one tier (or of ``bench``).
 
@@ -164,6 +203,7 @@ class Stage:
         started: ISO-8601 UTC start time.
         seconds: wall time of the stage in seconds.
         evidence: the rows.
+        settings: the run's inputs shown with the stage (:class:`Setting`: no level, not evidence).
         series: plot data, ``{name: {"x": [...], "y": {label: [...]}, "xlabel", "ylabel", "log"}}``.
         command: the command line that produced the stage.
         error: one-line reason when ``status == "error"``.
@@ -178,6 +218,7 @@ class Stage:
     series: dict = field(default_factory=dict)
     command: str = ""
     error: str | None = None
+    settings: list[Setting] = field(default_factory=list)
 
     def add(self, *rows: Evidence) -> None:
         """Append rows; a row whose ``passed`` is False turns the stage ``failed``."""
@@ -186,6 +227,10 @@ class Stage:
             if r.passed is False and self.status == "passed":
                 self.status = "failed"
 
+    def add_settings(self, *rows: Setting) -> None:
+        """Append settings (inputs of the run: no level, never pass or fail)."""
+        self.settings.extend(rows)
+
     @property
     def failures(self) -> list[Evidence]:
         return [e for e in self.evidence if e.passed is False]
@@ -193,13 +238,15 @@ class Stage:
     def to_dict(self) -> dict:
         return {"tier": self.tier, "status": self.status, "started": self.started,
                 "seconds": round(float(self.seconds), 4), "command": self.command, "error": self.error,
+                "settings": [x.to_dict() for x in self.settings],
                 "evidence": [e.to_dict() for e in self.evidence], "series": _jsonable(self.series)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Stage":
         return cls(tier=d["tier"], status=d.get("status", "passed"), started=d.get("started", ""),
                    seconds=float(d.get("seconds", 0.0)), command=d.get("command", ""), error=d.get("error"),
-                   evidence=[Evidence.from_dict(e) for e in d.get("evidence", [])], series=d.get("series", {}))
+                   evidence=[Evidence.from_dict(e) for e in d.get("evidence", [])], series=d.get("series", {}),
+                   settings=[Setting.from_dict(x) for x in d.get("settings", [])])
 
 
 def now_iso() -> str:
@@ -402,33 +449,58 @@ def report_lock(out_dir: str | Path, timeout_s: float = 300.0, poll_s: float = 0
     Two commands writing into one ``--out`` at once would each read the old report.json and the later write
     would drop the other's stages and history entry; under this lock the second waits for the first and then
     merges into what the first wrote. The lock is ``fcntl.flock`` on ``out_dir/.report.lock`` (released by the
-    kernel when the process dies, so a killed run never leaves a stale lock); the file itself stays.
-    After 1 s of waiting a one-line note on stderr says so.
+    kernel when the process dies, so a killed run never leaves a stale lock). The holder removes the file before
+    it releases the lock, so a finished run leaves no empty lock file in the report folder; a waiter that then
+    gets the lock on the removed file sees that the path no longer names the file it locked and locks the
+    current one instead (the usual lock-file protocol), so removing it never lets two writers in at once. A
+    file left by a process that was killed stays until the next writer removes it (it is not a stale lock: the
+    kernel released that one). After 1 s of waiting a one-line note on stderr says so.
 
     Raises:
         ConfigError: another process held the lock for more than ``timeout_s`` seconds.
         OSError: the lock file cannot be created (the caller turns it into one line).
     """
     path = Path(out_dir) / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        t0, noted = time.monotonic(), False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    t0, noted = time.monotonic(), False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - t0
+                    if waited > timeout_s:
+                        raise ConfigError(f"--out {out_dir}: another k3rocm has been writing its report there for "
+                                          f"{timeout_s:.0f} s; wait for it or choose another --out") from None
+                    if waited > 1.0 and not noted:
+                        print(f"note: waiting for another k3rocm writing the report in {out_dir}", file=sys.stderr)
+                        noted = True
+                    time.sleep(poll_s)
+            if _same_file(fd, path):
                 break
-            except BlockingIOError:
-                waited = time.monotonic() - t0
-                if waited > timeout_s:
-                    raise ConfigError(f"--out {out_dir}: another k3rocm has been writing its report there for "
-                                      f"{timeout_s:.0f} s; wait for it or choose another --out") from None
-                if waited > 1.0 and not noted:
-                    print(f"note: waiting for another k3rocm writing the report in {out_dir}", file=sys.stderr)
-                    noted = True
-                time.sleep(poll_s)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the holder before us removed the file we locked: lock the one the path names now
+    try:
         yield path
     finally:
+        try:
+            os.unlink(path)  # ours, and still locked: a waiter re-checks the path and locks a fresh file
+        except OSError:
+            pass
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """True when ``path`` still names the open file ``fd`` (same device and inode). Raises nothing."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def load_report(out_dir: str | Path, config_hash: str | None = None, checkpoint: str | None = None,

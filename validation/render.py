@@ -47,8 +47,10 @@ def _fmt(v) -> str:
 _POINT = re.compile(r"c(\d+)\.(.+)")
 
 
-def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int, object]]]]:
+def point_table(stage: Stage, rows=None) -> tuple[list[int], list[tuple[str, str, dict[int, object]]]]:
     """A benchmark stage's per-point rows (``c<N>.<field>``) as one table, grouped per concurrency point.
+
+    ``rows``: the rows to table (default the stage's evidence; its :attr:`Stage.settings` for the point settings).
 
     Returns:
         ``(concurrencies, rows)``: the points in the order they ran, and ``(field, unit, {concurrency: value})``
@@ -60,7 +62,7 @@ def point_table(stage: Stage) -> tuple[list[int], list[tuple[str, str, dict[int,
     vals: dict[str, dict[int, object]] = {}
     order: list[str] = []  # fields merged over the points: a field first seen at a later point goes after the
     prev: dict[int, str | None] = {}  # field before it in that point (c=1 forms no mixed step, c=2 does)
-    for e in stage.evidence:
+    for e in (stage.evidence if rows is None else rows):
         m = _POINT.fullmatch(e.name)
         if not m:
             continue
@@ -87,6 +89,19 @@ def point_levels(stage: Stage) -> dict[str, str]:
         if m and e.level not in seen.setdefault(m.group(2), []):
             seen[m.group(2)].append(e.level)
     return {f: "/".join(v) for f, v in seen.items()}
+
+
+#: the heading of a stage's settings in every format: they are inputs, so they carry no level of proof
+SETTINGS_TITLE = "Settings of the run (inputs, not measurements: no level of proof)"
+
+
+def stage_settings(stage: Stage) -> tuple[list, list[int], list[tuple[str, str, dict[int, object]]]]:
+    """A stage's settings split for display: ``(others, concurrencies, point rows)``: the settings that are not
+    per benchmark point (e.g. ``profile``), then the per-point ones (``c<N>.input_len``, ...) as
+    :func:`point_table` rows. Raises nothing."""
+    others = [x for x in stage.settings if not _POINT.fullmatch(x.name)]
+    concs, rows = point_table(stage, stage.settings)
+    return others, concs, rows
 
 
 def fmt_value(v, unit: str = "") -> str:
@@ -139,6 +154,27 @@ def render_markdown(rep: Report) -> str:
             lines += [f"> error: {s.error}", ""]
         if s.command:
             lines += [f"`{s.command}`", ""]
+        others, sconcs, srows = stage_settings(s)
+        if others or sconcs:
+            lines += [SETTINGS_TITLE + ":", ""]
+        if others:
+            lines += ["| setting | value | unit | detail |", "|---|---|---|---|"]
+            for x in others:
+                det = str(x.detail).replace("|", "\\|")
+                lines.append(f"| {x.name} | {_fmt(x.value)} | {x.unit} | {det} |")
+            lines.append("")
+        if sconcs:
+            lines += ["| setting | unit | " + " | ".join(f"c={c}" for c in sconcs) + " |",
+                      "|---|---|" + "---:|" * len(sconcs)]
+            for f, u, vals in srows:
+                lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
+                                                           for c in sconcs) + " |")
+            lines.append("")
+        plots = [(k, v) for k, v in (s.series or {}).items() if v.get("y")]
+        if plots:
+            lines += ["Plots (drawn in report.html), with the level of their series:", ""]
+            lines += [f"- {k} ({v.get('title', k)}): {plot_level_text(v)}" for k, v in plots]
+            lines.append("")
         concs, prow = point_table(s)
         if concs:
             lv = point_levels(s)
@@ -182,9 +218,30 @@ def _svg(fig) -> str:
     return re.sub(r'href="#([^"]+)"', lambda m: f'href="#{pre}{m.group(1)}"', s)
 
 
+def series_levels(spec: dict) -> dict[str, str | None]:
+    """The evidence level of each series (y label) of a plot spec, from its ``levels`` (``{label: level}``, written
+    by the tiers); None for a label without one (a report written before plots carried levels). Raises nothing."""
+    lv = spec.get("levels") if isinstance(spec.get("levels"), dict) else {}
+    return {lab: (lv.get(lab) if lv.get(lab) in LEVELS else None) for lab in (spec.get("y") or {})}
+
+
+def plot_level_text(spec: dict) -> str:
+    """The plot's level as one line of text: ``"level: measured"`` when every series has the same level, else
+    ``"levels: planned projected; loaded measured"`` (one per series), ``"level: not recorded"`` without any."""
+    per = series_levels(spec)
+    distinct = set(per.values())
+    if distinct == {None} or not per:
+        return "level: not recorded"
+    if len(distinct) == 1:
+        return f"level: {next(iter(distinct))}"
+    return "levels: " + "; ".join(f"{lab} {lv or 'not recorded'}" for lab, lv in per.items())
+
+
 def _series_svg(name: str, spec: dict) -> str | None:
-    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind"}``
-    (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with the labels stacked).
+    """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind",
+    "levels": {label: level}}`` (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with
+    the labels stacked). Where the series carry different levels (planned vs loaded bytes), each legend entry names
+    its series' level.
 
     Returns None for an empty series. Without matplotlib (a declared dependency, but a GPU node may run
     a bare environment) the plot becomes a one-line note instead of failing the report."""
@@ -208,22 +265,25 @@ def _series_svg(name: str, spec: dict) -> str | None:
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=100)
     kind = spec.get("kind", "line")
     labels = list(ys)
+    levels = series_levels(spec)
+    mixed = len(set(levels.values())) > 1
     stack: dict = {}
     for j, lab in enumerate(labels):
+        shown = f"{lab} ({levels.get(lab) or 'level not recorded'})" if mixed else lab
         vals = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else float("nan") for v in ys[lab]]
         xs = x if len(x) == len(vals) else list(range(len(vals)))
         if kind == "stacked":  # one bar per x, the labels stacked bottom to top
             bottom = stack.setdefault("b", [0.0] * len(vals))
-            ax.bar(range(len(vals)), vals, width=0.6, bottom=bottom, label=lab)
+            ax.bar(range(len(vals)), vals, width=0.6, bottom=bottom, label=shown)
             stack["b"] = [b + (v if v == v else 0.0) for b, v in zip(bottom, vals)]
             ax.set_xticks(range(len(vals)), [str(v) for v in xs])
         elif kind == "bar":
             w = 0.8 / max(1, len(labels))
             pos = [i + j * w for i in range(len(vals))]
-            ax.bar(pos, vals, width=w, label=lab)
+            ax.bar(pos, vals, width=w, label=shown)
             ax.set_xticks([i + 0.4 - w / 2 for i in range(len(vals))], [str(v) for v in xs])
         else:
-            ax.plot(xs, vals, marker="o", markersize=3, label=lab)
+            ax.plot(xs, vals, marker="o", markersize=3, label=shown)
             for xv, yv, text in zip(xs, vals, spec.get("labels") or []):
                 ax.annotate(str(text), (xv, yv), textcoords="offset points", xytext=(4, 4), fontsize=7)
     positive = [float(v) for vals in ys.values() for v in vals
@@ -249,11 +309,27 @@ table{border-collapse:collapse;font-size:.88em;margin:.6em 0}td,th{border:1px so
 th{background:#f6f8fa}.badge{display:inline-block;border-radius:1em;padding:0 .6em;color:#fff;font-size:.8em;white-space:nowrap}
 .fail{color:#cf222e;font-weight:600}.pass{color:#1a7f37}code{background:#f6f8fa;padding:0 .25em}
 .plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}details{margin:.5em 0}
+.caption{font-size:.85em;margin:.2em 0 0 0}
 """
 
 
 def _badge(text: str, color: str) -> str:
     return f'<span class="badge" style="background:{color}">{html.escape(text)}</span>'
+
+
+def _plot_caption(spec: dict) -> str:
+    """The HTML caption under a plot: its level as a badge (the table rows' colours), or one badge per series
+    where they differ."""
+    per = series_levels(spec)
+    distinct = set(per.values())
+    if not per or distinct == {None}:
+        return "<p class=\"caption\">level: not recorded</p>"
+    if len(distinct) == 1:
+        lv = next(iter(distinct))
+        return f"<p class=\"caption\">level {_badge(lv, LEVEL_COLORS[lv])}</p>"
+    return "<p class=\"caption\">levels per series: " + " · ".join(
+        f"{html.escape(lab)} {_badge(lv or 'not recorded', LEVEL_COLORS.get(lv or '', '#6e7781'))}"
+        for lab, lv in per.items()) + "</p>"
 
 
 def _html_context(r: dict) -> list[str]:
@@ -304,9 +380,24 @@ def render_html(rep: Report) -> str:
             out.append(f"<p><code>{e(s.command)}</code> · {s.seconds:.2f} s · started {e(s.started)}</p>")
         if s.error:
             out.append(f"<p class=\"fail\">error: {e(s.error)}</p>")
-        plots = [p for p in (_series_svg(k, v) for k, v in (s.series or {}).items()) if p]
-        if plots:
-            out.append("<div class=\"plots\">" + "".join(f"<div>{p}</div>" for p in plots) + "</div>")
+        plots = [(p, v) for p, v in ((_series_svg(k, v), v) for k, v in (s.series or {}).items()) if p]
+        if plots:  # each plot with its level under it, as every table row carries one
+            out.append("<div class=\"plots\">" + "".join(f"<div>{p}{_plot_caption(v)}</div>" for p, v in plots)
+                       + "</div>")
+        others, sconcs, srows = stage_settings(s)
+        if others or sconcs:
+            out.append(f"<p>{e(SETTINGS_TITLE)}:</p>")
+        if others:
+            out.append("<table><tr><th>setting</th><th>value</th><th>unit</th><th>detail</th></tr>" + "".join(
+                f"<tr><td>{e(x.name)}</td><td>{e(_fmt(x.value))}</td><td>{e(x.unit or '')}</td>"
+                f"<td>{e(str(x.detail))}</td></tr>" for x in others) + "</table>")
+        if sconcs:
+            out.append("<table><tr><th>setting</th><th>unit</th>" + "".join(f"<th>c={c}</th>" for c in sconcs)
+                       + "</tr>")
+            for f, u, vals in srows:
+                out.append(f"<tr><td>{e(f)}</td><td>{e(u)}</td>" + "".join(
+                    f"<td>{e(fmt_value(vals[c], u)) if c in vals else ''}</td>" for c in sconcs) + "</tr>")
+            out.append("</table>")
         concs, prow = point_table(s)
         if concs:
             lv = point_levels(s)
@@ -375,10 +466,12 @@ def _written(path: Path, text: str) -> bool:
         return False
 
 
-class _DeferSignals:
+class DeferSignals:
     """Hold Ctrl-C (SIGINT) and SIGTERM while the report is written, then act on them: a run's measured stages are
     never lost to an interrupt that lands in the second or two of writing (the writes are atomic, so an interrupt
-    there used to leave only the lock file). Outside the main thread signals cannot be caught here: no-op."""
+    there used to leave only the lock file). On leaving without an exception, a held SIGTERM is raised as
+    :class:`~k3rocm.errors.Terminated`, a held Ctrl-C as ``KeyboardInterrupt``; nested uses each restore the
+    handlers they found. Outside the main thread signals cannot be caught here: no-op."""
 
     def __enter__(self):
         self.got: list[int] = []
@@ -405,13 +498,13 @@ def update_report(out_dir: str | Path, reproduction: dict, stages: list[Stage], 
     Reading (:func:`load_report`, same checkpoint and profile only), merging (:meth:`Report.merge_run`) and
     writing (:func:`write_report`) happen while the lock is held, so two commands writing into one directory
     at once both keep their stages and history entries. Ctrl-C or SIGTERM during it takes effect once the report
-    is written (:class:`_DeferSignals`). Returns the paths of report.json/md/html.
+    is written (:class:`DeferSignals`). Returns the paths of report.json/md/html.
 
     Raises:
         K3Error: an OS error as one line (see :func:`write_report`), or the lock timed out.
     """
     try:
-        with _DeferSignals(), report_lock(out_dir):
+        with DeferSignals(), report_lock(out_dir):
             rep = load_report(out_dir, config_hash, checkpoint, profile)
             lost = replaced_passing_stages(rep, stages)
             if lost:  # an interrupted or failed run replaces a passed stage: its figures stay in a kept copy

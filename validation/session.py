@@ -209,6 +209,9 @@ class Session:
                                       "holding config.json and *.safetensors (or omit it for the embedded k3-tiny)")
             if not p.is_dir():
                 raise CheckpointError(f"{p}: is a file, not a checkpoint directory; pass the folder that holds it")
+            if (p / "config.json").is_dir():
+                raise CheckpointError(f"{p / 'config.json'}: is a directory, not a file; config.json must be the "
+                                      "checkpoint's JSON config file - replace it with the released config.json")
             if not (p / "config.json").is_file():
                 raise CheckpointError(f"{p}: no config.json; pass a checkpoint directory in the released layout")
             return p.resolve()
@@ -245,6 +248,10 @@ class Session:
                 d = Path(self.opts.checkpoint).expanduser()
                 _refuse_unresolved_link(d)
                 f = d / "config.json"
+                if f.is_dir():
+                    raise CheckpointError(f"{f}: is a directory, not a file; --synthetic --checkpoint DIR reads "
+                                          "DIR/config.json - replace it with the released config.json (or pass "
+                                          "--preset NAME)")
                 if not f.is_file():
                     raise CheckpointError(f"{f}: not found; --synthetic --checkpoint DIR reads only DIR/config.json "
                                           "(or pass --preset NAME)")

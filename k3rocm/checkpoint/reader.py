@@ -347,6 +347,37 @@ def check_scale_bytes(index: CheckpointIndex, names: Iterable[str] | None = None
                                   "re-download that shard")
 
 
+#: the names an MXFP4 routed-expert weight is stored under (compressed-tensors' pack-quantized format), and the one
+#: an unquantized expert weight has
+PACKED_SUFFIXES = (".weight_packed", ".weight_scale")
+PLAIN_SUFFIX = ".weight"
+
+
+def _refuse_quantization_mismatch(root: Path, cfg: K3Config, name: str, found: dict[str, TensorEntry]) -> None:
+    """When ``name`` (a tensor the config requires) is missing because config.json and the shards disagree on
+    whether the routed experts are MXFP4, raise the one line that says so instead of "the checkpoint is
+    incomplete": a config without ``quantization_config`` over shards holding ``<w>.weight_packed`` /
+    ``weight_scale``, or a config declaring MXFP4 over shards holding plain ``<w>.weight``. Returns otherwise.
+
+    Raises:
+        ConfigError: the config and the files disagree on the experts' format (the fix is config.json's).
+    """
+    where = "text_config.quantization_config" if "text_config" in cfg.raw else "quantization_config"
+    if cfg.quant is None and name.endswith(PLAIN_SUFFIX) and ".experts." in name:
+        stem = name[:-len(PLAIN_SUFFIX)]
+        if any(stem + suf in found for suf in PACKED_SUFFIXES):
+            n = sum(1 for k in found if k.endswith(PACKED_SUFFIXES[0]))
+            raise ConfigError(f"{root / CONFIG_NAME}: has no {where}, but the shards hold the routed experts as packed "
+                              f"MXFP4 ({n} *.weight_packed + *.weight_scale tensors); restore {where} from the "
+                              "released config.json")
+    if cfg.quant is not None and name.endswith(PACKED_SUFFIXES) and ".experts." in name:
+        stem = name[:name.rindex(".")]
+        if stem + PLAIN_SUFFIX in found:
+            raise ConfigError(f"{root / CONFIG_NAME}: {where} declares MXFP4 routed experts, but the shards hold "
+                              f"unquantized {stem}.weight (no .weight_packed / .weight_scale); remove {where} for "
+                              "these files, or use the released MXFP4 shards")
+
+
 def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIndex:
     """Validate a checkpoint directory and return its :class:`CheckpointIndex` (no tensor data read except
     the scale bytes when ``check_scales``).
@@ -418,10 +449,10 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
     for name, s in wm.items():
         e = found.get(name)
         if e is None:
-            raise CheckpointError(f"{INDEX_NAME}: tensor {name} is listed in {s} but that shard does not hold it; "
+            raise CheckpointError(f"{index_file}: tensor {name} is listed in {s} but that shard does not hold it; "
                                   "the shard is stale or the index is wrong - re-download both")
         if e.shard != s:
-            raise CheckpointError(f"{INDEX_NAME}: tensor {name} is listed in {s} but stored in {e.shard}; "
+            raise CheckpointError(f"{index_file}: tensor {name} is listed in {s} but stored in {e.shard}; "
                                   "fix the index")
     for name, e in found.items():
         if name not in wm:
@@ -434,6 +465,7 @@ def open_checkpoint(path: str | Path, check_scales: bool = True) -> CheckpointIn
     for spec in layout.iter_specs(cfg):
         e = found.pop(spec.name, None)
         if e is None:
+            _refuse_quantization_mismatch(root, cfg, spec.name, found)
             missing = sum(1 for s in layout.iter_specs(cfg) if s.name not in entries and s.name not in found)
             raise CheckpointError(f"{root}: tensor {spec.name} (and {missing - 1} more) required by config.json is "
                                   "missing; the checkpoint is incomplete or for another config")

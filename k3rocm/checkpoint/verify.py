@@ -70,8 +70,15 @@ def make_manifest(path: str | Path, progress: Progress | None = None) -> Path:
             out[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p, tick)}
         dst = root / MANIFEST_NAME
         tmp = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": out}, indent=2) + "\n")
-        os.replace(tmp, dst)
+        try:
+            tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": out}, indent=2) + "\n")
+            os.replace(tmp, dst)
+        except BaseException:  # an error or SIGTERM between the two: no half-written temporary file left
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
     except OSError as e:
         raise CheckpointError(f"{root}: cannot write {MANIFEST_NAME} ({e}); check permissions") from None
     return dst

@@ -260,13 +260,18 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     if free is not None and total > free:
         raise CheckpointError(f"{out}: {cfg.name} needs {total / 1e9:,.1f} GB but {probe} has "
                               f"{free / 1e9:,.1f} GB free; choose another disk or a smaller preset")
+    created = [q for q in out.parents if not q.exists()]  # deepest first: removed again if the write fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         os.chmod(tmp, 0o755)
     except OSError as e:
+        _remove_empty(created)
         raise CheckpointError(f"{out}: cannot create the checkpoint there ({e.strerror or e}); "
                               "choose a writable directory") from None
+    except BaseException:  # Ctrl-C / SIGTERM: no empty parent directory left behind
+        _remove_empty(created)
+        raise
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg.to_dict(), indent=2))
         weight_map: dict[str, str] = {}
@@ -293,12 +298,25 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
         os.rename(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise CheckpointError(f"{out}: writing the checkpoint failed ({e}); check free space and permissions") \
             from None
-    except BaseException:
+    except BaseException:  # Ctrl-C / SIGTERM included: the partial files and the parents made for them go
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
     return out
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove each of ``dirs`` (deepest first) while it is empty: the parent directories a failed or interrupted
+    write created, so it leaves nothing behind. Stops at the first that is not empty or cannot be removed;
+    raises nothing."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 __all__ = ["write_checkpoint", "plan_shards", "shard_header", "shard_name", "default_num_shards",

@@ -108,6 +108,11 @@ def _rows(out) -> dict:
     return {e["name"]: e for e in json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]}
 
 
+def _settings(out) -> dict:
+    """The bench stage's settings (inputs of the run: no level) by name."""
+    return {x["name"]: x for x in json.loads((out / "report.json").read_text())["stages"]["bench"]["settings"]}
+
+
 LOAD = ["--concurrency", "2", "--num-prompts", "4", "--warmups", "1", "--input-len", "8", "--output-len", "4"]
 
 
@@ -123,7 +128,8 @@ def test_per_gpu_figures_divide_by_the_profile_gpus_and_say_so(tmp_path):
     assert tot > 0 and per == pytest.approx(tot / 8, rel=1e-3, abs=1e-3)
     detail = rows["c2.output_throughput_per_gpu"]["detail"]
     assert "8 GPUs" in detail and "--profile mi355x-8" in detail
-    assert rows["endpoint.gpus"]["value"] == 8 and "--profile mi355x-8" in rows["endpoint.gpus"]["detail"]
+    gpus = _settings(out)["endpoint.gpus"]  # the divisor given (or taken from --profile): a setting, not a claim
+    assert gpus["value"] == 8 and "--profile mi355x-8" in gpus["detail"] and "endpoint.gpus" not in rows
     assert rows["c2.output_throughput_per_gpu"]["level"] == "external"
     assert "endpoint.gpus" in r.output
     md = (out / "report.md").read_text()  # the header names the server measured, not only this machine
@@ -139,7 +145,7 @@ def test_endpoint_gpus_wins_over_the_profile(tmp_path):
     assert per == pytest.approx(tot / 2, rel=1e-3, abs=1e-3)
     assert "2 GPUs" in rows["c2.output_throughput_per_gpu"]["detail"]
     assert "--endpoint-gpus" in rows["c2.output_throughput_per_gpu"]["detail"]
-    assert rows["endpoint.gpus"]["value"] == 2
+    assert _settings(out)["endpoint.gpus"]["value"] == 2
 
 
 # ------------------------------------------------------------------------------------------------ nothing measured
@@ -332,8 +338,40 @@ def test_a_server_that_never_answers_stops_after_the_warmups_and_says_connected_
     assert took < 3.0 and sent <= 3 and wu["sent"] <= 3  # about one wave of the 4 warm-ups, then nothing more
     assert r.records == [] and wu["failed"] == wu["sent"] and wu["completed"] == 0
     line = _nothing_measured(url, r.to_dict(per_request=False))
-    assert f"all {wu['sent']} warm-up requests" in line and "connected, no response within 0.3 s" in line
+    assert f"the first {wu['sent']} of 4 warm-up requests" in line and "connected, no response within 0.3 s" in line
+    assert f"the other {4 - wu['sent']} and every measured request were not sent" in line
     assert "cannot connect" not in line
+    wu["sent"] = wu["failed"] = wu["asked"]  # every planned warm-up sent and failed: "all"
+    line = _nothing_measured(url, {"concurrency": 2, "warmup": wu})
+    assert "all 4 warm-up requests at concurrency 2 failed" in line and "no measured request was sent" in line
+
+
+class _Fails(_Streaming):
+    """Answers every request with HTTP 500."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+
+def test_a_failing_server_gets_warm_up_counts_that_agree_in_progress_error_and_report(tmp_path):
+    """Concurrency 1, 2 warm-ups planned: the first fails and the second is not sent. The progress line (1/2, 1
+    failed), the error line and the report row say the same counts (not "all 1 warm-up requests")."""
+    out = tmp_path / "r"
+    with serve(_Fails) as url:
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1", "--num-prompts", "2",
+                 "--input-len", "8", "--output-len", "4", "--out", out], code=3)
+    assert "bench c=1 warm-up: 1/2 (50%), 1 failed" in r.stderr
+    line = one_line_error(r)
+    assert "the first 1 of 2 warm-up requests at concurrency 1 failed (" in line, line
+    assert "the other 1 and every measured request were not sent" in line and "all 1 warm-up" not in line
+    row = _rows(out)["c1.warmup_failed"]
+    assert row["value"] == 1 and "of 1 warm-up requests sent (not measured); 2 were planned, the other 1 not sent" \
+        in row["detail"], row["detail"]
+    assert _settings(out)["c1.num_warmups"]["value"] == 2
 
 
 class _NoDone(_FixedStream):
@@ -400,8 +438,8 @@ def test_no_raw_bytes_reach_an_error_line():
 
 
 # ------------------------------------------------------------------------------------------------ what load was measured
-POINT_FIELDS = ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups", "duration",
-                "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
+LOAD_FIELDS = ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups")  # settings of each point
+POINT_FIELDS = (*LOAD_FIELDS, "duration", "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
                 "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
                                            for s in ("mean", "median", "p99")))
 
@@ -411,14 +449,16 @@ def test_each_point_states_its_load_and_vllms_result_fields_in_every_format(tmp_
     with serve(_Streaming) as url:
         r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2", "--num-prompts", "2",
                  "--warmups", "1", "--input-len", "8", "--output-len", "4", "--out", out])
-    rows = _rows(out)
+    rows, st = _rows(out), _settings(out)
     for c in (1, 2):
-        for f in POINT_FIELDS:
-            assert f"c{c}.{f}" in rows, (c, f)
-    assert rows["c2.input_len"]["value"] == 8 and rows["c2.range_ratio"]["value"] == 0.8
-    assert rows["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
+        for f in POINT_FIELDS:  # the load the point was given is a setting (no level); what it measured, evidence
+            assert (f"c{c}.{f}" in st) == (f in LOAD_FIELDS) and (f"c{c}.{f}" in rows) == (f not in LOAD_FIELDS), (c, f)
+    assert st["c2.input_len"]["value"] == 8 and st["c2.range_ratio"]["value"] == 0.8 and "level" not in st["c2.input_len"]
+    assert st["c1.num_warmups"]["value"] == 1 and rows["c1.total_output_tokens"]["value"] >= 2
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "| field | unit | level | c=1 | c=2 |" in md and "<th>level</th><th>c=1</th><th>c=2</th>" in page
+    assert "| setting | unit | c=1 | c=2 |" in md and "<th>setting</th><th>unit</th><th>c=1</th><th>c=2</th>" in page
+    assert "inputs, not measurements" in md and "load of each point (settings)" in r.output
     for f in POINT_FIELDS:
         assert f"| {f} |" in md and f"<td>{f}</td>" in page and f in r.output, f
     assert "per concurrency point" in r.output

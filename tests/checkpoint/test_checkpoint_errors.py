@@ -101,14 +101,16 @@ def test_index_names_tensor_the_shard_lacks(ck):
     doc = _index(ck)
     doc["weight_map"]["language_model.model.layers.0.self_attn.extra.weight"] = S1
     _write_index(ck, doc)
-    _refused(ck, CheckpointError, "language_model.model.layers.0.self_attn.extra.weight", S1, "does not hold")
+    _refused(ck, CheckpointError, "language_model.model.layers.0.self_attn.extra.weight", S1, "does not hold",
+             str(ck.resolve() / INDEX_NAME))  # the index named by its path, not a bare file name
 
 
 def test_index_points_at_the_wrong_shard(ck):
     doc = _index(ck)
     doc["weight_map"][A_LOG] = S2
     _write_index(ck, doc)
-    _refused(ck, CheckpointError, A_LOG, S2, S1)
+    msg = _refused(ck, CheckpointError, A_LOG, S2, S1)
+    assert msg.startswith(f"{ck.resolve() / INDEX_NAME}: "), msg  # which checkpoint's index is wrong
 
 
 def test_tensor_in_two_shards(ck):
@@ -190,6 +192,42 @@ def test_config_without_full_attn_layers(ck):
     del doc["text_config"]["linear_attn_config"]["full_attn_layers"]
     (ck / "config.json").write_text(json.dumps(doc))
     _refused(ck, ConfigError, "config.json", "full_attn_layers")
+
+
+def test_config_without_quantization_over_mxfp4_shards_says_so(ck):
+    """quantization_config removed while the shards hold packed MXFP4 experts: the config is what is wrong, not
+    "the checkpoint is incomplete" (the expert .weight tensors the unquantized config expects)."""
+    doc = json.loads((ck / "config.json").read_text())
+    del doc["text_config"]["quantization_config"]
+    (ck / "config.json").write_text(json.dumps(doc))
+    msg = _refused(ck, ConfigError, str(ck.resolve() / "config.json"), "has no text_config.quantization_config",
+                   "packed MXFP4", ".weight_packed", "weight_scale", "released config.json")
+    assert "incomplete" not in msg and "missing" not in msg, msg
+
+
+def test_config_declaring_mxfp4_over_unquantized_shards_says_so(tmp_path):
+    from k3rocm.checkpoint.writer import write_checkpoint
+    from k3rocm.config import K3Config, preset
+
+    doc = preset("k3-tiny").to_dict()
+    qc = doc["text_config"].pop("quantization_config")
+    ck = write_checkpoint(K3Config.from_dict(doc, name="k3-tiny-bf16"), tmp_path / "ck")
+    assert len(open_checkpoint(ck)) > 0  # unquantized experts, consistent config: accepted
+    doc["text_config"]["quantization_config"] = qc
+    (ck / "config.json").write_text(json.dumps(doc))
+    msg = _refused(ck, ConfigError, "declares MXFP4 routed experts", "unquantized", ".weight (no .weight_packed")
+    assert "incomplete" not in msg, msg
+
+
+def test_config_json_that_is_a_directory_or_lacks_text_config(ck):
+    doc = json.loads((ck / "config.json").read_text())
+    del doc["text_config"]  # not "linear_attn_config is missing": the whole text model is
+    (ck / "config.json").write_text(json.dumps(doc))
+    msg = _refused(ck, ConfigError, "config.json: text_config is missing", "released config.json")
+    assert "linear_attn_config" not in msg, msg
+    (ck / "config.json").unlink()
+    (ck / "config.json").mkdir()
+    _refused(ck, ConfigError, "config.json: is a directory, not a file")
 
 
 def test_config_missing_or_not_json(ck):

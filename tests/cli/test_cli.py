@@ -103,6 +103,16 @@ def test_malformed_tune_setting_is_one_line_exit_2(value):
     assert "must be 1" in _plan_with_env("K3ROCM_TUNE", value)
 
 
+@pytest.mark.parametrize("cmd", [["checkpoint", "make"], ["plan"], ["bench"], ["validate"]])
+def test_every_preset_option_lists_every_preset(cmd):
+    """The --preset help of each command comes from one list (k3rocm.config.PRESETS): none lacks a preset."""
+    from k3rocm.config import PRESETS
+
+    text = "".join(run(cmd + ["--help"]).output.split())  # help text wraps, even inside a name
+    missing = [p for p in PRESETS if p not in text]
+    assert not missing, (cmd, missing)
+
+
 def test_profiles_env_and_kernels_list():
     table = run(["profiles"]).output
     assert "mi355x-8" in table
@@ -189,6 +199,14 @@ def test_expected_failures_are_one_line(golden_ckpt, tmp_path):
     shard.write_bytes(shard.read_bytes()[:1000])
     line = one_line_error(run(["load", "--checkpoint", d, "--out", out], code=2))
     assert shard.name in line
+    # a config.json that is a directory is named as such (not "no config.json"), for load and --synthetic alike
+    c = tmp_path / "cfgdir"
+    shutil.copytree(golden_ckpt, c)
+    (c / "config.json").unlink()
+    (c / "config.json").mkdir()
+    for args in (["load"], ["bench", "--synthetic"]):
+        line = one_line_error(run([*args, "--checkpoint", c, "--out", out], code=2))
+        assert f"{c / 'config.json'}: is a directory, not a file" in line, line
     # --debug shows the traceback of the same failure
     r = run(["load", "--checkpoint", d, "--out", out, "--debug"], code=2)
     assert "Traceback" in r.output
@@ -396,7 +414,10 @@ def test_bench_points_carry_their_budget_and_a_c1_breakdown(cache, tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}", ev["c1.outputs_sha256"]["value"])
     assert ev["c1.outputs_sha256"]["value"][:12] + "…" in out and ev["c1.outputs_sha256"]["value"] not in out
     assert "note: c=1 breakdown.mixed.wall_ms: not formed (at concurrency 1" in out
-    assert ev["c1.max_num_batched_tokens"]["value"] == 24 and ev["c2.max_num_batched_tokens"]["value"] == 24
+    bench = json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]
+    st = {x["name"]: x for x in bench["settings"]}  # the step budget is a setting of the point, not a claim
+    assert st["c1.max_num_batched_tokens"]["value"] == 24 and st["c2.max_num_batched_tokens"]["value"] == 24
+    assert "c1.max_num_batched_tokens" not in ev and "level" not in st["c1.max_num_batched_tokens"]
     assert ev["c1.breakdown.decode.wall_ms"]["value"] > 0
     assert "1 decode row," in ev["c1.breakdown.decode.wall_ms"]["detail"]
     assert ev["c1.breakdown.mixed.wall_ms"]["value"] == "not formed" and "concurrency 1" in ev["c1.breakdown.mixed.wall_ms"]["detail"]
@@ -443,7 +464,7 @@ def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monke
 
     real = C.update_report
 
-    def held(*a, **k):  # what render._DeferSignals does: the write completes, then the held Ctrl-C is raised
+    def held(*a, **k):  # what render.DeferSignals does: the write completes, then the held Ctrl-C is raised
         real(*a, **k)
         raise KeyboardInterrupt
 
@@ -452,6 +473,64 @@ def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monke
     r = run(["load", "--out", tmp_path / "r2"], code=130)
     assert "it was written whole first" in r.output
     assert json.loads((tmp_path / "r2" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
+
+
+def test_sigterm_says_where_the_report_is_only_when_one_was_written(cache, tmp_path, monkeypatch):
+    """SIGTERM before anything is written: "nothing was written" and no --out left behind; after the report was
+    written: the line names it; while it is being written (from creating --out on): held until it is whole."""
+    import os
+    import signal
+
+    import k3rocm.cli.common as C
+    from k3rocm.errors import Terminated
+    from k3rocm.validation.session import Session
+
+    def term(*a, **k):
+        raise Terminated()
+
+    with monkeypatch.context() as m:  # ended during the pre-flight check: no report, no --out
+        m.setattr(Session, "preflight", term)
+        line = one_line_error(run(["load", "--out", tmp_path / "a" / "r"], code=143))
+    assert line == "error: terminated (SIGTERM); nothing was written", line
+    assert not (tmp_path / "a").exists()
+
+    with monkeypatch.context() as m:  # ended after the report was written: the line says where it is
+        m.setattr(C, "finish", term)
+        line = one_line_error(run(["load", "--out", tmp_path / "b"], code=143))
+    assert line == f"error: terminated (SIGTERM); what finished before it is in the report {tmp_path / 'b' / 'report.html'}"
+
+    real = C.reproduction_block
+
+    def signalled(*a, **k):  # SIGTERM after --out was created, before the report is written: held until it is
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(C, "reproduction_block", signalled)
+        line = one_line_error(run(["load", "--out", tmp_path / "c"], code=143))
+    assert "interrupted (SIGTERM) while the report was written; it was written whole first" in line, line
+    assert json.loads((tmp_path / "c" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
+
+
+def test_sigterm_during_checkpoint_make_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+    """checkpoint make writes no report: a SIGTERM while it writes removes the partial files and the parent
+    directories it created, and says so (not "what finished is in the report")."""
+    import k3rocm.checkpoint.writer as W
+    from k3rocm.errors import Terminated
+
+    calls = []
+
+    def tensor(*a, **k):
+        calls.append(1)
+        if len(calls) > 20:
+            raise Terminated()
+        return real(*a, **k)
+
+    real = W.random_tensor
+    monkeypatch.setattr(W, "random_tensor", tensor)
+    line = one_line_error(run(["checkpoint", "make", "--out", tmp_path / "new" / "deeper" / "ck"], code=143))
+    assert "report" not in line and "nothing was written (the partial files were removed)" in line, line
+    assert len(calls) > 20 and not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
 
 
 def test_profile_paths_and_platform_say_what_is_wrong(cache, tmp_path):

@@ -81,6 +81,11 @@ def test_profile_file_with_n_ranks_runs_the_three_jobs(tmp_path, cache, one_proc
     _k3([*BENCH, "--profile", prof, "--out", out], env)
     bench = _rows(out, "bench")
     assert bench["dist.world"]["value"] == ranks and bench["dist.layout"]["value"] == f"TP{ranks}/EP{ranks}"
+    # every rank ran: the layout is measured here (the cpu profile on this CPU), not projected
+    perf = _rows(out, "performance")
+    for rows in (bench, perf):
+        assert rows["dist.layout"]["level"] == rows["dist.world"]["level"] == "measured", rows["dist.layout"]
+        assert "alone" not in rows["dist.layout"]["detail"]
     for c in (1, 4):
         assert bench[f"c{c}.outputs_sha256"]["value"] == one_process[c]
     assert bench["c4.collective.moe.bytes_per_step"]["value"] > 0

@@ -36,6 +36,9 @@ def test_validate_forward_reads_no_checkpoint(tmp_path, monkeypatch):
     assert "RANDOM WEIGHTS" in json.dumps(rep)
     assert "RANDOM WEIGHTS" in (out / "report.md").read_text()
     assert set(rep["stages"]) == {"env", "load", "forward"}  # --synthetic stops at forward by default
+    world = next(e for e in rep["stages"]["forward"]["evidence"] if e["name"] == "dist.world")
+    # rank 1 of TP2/EP2 ran alone: the layout's other rank never ran, so its world is not a measurement
+    assert world["value"] == 2 and world["level"] == "projected" and "only rank 1 ran" in world["detail"]
 
 
 @pytest.mark.parametrize("args,words", [

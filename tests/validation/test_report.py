@@ -82,6 +82,57 @@ def test_report_merge_accumulates_and_replaces():
         Report.from_dict({"schema": "other/9"})
 
 
+def test_settings_are_shown_apart_from_evidence_and_carry_no_level():
+    """Inputs of a run (a point's load, the profile) are settings: kept through a round trip, rendered in their own
+    table in md and html, and neither counted in evidence_levels nor given a level anywhere."""
+    from k3rocm.validation.evidence import setting
+
+    st = _stage("bench")
+    st.add_settings(setting("bench", "c4.input_len", 64, "tokens", "upper end L"),
+                    setting("bench", "c8.input_len", 64, "tokens", "upper end L"),
+                    setting("bench", "endpoint.gpus", 8, "GPU", "from --endpoint-gpus"))
+    rep = Report()
+    rep.merge_run(_repro(), [st])
+    d = rep.to_dict()
+    assert sum(d["evidence_levels"].values()) == 2  # the two evidence rows of _stage, no setting
+    sd = d["stages"]["bench"]["settings"]
+    assert [x["name"] for x in sd] == ["c4.input_len", "c8.input_len", "endpoint.gpus"]
+    assert all("level" not in x for x in sd) and all(e["name"] != "c4.input_len" for e in d["stages"]["bench"]["evidence"])
+    assert Report.from_dict(json.loads(render_json(rep))).to_dict()["stages"] == d["stages"]
+    md, page = render_markdown(rep), render_html(rep)
+    assert "inputs, not measurements" in md and "| setting | unit | c=4 | c=8 |" in md and "| input_len | tokens | 64 | 64 |" in md
+    assert "| endpoint.gpus | 8 | GPU | from --endpoint-gpus |" in md
+    assert "<th>setting</th><th>unit</th><th>c=4</th><th>c=8</th>" in page and "<td>endpoint.gpus</td>" in page
+    # and the measured per-point table does not list them
+    assert "| field | unit | level |" not in md  # _stage has no per-point evidence rows
+
+
+def test_every_plot_carries_its_level_and_a_mixed_plot_names_it_per_series():
+    """A plot's level is recorded per series in report.json and shown under it in the HTML as a badge (the rows'
+    colours); where series differ (planned vs loaded) the caption and the legend name each series' level."""
+    st = _stage("load")
+    st.series["bytes"] = {"title": "planned vs loaded", "kind": "bar", "x": [0, 1], "xlabel": "rank", "ylabel": "MB",
+                          "y": {"planned": [1.0, 2.0], "loaded": [1.0, 2.0]},
+                          "levels": {"planned": "projected", "loaded": "measured"}}
+    st.series["one"] = {"title": "one level", "x": [0, 1], "y": {"max |h|": [1.0, 2.0]}, "levels": {"max |h|": "measured"}}
+    rep = Report()
+    rep.merge_run(_repro(), [st])
+    d = json.loads(render_json(rep))["stages"]["load"]["series"]
+    assert d["bytes"]["levels"] == {"planned": "projected", "loaded": "measured"} and d["one"]["levels"] == {"max |h|": "measured"}
+    page = render_html(rep)
+    caps = re.findall(r'<p class="caption">(.*?)</p>', page)
+    assert len(caps) == 3  # curve (no levels recorded), bytes, one: every plot has a caption
+    assert caps[0] == "level: not recorded"
+    assert caps[1].startswith("levels per series: planned <span class=\"badge\"") and ">projected<" in caps[1] \
+        and "loaded <span" in caps[1] and ">measured<" in caps[1]
+    assert caps[2].startswith("level <span") and ">measured<" in caps[2]
+    assert "planned (projected)" in page and "loaded (measured)" in page  # the legend of the mixed plot
+    assert "max |h| (measured)" not in page  # a plot of one level keeps its plain legend
+    md = render_markdown(rep)
+    assert "- bytes (planned vs loaded): levels: planned projected; loaded measured" in md
+    assert "- one (one level): level: measured" in md
+
+
 def test_load_report_merges_only_same_checkpoint(tmp_path):
     rep = Report()
     rep.merge_run(_repro("hashA"), [_stage("env")])

@@ -37,12 +37,45 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-def test_two_processes_writing_one_out_keep_every_stage_and_history_entry(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), tier]) for tier in ("load", "bench")]
-    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+def test_processes_writing_one_out_keep_every_stage_and_history_entry(tmp_path):
+    """Three writers at once, each writing three times: every stage and history entry is kept (the lock file is
+    removed by each holder, so waiters must re-lock the current file), and no lock file is left at the end."""
+    tiers = ("load", "forward", "bench")
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), tier]) for tier in tiers]
+    assert [p.wait(timeout=90) for p in procs] == [0, 0, 0]
     doc = json.loads((tmp_path / "report.json").read_text())
-    assert set(doc["stages"]) == {"load", "bench"}
-    assert len(doc["history"]) == 6
+    assert set(doc["stages"]) == set(tiers)
+    assert len(doc["history"]) == 9
+    assert not (tmp_path / ".report.lock").exists()
+
+
+def test_the_lock_file_is_removed_and_a_waiter_locks_the_current_one(tmp_path):
+    """The holder removes .report.lock before releasing it; one waiting on the removed file must not proceed on
+    it (a third writer would lock a new file at the same time) but lock the file the path names."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from k3rocm.validation.evidence import LOCK_NAME, report_lock
+
+    order = []
+    with report_lock(tmp_path):
+        stale = os.open(tmp_path / LOCK_NAME, os.O_RDWR)  # a waiter that opened the file before it was removed
+
+        def waiter():
+            with report_lock(tmp_path, poll_s=0.01):
+                # it holds the file the path names (it exists: the lock was taken on it), not the removed one
+                p = tmp_path / LOCK_NAME
+                order.append(("waiter", p.exists() and os.stat(p).st_ino != os.fstat(stale).st_ino))
+        th = threading.Thread(target=waiter)
+        th.start()
+        time.sleep(0.2)  # the waiter has opened the file and is polling its lock
+        order.append("holder")
+    th.join(timeout=10)
+    assert order == ["holder", ("waiter", True)] and not (tmp_path / LOCK_NAME).exists()
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file is free: nobody relies on it
+    os.close(stale)
 
 
 def _stage() -> Stage:

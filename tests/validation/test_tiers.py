@@ -48,6 +48,10 @@ def test_every_tier_passes_on_k3_tiny(good_run):
 
 def test_evidence_content_and_levels(good_run):
     s, stages = good_run
+    env = next(st for st in stages if st.tier == "env")
+    # the profile is a setting of the run (what it checks against), not a projected claim
+    assert "profile" not in _rows(stages, "env") and [x.name for x in env.settings] == ["profile"]
+    assert env.settings[0].value == "cpu"
     load = _rows(stages, "load")
     assert load["index.tensors"].value == 1492 and load["index.tensors"].passed
     assert load["load.tensors_verified"].passed and load["plan.fits"].level == "projected"
@@ -72,11 +76,29 @@ def test_evidence_content_and_levels(good_run):
     assert s.measured_level == "measured"
     perf = _rows(stages, "performance")
     assert perf["c2.completed"].value == 4 and perf["c2.failed"].value == 0
+    # the load of the point is its settings, not measured rows
+    pst = {x.name: x for x in next(st for st in stages if st.tier == "performance").settings}
+    assert {f"c2.{k}" for k in ("input_len", "output_len", "range_ratio", "num_prompts", "num_warmups",
+                                "max_num_batched_tokens")} == set(pst) and not set(pst) & set(perf)
     assert perf["c2.roofline.floor_s"].level == "projected" and perf["c2.no_hang"].passed and "c2.p99_itl_ms" in perf
     assert 0 < perf["c2.roofline.fraction"].value < 1
+    # the layout that ran (one process here) is what the run measured on: its level, never "projected"
+    assert perf["dist.layout"].value == "TP1/EP1" and perf["dist.layout"].level == perf["dist.world"].level == "measured"
+    assert "alone" not in perf["dist.layout"].detail and _rows(stages, "forward")["dist.world"].level == "measured"
     # plots: per-layer error, activation max |h|, latency
     series = {k for st in stages for k in st.series}
     assert {"layer_error", "absmax", "latency", "throughput"} <= series
+    # every plot records the level of each of its series, as the rows it draws carry them
+    from k3rocm.validation.evidence import LEVELS
+    for st in stages:
+        for k, spec in st.series.items():
+            assert set(spec["levels"]) == set(spec["y"]) and set(spec["levels"].values()) <= set(LEVELS), (k, spec)
+    by = {k: spec["levels"] for st in stages for k, spec in st.series.items()}
+    assert by["bytes_per_device"] == {"planned": "projected", "loaded": "measured"}
+    assert set(by["roofline"].values()) == {"projected"} and set(by["latency"].values()) == {"measured"}
+    golden = {k: v for k, v in by["layer_error"].items() if "golden" in k}
+    assert golden and set(golden.values()) == {"external"}
+    assert {v for k, v in by["layer_error"].items() if "golden" not in k} == {"measured"}
     absmax = next(st for st in stages if st.tier == "forward").series["absmax"]["y"]["max |h|"]
     assert len(absmax) == 13 and all(0 < a < 1e3 for a in absmax)
 
@@ -269,6 +291,27 @@ def test_bench_rows_plot_throughput_per_gpu_against_speed_per_user():
     assert t["labels"] == ["c=64", "c=8", "c=1"]
     rows = {e.name: e for e in st.evidence}
     assert rows["c8.tok_s_per_user"].value == 50.0 and rows["c8.tok_s_per_user"].level == "measured-fallback"
+
+
+@pytest.mark.parametrize("synthetic, world, level", [(False, 1, "measured"), (False, 2, "measured-fallback"),
+                                                     (True, 1, "measured-fallback"), (True, 4, "projected")])
+def test_layout_rows_are_projected_only_when_one_rank_of_a_larger_layout_ran_alone(synthetic, world, level):
+    """dist.world / dist.layout carry the run's level for the layout that ran (one process or all ranks of a
+    multi-rank run); only a --synthetic rank of a layout of several ranks, run alone, is projected and says so."""
+    from types import SimpleNamespace as NS
+
+    from k3rocm.validation.tiers.performance import bench_rows
+
+    lv = "measured" if world == 1 and not synthetic else "measured-fallback"
+    s = NS(measured_level=lv, profile=NS(targets=()), device="cpu", synthetic=synthetic, rank=3 if synthetic else 0,
+           world=world, run_placement=NS(world=world, tp=world, ep=world, ranks=[NS(weights_bytes=10)] * world))
+    st = Stage("bench")
+    bench_rows(s, st, [], tier="bench")
+    rows = {e.name: e for e in st.evidence}
+    assert rows["dist.world"].value == world and rows["dist.layout"].value == f"TP{world}/EP{world}"
+    assert rows["dist.world"].level == rows["dist.layout"].level == level
+    alone = "rank 3 alone ran, the others are projected" in rows["dist.layout"].detail
+    assert alone == (level == "projected"), rows["dist.layout"].detail
 
 
 def test_a_kernel_family_that_fails_to_import_is_reported(monkeypatch):

@@ -57,10 +57,10 @@ def tier_correctness(session: Session, stage: Stage) -> None:
                         detail=f"engine ({_impl_note(session)}) vs fp32 oracle, {how}; worst: layer {wi} {wn}"))
         y = {f"teacher-forced: {n}": [d[n] for d in tf] for n in names} if tf else {}
         y.update({f"free-running: {k}": v for k, v in series.items() if v})
+        y = {k + (" (all exactly 0)" if not any(v) else ""): v for k, v in y.items()}
         stage.series["layer_error"] = {
             "title": "per-layer relative RMS error, engine vs fp32 oracle", "x": list(range(len(olay))),
-            "xlabel": "layer", "ylabel": "relative RMS error", "log": True,
-            "y": {k + (" (all exactly 0)" if not any(v) else ""): v for k, v in y.items()}}
+            "xlabel": "layer", "ylabel": "relative RMS error", "log": True, "y": y, "levels": {k: lv for k in y}}
     # end to end: the engine is held to the fixed thresholds or to a multiple of the oracle's own response to an
     # error of the engine's rounding size at every sublayer (embeddings included), whichever is looser
     rel = engine_rounding(eng, session.config.hidden_size)
@@ -196,12 +196,13 @@ def golden_checks(session: Session, stage: Stage) -> None:
                        detail=f"worst: {fw[0]}; {run_free}"))
     ser = stage.series.setdefault("layer_error", {"title": "per-layer relative RMS error", "x": [],
                                                   "xlabel": "layer", "ylabel": "relative RMS error",
-                                                  "log": True, "y": {}})
+                                                  "log": True, "y": {}, "levels": {}})
     for label, rows in (("teacher-forced", errs), ("free-running", free)):
         for n in ("attn_out", "mlp_out"):
             vals = [e for k, e in rows if k.endswith(n)]
             if vals:
                 ser["y"][f"oracle vs golden {n} ({label})"] = vals
+                ser.setdefault("levels", {})[f"oracle vs golden {n} ({label})"] = "external"  # vs another system
                 ser["x"] = ser["x"] or list(range(len(vals)))
     _router_rows(stage, cfg, margins)
     if "greedy_prompt" in g and "greedy_tokens" in g:
@@ -235,7 +236,8 @@ def _router_rows(stage: Stage, cfg, margins: list) -> None:
                           "difference can flip an expert, so a channel-mixer difference at them is not a fault"))
     stage.series["router_margin"] = {"title": "smallest router top-k margin per MoE layer", "x": [l for l, _ in per],
                                      "xlabel": "layer", "ylabel": "k-th - (k+1)-th score", "log": True,
-                                     "y": {"min margin": [float(x.min()) for _, x in per]}}
+                                     "y": {"min margin": [float(x.min()) for _, x in per]},
+                                     "levels": {"min margin": "external"}}  # the golden's forced pass, as its rows
 
 
 def official_checks(session: Session, stage: Stage) -> None:

@@ -6,7 +6,7 @@ import os
 
 from k3rocm.envtraps import TRAPS, match_traps, settings_text
 from k3rocm.runtime import registry
-from k3rocm.validation.evidence import Evidence, Stage, check, info, listed
+from k3rocm.validation.evidence import Evidence, Stage, check, info, listed, setting
 from k3rocm.validation.session import Session
 
 
@@ -29,10 +29,13 @@ def tier_env(session: Session, stage: Stage) -> None:
               info("env", "devices", det.count, detail=", ".join(f"{d.name} {d.arch}" for d in det.devices)
                    or "GPUs visible: none; the run uses the CPU (one device in the report's header)"),
               info("env", "device.memory_visible", round(det.memory_bytes / 1e9, 2), "GB",
-                   detail="smallest visible device"),
-              info("env", "profile", prof.name, level="projected",
-                   detail=f"expects {prof.device_count} x {prof.device_name} ({prof.arch}, "
-                          f"{prof.memory_bytes / 1e9:.0f} GB) [{figure_kind(prof, 'device.memory_source')}]"))
+                   detail="smallest visible device"))
+    # the profile is what the run was told (or chose) to check against: a setting, not a claim
+    given = getattr(getattr(session, "opts", None), "profile", None)
+    stage.add_settings(setting("env", "profile", prof.name,
+                               detail=f"{'--profile' if given else 'matched to the detected hardware'}; expects "
+                                      f"{prof.device_count} x {prof.device_name} ({prof.arch}, "
+                                      f"{prof.memory_bytes / 1e9:.0f} GB) [{figure_kind(prof, 'device.memory_source')}]"))
     if prof.backend == "cpu":
         stage.add(check("env", "torch.import", True, eq=True, detail="torch imports and computes on the CPU"))
     elif session.hardware_matches:

@@ -10,6 +10,7 @@ import torch
 from k3rocm.validation.evidence import Stage, Timer, check, info
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.adapters import layer_absmax, model_forward, random_ids
+from k3rocm.validation.tiers.performance import ran_alone
 from k3rocm.validation.tiers.thresholds import THRESHOLDS
 
 
@@ -27,8 +28,13 @@ def tier_forward(session: Session, stage: Stage) -> None:
     with Timer() as tp:
         logits, layers = model_forward(model, ids, cfg.num_hidden_layers)
     pl = session.run_placement
-    stage.add(info("forward", "dist.world", pl.world, "ranks", level=lv,
-                   detail=f"TP{pl.tp}/EP{pl.ep}: processes the engine and its model ran on (rank 0 here)"))
+    if ran_alone(session):  # --synthetic: one rank of a larger layout ran here; the others are not running
+        stage.add(info("forward", "dist.world", pl.world, "ranks", level="projected",
+                       detail=f"ranks of the TP{pl.tp}/EP{pl.ep} layout; only rank {session.rank} ran, alone in "
+                              "this process (--synthetic)"))
+    else:
+        stage.add(info("forward", "dist.world", pl.world, "ranks", level=lv,
+                       detail=f"TP{pl.tp}/EP{pl.ep}: processes the engine and its model ran on (rank 0 here)"))
     stage.add(check("forward", "prefill.shape", list(logits.shape), eq=[B, T, cfg.vocab_size], level=lv),
               check("forward", "prefill.finite", bool(torch.isfinite(logits).all()), eq=True, level=lv),
               info("forward", "prefill.ms", round(tp.seconds * 1e3, 3), "ms", level=lv,
@@ -41,7 +47,8 @@ def tier_forward(session: Session, stage: Stage) -> None:
         stage.add(check("forward", "layers.max_abs_h", worst, le=THRESHOLDS["forward.max_abs_h"], level=lv,
                         detail=f"max over {len(am)} layers of max |h|"))
         stage.series["absmax"] = {"title": "per-layer activation max |h|", "x": list(range(len(am))),
-                                  "y": {"max |h|": am}, "xlabel": "layer", "ylabel": "max |h|", "log": True}
+                                  "y": {"max |h|": am}, "xlabel": "layer", "ylabel": "max |h|", "log": True,
+                                  "levels": {"max |h|": lv}}
     def serve():
         if hasattr(eng, "generate") and hasattr(eng, "add_request"):
             return torch.tensor(eng.generate([r.tolist() for r in ids], steps))

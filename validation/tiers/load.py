@@ -81,7 +81,9 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         stage.series["bytes_per_device"] = {"title": "weight bytes per rank: planned vs loaded", "kind": "bar",
                                             "x": keys, "xlabel": "rank", "ylabel": "MB",
                                             "y": {"planned": [planned.get(k, 0) / 1e6 for k in keys],
-                                                  "loaded": [used.get(k, 0) / 1e6 for k in keys]}}
+                                                  "loaded": [used.get(k, 0) / 1e6 for k in keys]},
+                                            # the plan's bytes are projected, the loaded ones what this run measured
+                                            "levels": {"planned": "projected", "loaded": lv}}
     stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
     for key, unit, d in (("aggregate_gbps", "GB/s", "load throughput, all ranks (reads and device copies; verification not included)"),
                          ("raw_read_gbps", "GB/s", "sequential read of the same shard files"

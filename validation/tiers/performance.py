@@ -11,7 +11,7 @@ import torch
 from k3rocm.bench import PointInterrupted, run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
 from k3rocm.runtime.sizing import StepRoofline
-from k3rocm.validation.evidence import Stage, check, info, listed
+from k3rocm.validation.evidence import Stage, check, info, listed, setting
 from k3rocm.validation.session import Session
 from k3rocm.validation.tiers.env import figure_kind
 
@@ -67,8 +67,8 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     return d
 
 
-#: The rows of one benchmark point, in vLLM's ``benchmark_serving`` result names and order: the load it carried,
-#: then duration, token totals, throughputs and mean / median / p99 of each latency (``(field, unit, detail)``).
+#: The rows of one benchmark point, in vLLM's ``benchmark_serving`` result names and order: the load it carried
+#: (settings, :data:`POINT_SETTINGS`), then duration, token totals, throughputs and mean / median / p99 of each latency (``(field, unit, detail)``).
 POINT_FIELDS = (
     ("input_len", "tokens", "upper end L of the prompt-length draw [range_ratio x L, L]"),
     ("output_len", "tokens", "upper end L of the output-length draw [max(2, range_ratio x L), L], EOS ignored"),
@@ -89,6 +89,41 @@ POINT_FIELDS = (
 )
 
 
+#: the :data:`POINT_FIELDS` that are the point's settings (the load it was asked to carry and the engine's step
+#: budget): inputs of the run, so they go to the stage's settings (no level), not to its evidence
+POINT_SETTINGS = frozenset({"input_len", "output_len", "range_ratio", "num_prompts", "num_warmups",
+                            "max_num_batched_tokens"})
+
+
+def ran_alone(session: Session) -> bool:
+    """True when one rank of a larger layout ran alone in this process (``--synthetic``, with ``--rank``, default 0,
+    of a ``--tp/--ep`` layout of several ranks): the other ranks' work is counted and projected, never run. False
+    for every other run, one process or several (a multi-rank run starts all its ranks). Raises nothing beyond
+    what :attr:`Session.run_placement` raises."""
+    return bool(getattr(session, "synthetic", False)) and session.run_placement.world > 1
+
+
+def layout_rows(session: Session, tier: str, lv: str) -> list:
+    """``dist.world`` and ``dist.layout`` of the built-in engine: the ranks and the TP/EP layout that served the
+    load, at the run's level ``lv`` (``measured`` / ``measured-fallback``: the layout that ran is what this run
+    measured on). Only when one rank of a larger layout ran alone (:func:`ran_alone`) are they ``projected``,
+    saying which rank ran."""
+    pl = session.run_placement
+    per_rank = f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"
+    if ran_alone(session):
+        r = session.rank
+        return [info(tier, "dist.world", pl.world, "ranks", level="projected",
+                     detail=f"ranks of the TP{pl.tp}/EP{pl.ep} layout; only rank {r} ran, alone in this process "
+                            "(--synthetic)"),
+                info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}", level="projected",
+                     detail=f"{per_rank}; rank {r} alone ran, the others are projected")]
+    where = "GPU" if session.device != "cpu" else "gloo rank on this host"
+    return [info(tier, "dist.world", pl.world, "ranks", level=lv,
+                 detail=f"processes serving the load: TP{pl.tp}/EP{pl.ep}, one per {where}; rank 0 schedules"),
+            info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}", level=lv,
+                 detail=f"{per_rank}; every rank of the layout ran")]
+
+
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
     """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction).
 
@@ -96,16 +131,7 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
     """
     lv = level or session.measured_level
     if level is None:  # the built-in engine: the layout it ran
-        pl = session.run_placement
-        stage.add(info(tier, "dist.world", pl.world, "ranks", level=lv,
-                       detail=f"processes serving the load: TP{pl.tp}/EP{pl.ep}, one per "
-                              f"{'GPU' if session.device != 'cpu' else 'gloo rank on this host'}; rank 0 schedules"),
-                  # the layout that ran is what this run measured on; one rank of a larger layout (--rank) is not
-                  info(tier, "dist.layout", f"TP{pl.tp}/EP{pl.ep}",
-                       level="projected" if getattr(session, "rank", None) is not None else lv,
-                       detail=f"{pl.ranks[0].weights_bytes / 1e9:.3f} GB of weights per rank (plan)"
-                              + (f"; rank {session.rank} alone ran, the others are projected"
-                                 if getattr(session, "rank", None) is not None else "")))
+        stage.add(*layout_rows(session, tier, lv))
     for r in results:
         c = r.get("concurrency")
         tag = f"c{c}"
@@ -129,15 +155,21 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                   "and requests with one token define no TPOT / ITL"))
         wu = r.get("warmup") or {}
         if wu.get("failed"):
+            sent, asked = int(wu.get("sent", 0)), int(wu.get("asked") or wu.get("sent", 0))
+            unsent = (f"; {asked} were planned, the other {asked - sent} not sent once every one sent had failed"
+                      if sent < asked else "")
             stage.add(info(tier, f"{tag}.warmup_failed", int(wu["failed"]), "requests", level=lv,
-                           detail=f"of {wu.get('sent', 0)} warm-up requests sent (not measured): "
+                           detail=f"of {sent} warm-up requests sent (not measured){unsent}: "
                                   + listed((f"{e['count']} x {e['error']}" for e in wu.get("errors") or []),
                                            limit=250)))
         for k, unit, what in POINT_FIELDS:
             if r.get(k) is not None:
                 v = r[k]
                 v = v if isinstance(v, int) and not isinstance(v, bool) else round(float(v), 4)
-                stage.add(info(tier, f"{tag}.{k}", v, unit, level=lv, detail=what))
+                if k in POINT_SETTINGS:  # the load the point was given: a setting, not a measurement
+                    stage.add_settings(setting(tier, f"{tag}.{k}", v, unit, what))
+                else:
+                    stage.add(info(tier, f"{tag}.{k}", v, unit, level=lv, detail=what))
         if r.get("outputs_sha256"):
             stage.add(info(tier, f"{tag}.outputs_sha256", r["outputs_sha256"], level=lv,
                            detail="sha256 of the greedy tokens served to the measured requests (seeded load): equal "
@@ -194,12 +226,14 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
             pct[f"p99 {m.upper()}"] = vals
     if pct:
         stage.series["latency"] = {"title": "latency percentiles vs concurrency", "kind": "bar",
-                                   "x": cs, "xlabel": "concurrency", "ylabel": "ms", "y": pct, "log": True}
+                                   "x": cs, "xlabel": "concurrency", "ylabel": "ms", "y": pct, "log": True,
+                                   "levels": {k: lv for k in pct}}
     thr = {k: [r.get(k) for r in results] for k in ("output_throughput", "total_token_throughput")}
     thr = {k: v for k, v in thr.items() if all(x is not None for x in v)}
     if thr:
         stage.series["throughput"] = {"title": "throughput vs concurrency", "kind": "bar", "x": cs,
-                                      "xlabel": "concurrency", "ylabel": "tok/s", "y": thr}
+                                      "xlabel": "concurrency", "ylabel": "tok/s", "y": thr,
+                                      "levels": {k: lv for k in thr}}
     # the serving trade-off (InferenceX's axes): output tok/s per GPU against tok/s per user, one point per
     # concurrency; tok/s/user = 1000 / median TPOT (ms)
     pts = sorted((1000.0 / r["median_tpot_ms"], r["output_throughput_per_gpu"], r.get("concurrency"))
@@ -217,7 +251,9 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                 y[label] = vals
         stage.series["roofline"] = {"title": "fraction of the roofline vs concurrency (1.0 = at the floor)",
                                     "kind": "bar", "x": cs, "xlabel": "concurrency", "ylabel": "floor / measured",
-                                    "y": y}
+                                    # a projected floor over a measured time: as strong as the projection (the
+                                    # roofline.fraction rows say the same)
+                                    "y": y, "levels": {k: "projected" for k in y}}
     bars = [(f"c{r.get('concurrency')} {kind}", part) for r in results
             for kind, part in sorted((r.get("breakdown") or {}).items())]
     if bars:
@@ -225,12 +261,12 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         stage.series["breakdown"] = {"title": "where a step goes (eager profiled step, ms per op family)",
                                      "kind": "stacked", "x": [b[0] for b in bars], "xlabel": "step",
                                      "ylabel": "ms", "y": {f: [part["ms"].get(f, 0.0) for _, part in bars]
-                                                           for f in fams}}
+                                                           for f in fams}, "levels": {f: lv for f in fams}}
     if pts:
         stage.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)",
                                     "kind": "line", "x": [p[0] for p in pts], "xlabel": "tok/s/user",
                                     "ylabel": "output tok/s/GPU", "y": {"output tok/s/GPU": [p[1] for p in pts]},
-                                    "labels": [f"c={p[2]}" for p in pts]}
+                                    "labels": [f"c={p[2]}" for p in pts], "levels": {"output tok/s/GPU": lv}}
 
 
 #: what each counted collective of the decoder is (k3rocm.model.decoder / runtime.dist.TPGroup)
