@@ -745,6 +745,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     q2 = 1 if "qg" in prec_parts["pre"] else 0  # qg too (the state pass's FO configs need it)
     # the output in the state loop (FO): in the split loop with qg split too, or in the plain loop where its tiles
     # are not split there (one 16-bit product or IEEE fp32; splitting fp32 tiles in the loop spills on gfx942)
+    # 16-bit tiles into the state loop's products go through a select (_reg, RB = 1): as loaded, the same-step loads
+    # gave wrong states and an illegal address on an H100 with triton 3.6 (2026-12-06, gpu-runs/kda_state_check.py)
+    rb16 = 1 if pre or {"w", "kg"} & set(prec_parts["store"]) else 0
     fo_ok = bool(q2) if pre else "split" not in (prec_parts["wh"], prec_parts["kv"], prec_parts["out"])
     qg = C.empty(TT, H, (1 + q2) * K, dtype=torch.bfloat16 if q2 else bf("qg"), device=dev)
     kg = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("kg"), device=dev)
@@ -808,7 +811,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
                            OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, qg=qg, aqk=aqk, o=o, OOPD=opd["out"], one=1.0,
-                           **meta,
+                           **dict(dict(RB=rb16), **meta),
                            **opts)
 
     out_first = tune.configs(C.OUT)[0]
