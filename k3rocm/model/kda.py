@@ -252,15 +252,15 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         cu_seqlens: ``[N+1]`` int32 offsets of packed sequences (B = 1) or None (N = B).
         scale: q scale, default ``K**-0.5``.
         lower_bound, gate_form: see :func:`kda_gate`.
-        products: a kernel's precision hint (``"ieee"`` / ``"split"``, see the Triton implementation); the
+        products: a kernel's precision hint (``"ieee"`` / ``"split"`` / ``"fp16"``, see the Triton implementation); the
             oracle always multiplies in fp32 and only checks the value.
     Returns:
         ``(o [B, T, H, V] fp32, final_state [N, H, K, V] fp32)``.
     Raises:
         ConfigError: shapes inconsistent, malformed cu_seqlens, unknown gate form or products.
     """
-    if products not in (None, "ieee", "split"):
-        raise ConfigError(f"kda_prefill: products {products!r} is not one of None, 'ieee', 'split'")
+    if products not in (None, "ieee", "split", "fp16"):
+        raise ConfigError(f"kda_prefill: products {products!r} is not one of None, 'ieee', 'split', 'fp16'")
     return kda_chunked(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state, cu_seqlens, scale,
                        lower_bound, gate_form, chunk_size=64)
 

@@ -42,11 +42,12 @@ def _opts(table: dict) -> dict:
 def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     """Every KDA kernel at the K3 head size, for ahead-of-time compilation.
 
-    Returns ``(name, fn, signature, constexprs, expects_matrix, options_by_backend)`` tuples. The prefill
-    kernels are compiled as bf16 inputs run them (``prefill.PRODUCTS["split"]``): split-bf16 operands on the
+    Returns ``(name, fn, signature, constexprs, expects_matrix, options_by_backend)`` tuples. The ``prefill_*``
+    kernels are compiled as the split form runs them (``prefill.PRODUCTS["split"]``): split-bf16 operands on the
     matrix unit (``OPD = WOPD = UOPD = WHOPD = 1``), the UT solve's block products at the backend's default fp32
-    precision (``PREC = None``); the ``*_f16`` cases as ``prefill.PRODUCTS["fp16"]`` runs them (fp16 intermediates,
-    one fp16 product in w / u / w h / the state step / the output, ``OPD = 5``).
+    precision (``PREC = None``); the ``*_f16`` cases as ``prefill.PRODUCTS["fp16"]`` — the default for bf16 / fp16
+    inputs and the serving engine — runs them (fp16 intermediates, one fp16 product in w / u / w h / the state step /
+    the output and the pair blocks j < i, ``OPD = 5``).
     """
     p = f"*{dtype}"
     b = "*fp32"  # the prefill's intermediate buffers

@@ -5,9 +5,9 @@ The kernels have one source for HIP and CUDA; only these lists differ (DESIGN.md
 * CUDA (sm_90): ``num_warps``, ``num_stages``.
 * HIP (gfx942 / gfx950): ``num_warps``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack = 1``.
 
-The prefill's products take bf16 operands with fp32 accumulation for bf16 / fp16 inputs (bf16 MFMA / wgmma);
-the 16 x 16 block products of the UT solve run at the backend's default fp32 precision (TF32 on sm_90, fp32
-MFMA on CDNA). When the inputs are fp32 the wrapper runs every product in IEEE fp32 (``OPD = 0``,
+The prefill's products take 16-bit operands with fp32 accumulation for bf16 / fp16 inputs: the fp16 form
+(prefill.PRODUCTS "fp16": fp16 MFMA / wgmma, the diagonal pair blocks split-bf16); the 16 x 16 block products of the
+UT solve run at the backend's default fp32 precision (TF32 on sm_90, fp32 MFMA on CDNA). When the inputs are fp32 the wrapper runs every product in IEEE fp32 (``OPD = 0``,
 ``PREC = "ieee"``) so the kernels match the fp32 oracle to ~1e-5.
 The interpreter runs the CUDA lists. Every table is public (:data:`CONV`, :data:`INTRA`, :data:`GATE`, :data:`SOLVE`, :data:`WU`, :data:`STATE`,
 :data:`OUT`, :data:`DECODE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every
@@ -57,15 +57,19 @@ _CUDA = {
               dict(BV=32, PF=0, candidate=True, num_warps=4, num_stages=2),
               dict(BV=32, PF=0, candidate=True, num_warps=8, num_stages=1),
               dict(BV=64, PF=0, candidate=True, num_warps=8, num_stages=2),
-              # FO 1 (needs qg stored split too): the output in the loop, no chunk states / v' stored and no output
-              # launch; ptxas sm_90a: 255 registers, 40 / 284 bytes of spills (BV 16 at 2 stages / BV 32 at 1)
-              dict(BV=16, PF=0, FO=1, candidate=True, num_warps=4, num_stages=2),
-              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1),
-              # for prefill.PRODUCTS "fp16" (fp16 tiles, one product each; ptxas sm_90a, no spills): the output in the
-              # loop at BV 32 / 4 warps / 2 stages (162 registers) and BV 64 / 8 warps (244), the plain loop at BV 64 /
-              # 4 warps / 2 stages (243; BV 32 at 2 stages, the first candidate above: 133)
-              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=2),
-              dict(BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              # FO 1: the output in the loop, no chunk states / v' stored and no output launch; it runs on the fp16
+              # form (prefill.PRODUCTS "fp16", the default for bf16 inputs and the engine) and with qg / kg / w stored
+              # split, not on the split form (prefill.fo_ok). On an H100 (2026-12-06 16:12 UTC) every FO entry gave
+              # the fp16 form's 3.6e-4 rel. RMS and the tuned fp16 prefill at B1 T8192 H96 took one (3.917 ms, no
+              # output launch; section "The KDA prefill's fp16 form"), so they are served. ptxas sm_90a on fp16 tiles:
+              # BV 16 / 2 stages 121 registers, BV 32 / 1 stage 245, BV 32 / 2 stages 162, BV 64 / 8 warps 244, no
+              # spills (on split-stored planes: 255 with 40 / 284 bytes of spills at the first two)
+              dict(BV=16, PF=0, FO=1, num_warps=4, num_stages=2),
+              dict(BV=32, PF=0, FO=1, num_warps=4, num_stages=1),
+              dict(BV=32, PF=0, FO=1, num_warps=4, num_stages=2),
+              dict(BV=64, PF=0, FO=1, num_warps=8, num_stages=1),
+              # the plain loop on fp16 tiles at BV 64 / 4 warps / 2 stages (243 registers; on fp32 split tiles two
+              # stages need more shared memory than sm_90 has)
               dict(BV=64, PF=0, candidate=True, num_warps=4, num_stages=2)],
     # not listed: 2-stage state configs (BV 32 / 16, PF 0, 4 / 8 warps). With the chunks at affine addresses the
     # loop pipeliner stages the next chunk's w / kg / u in shared memory (cp.async), but ptxas still puts them at

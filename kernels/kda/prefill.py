@@ -583,7 +583,8 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
 #: solve's off-diagonal block products, ``"ieee"`` or ``"backend"`` (TF32 on sm_90, fp32 MFMA on CDNA);
 #: ``store``: names among qg, kg, w, u, vnew, aqk, hbuf kept in bf16 (the rest fp32).
 #:
-#: ``"split"`` (the default for bf16 / fp16 inputs) splits every product. Measured in the interpreter (K = V =
+#: ``"fp16"`` (below) is the default for bf16 / fp16 inputs and the serving engine from 2026-12-06; ``"split"``
+#: (the default before) splits every product. Measured in the interpreter (K = V =
 #: 128, T = 256, fp16-exact inputs; rel. RMS on o / final state): all split 5e-5 / 3e-5; one bf16 product in u,
 #: the state step, Aqk or the output 3e-3 to 6e-3 at ordinary decays. The two products that make and apply w
 #: (``w`` and ``wh``, w stored in bf16) cost nothing at ordinary decays (1e-4 / 3e-5: the next chunks' residuals
@@ -626,7 +627,7 @@ _STORE = ("qg", "kg", "w", "u", "vnew", "aqk", "hbuf", "abuf", "mbuf")
 def _precision(products, dtype: torch.dtype) -> dict:
     """The per-part precision of ``products`` (None, a :data:`PRODUCTS` name, or a dict overriding "split")."""
     if products is None:
-        products = "ieee" if dtype == torch.float32 else "split"
+        products = "ieee" if dtype == torch.float32 else "fp16"
     if isinstance(products, dict):
         bad = [kk for kk in products if kk not in PRODUCTS["split"]]
         out = dict(PRODUCTS["split"], **products)
@@ -670,7 +671,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); ``"fp16"``:
         the pair products split, the others one fp16 product each, the intermediates but G stored in fp16
         (:data:`PRODUCTS`: ~5e-4 rel. RMS, a third of the products and half the bytes of ``"split"``); None: by
-        input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"split"``); a dict of parts (:data:`PRODUCTS`) for
+        input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"fp16"``); a dict of parts (:data:`PRODUCTS`) for
         precision sweeps (``gpu-runs/bench_kda.py --only sweep``).
     Returns:
         ``(o [B, T, H, V] out_dtype, final_state [N, H, K, V] fp32)``.

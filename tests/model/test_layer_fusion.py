@@ -164,8 +164,8 @@ def test_fused_rows_padded_to_alignment_and_dropped():
     torch.testing.assert_close(yb, rb, rtol=1e-2, atol=1e-2)
 
 
-def test_kda_mixer_asks_for_split_products_in_a_bf16_scope(tiny):
-    # the engine (bf16 matmul scope, fp32 activations) asks the prefill kernel for its split-bf16 products; the
+def test_kda_mixer_asks_for_fp16_products_in_a_bf16_scope(tiny):
+    # the engine (bf16 matmul scope, fp32 activations) asks the prefill kernel for its fp16 form; the
     # oracle (no scope) asks nothing, and an implementation without the parameter is called without it
     cfg, weights = tiny
     kda = cfg.layer_types.index("kda")
@@ -186,4 +186,4 @@ def test_kda_mixer_asks_for_split_products_in_a_bf16_scope(tiny):
         with matmul_dtype(scope):
             y = L.kda_mixer(x, L.WeightView(weights), kda, cfg, ops, L.Batch(torch.tensor([0, 5], dtype=torch.int32)))
         assert torch.isfinite(y).all()
-    assert seen == ["split", None, "plain"]
+    assert seen == ["fp16", None, "plain"]
