@@ -105,6 +105,16 @@ def test_prefill_gate_takes_launch_options_only():
         KPRE.kda_prefill(**a, config={"gate": {"KS": 2, "num_warps": 4}})
 
 
+def _packed_batch(gen, shift):
+    """(inputs, cu_seqlens, oracle o, oracle state) of a packed batch of 70 + 1 + 9 tokens (two chunks, a 1-token
+    sequence, a partial chunk) with ``dt_bias`` shifted by ``shift``."""
+    lens = [70, 1, 9]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
+    want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+    return a, cu, want_o, want_s
+
+
 def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
     """``products=dict(pre=("kg", "w"))`` stores w and kg as bf16 hi / lo planes and multiplies them as loaded (with
     ``"qg"`` qg too, which the FO configs — the output in the state loop — need): the same operand bits as the
@@ -113,11 +123,8 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
     1-token sequence, near decay 1 and at ordinary decays; FO without qg split, and the bf16 / IEEE parts it cannot
     serve, are refused."""
     gen = _gen()
-    lens = [70, 1, 9]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
     for shift in (0.0, -12.0):
-        a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
-        want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+        a, cu, want_o, want_s = _packed_batch(gen, shift)
         for c in tune.configs(KC.STATE, candidates=True):
             base = {kk: vv for kk, vv in c.items() if kk != "FO"}
             so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": base}, products="split")
@@ -147,11 +154,8 @@ def test_prefill_fp16_products_on_every_wu_state_out_config():
     ordinary decays and near decay 1; not the split form's result; and scale-free in v up to fp16's range (v x 1000
     as accurate), an overflow past it non-finite, never a finite wrong answer."""
     gen = _gen()
-    lens = [70, 1, 9]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
     for shift in (0.0, -12.0):
-        a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
-        want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+        a, cu, want_o, want_s = _packed_batch(gen, shift)
         so, ss = KPRE.kda_prefill(**a, cu_seqlens=cu, products="split")
         # beyond the tables: the output in the prefetching loop, and each way a loaded tile reaches the products
         extra = [dict(BV=16, PF=1, FO=1), dict(BV=32, PF=0, RB=1), dict(BV=32, PF=0, RB=2),
