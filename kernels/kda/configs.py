@@ -40,7 +40,12 @@ _CUDA = {
     # 4 warps against 1.33 / 1.41 at 8 / 16 (the intra kernel's tuned 8, which it used to share) and 3.1+ at 1-2
     # (a chunk's channels split over 2 / 4 programs, at 151 / 72 registers, ran 1.177 / 1.236 vs 1.168 ms at
     # B1 T8192 H96 on the H100, 2026-12-06 12:17 UTC: removed)
-    "gate": [dict(num_warps=4, num_stages=1)],
+    "gate": [dict(num_warps=4, num_stages=1),
+             # candidate (not yet run on a GPU): the in-chunk cumulative sum as three bf16 products with the
+             # lower-triangular ones (prefill._cumsum_rows) instead of tl.cumsum's cross-thread scan; the gate ran at
+             # about half its byte floor (0.874 ms at B1 T8192 H96 in the fp16 form, H100)
+             dict(CS=1, candidate=True, num_warps=4, num_stages=1),
+             dict(CS=1, candidate=True, num_warps=8, num_stages=1)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -121,7 +126,8 @@ _HIP = {
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
            dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
-    "gate": [dict(num_warps=4, waves_per_eu=0)],  # as on CUDA (not measured on CDNA)
+    "gate": [dict(num_warps=4, waves_per_eu=0),  # as on CUDA (not measured on CDNA)
+             dict(CS=1, candidate=True, num_warps=4, waves_per_eu=0)],
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),

@@ -209,14 +209,39 @@ def _pids(INNER: tl.constexpr, NI: tl.constexpr):
 
 
 @_interp.kjit
+def _cumsum_rows(g, BT: tl.constexpr, CS: tl.constexpr):
+    """Inclusive cumulative sum of fp32 ``g`` ``[BT, K]`` down its rows. ``CS = 0``: ``tl.cumsum``; 1: on the matrix
+    unit, ``L g`` with ``L`` the ``[BT, BT]`` lower-triangular ones (exact in bf16) and ``g`` split into three bf16
+    parts (hi + mid + lo carry its 24 mantissa bits), three bf16 products with fp32 accumulation: exact products,
+    only the summation order differs from a sequential fp32 sum; 2: the same split multiplied in IEEE fp32 (the
+    interpreter, whose bf16 ``tl.dot`` is wrong)."""
+    if CS == 0:
+        return tl.cumsum(g, 0)
+    r = tl.arange(0, BT)
+    tri = (r[:, None] >= r[None, :]).to(tl.float32)
+    hi = g.to(tl.bfloat16)
+    rem = g - hi.to(tl.float32)
+    mid = rem.to(tl.bfloat16)
+    lo = (rem - mid.to(tl.float32)).to(tl.bfloat16)
+    if CS == 1:
+        tb = tri.to(tl.bfloat16)
+        return tl.dot(tb, lo) + tl.dot(tb, mid) + tl.dot(tb, hi)
+    else:
+        return (tl.dot(tri, lo.to(tl.float32), input_precision="ieee")
+                + tl.dot(tri, mid.to(tl.float32), input_precision="ieee")
+                + tl.dot(tri, hi.to(tl.float32), input_precision="ieee"))
+
+
+@_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
-                 K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0, QG2: tl.constexpr = 0):
+                 K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0, QG2: tl.constexpr = 0,
+                 CS: tl.constexpr = 0):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
     (in the dtype of their buffers), ``e^G_L`` (fp32), on whole ``[BT, K]`` tiles. (Walking the chunk in 16-row
     slices took the registers from 255 to 144 but the kernel from 1.14 to 1.58 ms at B1 T8192 H96 on an H100,
     2026-12-06: fewer bytes in flight a program; so did a chunk's channels split over 2 or 4 programs, 1.18 / 1.24
     vs 1.17 ms, at 151 / 72 registers.) ``KG2`` / ``QG2`` = 1: ``kg`` / ``qg`` stored split, bf16 hi / lo
-    (:func:`_store_split`)"""
+    (:func:`_store_split`); ``CS``: how the cumulative sum runs (:func:`_cumsum_rows`)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
@@ -229,7 +254,7 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
     g = lower_bound * tl.sigmoid(a_h * (raw + dtb[None, :]))
     g = tl.where(mr, g, 0.0)
-    G = tl.cumsum(g, 0)
+    G = _cumsum_rows(g, BT, CS)
     gl = tl.sum(g, 0)
     tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
@@ -767,14 +792,16 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     # the gate's own config (configs.GATE's first entry, not tuned; config["gate"] forces one: tests, sweeps)
     gate_meta, gate_opts = tune.split(cfg.get("gate") or tune.configs(C.GATE)[0])
-    if gate_meta:
-        raise ConfigError(f"kda_prefill: gate config keys {sorted(gate_meta)} are not kernel options (the gate takes "
-                          "launch options only: num_warps, num_stages, waves_per_eu)")
+    if set(gate_meta) - {"CS"}:
+        raise ConfigError(f"kda_prefill: gate config keys {sorted(set(gate_meta) - {'CS'})} are not gate options (the "
+                          "gate takes CS and launch options: num_warps, num_stages, waves_per_eu)")
+    if gate_meta.get("CS") and interpreting():
+        gate_meta["CS"] = 2  # the split cumulative sum multiplied in fp32 (bf16 tl.dot is wrong in the interpreter)
 
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
         if NC:
             _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
-                           scale, float(lower_bound), H, K=K, BT=BT, KG2=pre, QG2=q2, **gate_opts)
+                           scale, float(lower_bound), H, K=K, BT=BT, KG2=pre, QG2=q2, **gate_meta, **gate_opts)
 
     def launch_intra(c):
         meta, opts = tune.split(c)
