@@ -377,9 +377,11 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
 @_interp.kjit
 def _reg(x, mr, one, RB: tl.constexpr):
     """A loaded tile on its way to a matrix product, as is (``RB = 0``), through a select on its row mask
-    (``RB = 1``) or times the runtime scalar ``one`` = 1.0 (``RB = 2``, in x's dtype): both keep the value and
-    keep the load from feeding the product directly (an experiment: on sm_90 with triton 3.6, 16-bit tiles
-    loaded and multiplied in the same step of the state loop gave wrong states, 2026-12-06)."""
+    (``RB = 1``, the wrapper's default for 16-bit tiles) or times the runtime scalar ``one`` = 1.0 (``RB = 2``, in
+    x's dtype): both keep the value and keep the load from feeding the product directly. On an H100 with triton
+    3.6 (2026-12-06, ``gpu-runs/kda_state_check.py``), 16-bit tiles loaded and multiplied in the same step of the
+    state loop as is gave wrong states (rel. RMS 1.7) and an illegal address at B1 T8192 H96; RB 1 and 2 were
+    right (6.1e-4, the fp16 form's own error)."""
     if RB == 1:
         return tl.where(mr, x, 0.0)
     elif RB == 2:
