@@ -81,7 +81,9 @@ def decode_inputs(N, H, S=None, seed=1):
 
 
 #: ``--products`` names: the prefill's precision forms the rows can time (``kda_prefill(products=...)``)
-PRODUCT_FORMS = {"default": None, "pre": dict(pre=("kg", "w")), "pre3": dict(pre=("kg", "qg", "w")), "fp16": "fp16"}
+#: ("default" is the kernel's own choice for bf16 inputs: the fp16 form from 2026-12-06 16:30 UTC, split-bf16 before)
+PRODUCT_FORMS = {"default": None, "split": "split", "pre": dict(pre=("kg", "w")), "pre3": dict(pre=("kg", "qg", "w")),
+                 "fp16": "fp16"}
 
 
 def prefill_kernel_ms(a, products=None, tag="") -> dict:
