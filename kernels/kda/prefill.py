@@ -281,19 +281,15 @@ def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
     L = tl.load(chunk_len + c)
     for i in tl.static_range(0, BT // BC):
         if (ib == i) & (i * BC < L):
-            if OPD >= 5:  # fp16 blocks j < i about the block's first row, the diagonal split about its middle
-                ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, 1)
-                for j in tl.static_range(0, i):
-                    a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
-                    _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+            # fp16 (OPD 5 / 6): the blocks j < i about the block's first row, the diagonal split about its middle
+            ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, OPD >= 5)
+            for j in tl.static_range(0, i):
+                a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
+                _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+            if OPD >= 5:
                 ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
-                a = _pair(k, gbuf, aqk, t0, L, hh, H, i, i, Gr, ka, qa, K, BT, BC, OPD - 4)
-                _store_blk(abuf, a, t0, L, hh, H, i, i, BT, BC)
-            else:
-                ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
-                for j in tl.static_range(0, i + 1):
-                    a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
-                    _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+            a = _pair(k, gbuf, aqk, t0, L, hh, H, i, i, Gr, ka, qa, K, BT, BC, OPD - 4 * (OPD >= 5))
+            _store_blk(abuf, a, t0, L, hh, H, i, i, BT, BC)
 
 
 @_interp.kjit
@@ -766,16 +762,16 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
            "fp16": 6 if interpreting() else 5}
     opd = {part: lvl[prec_parts[part]] for part in _PARTS}
     prec = "ieee" if prec_parts["solve"] == "ieee" else None
-    half = torch.float16 if prec_parts.get("half") == "fp16" else torch.bfloat16
+    half = torch.float16 if prec_parts["half"] == "fp16" else torch.bfloat16
     bf = lambda name: half if name in prec_parts["store"] else f32  # noqa: E731
     gbuf = C.empty(TT, H, K, dtype=f32, device=dev)
     pre = 1 if prec_parts["pre"] else 0  # kg and w stored split: [TT, H, 2K] bf16 hi / lo
     q2 = 1 if "qg" in prec_parts["pre"] else 0  # qg too (the state pass's FO configs need it)
-    # the output in the state loop (FO): in the split loop with qg split too, or in the plain loop where its tiles
-    # are not split there (one 16-bit product or IEEE fp32; splitting fp32 tiles in the loop spills on gfx942)
     # 16-bit tiles into the state loop's products go through a select (_reg, RB = 1): as loaded, the same-step loads
     # gave wrong states and an illegal address on an H100 with triton 3.6 (2026-12-06, gpu-runs/kda_state_check.py)
     rb16 = 1 if pre or {"w", "kg"} & set(prec_parts["store"]) else 0
+    # the output in the state loop (FO): in the split loop with qg split too, or in the plain loop where its tiles
+    # are not split there (one 16-bit product or IEEE fp32; splitting fp32 tiles in the loop spills on gfx942)
     fo_ok = bool(q2) if pre else "split" not in (prec_parts["wh"], prec_parts["kv"], prec_parts["out"])
     qg = C.empty(TT, H, (1 + q2) * K, dtype=torch.bfloat16 if q2 else bf("qg"), device=dev)
     kg = C.empty(TT, H, (1 + pre) * K, dtype=torch.bfloat16 if pre else bf("kg"), device=dev)
@@ -841,7 +837,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
             _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
                            seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
                            OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, qg=qg, aqk=aqk, o=o, OOPD=opd["out"], one=1.0,
-                           **dict(dict(RB=rb16), **meta),
+                           **{"RB": rb16, **meta},
                            **opts)
 
     out_first = tune.configs(C.OUT)[0]
