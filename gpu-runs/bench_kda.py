@@ -302,8 +302,9 @@ def gate_sweep(a) -> dict:
     for cfg in tune.configs(KC.GATE, candidates=True):  # the table's entries, candidates included
         meta, opts = tune.split(cfg)
         tag = ",".join(f"{kk}={vv}" for kk, vv in cfg.items() if kk not in ("num_stages", "candidate"))
-        fn = lambda opts=opts: _interp.launch(  # noqa: E731
-            P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qg, kg, gl, K ** -0.5, -5.0,
+        # on the fp16 form's buffers (the default for bf16 inputs and the engine)
+        fn = lambda opts=opts, meta=meta: _interp.launch(  # noqa: E731
+            P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qh, kh, gl, K ** -0.5, -5.0,
             H, K=K, BT=P.BT, **meta, **opts)
         try:
             fn()
@@ -313,7 +314,7 @@ def gate_sweep(a) -> dict:
     return res
 
 
-def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
+def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None) -> list[dict]:
     """Where each launch could go: per row (default B1 T8192 H96 and B1 T131072 H12), every config of the intra, wu, state and out kernels timed alone, the gate
     kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
     config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
@@ -361,6 +362,8 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out")) -> list[dict]:
                     res[f"{tag}_error[{cj}]"] = f"{type(e).__name__}: {e}"[:200]
         res.update(gate_sweep(a))
         for name, prod in SWEEP_VARIANTS.items():
+            if variants is not None and name not in variants:
+                continue
             print(f"variant {name} ({res['row']})", flush=True)  # a fault's log names the variant it hit
             launches, _, _ = P.prefill_launches(**a, out_dtype=torch.bfloat16, config=first, products=prod)
             for nm, fn in launches:
@@ -463,6 +466,8 @@ def main():
                     help="the tuned picks also time the tables' candidate entries (which serving never takes)")
     ap.add_argument("--sweep-kinds", default="intra,wu,state,out", metavar="KIND,...",
                     help="the tables the sweep times config by config (default: intra,wu,state,out)")
+    ap.add_argument("--sweep-variants", default=None, metavar="NAME,...",
+                    help=f"the precision variants the sweep times (default all: {', '.join(SWEEP_VARIANTS)}; '' none)")
     ap.add_argument("--products", default="default", metavar="FORM,...",
                     help="prefill precision forms to time (the first fills ours_ms; the others ours_ms[FORM] and "
                          f"FORM:<launch>_ms): {', '.join(PRODUCT_FORMS)} (default: default)")
@@ -511,7 +516,8 @@ def main():
             rows += bench_rows(args.out, not args.no_fla, only=(part,), prefill_rows=sel, kernels=args.kernels,
                                decode_rows=dsel, forms=forms)
     acc = accuracy(not args.no_fla, forms) if "accuracy" in parts else {}
-    sw = (sweep(tuple(sel) if sel else None, kinds) if "sweep" in parts else [])
+    variants = None if args.sweep_variants is None else [v for v in args.sweep_variants.split(",") if v]
+    sw = (sweep(tuple(sel) if sel else None, kinds, variants) if "sweep" in parts else [])
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, floor_bw_Bps=BW,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)

@@ -29,7 +29,12 @@ _CUDA = {
     # vs 0.637 at B1 T32768 H12, so it leads the intra table; wu / state / out within 0.5% either way (kept after)
     "intra": [dict(INNER=1, num_warps=4, num_stages=1),
               dict(num_warps=4, num_stages=1),
-              dict(num_warps=8, num_stages=1)],
+              dict(num_warps=8, num_stages=1),
+              # candidates: FS 1, the UT solve in the same program, one per (chunk, head): A stays in registers, q / k /
+              # G are read once a chunk but block j's for each i > j, no solve launch (prefill._intra_solve_kernel).
+              # ptxas sm_90a: 255 registers, 120 / 88 bytes of spills at 4 / 8 warps (1 300 at 2)
+              dict(FS=1, candidate=True, num_warps=4, num_stages=1),
+              dict(FS=1, candidate=True, num_warps=8, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
@@ -45,7 +50,12 @@ _CUDA = {
              # lower-triangular ones (prefill._cumsum_rows) instead of tl.cumsum's cross-thread scan; the gate ran at
              # about half its byte floor (0.874 ms at B1 T8192 H96 in the fp16 form, H100)
              dict(CS=1, candidate=True, num_warps=4, num_stages=1),
-             dict(CS=1, candidate=True, num_warps=8, num_stages=1)],
+             dict(CS=1, candidate=True, num_warps=8, num_stages=1),
+             # candidates: q and k loaded first, beside the gate's input (LA = 1: three tiles in flight a program).
+             # ptxas sm_90a on fp16 outputs: 141 registers at 8 warps (CS 0), 202 with CS 1; at 4 warps 255 with
+             # 16 / 32 bytes of spills (not listed)
+             dict(LA=1, candidate=True, num_warps=8, num_stages=1),
+             dict(CS=1, LA=1, candidate=True, num_warps=8, num_stages=1)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -121,7 +131,8 @@ _HIP = {
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              dict(FS=1, candidate=True, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),

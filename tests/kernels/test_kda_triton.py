@@ -99,7 +99,7 @@ def test_prefill_every_config_of_each_table(kind):
             close(s, want_s, tol)
 
 
-def test_prefill_gate_refuses_keys_other_than_cs_and_launch_options():
+def test_prefill_gate_refuses_keys_other_than_cs_la_and_launch_options():
     a = make_prefill(1, 8, 1, D, _gen())
     with pytest.raises(ConfigError, match="KS"):
         KPRE.kda_prefill(**a, config={"gate": {"KS": 2, "num_warps": 4}})
