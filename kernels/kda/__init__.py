@@ -15,8 +15,8 @@ from k3rocm.kernels import tune
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, _split_norm_kernel, _split_prep_kernel, _split_state_kernel, kda_decode
-from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _intra_solve_kernel, _out_kernel, _solve_kernel,
-                      _state_kernel, _wu_kernel, kda_prefill)
+from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _solve_kernel, _state_kernel, _wu_kernel,
+                      kda_prefill)
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
@@ -58,14 +58,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                   W="constexpr", BLOCK_C="constexpr")
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
-                    K="constexpr", BT="constexpr", KG2="constexpr", QG2="constexpr", CS="constexpr",
-                    LA="constexpr")
+                    K="constexpr", BT="constexpr", KG2="constexpr", QG2="constexpr", CS="constexpr")
     intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
                      scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
                      INNER="constexpr")
-    fs_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, mbuf="*fp32",
-                  scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
-                  PREC="constexpr")
     solve_sig = dict(abuf="*fp32", mbuf="*fp32", chunk_tok="*i32", chunk_len="*i32", H="i32", BT="constexpr",
                      BC="constexpr", PREC="constexpr")
     wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
@@ -103,7 +99,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
-        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KG2=0, QG2=0, CS=0, LA=0), False, _opts(configs.GATE)),
+        ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KG2=0, QG2=0, CS=0), False, _opts(configs.GATE)),
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0), True,
          _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
@@ -114,7 +110,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          _opts(configs.STATE)),
         # w / kg stored split (prefill.PRODUCTS "pre"): their writers and the state pass's split loop at the first
         # state candidate's options
-        ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16", qg="*bf16"), dict(K=K, BT=BT, KG2=1, QG2=1, CS=0, LA=0), False,
+        ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16", qg="*bf16"), dict(K=K, BT=BT, KG2=1, QG2=1, CS=0), False,
          _opts(configs.GATE)),
         ("prefill_wu_w2", _wu_kernel, dict(wu_sig, w="*bf16"),
          dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=1), True, _opts(configs.WU)),
@@ -130,19 +126,15 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
           for be in ("hip", "cuda")}),
         # prefill.PRODUCTS "fp16": the intermediates in fp16 and one fp16 product each in w / u / w h / the state
         # step / the output (OPD 5), the pair products split as in "split"
-        ("prefill_gate_f16", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=0, LA=0), False,
+        ("prefill_gate_f16", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=0), False,
          _opts(configs.GATE)),
-        # the gate's candidate: the cumulative sum as three bf16 products on the matrix unit (CS = 1), fp16 outputs
-        ("prefill_gate_cs", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=1, LA=0), True,
+        # the gate with the cumulative sum as three bf16 products on the matrix unit (CS = 1; served on CUDA, a
+        # candidate on CDNA), fp16 outputs, at the first CS entry's options of each backend
+        ("prefill_gate_cs", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=1), True,
          {be: tune.split(next(c for c in configs.GATE[be] if c.get("CS")), interp=False)[1]
           for be in ("hip", "cuda")}),
         ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0),
          True, _opts(configs.INTRA)),
-        # the intra configs' FS candidates: A and its UT solve in one program per (chunk, head), at the first FS
-        # entry's launch options of each backend
-        ("prefill_intra_fs_f16", _intra_solve_kernel, dict(fs_sig, aqk=h, mbuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, PREC=None),
-         True, {be: tune.split(next(c for c in configs.INTRA[be] if c.get("FS")), interp=False)[1]
-                for be in ("hip", "cuda")}),
         ("prefill_solve_f16", _solve_kernel, dict(solve_sig, abuf=h, mbuf=h), dict(BT=BT, BC=BC, PREC=None), True,
          _opts(configs.SOLVE)),
         ("prefill_wu_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h),

@@ -30,32 +30,34 @@ _CUDA = {
     "intra": [dict(INNER=1, num_warps=4, num_stages=1),
               dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1),
-              # candidates: FS 1, the UT solve in the same program, one per (chunk, head): A stays in registers, q / k /
-              # G are read once a chunk but block j's for each i > j, no solve launch (prefill._intra_solve_kernel).
-              # ptxas sm_90a: 255 registers, 120 / 88 bytes of spills at 4 / 8 warps (1 300 at 2)
-              dict(FS=1, candidate=True, num_warps=4, num_stages=1),
-              dict(FS=1, candidate=True, num_warps=8, num_stages=1)],
+              # candidates: 2 warps. The row block's products are 16 rows tall, and Triton lays the mma.sync tile's
+              # warps along M, so at 4 warps every warp computes the whole 16 x 16 block (4 x the work, operands in
+              # every warp's registers; 8 warps ran 1.90 vs 1.23 ms); at 2 warps half of that. ptxas sm_90a: 224
+              # registers, no spills (fp16 form). Tried and dropped, H100 2026-12-06 17:54 UTC: A and its UT solve
+              # in one program per (chunk, head) (no A buffer, no solve launch), 2.44 / 2.49 ms at 4 / 8 warps
+              # against 1.23 + 0.32 (the four row blocks in one program run one after another)
+              dict(INNER=1, candidate=True, num_warps=2, num_stages=1),
+              dict(candidate=True, num_warps=2, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
     "wu": [dict(num_warps=4, num_stages=1),
            dict(num_warps=8, num_stages=1),
            dict(INNER=1, num_warps=4, num_stages=1)],
-    # the gate kernel's launch options (first entry, not tuned): on an H200 at B1 T8192 H96 it took 1.08 ms at
-    # 4 warps against 1.33 / 1.41 at 8 / 16 (the intra kernel's tuned 8, which it used to share) and 3.1+ at 1-2
-    # (a chunk's channels split over 2 / 4 programs, at 151 / 72 registers, ran 1.177 / 1.236 vs 1.168 ms at
-    # B1 T8192 H96 on the H100, 2026-12-06 12:17 UTC: removed)
-    "gate": [dict(num_warps=4, num_stages=1),
-             # candidate (not yet run on a GPU): the in-chunk cumulative sum as three bf16 products with the
-             # lower-triangular ones (prefill._cumsum_rows) instead of tl.cumsum's cross-thread scan; the gate ran at
-             # about half its byte floor (0.874 ms at B1 T8192 H96 in the fp16 form, H100)
-             dict(CS=1, candidate=True, num_warps=4, num_stages=1),
-             dict(CS=1, candidate=True, num_warps=8, num_stages=1),
-             # candidates: q and k loaded first, beside the gate's input (LA = 1: three tiles in flight a program).
-             # ptxas sm_90a on fp16 outputs: 141 registers at 8 warps (CS 0), 202 with CS 1; at 4 warps 255 with
-             # 16 / 32 bytes of spills (not listed)
-             dict(LA=1, candidate=True, num_warps=8, num_stages=1),
-             dict(CS=1, LA=1, candidate=True, num_warps=8, num_stages=1)],
+    # the gate kernel's launch options (first entry, not tuned). H100, 2026-12-06 17:54 UTC (fp16 outputs, B1 T8192
+    # H96, gpu-runs/results/h100_2026-12-06e/c1-3ae3a7c): the in-chunk cumulative sum as three bf16 products with the
+    # lower-triangular ones (CS 1, prefill._cumsum_rows) instead of tl.cumsum's cross-thread scan, 0.746 ms at 8 warps
+    # and 0.813 at 4, against tl.cumsum's 0.896 at 4 (1.164 at 8): served from then. Tried and dropped: q and k
+    # loaded first beside the gate's input (1.007 ms; with CS 1 0.873, at 8 warps), the channels split over 2 or 4
+    # programs (1.177 / 1.236 vs 1.168 ms on an H100 earlier), 1 - 2 warps (3.2+ ms). An H200, earlier: 1.08 ms at
+    # 4 warps against 1.33 / 1.41 at 8 / 16 with tl.cumsum.
+    "gate": [dict(CS=1, num_warps=8, num_stages=1),
+             dict(num_warps=4, num_stages=1),
+             dict(CS=1, num_warps=4, num_stages=1),
+             # candidates: 16 warps, and 8 warps held to 128 registers (ptxas sm_90a puts CS 1 at 146 at 8 warps: one
+             # program an SM)
+             dict(CS=1, candidate=True, num_warps=16, num_stages=1),
+             dict(CS=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -131,8 +133,7 @@ _HIP = {
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(FS=1, candidate=True, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),

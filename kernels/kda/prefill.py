@@ -235,15 +235,13 @@ def _cumsum_rows(g, BT: tl.constexpr, CS: tl.constexpr):
 @_interp.kjit
 def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
                  K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0, QG2: tl.constexpr = 0,
-                 CS: tl.constexpr = 0, LA: tl.constexpr = 0):
+                 CS: tl.constexpr = 0):
     """Phase 1 of a chunk: gate, in-chunk cumulative log-decay G (fp32), ``qg = q e^G``, ``kg = k e^(G_L - G)``
     (in the dtype of their buffers), ``e^G_L`` (fp32), on whole ``[BT, K]`` tiles. (Walking the chunk in 16-row
     slices took the registers from 255 to 144 but the kernel from 1.14 to 1.58 ms at B1 T8192 H96 on an H100,
     2026-12-06: fewer bytes in flight a program; so did a chunk's channels split over 2 or 4 programs, 1.18 / 1.24
     vs 1.17 ms, at 151 / 72 registers.) ``KG2`` / ``QG2`` = 1: ``kg`` / ``qg`` stored split, bf16 hi / lo
-    (:func:`_store_split`); ``CS``: how the cumulative sum runs (:func:`_cumsum_rows`). ``LA = 1``: q and k are
-    loaded first, beside the gate's input, so a program has all three tiles in flight at once (the kernel runs at
-    two programs an SM, latency-bound: 0.874 ms against a 0.42 ms byte floor at B1 T8192 H96 on an H100)."""
+    (:func:`_store_split`); ``CS``: how the cumulative sum runs (:func:`_cumsum_rows`)."""
     c = tl.program_id(0)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
@@ -251,9 +249,6 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
     offs_k = tl.arange(0, K)
-    if LA:
-        q_t = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
-        k_t = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
     raw = tl.load(_at(draw, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     a_h = tl.exp(tl.load(A_log + hh).to(tl.float32))
     dtb = tl.load(dt_bias + hh * K + offs_k).to(tl.float32)
@@ -263,13 +258,11 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     gl = tl.sum(g, 0)
     tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
-    if not LA:
-        q_t = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
-    qn = _l2n(q_t.to(tl.float32)) * scale
+    qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
+    qn = _l2n(qn) * scale
     _store_split(qg, qn * tl.exp(G), t0, rows, hh, H, offs_k, mr, K, QG2)
-    if not LA:
-        k_t = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
-    kn = _l2n(k_t.to(tl.float32))
+    kn = tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
+    kn = _l2n(kn)
     kgv = tl.where(mr, kn * tl.exp(gl[None, :] - G), 0.0)
     _store_split(kg, kgv, t0, rows, hh, H, offs_k, mr, K, KG2)
 
@@ -316,25 +309,16 @@ def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    _solve_store(mbuf, _blk(abuf, t0, L, hh, H, 0, 0, BT, BC), _blk(abuf, t0, L, hh, H, 1, 0, BT, BC),
-                 _blk(abuf, t0, L, hh, H, 1, 1, BT, BC), _blk(abuf, t0, L, hh, H, 2, 0, BT, BC),
-                 _blk(abuf, t0, L, hh, H, 2, 1, BT, BC), _blk(abuf, t0, L, hh, H, 2, 2, BT, BC),
-                 _blk(abuf, t0, L, hh, H, 3, 0, BT, BC), _blk(abuf, t0, L, hh, H, 3, 1, BT, BC),
-                 _blk(abuf, t0, L, hh, H, 3, 2, BT, BC), _blk(abuf, t0, L, hh, H, 3, 3, BT, BC),
-                 t0, L, hh, H, BT, BC, PREC)
-
-
-@_interp.kjit
-def _solve_store(mbuf, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, t0, L, hh, H, BT: tl.constexpr,
-                 BC: tl.constexpr, PREC: tl.constexpr):
-    """The UT solve ``M = (I + A)^-1`` of a chunk's A given as its ten fp32 ``[BC, BC]`` blocks (``aij``: rows of
-    block i, columns of block j; the diagonal ones strictly lower): :func:`_inv_diag` on the diagonal, the blocks
-    below by block forward substitution (``M_ij = -M_ii sum_{j<=l<i} A_il M_lj``) at ``PREC``; M's lower triangle
-    stored in mbuf's dtype (:func:`_wu_kernel` applies it)."""
-    m00 = _inv_diag(a00, BC)
-    m11 = _inv_diag(a11, BC)
-    m22 = _inv_diag(a22, BC)
-    m33 = _inv_diag(a33, BC)
+    a10 = _blk(abuf, t0, L, hh, H, 1, 0, BT, BC)
+    a20 = _blk(abuf, t0, L, hh, H, 2, 0, BT, BC)
+    a21 = _blk(abuf, t0, L, hh, H, 2, 1, BT, BC)
+    a30 = _blk(abuf, t0, L, hh, H, 3, 0, BT, BC)
+    a31 = _blk(abuf, t0, L, hh, H, 3, 1, BT, BC)
+    a32 = _blk(abuf, t0, L, hh, H, 3, 2, BT, BC)
+    m00 = _inv_diag(_blk(abuf, t0, L, hh, H, 0, 0, BT, BC), BC)
+    m11 = _inv_diag(_blk(abuf, t0, L, hh, H, 1, 1, BT, BC), BC)
+    m22 = _inv_diag(_blk(abuf, t0, L, hh, H, 2, 2, BT, BC), BC)
+    m33 = _inv_diag(_blk(abuf, t0, L, hh, H, 3, 3, BT, BC), BC)
     m10 = -tl.dot(m11, tl.dot(a10, m00, input_precision=PREC), input_precision=PREC)
     m21 = -tl.dot(m22, tl.dot(a21, m11, input_precision=PREC), input_precision=PREC)
     m20 = -tl.dot(m22, tl.dot(a20, m00, input_precision=PREC) + tl.dot(a21, m10, input_precision=PREC),
@@ -350,131 +334,6 @@ def _solve_store(mbuf, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, t0, L, 
     _store_blk(mbuf, m20, t0, L, hh, H, 2, 0, BT, BC)
     _store_blk(mbuf, m21, t0, L, hh, H, 2, 1, BT, BC)
     _store_blk(mbuf, m22, t0, L, hh, H, 2, 2, BT, BC)
-    _store_blk(mbuf, m30, t0, L, hh, H, 3, 0, BT, BC)
-    _store_blk(mbuf, m31, t0, L, hh, H, 3, 1, BT, BC)
-    _store_blk(mbuf, m32, t0, L, hh, H, 3, 2, BT, BC)
-    _store_blk(mbuf, m33, t0, L, hh, H, 3, 3, BT, BC)
-
-
-@_interp.kjit
-def _grow(gbuf, t0, L, hh, H, r, K: tl.constexpr):
-    """Row ``min(r, L - 1)`` of a chunk's G (fp32 ``[K]``, head ``hh``): a reference row, clamped into the chunk
-    (a reference past its end only meets masked rows)."""
-    rr = tl.minimum(r, L - 1)
-    return tl.load(gbuf + ((t0 + rr).to(tl.int64) * H + hh) * K + tl.arange(0, K))
-
-
-@_interp.kjit
-def _fs_rows(q, k, braw, gbuf, t0, L, hh, H, scale, i: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """Row block i of a chunk for :func:`_intra_solve_kernel`: ``(k_i, beta_i k_i, scale q_i, G_i, mask)``, q and k
-    L2-normalised (fp32 ``[BC, K]``; zeros past L)."""
-    r = i * BC + tl.arange(0, BC)
-    m = (r < L)[:, None]
-    ki = _l2n(_rows(k, t0, L, hh, H, i, K, BC))
-    qi = _l2n(_rows(q, t0, L, hh, H, i, K, BC)) * scale
-    bi = _beta(braw, t0, L, hh, H, i, BC)
-    return ki, ki * bi[:, None], qi, _rows(gbuf, t0, L, hh, H, i, K, BC), m
-
-
-@_interp.kjit
-def _fs_diag(aqk, ki, kbi, qi, Gi, m, Gm, t0, L, hh, H, i: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-             OPD: tl.constexpr):
-    """Diagonal block (i, i) about the block's middle row ``Gm``: A's block returned (strictly lower), Aqk's
-    (lower incl. the diagonal) stored. Its factors ``e^(+-(G_r - G_m))`` reach ``e^40`` (8 rows at the gate's
-    lower bound -5), so ``OPD`` must keep fp32's or bf16's range (split / IEEE, never fp16)."""
-    e = tl.exp(Gi - Gm[None, :])
-    ka = tl.where(m, kbi * e, 0.0)
-    qa = tl.where(m, qi * e, 0.0)
-    kb = tl.where(m, ki * tl.exp(Gm[None, :] - Gi), 0.0)
-    ri = tl.arange(0, BC)[:, None]
-    ci = tl.arange(0, BC)[None, :]
-    s = tl.where(ri >= ci, _mm(qa, tl.trans(kb), OPD), 0.0)
-    _store_blk(aqk, s, t0, L, hh, H, i, i, BT, BC)
-    return tl.where(ri > ci, _mm(ka, tl.trans(kb), OPD), 0.0)
-
-
-@_interp.kjit
-def _fs_col(ki, Gi, m, Gr):
-    """Column side of block j for the blocks (i > j, j): ``k_j e^(G_r - G_j)`` (fp32 ``[BC, K]``) with ``G_r`` the
-    first row of block j + 1, every factor <= 1 (G falls down the chunk)."""
-    return tl.where(m, ki * tl.exp(Gr[None, :] - Gi), 0.0)
-
-
-@_interp.kjit
-def _fs_kc(k, gbuf, t0, L, hh, H, j: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
-    """:func:`_fs_col` of block j from memory (k and G of its rows, the reference row), made again at each use
-    rather than kept live: a kept ``[BC, K]`` operand sits in every warp's registers (the 16-row products run
-    replicated on each warp), and ptxas sm_90a spilled 384 bytes at 4 warps with the three kept."""
-    r = j * BC + tl.arange(0, BC)
-    return _fs_col(_l2n(_rows(k, t0, L, hh, H, j, K, BC)), _rows(gbuf, t0, L, hh, H, j, K, BC), (r < L)[:, None],
-                   _grow(gbuf, t0, L, hh, H, (j + 1) * BC, K))
-
-
-@_interp.kjit
-def _fs_off(aqk, kbi, qi, Gi, m, Gr, kc, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, BT: tl.constexpr,
-            BC: tl.constexpr, OPD: tl.constexpr):
-    """Block (i, j), j < i: ``(beta_i k_i e^(G_i - G_r)) kc_j^T`` with ``G_r`` the first row of block j + 1 and
-    ``kc_j`` from :func:`_fs_col` — both factors <= 1, so one fp16 product cannot overflow; A's block returned,
-    Aqk's stored."""
-    e = tl.exp(Gi - Gr[None, :])
-    ka = tl.where(m, kbi * e, 0.0)
-    qa = tl.where(m, qi * e, 0.0)
-    _store_blk(aqk, _mm(qa, tl.trans(kc), OPD), t0, L, hh, H, i, j, BT, BC)
-    return _mm(ka, tl.trans(kc), OPD)
-
-
-@_interp.kjit
-def _intra_solve_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale, H, K: tl.constexpr,
-                        BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, PREC: tl.constexpr):
-    """Phases 2 and 3 in one program per (chunk, head) (the intra configs' ``FS = 1``): the chunk's A and Aqk block
-    by block, Aqk stored, A kept in fp32 registers and solved row block by row block as its blocks are made (the
-    formulas of :func:`_solve_store`; a row's A blocks die with it), so A never goes
-    through memory, q / k / G are read once a chunk (the per-row-block :func:`_intra_kernel` reads block j's k
-    and G again for each i > j), and no solve launch. Blocks below the diagonal take the reference row of block
-    j + 1's first row (:func:`_fs_col`, :func:`_fs_off`: every factor <= 1) and ``OPD``; the diagonal ones their
-    middle row, split (``OPD`` - 4) where ``OPD`` is fp16 (:func:`_fs_diag`). Block j's column side is made again
-    for each i > j (:func:`_fs_kc`). Written out for BT = 4 BC."""
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    t0 = tl.load(chunk_tok + c)
-    L = tl.load(chunk_len + c)
-    k0, kb0, q0, G0, m0 = _fs_rows(q, k, braw, gbuf, t0, L, hh, H, scale, 0, K, BC)
-    a00 = _fs_diag(aqk, k0, kb0, q0, G0, m0, _grow(gbuf, t0, L, hh, H, BC // 2, K), t0, L, hh, H, 0, BT, BC,
-                   OPD - 4 * (OPD >= 5))
-    m00 = _inv_diag(a00, BC)
-    _store_blk(mbuf, m00, t0, L, hh, H, 0, 0, BT, BC)
-    k1, kb1, q1, G1, m1 = _fs_rows(q, k, braw, gbuf, t0, L, hh, H, scale, 1, K, BC)
-    a11 = _fs_diag(aqk, k1, kb1, q1, G1, m1, _grow(gbuf, t0, L, hh, H, BC + BC // 2, K), t0, L, hh, H, 1, BT, BC,
-                   OPD - 4 * (OPD >= 5))
-    a10 = _fs_off(aqk, kb1, q1, G1, m1, _grow(gbuf, t0, L, hh, H, BC, K), _fs_kc(k, gbuf, t0, L, hh, H, 0, K, BC), t0, L, hh, H, 1, 0, BT, BC, OPD)
-    m11 = _inv_diag(a11, BC)
-    m10 = -tl.dot(m11, tl.dot(a10, m00, input_precision=PREC), input_precision=PREC)
-    _store_blk(mbuf, m10, t0, L, hh, H, 1, 0, BT, BC)
-    _store_blk(mbuf, m11, t0, L, hh, H, 1, 1, BT, BC)
-    k2, kb2, q2, G2, m2 = _fs_rows(q, k, braw, gbuf, t0, L, hh, H, scale, 2, K, BC)
-    a22 = _fs_diag(aqk, k2, kb2, q2, G2, m2, _grow(gbuf, t0, L, hh, H, 2 * BC + BC // 2, K), t0, L, hh, H, 2, BT,
-                   BC, OPD - 4 * (OPD >= 5))
-    a20 = _fs_off(aqk, kb2, q2, G2, m2, _grow(gbuf, t0, L, hh, H, BC, K), _fs_kc(k, gbuf, t0, L, hh, H, 0, K, BC), t0, L, hh, H, 2, 0, BT, BC, OPD)
-    a21 = _fs_off(aqk, kb2, q2, G2, m2, _grow(gbuf, t0, L, hh, H, 2 * BC, K), _fs_kc(k, gbuf, t0, L, hh, H, 1, K, BC), t0, L, hh, H, 2, 1, BT, BC, OPD)
-    m22 = _inv_diag(a22, BC)
-    m21 = -tl.dot(m22, tl.dot(a21, m11, input_precision=PREC), input_precision=PREC)
-    m20 = -tl.dot(m22, tl.dot(a20, m00, input_precision=PREC) + tl.dot(a21, m10, input_precision=PREC),
-                  input_precision=PREC)
-    _store_blk(mbuf, m20, t0, L, hh, H, 2, 0, BT, BC)
-    _store_blk(mbuf, m21, t0, L, hh, H, 2, 1, BT, BC)
-    _store_blk(mbuf, m22, t0, L, hh, H, 2, 2, BT, BC)
-    k3, kb3, q3, G3, m3 = _fs_rows(q, k, braw, gbuf, t0, L, hh, H, scale, 3, K, BC)
-    a33 = _fs_diag(aqk, k3, kb3, q3, G3, m3, _grow(gbuf, t0, L, hh, H, 3 * BC + BC // 2, K), t0, L, hh, H, 3, BT,
-                   BC, OPD - 4 * (OPD >= 5))
-    a30 = _fs_off(aqk, kb3, q3, G3, m3, _grow(gbuf, t0, L, hh, H, BC, K), _fs_kc(k, gbuf, t0, L, hh, H, 0, K, BC), t0, L, hh, H, 3, 0, BT, BC, OPD)
-    a31 = _fs_off(aqk, kb3, q3, G3, m3, _grow(gbuf, t0, L, hh, H, 2 * BC, K), _fs_kc(k, gbuf, t0, L, hh, H, 1, K, BC), t0, L, hh, H, 3, 1, BT, BC, OPD)
-    a32 = _fs_off(aqk, kb3, q3, G3, m3, _grow(gbuf, t0, L, hh, H, 3 * BC, K), _fs_kc(k, gbuf, t0, L, hh, H, 2, K, BC), t0, L, hh, H, 3, 2, BT, BC, OPD)
-    m33 = _inv_diag(a33, BC)
-    m32 = -tl.dot(m33, tl.dot(a32, m22, input_precision=PREC), input_precision=PREC)
-    m31 = -tl.dot(m33, tl.dot(a31, m11, input_precision=PREC) + tl.dot(a32, m21, input_precision=PREC),
-                  input_precision=PREC)
-    m30 = -tl.dot(m33, tl.dot(a30, m00, input_precision=PREC) + tl.dot(a31, m10, input_precision=PREC)
-                  + tl.dot(a32, m20, input_precision=PREC), input_precision=PREC)
     _store_blk(mbuf, m30, t0, L, hh, H, 3, 0, BT, BC)
     _store_blk(mbuf, m31, t0, L, hh, H, 3, 1, BT, BC)
     _store_blk(mbuf, m32, t0, L, hh, H, 3, 2, BT, BC)
@@ -931,9 +790,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     # the gate's own config (configs.GATE's first entry, not tuned; config["gate"] forces one: tests, sweeps)
     gate_meta, gate_opts = tune.split(cfg.get("gate") or tune.configs(C.GATE)[0])
-    if set(gate_meta) - {"CS", "LA"}:
-        raise ConfigError(f"kda_prefill: gate config keys {sorted(set(gate_meta) - {'CS', 'LA'})} are not gate options "
-                          "(the gate takes CS, LA and launch options: num_warps, num_stages, waves_per_eu)")
+    if set(gate_meta) - {"CS"}:
+        raise ConfigError(f"kda_prefill: gate config keys {sorted(set(gate_meta) - {'CS'})} are not gate options (the "
+                          "gate takes CS and launch options: num_warps, num_stages, waves_per_eu)")
     if gate_meta.get("CS") and interpreting():
         gate_meta["CS"] = 2  # the split cumulative sum multiplied in fp32 (bf16 tl.dot is wrong in the interpreter)
 
@@ -944,20 +803,14 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     def launch_intra(c):
         meta, opts = tune.split(c)
-        if meta.pop("FS", 0):  # the solve in the same program (one per chunk and head): no A buffer, no solve launch
-            meta.pop("INNER", None)
-            if NC:
-                _interp.launch(_intra_solve_kernel, (NC, H), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk, mbuf, scale,
-                               H, K=K, BT=BT, BC=BC, OPD=opd["pair"], PREC=prec, **meta, **opts)
-            return
         if NC:
             _interp.launch(_intra_kernel, _grid(NC, H, BT // BC, meta), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk,
                            abuf, scale, H, K=K, BT=BT, BC=BC, OPD=opd["pair"], **meta, **opts)
 
     solve_opts = tune.split(tune.configs(C.SOLVE)[0])[1]
 
-    def launch_solve(c=None):  # its own launch options (configs.SOLVE), timed with the intra kernel
-        if NC and not (c or {}).get("FS"):
+    def launch_solve(_c=None):  # its own launch options (configs.SOLVE), timed with the intra kernel
+        if NC:
             _interp.launch(_solve_kernel, (NC, H), abuf, mbuf, chunk_tok, chunk_len, H, BT=BT, BC=BC, PREC=prec,
                            **solve_opts)
 
@@ -1022,7 +875,5 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         c = tune.pick(f"kda_{name}", key, cands, run)
         (launch_state if name == "state" else run)(c)
         fused_out = name == "state" and bool(c.get("FO"))
-        if name == "intra" and c.get("FS"):
-            parts = parts[:2]  # the intra kernel solved A itself: no solve launch
         launches += [(nm, lambda f=f, c=c: f(c)) for nm, f in parts]
     return launches, o, ht
