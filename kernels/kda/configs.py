@@ -37,7 +37,13 @@ _CUDA = {
               # in one program per (chunk, head) (no A buffer, no solve launch), 2.44 / 2.49 ms at 4 / 8 warps
               # against 1.23 + 0.32 (the four row blocks in one program run one after another)
               dict(INNER=1, candidate=True, num_warps=2, num_stages=1),
-              dict(candidate=True, num_warps=2, num_stages=1)],
+              dict(candidate=True, num_warps=2, num_stages=1),
+              # candidates: TR 1, row block i's products transposed and whole (prefill._intra_t_kernel): the chunk's
+              # first 16 / 32 / 64 rows against block i in one product per reference row, 16 - 64 rows tall, so the
+              # warps split the rows instead of repeating a 16-row block
+              dict(TR=1, INNER=1, candidate=True, num_warps=4, num_stages=1),
+              dict(TR=1, candidate=True, num_warps=4, num_stages=1),
+              dict(TR=1, INNER=1, candidate=True, num_warps=8, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
@@ -133,7 +139,8 @@ _HIP = {
              dict(BLOCK_T=64, BLOCK_C=64, num_warps=4, waves_per_eu=2)],
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+              dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              dict(TR=1, INNER=1, candidate=True, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
