@@ -314,7 +314,7 @@ def gate_sweep(a) -> dict:
     return res
 
 
-def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None) -> list[dict]:
+def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None, forms=("split", "fp16")) -> list[dict]:
     """Where each launch could go: per row (default B1 T8192 H96 and B1 T131072 H12), every config of the intra, wu, state and out kernels timed alone, the gate
     kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
     config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
@@ -343,6 +343,8 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None) -> li
             if kind not in kinds:
                 continue
             f16 = pre == "fp16"
+            if ("fp16" if f16 else "split") not in forms:
+                continue
             for c in tune.configs(table, candidates=True):
                 if c.get("FO") and (f16 or not pre):
                     continue  # the output in the state loop needs qg / kg / w stored split
@@ -468,6 +470,9 @@ def main():
                     help="the tables the sweep times config by config (default: intra,wu,state,out)")
     ap.add_argument("--sweep-variants", default=None, metavar="NAME,...",
                     help=f"the precision variants the sweep times (default all: {', '.join(SWEEP_VARIANTS)}; '' none)")
+    ap.add_argument("--sweep-forms", default="split,fp16", metavar="FORM,...",
+                    help="the product forms whose tables the sweep times config by config (split and its stored-split "
+                         "variant, fp16; default both)")
     ap.add_argument("--products", default="default", metavar="FORM,...",
                     help="prefill precision forms to time (the first fills ours_ms; the others ours_ms[FORM] and "
                          f"FORM:<launch>_ms): {', '.join(PRODUCT_FORMS)} (default: default)")
@@ -517,7 +522,8 @@ def main():
                                decode_rows=dsel, forms=forms)
     acc = accuracy(not args.no_fla, forms) if "accuracy" in parts else {}
     variants = None if args.sweep_variants is None else [v for v in args.sweep_variants.split(",") if v]
-    sw = (sweep(tuple(sel) if sel else None, kinds, variants) if "sweep" in parts else [])
+    sw = (sweep(tuple(sel) if sel else None, kinds, variants, tuple(args.sweep_forms.split(",")))
+          if "sweep" in parts else [])
     info = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, floor_bw_Bps=BW,
                 triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 seconds=time.time() - t0)

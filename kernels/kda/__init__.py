@@ -61,7 +61,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     K="constexpr", BT="constexpr", KG2="constexpr", QG2="constexpr", CS="constexpr")
     intra_sig = dict(q=p, k=p, braw=p, chunk_tok="*i32", chunk_len="*i32", gbuf="*fp32", aqk=b, abuf="*fp32",
                      scale="fp32", H="i32", K="constexpr", BT="constexpr", BC="constexpr", OPD="constexpr",
-                     INNER="constexpr")
+                     INNER="constexpr", RT="constexpr")
     solve_sig = dict(abuf="*fp32", mbuf="*fp32", chunk_tok="*i32", chunk_len="*i32", H="i32", BT="constexpr",
                      BC="constexpr", PREC="constexpr")
     wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
@@ -100,7 +100,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
         ("conv_state", _conv_state_kernel, cs_sig, dict(HAS_STATE=True, W=4, BLOCK_C=128), False, {}),
         ("prefill_gate", _gate_kernel, gate_sig, dict(K=K, BT=BT, KG2=0, QG2=0, CS=0), False, _opts(configs.GATE)),
-        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0), True,
+        ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0, RT=0), True,
          _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
         ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=0), True,
@@ -133,11 +133,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_gate_cs", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=1), True,
          {be: tune.split(next(c for c in configs.GATE[be] if c.get("CS")), interp=False)[1]
           for be in ("hip", "cuda")}),
-        ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0),
+        ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0, RT=0),
          True, _opts(configs.INTRA)),
         # the intra configs' TR entries: each row block's products transposed and whole, at the first TR entry's
         # launch options of each backend
-        ("prefill_intra_tr_f16", _intra_t_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0),
+        ("prefill_intra_tr_f16", _intra_t_kernel, {**{n: t for n, t in intra_sig.items() if n != "RT"}, "aqk": h, "abuf": h}, dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0),
          True, {be: tune.split(next(c for c in configs.INTRA[be] if c.get("TR")), interp=False)[1]
                 for be in ("hip", "cuda")}),
         ("prefill_solve_f16", _solve_kernel, dict(solve_sig, abuf=h, mbuf=h), dict(BT=BT, BC=BC, PREC=None), True,

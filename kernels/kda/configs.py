@@ -43,7 +43,14 @@ _CUDA = {
               # warps split the rows instead of repeating a 16-row block
               dict(TR=1, INNER=1, candidate=True, num_warps=4, num_stages=1),
               dict(TR=1, candidate=True, num_warps=4, num_stages=1),
-              dict(TR=1, INNER=1, candidate=True, num_warps=8, num_stages=1)],
+              dict(TR=1, INNER=1, candidate=True, num_warps=8, num_stages=1),
+              # candidates: RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
+              # served form unrolls all four row blocks: ncu, H100 2026-12-06 18:16 UTC, B1 T8192 H96: 174 registers,
+              # 2 programs an SM (12.5% occupancy), issue slots 31% busy, 32% of stalls on instruction fetch).
+              # ptxas sm_90a: 128 registers at 4 and 8 warps, no spills
+              dict(RT=1, INNER=1, candidate=True, num_warps=4, num_stages=1),
+              dict(RT=1, candidate=True, num_warps=4, num_stages=1),
+              dict(RT=1, INNER=1, candidate=True, num_warps=8, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
@@ -140,7 +147,8 @@ _HIP = {
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(TR=1, INNER=1, candidate=True, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+              dict(TR=1, INNER=1, candidate=True, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),

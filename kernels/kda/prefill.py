@@ -112,7 +112,7 @@ def _at(ptr, t0, r, hh, H, cols, D: tl.constexpr):
 
 
 @_interp.kjit
-def _rows(ptr, t0, L, hh, H, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+def _rows(ptr, t0, L, hh, H, j, D: tl.constexpr, BC: tl.constexpr):
     """Rows j*BC .. j*BC+BC-1 of a chunk of a [tokens, H, D] tensor, head hh, as fp32 (zeros past L)."""
     r = j * BC + tl.arange(0, BC)
     return tl.load(_at(ptr, t0, r, hh, H, tl.arange(0, D), D), mask=(r < L)[:, None], other=0.0).to(tl.float32)
@@ -124,14 +124,14 @@ def _l2n(x):
 
 
 @_interp.kjit
-def _beta(braw, t0, L, hh, H, j: tl.constexpr, BC: tl.constexpr):
+def _beta(braw, t0, L, hh, H, j, BC: tl.constexpr):
     r = j * BC + tl.arange(0, BC)
     b = tl.load(braw + (t0.to(tl.int64) * H + hh) + r * H, mask=r < L, other=0.0).to(tl.float32)
     return tl.where(r < L, tl.sigmoid(b), 0.0)
 
 
 @_interp.kjit
-def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+def _store_blk(ptr, x, t0, L, hh, H, i, j, D: tl.constexpr, BC: tl.constexpr):
     """Store a [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] buffer (in the buffer's dtype)."""
     r = i * BC + tl.arange(0, BC)
     c = j * BC + tl.arange(0, BC)
@@ -139,17 +139,18 @@ def _store_blk(ptr, x, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.con
 
 
 @_interp.kjit
-def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka, qa,
-          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr):
+def _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gref, ka, qa,
+          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, DIAG: tl.constexpr):
     """Block (i, j) of A (strictly lower overall), returned; block (i, j) of Aqk (lower incl. diagonal),
-    stored at once (keeping it live would cost registers), j <= i."""
+    stored at once (keeping it live would cost registers), j <= i; ``DIAG = 1``: the diagonal block (i = j), its
+    upper part masked."""
     r = j * BC + tl.arange(0, BC)
     kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
     Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
     kb = tl.where((r < L)[:, None], kj * tl.exp(Gref[None, :] - Gj), 0.0)
     a = _mm(ka, tl.trans(kb), OPD)
     s = _mm(qa, tl.trans(kb), OPD)
-    if i == j:
+    if DIAG:
         ri = tl.arange(0, BC)[:, None]
         ci = tl.arange(0, BC)[None, :]
         a = tl.where(ri > ci, a, 0.0)
@@ -159,7 +160,7 @@ def _pair(k, gbuf, aqk, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, Gref, ka
 
 
 @_interp.kjit
-def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K: tl.constexpr, BC: tl.constexpr,
               FIRST: tl.constexpr = 0):
     """(ka_i, qa_i, Gref_i): beta k and scaled q of block i, decayed relative to the block's middle row
     (``FIRST = 1``: its first row, so every factor ``e^(G_r - G_ref)`` <= 1 and, for a block j < i, every
@@ -269,27 +270,47 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
 
 @_interp.kjit
 def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
-                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, INNER: tl.constexpr = 0):
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, INNER: tl.constexpr = 0,
+                  RT: tl.constexpr = 0):
     """Phase 2 of a chunk, one program per (chunk, head, 16-row block i): row block i of A and of Aqk, the
     blocks (i, j <= i), both stored (A in fp32 for :func:`_solve_kernel`, or in abuf's dtype). The products take
     :func:`_mm` with ``OPD``; ``OPD`` 5 / 6 (fp16): the blocks j < i in fp16 about the block's first row, the
     diagonal block split (``OPD`` - 4) about its middle row (:func:`_row_side`). A row block past the chunk's
-    length does nothing."""
+    length does nothing. ``RT = 1``: one code path for every row block, the blocks j < i in a runtime loop (the
+    unrolled form holds the code of all four row blocks, 1 + 2 + 3 + 4 pair products: ncu on an H100 put 32% of its
+    stalls on instruction fetch, 2026-12-06)."""
     c, ib = _pids(INNER, BT // BC)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    for i in tl.static_range(0, BT // BC):
-        if (ib == i) & (i * BC < L):
-            # fp16 (OPD 5 / 6): the blocks j < i about the block's first row, the diagonal split about its middle
-            ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, OPD >= 5)
-            for j in tl.static_range(0, i):
-                a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD)
-                _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
-            if OPD >= 5:
-                ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
-            a = _pair(k, gbuf, aqk, t0, L, hh, H, i, i, Gr, ka, qa, K, BT, BC, OPD - 4 * (OPD >= 5))
-            _store_blk(abuf, a, t0, L, hh, H, i, i, BT, BC)
+    if RT:
+        if ib * BC < L:
+            _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, ib, K, BT, BC, OPD, 1)
+    else:
+        for i in tl.static_range(0, BT // BC):
+            if (ib == i) & (i * BC < L):
+                _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K, BT, BC, OPD, 0)
+
+
+@_interp.kjit
+def _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr, OPD: tl.constexpr, RT: tl.constexpr):
+    """Row block i of A and Aqk (:func:`_intra_kernel`): the blocks j < i (a runtime loop where ``RT = 1`` and i is
+    a runtime value, else unrolled), then the diagonal.
+    fp16 (``OPD`` 5 / 6): the blocks j < i about the block's first row, the diagonal split about its middle row."""
+    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, OPD >= 5)
+    if RT:
+        for j in range(0, i):
+            a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD, 0)
+            _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+    else:
+        for j in tl.static_range(0, i):
+            a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD, 0)
+            _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
+    if OPD >= 5:
+        ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
+    a = _pair(k, gbuf, aqk, t0, L, hh, H, i, i, Gr, ka, qa, K, BT, BC, OPD - 4 * (OPD >= 5), 1)
+    _store_blk(abuf, a, t0, L, hh, H, i, i, BT, BC)
 
 
 @_interp.kjit
