@@ -15,8 +15,8 @@ from k3rocm.kernels import tune
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, _split_norm_kernel, _split_prep_kernel, _split_state_kernel, kda_decode
-from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _intra_t_kernel, _out_kernel, _solve_kernel,
-                      _state_kernel, _wu_kernel, kda_prefill)
+from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _solve_kernel, _state_kernel, _wu_kernel,
+                      kda_prefill)
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
@@ -135,11 +135,6 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
           for be in ("hip", "cuda")}),
         ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0, RT=0),
          True, _opts(configs.INTRA)),
-        # the intra configs' TR entries: each row block's products transposed and whole, at the first TR entry's
-        # launch options of each backend
-        ("prefill_intra_tr_f16", _intra_t_kernel, {**{n: t for n, t in intra_sig.items() if n != "RT"}, "aqk": h, "abuf": h}, dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0),
-         True, {be: tune.split(next(c for c in configs.INTRA[be] if c.get("TR")), interp=False)[1]
-                for be in ("hip", "cuda")}),
         ("prefill_solve_f16", _solve_kernel, dict(solve_sig, abuf=h, mbuf=h), dict(BT=BT, BC=BC, PREC=None), True,
          _opts(configs.SOLVE)),
         ("prefill_wu_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h),

@@ -30,24 +30,17 @@ _CUDA = {
     "intra": [dict(INNER=1, num_warps=4, num_stages=1),
               dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1),
-              # candidates: 2 warps. The row block's products are 16 rows tall, and Triton lays the mma.sync tile's
-              # warps along M, so at 4 warps every warp computes the whole 16 x 16 block (4 x the work, operands in
-              # every warp's registers; 8 warps ran 1.90 vs 1.23 ms); at 2 warps half of that. ptxas sm_90a: 224
-              # registers, no spills (fp16 form). Tried and dropped, H100 2026-12-06 17:54 UTC: A and its UT solve
-              # in one program per (chunk, head) (no A buffer, no solve launch), 2.44 / 2.49 ms at 4 / 8 warps
-              # against 1.23 + 0.32 (the four row blocks in one program run one after another)
-              dict(INNER=1, candidate=True, num_warps=2, num_stages=1),
-              dict(candidate=True, num_warps=2, num_stages=1),
-              # candidates: TR 1, row block i's products transposed and whole (prefill._intra_t_kernel): the chunk's
-              # first 16 / 32 / 64 rows against block i in one product per reference row, 16 - 64 rows tall, so the
-              # warps split the rows instead of repeating a 16-row block
-              dict(TR=1, INNER=1, candidate=True, num_warps=4, num_stages=1),
-              dict(TR=1, candidate=True, num_warps=4, num_stages=1),
-              dict(TR=1, INNER=1, candidate=True, num_warps=8, num_stages=1),
               # candidates: RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
               # served form unrolls all four row blocks: ncu, H100 2026-12-06 18:16 UTC, B1 T8192 H96: 174 registers,
               # 2 programs an SM (12.5% occupancy), issue slots 31% busy, 32% of stalls on instruction fetch).
-              # ptxas sm_90a: 128 registers at 4 and 8 warps, no spills
+              # ptxas sm_90a: 128 registers at 4 and 8 warps, no spills. H100 2026-12-06 18:33 UTC, fp16 form, B1
+              # T8192 H96 alone: 0.940 ms (INNER, 4 warps) / 1.046 / 1.317 (INNER, 8 warps) against the served
+              # 1.290 / 1.231; candidates until their GPU accuracy test has run (the interpreter's passes).
+              # Tried and dropped the same day (ms, same row): 2 warps 1.211 (INNER 3.402); each row block's products
+              # transposed and whole, 16 - 64 rows tall so the warps split the rows (at 4 warps Triton lays the
+              # mma.sync warps along M and every warp computes the whole 16-row block) 1.236 (INNER 1.280); A and its
+              # UT solve in one program per (chunk, head), no A buffer and no solve launch, 2.442 against 1.23 + 0.32
+              # (the four row blocks then run one after another)
               dict(RT=1, INNER=1, candidate=True, num_warps=4, num_stages=1),
               dict(RT=1, candidate=True, num_warps=4, num_stages=1),
               dict(RT=1, INNER=1, candidate=True, num_warps=8, num_stages=1)],
@@ -67,9 +60,9 @@ _CUDA = {
     "gate": [dict(CS=1, num_warps=8, num_stages=1),
              dict(num_warps=4, num_stages=1),
              dict(CS=1, num_warps=4, num_stages=1),
-             # candidates: 16 warps, and 8 warps held to 128 registers (ptxas sm_90a puts CS 1 at 146 at 8 warps: one
-             # program an SM)
-             dict(CS=1, candidate=True, num_warps=16, num_stages=1),
+             # candidate: 8 warps held to 128 registers (ptxas sm_90a puts CS 1 at 146 at 8 warps, one program an SM;
+             # at 128, 48 bytes of spills): 0.722 against 0.745 ms (H100 2026-12-06 18:33 UTC), its GPU accuracy test
+             # not yet run. 16 warps: 1.173, dropped
              dict(CS=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
@@ -147,7 +140,6 @@ _HIP = {
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(TR=1, INNER=1, candidate=True, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)

@@ -314,59 +314,6 @@ def _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K: tl.conste
 
 
 @_interp.kjit
-def _intra_t_rows(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i: tl.constexpr, NR: tl.constexpr,
-                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr):
-    """Row block i of A and Aqk as their transposes, ``[NR, BC]`` (chunk rows 0 .. NR-1 against block i's rows, NR >=
-    (i + 1) BC): one ``[NR, K] x [K, BC]`` product per reference row instead of one ``[BC, K] x [K, BC]`` per block, so
-    the product is NR rows tall (the warps split its rows; a 16-row product runs whole on every warp). ``OPD`` 5 / 6
-    (fp16): rows below block i about block i's first row in one fp16 product, block i's own rows about its middle
-    row split (``OPD`` - 4); other ``OPD``: every row about the middle row at ``OPD`` (as :func:`_intra_kernel`)."""
-    r = tl.arange(0, NR)
-    mr = (r < L)[:, None]
-    kt = _l2n(tl.load(_at(k, t0, r, hh, H, tl.arange(0, K), K), mask=mr, other=0.0).to(tl.float32))
-    Gt = tl.load(_at(gbuf, t0, r, hh, H, tl.arange(0, K), K), mask=mr, other=0.0)
-    off = (r // BC < i)[:, None]
-    dg = (r // BC == i)[:, None]
-    ka2, qa2, Gr2 = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
-    if OPD >= 5:
-        ka1, qa1, Gr1 = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, 1)
-        kb = tl.where(mr & (off | dg), kt * tl.exp(tl.where(off, Gr1[None, :], Gr2[None, :]) - Gt), 0.0)
-        kbo = tl.where(off, kb, 0.0)
-        kbd = tl.where(dg, kb, 0.0)
-        at = _mm(kbo, tl.trans(ka1), OPD) + _mm(kbd, tl.trans(ka2), OPD - 4)
-        st = _mm(kbo, tl.trans(qa1), OPD) + _mm(kbd, tl.trans(qa2), OPD - 4)
-    else:
-        kb = tl.where(mr & (off | dg), kt * tl.exp(Gr2[None, :] - Gt), 0.0)
-        at = _mm(kb, tl.trans(ka2), OPD)
-        st = _mm(kb, tl.trans(qa2), OPD)
-    cl = i * BC + tl.arange(0, BC)  # block i's rows, the columns of the transposed tiles
-    mo = (r[:, None] < (i + 1) * BC) & (cl < L)[None, :]
-    at = tl.where(r[:, None] < cl[None, :], at, 0.0)  # A strictly lower
-    st = tl.where(r[:, None] <= cl[None, :], st, 0.0)  # Aqk lower with the diagonal
-    # stored transposed: element (r, c) of the tile is row cl[c], column r of the [tokens, H, BT] buffers
-    dst = (t0.to(tl.int64) * H + hh) * BT + (cl[None, :] * (H * BT) + r[:, None])
-    tl.store(abuf + dst, at.to(abuf.dtype.element_ty), mask=mo)
-    tl.store(aqk + dst, st.to(aqk.dtype.element_ty), mask=mo)
-
-
-@_interp.kjit
-def _intra_t_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
-                    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, INNER: tl.constexpr = 0):
-    """Phase 2 of a chunk as :func:`_intra_kernel` (one program per (chunk, head, row block i), the same blocks, the
-    same reference rows, products and stores), with row block i's products made transposed and whole
-    (:func:`_intra_t_rows`: the chunk's first 16 / 32 / 64 rows for i = 0 / 1 / 2-3 against block i) — the intra
-    configs' ``TR = 1``."""
-    c, ib = _pids(INNER, BT // BC)
-    hh = tl.program_id(1)
-    t0 = tl.load(chunk_tok + c)
-    L = tl.load(chunk_len + c)
-    for i in tl.static_range(0, BT // BC):
-        if (ib == i) & (i * BC < L):
-            _intra_t_rows(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i,
-                          BC if i == 0 else (2 * BC if i == 1 else BT), K, BT, BC, OPD)
-
-
-@_interp.kjit
 def _blk(ptr, t0, L, hh, H, i: tl.constexpr, j: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """The [BC, BC] tile at rows i*BC.., cols j*BC.. of a [tokens, H, D] fp32 buffer (zeros past L)."""
     r = i * BC + tl.arange(0, BC)
@@ -878,7 +825,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_intra(c):
         meta, opts = tune.split(c)
         if NC:
-            _interp.launch(_intra_t_kernel if meta.pop("TR", 0) else _intra_kernel, _grid(NC, H, BT // BC, meta), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk,
+            _interp.launch(_intra_kernel, _grid(NC, H, BT // BC, meta), qc, kc, br, chunk_tok, chunk_len, gbuf, aqk,
                            abuf, scale, H, K=K, BT=BT, BC=BC, OPD=opd["pair"], **meta, **opts)
 
     solve_opts = tune.split(tune.configs(C.SOLVE)[0])[1]

@@ -169,36 +169,35 @@ def test_prefill_split_stored_every_state_config():
             assert torch.equal(o, o0) and torch.equal(s, s0), f"pre state config {c} not deterministic"
 
 
+@pytest.mark.parametrize("kind", ["gate", "intra", "wu", "state", "out"])
 @pytest.mark.parametrize("shift", [0.0, -12.0])
-def test_prefill_fp16_products_every_config(shift):
+def test_prefill_fp16_products_every_config(shift, kind):
     """``products="fp16"`` (fp16 intermediates, one fp16 product in w / u / w h / the state step / the output) on
-    every intra, w / u, state (the output-in-the-loop FO ones too) and output config, candidates included, at ordinary decays and near decay 1
+    every gate, intra, w / u, state (the output-in-the-loop FO ones too) and output config, candidates included, at ordinary decays and near decay 1
     (``dt_bias`` - 12), at B1 T8192 H96 — the shape where w stored in bf16 with a single bf16 w h product faulted
     on an H100 (prefill.PRODUCTS) — and a packed batch with a 1-token sequence: within 1.5e-3 rel. RMS of the
-    oracle, finite, 20 x bit-identical on the packed batch."""
+    oracle, finite, 20 x bit-identical on the packed batch; one table (``kind``) a case."""
     from k3rocm.kernels import tune
     from k3rocm.kernels.kda import configs as KC
     from k3rocm.kernels.kda import prefill as P
     big = inputs(1, 8192, 96, torch.bfloat16, dt_shift=shift)
-    for kind in ("intra", "wu", "state", "out"):
-        for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
-            o, s = P.kda_prefill(**big, config={**first_configs(), kind: c}, products="fp16")
-            torch.cuda.synchronize()
-            assert torch.isfinite(o).all() and torch.isfinite(s).all(), (kind, c)
+    for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
+        o, s = P.kda_prefill(**big, config={**first_configs(), kind: c}, products="fp16")
+        torch.cuda.synchronize()
+        assert torch.isfinite(o).all() and torch.isfinite(s).all(), (kind, c)
     lens = [1000, 1, 70]
     cu = torch.tensor([0, 1000, 1001, 1071], dtype=torch.int32, device="cuda")
     a = inputs(1, sum(lens), 12, torch.bfloat16, dt_shift=shift, state=True, N=len(lens))
     want_o, want_s = oracle(a, cu)
-    for kind in ("intra", "wu", "state", "out"):
-        for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
-            cfg = {**first_configs(), kind: c}
-            o0, s0 = P.kda_prefill(**a, cu_seqlens=cu, config=cfg, products="fp16")
-            e = (rel_rms(o0, want_o), rel_rms(s0, want_s))
-            _log(test="prefill_fp16_config", kind=kind, cfg=c, shift=shift, rel_rms_o=e[0], rel_rms_state=e[1])
-            assert max(e) <= 1.5e-3, (kind, c, e)
-            for _ in range(19):
-                o, s = P.kda_prefill(**a, cu_seqlens=cu, config=cfg, products="fp16")
-                assert torch.equal(o, o0) and torch.equal(s, s0), f"fp16 {kind} config {c} not deterministic"
+    for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
+        cfg = {**first_configs(), kind: c}
+        o0, s0 = P.kda_prefill(**a, cu_seqlens=cu, config=cfg, products="fp16")
+        e = (rel_rms(o0, want_o), rel_rms(s0, want_s))
+        _log(test="prefill_fp16_config", kind=kind, cfg=c, shift=shift, rel_rms_o=e[0], rel_rms_state=e[1])
+        assert max(e) <= 1.5e-3, (kind, c, e)
+        for _ in range(19):
+            o, s = P.kda_prefill(**a, cu_seqlens=cu, config=cfg, products="fp16")
+            assert torch.equal(o, o0) and torch.equal(s, s0), f"fp16 {kind} config {c} not deterministic"
 
 
 def test_every_decode_config_20_runs_identical():

@@ -99,10 +99,6 @@ def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monk
     meta, opts = tune.split(PREFILL_TABLES[name]["hip"][ci], interp=False)
     if name == "prefill_state" and meta.get("FO"):
         pytest.skip("the output in the loop does not run on split products in the plain loop (prefill.fo_ok)")
-    if meta.pop("TR", 0):  # the intra configs' transposed-product kernel (the signature less RT)
-        fn = kda.prefill._intra_t_kernel
-        sig = {n: t for n, t in sig.items() if n != "RT"}
-        consts = {n: v for n, v in consts.items() if n != "RT"}
     rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
     assert rep.error is None, rep.error
     if name in F16_MATRIX:
