@@ -50,20 +50,20 @@ _CUDA = {
     "wu": [dict(num_warps=4, num_stages=1),
            dict(num_warps=8, num_stages=1),
            dict(INNER=1, num_warps=4, num_stages=1)],
-    # the gate kernel's launch options (first entry, not tuned). H100, 2026-12-06 17:54 UTC (fp16 outputs, B1 T8192
-    # H96, gpu-runs/results/h100_2026-12-06e/c1-3ae3a7c): the in-chunk cumulative sum as three bf16 products with the
-    # lower-triangular ones (CS 1, prefill._cumsum_rows) instead of tl.cumsum's cross-thread scan, 0.746 ms at 8 warps
-    # and 0.813 at 4, against tl.cumsum's 0.896 at 4 (1.164 at 8): served from then. Tried and dropped: q and k
-    # loaded first beside the gate's input (1.007 ms; with CS 1 0.873, at 8 warps), the channels split over 2 or 4
-    # programs (1.177 / 1.236 vs 1.168 ms on an H100 earlier), 1 - 2 warps (3.2+ ms). An H200, earlier: 1.08 ms at
-    # 4 warps against 1.33 / 1.41 at 8 / 16 with tl.cumsum.
-    "gate": [dict(CS=1, num_warps=8, num_stages=1),
-             dict(num_warps=4, num_stages=1),
-             dict(CS=1, num_warps=4, num_stages=1),
-             # candidate: 8 warps held to 128 registers (ptxas sm_90a puts CS 1 at 146 at 8 warps, one program an SM;
-             # at 128, 48 bytes of spills): 0.722 against 0.745 ms (H100 2026-12-06 18:33 UTC), its GPU accuracy test
-             # not yet run. 16 warps: 1.173, dropped
-             dict(CS=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128)],
+    # the gate kernel's launch options (first entry, not tuned). H100, 2026-12-06 17:54 – 18:33 UTC (fp16 outputs, B1
+    # T8192 H96, gpu-runs/results/h100_2026-12-06e): tl.cumsum 0.896 ms at 4 warps (1.164 at 8); the in-chunk
+    # cumulative sum as three bf16 products with the lower-triangular ones (CS 1, prefill._cumsum_rows) 0.746 at 8
+    # warps, 0.722 held to 128 registers (maxnreg), 0.813 at 4, 1.173 at 16. The CS entries stay candidates until
+    # the GPU accuracy test has run on them (kda_quick_check.py / test_kda_gpu.py -k "fp16_products and gate"); in
+    # the interpreter they hold the fp16 form's accuracy, but on the fp32 inputs' IEEE path the final state's error
+    # grows from 4e-6 to 4.5e-5 (B3 T63: the three partial sums round apart), so serve CS on the 16-bit forms only.
+    # Tried and dropped: q and k loaded first beside the gate's input (1.007 ms; with CS 1 0.873, 8 warps), the
+    # channels split over 2 or 4 programs (1.177 / 1.236 vs 1.168 ms earlier), 1 - 2 warps (3.2+ ms). An H200,
+    # earlier: 1.08 ms at 4 warps against 1.33 / 1.41 at 8 / 16 with tl.cumsum.
+    "gate": [dict(num_warps=4, num_stages=1),
+             dict(CS=1, candidate=True, num_warps=8, num_stages=1),
+             dict(CS=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
+             dict(CS=1, candidate=True, num_warps=4, num_stages=1)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
