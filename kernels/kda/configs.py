@@ -56,7 +56,8 @@ _CUDA = {
     # warps, 0.722 held to 128 registers (maxnreg), 0.813 at 4, 1.173 at 16. The CS entries stay candidates until
     # the GPU accuracy test has run on them (kda_quick_check.py / test_kda_gpu.py -k "fp16_products and gate"); in
     # the interpreter they hold the fp16 form's accuracy, but on the fp32 inputs' IEEE path the final state's error
-    # grows from 4e-6 to 4.5e-5 (B3 T63: the three partial sums round apart), so serve CS on the 16-bit forms only.
+    # grows from 4e-6 to 4.5e-5 (B3 T63: the three partial sums round apart), so IEEE products keep the scan
+    # (prefill_launches).
     # Tried and dropped: q and k loaded first beside the gate's input (1.007 ms; with CS 1 0.873, 8 warps), the
     # channels split over 2 or 4 programs (1.177 / 1.236 vs 1.168 ms earlier), 1 - 2 warps (3.2+ ms). An H200,
     # earlier: 1.08 ms at 4 warps against 1.33 / 1.41 at 8 / 16 with tl.cumsum.

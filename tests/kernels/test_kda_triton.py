@@ -149,7 +149,7 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
 def test_prefill_fp16_products_on_every_wu_state_out_config():
     """``products="fp16"`` (the pair products split, one fp16 product in w / u / w h / the state step / the output,
     the intermediates but G in fp16): within 1.5e-3 rel. RMS of the oracle on o and the state (~5e-4 measured at
-    K = V = 128; the bound of the prefill is 3e-3) on every intra, w / u, state and output config (candidates included, the
+    K = V = 128; the bound of the prefill is 3e-3) on every gate (its CS cumulative sums included), intra, w / u, state and output config (candidates included, the
     output-in-the-loop FO ones too), on a packed batch with a 1-token sequence, at
     ordinary decays and near decay 1; not the split form's result; and scale-free in v up to fp16's range (v x 1000
     as accurate), an overflow past it non-finite, never a finite wrong answer."""
@@ -160,7 +160,7 @@ def test_prefill_fp16_products_on_every_wu_state_out_config():
         # beyond the tables: the output in the prefetching loop, and each way a loaded tile reaches the products
         extra = [dict(BV=16, PF=1, FO=1), dict(BV=32, PF=0, RB=1), dict(BV=32, PF=0, RB=2),
                  dict(BV=32, PF=0, FO=1, RB=1), dict(BV=16, PF=1, FO=1, RB=2)]
-        for kind in ("intra", "wu", "state", "out"):
+        for kind in ("gate", "intra", "wu", "state", "out"):
             for c in tune.configs(getattr(KC, kind.upper()), candidates=True) + (extra if kind == "state" else []):
                 o, st = KPRE.kda_prefill(**a, cu_seqlens=cu, config={kind: c}, products="fp16")
                 assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3, (kind, c)
@@ -453,3 +453,18 @@ def test_decode_reads_column_views_in_place():
         close(got, want, 1e-5)
         torch.testing.assert_close(sp1, spr, rtol=1e-5, atol=1e-5)
         assert torch.equal(cp1, cpr)
+
+
+def test_prefill_gate_cs_keeps_the_scan_on_ieee_products(monkeypatch):
+    """A gate config with ``CS`` on fp32 inputs (IEEE products) runs ``tl.cumsum``: bit-identical to the scan's
+    config, while on the fp16 form ``CS`` changes the result (its partial sums round apart), within the form's bound."""
+    gen = _gen()
+    a = make_prefill(1, 70, 2, D, gen, state=True)
+    o0, s0 = KPRE.kda_prefill(**a, config={"gate": {"num_warps": 4}})
+    o1, s1 = KPRE.kda_prefill(**a, config={"gate": {"CS": 1, "num_warps": 8}})
+    assert torch.equal(o0, o1) and torch.equal(s0, s1)
+    want_o, want_s = O.kda_recurrent(**a)
+    h0, hs0 = KPRE.kda_prefill(**a, config={"gate": {"num_warps": 4}}, products="fp16")
+    h1, hs1 = KPRE.kda_prefill(**a, config={"gate": {"CS": 1, "num_warps": 8}}, products="fp16")
+    assert not (torch.equal(h0, h1) and torch.equal(hs0, hs1))
+    assert _rel_rms(h1, want_o) < 1.5e-3 and _rel_rms(hs1, want_s) < 1.5e-3
