@@ -30,6 +30,8 @@
 #          parts), into RESULTS_DIR/mla/
 #   mltest the MLA / AttnRes GPU tests (tests/kernels/test_mla_gpu.py; MLA_TESTS: a pytest -k expression)
 #   atest  the AttnRes GPU test alone (every config, 20 x identical), in its own process
+#   kchk   gpu-runs/kda_quick_check.py: the candidate gate / intra configs' accuracy (fp16 form, packed batch, both
+#          decays), 5 x identical and finite at B1 T8192 H96 (KCHK_ARGS, e.g. "--all --kinds state"), into kchk.log
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   ncu    Nsight Compute (`ncu --set full`, where the machine has it) of the first NCU_COUNT (default 2: w1|w3 and
@@ -104,6 +106,7 @@ for s in $STEPS; do
     mltest) step mltest "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py \
           ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
     atest) step atest "$(lim 120)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py -k attnres ;;
+    kchk) step kchk "$(lim 150)" $PY "$HERE/kda_quick_check.py" ${KCHK_ARGS:-} ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode ${KDEC_ARGS:-} --out "$R/kdec" ;;
     ncu) step ncu "$(lim 200)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count "${NCU_COUNT:-2}" \
           --set full $PY "$HERE/bench_moe.py" --tokens "${NCU_TOKENS:-64}" --no-bf16 --out "$R/ncu_moe" ;;
@@ -112,7 +115,7 @@ for s in $STEPS; do
           ${KNCU_ARGS:---only decode --no-fla --decode "${KNCU_ROWS:-64x96}"} --out "$R/kncu" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kdec ncu kncu moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kchk kdec ncu kncu moe)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,
