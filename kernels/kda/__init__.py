@@ -125,11 +125,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
           for be in ("hip", "cuda")}),
         # prefill.PRODUCTS "fp16": the intermediates in fp16 and one fp16 product each in w / u / w h / the state
-        # step / the output (OPD 5), the pair products split as in "split"
+        # step / the output and the pair blocks below the diagonal (OPD 5), the diagonal pair blocks split
         ("prefill_gate_f16", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=0), False,
          _opts(configs.GATE)),
-        # the gate with the cumulative sum as three bf16 products on the matrix unit (CS = 1; served on CUDA, a
-        # candidate on CDNA), fp16 outputs, at the first CS entry's options of each backend
+        # the gate's candidates with the cumulative sum as three bf16 products on the matrix unit (CS = 1), fp16
+        # outputs, at the first CS entry's options of each backend
         ("prefill_gate_cs", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=1), True,
          {be: tune.split(next(c for c in configs.GATE[be] if c.get("CS")), interp=False)[1]
           for be in ("hip", "cuda")}),

@@ -714,7 +714,7 @@ def kda_prefill(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state=None
         Hopper, fp32 MFMA on CDNA); ``"split"``: split-bf16 operands on the bf16 matrix unit (:func:`_mm`, ~16
         mantissa bits) and the UT solve's off-diagonal block products at the backend's fp32 precision, whatever
         the input dtype (the serving engine's fp32 activations inside a bf16 ``matmul_dtype`` scope); ``"fp16"``:
-        the pair products split, the others one fp16 product each, the intermediates but G stored in fp16
+        one fp16 product each but the diagonal pair blocks (split), the intermediates but G stored in fp16
         (:data:`PRODUCTS`: ~5e-4 rel. RMS, a third of the products and half the bytes of ``"split"``); None: by
         input dtype (fp32 inputs ``"ieee"``, bf16 / fp16 ``"fp16"``); a dict of parts (:data:`PRODUCTS`) for
         precision sweeps (``gpu-runs/bench_kda.py --only sweep``).

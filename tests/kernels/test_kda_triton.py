@@ -77,17 +77,23 @@ def test_prefill_grid_fp32(B, T, H, cfg):
     close(s, want_s, 1e-5)
 
 
+def _packed_batch(gen, shift):
+    """(inputs, cu_seqlens, oracle o, oracle state) of a packed batch of 70 + 1 + 9 tokens (two chunks, a 1-token
+    sequence, a partial chunk) with ``dt_bias`` shifted by ``shift``."""
+    lens = [70, 1, 9]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
+    want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+    return a, cu, want_o, want_s
+
+
 @pytest.mark.parametrize("kind", ["gate", "intra", "wu", "state", "out"])
 def test_prefill_every_config_of_each_table(kind):
     """Every config of each prefill table (the tuner may pick any; the INNER ones launch their split on axis 0),
     candidates not yet run on a GPU included, the others at their first entry: the
     oracle's output and state on a packed batch of three sequences, one of them a single token and one two chunks
     long."""
-    gen = _gen()
-    lens = [70, 1, 9]
-    a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens))
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
-    want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+    a, cu, want_o, want_s = _packed_batch(_gen(), 0.0)
     first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("gate", "intra", "wu", "state", "out")}
     for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
         # the output in the state loop (FO): on the fp32 inputs' IEEE products (the plain loop) and on qg / kg / w
@@ -99,20 +105,10 @@ def test_prefill_every_config_of_each_table(kind):
             close(s, want_s, tol)
 
 
-def test_prefill_gate_refuses_keys_other_than_cs_la_and_launch_options():
+def test_prefill_gate_refuses_keys_other_than_cs_and_launch_options():
     a = make_prefill(1, 8, 1, D, _gen())
     with pytest.raises(ConfigError, match="KS"):
         KPRE.kda_prefill(**a, config={"gate": {"KS": 2, "num_warps": 4}})
-
-
-def _packed_batch(gen, shift):
-    """(inputs, cu_seqlens, oracle o, oracle state) of a packed batch of 70 + 1 + 9 tokens (two chunks, a 1-token
-    sequence, a partial chunk) with ``dt_bias`` shifted by ``shift``."""
-    lens = [70, 1, 9]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
-    a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
-    want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
-    return a, cu, want_o, want_s
 
 
 def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
@@ -146,8 +142,9 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
             KPRE.kda_prefill(**a, cu_seqlens=cu, products=bad)
 
 
-def test_prefill_fp16_products_on_every_wu_state_out_config():
-    """``products="fp16"`` (the pair products split, one fp16 product in w / u / w h / the state step / the output,
+def test_prefill_fp16_products_on_every_config():
+    """``products="fp16"`` (one fp16 product in w / u / w h / the state step / the output and the pair blocks below
+    the diagonal, the diagonal blocks split,
     the intermediates but G in fp16): within 1.5e-3 rel. RMS of the oracle on o and the state (~5e-4 measured at
     K = V = 128; the bound of the prefill is 3e-3) on every gate (its CS cumulative sums included), intra, w / u, state and output config (candidates included, the
     output-in-the-loop FO ones too), on a packed batch with a 1-token sequence, at
