@@ -19,7 +19,8 @@
 #   ktest  the KDA GPU tests selected by KDA_TESTS (a pytest -k expression; default: the per-config, tuned-default
 #          and fp32-split tests), figures into RESULTS_DIR/kda_gpu.jsonl
 #   kda    gpu-runs/bench_kda.py prefill rows with the per-launch and per-kernel tables (ours and fla's chunk_kda
-#          where fla is importable; KDA_BENCH_ARGS replaces those arguments), into RESULTS_DIR/kda/
+#          where fla is importable; KDA_BENCH_ARGS replaces those arguments; KDA_LIMIT s, default 240), into
+#          RESULTS_DIR/kda/
 #   ksweep gpu-runs/bench_kda.py --only sweep: every intra / wu / state / out config, the gate per num_warps and the
 #          precision variants (time per launch, accuracy), into RESULTS_DIR/ksweep/ (KSWEEP_ARGS: e.g.
 #          "--prefill 1x8192x96" for other rows than B1 T8192 H96 and B1 T131072 H12)
@@ -31,7 +32,8 @@
 #   mltest the MLA / AttnRes GPU tests (tests/kernels/test_mla_gpu.py; MLA_TESTS: a pytest -k expression)
 #   atest  the AttnRes GPU test alone (every config, 20 x identical), in its own process
 #   kchk   gpu-runs/kda_quick_check.py: the candidate gate / intra configs' accuracy (fp16 form, packed batch, both
-#          decays), 5 x identical and finite at B1 T8192 H96 (KCHK_ARGS, e.g. "--all --kinds state"), into kchk.log
+#          decays), 5 x identical and finite at B1 T8192 H96 (KCHK_ARGS, e.g. "--all --kinds state"; KCHK_LIMIT s,
+#          default 150), into kchk.log
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   ncu    Nsight Compute (`ncu --set full`, where the machine has it) of the first NCU_COUNT (default 2: w1|w3 and
@@ -97,7 +99,7 @@ for s in $STEPS; do
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ${MOE_TESTS:+-k "$MOE_TESTS"} ;;
     ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
-    kda) step kda "$(lim 240)" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
+    kda) step kda "$(lim ${KDA_LIMIT:-240})" $PY "$HERE/bench_kda.py" ${KDA_BENCH_ARGS:---only prefill,accuracy --kernels} --out "$R/kda" ;;
     ksweep) step ksweep "$(lim 200)" $PY "$HERE/bench_kda.py" --only sweep --no-fla ${KSWEEP_ARGS:-} --out "$R/ksweep" ;;
     attn) step attn "$(lim "${ATTN_LIMIT:-330}")" $PY "$HERE/sweep_attn.py" --only "${ATTN_PARTS:-decode,prefill,attnres}" \
           --deadline "$(( $(lim "${ATTN_LIMIT:-330}") - 30 ))" --out "$R/attn" ;;
@@ -106,7 +108,7 @@ for s in $STEPS; do
     mltest) step mltest "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py \
           ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
     atest) step atest "$(lim 120)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py -k attnres ;;
-    kchk) step kchk "$(lim 150)" $PY "$HERE/kda_quick_check.py" ${KCHK_ARGS:-} ;;
+    kchk) step kchk "$(lim ${KCHK_LIMIT:-150})" $PY "$HERE/kda_quick_check.py" ${KCHK_ARGS:-} ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode ${KDEC_ARGS:-} --out "$R/kdec" ;;
     ncu) step ncu "$(lim 200)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count "${NCU_COUNT:-2}" \
           --set full $PY "$HERE/bench_moe.py" --tokens "${NCU_TOKENS:-64}" --no-bf16 --out "$R/ncu_moe" ;;

@@ -3,7 +3,7 @@
     python gpu-runs/kda_quick_check.py [--products fp16] [--kinds gate,intra] [--candidates-only]
 
 For each config of the named tables (default: the candidates of the gate and intra tables), the prefill on a packed
-batch of 1000 + 1 + 70 tokens (H 12, bf16, with an initial state) at ordinary decays and near decay 1: rel. RMS of o
+batch of 1000 + 1 + 70 tokens (``--lens``) (H 12, bf16, with an initial state) at ordinary decays and near decay 1: rel. RMS of o
 and the final state against the fp32 oracle, and whether 5 repeats are bit-identical; then finiteness at B1 T8192
 H96. One JSON line per (config, decay); exit status 1 if any exceeds 1.5e-3, is not finite or differs between runs.
 For a short borrowed-GPU slot where the full GPU test (tests/kernels/test_kda_gpu.py) does not fit.
@@ -22,6 +22,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--products", default="fp16")
     ap.add_argument("--kinds", default="gate,intra")
+    ap.add_argument("--lens", default="1000,1,70", help="the packed batch's sequence lengths (a longer first one "
+                    "gives the state table's SEG entries several segments)")
     ap.add_argument("--candidates-only", action="store_true", default=True)
     ap.add_argument("--all", dest="candidates_only", action="store_false", help="every entry, not only candidates")
     args = ap.parse_args()
@@ -30,8 +32,8 @@ def main() -> int:
     from k3rocm.kernels.kda import prefill as P
     from k3rocm.model import kda as O
     D, H = 128, 12
-    lens = [1000, 1, 70]
-    cu = torch.tensor([0, 1000, 1001, 1071], dtype=torch.int32, device="cuda")
+    lens = [int(x) for x in args.lens.split(",")]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
     first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("gate", "intra", "wu", "state", "out")}
     bad = 0
     for shift in (0.0, -12.0):
@@ -40,7 +42,7 @@ def main() -> int:
         T = sum(lens)
         a = dict(q=r(1, T, H, D).bfloat16(), k=r(1, T, H, D).bfloat16(), v=r(1, T, H, D).bfloat16(),
                  decay_raw=(r(1, T, H * D) * 2).bfloat16(), beta_raw=r(1, T, H).bfloat16(),
-                 A_log=r(128) * 0.5, dt_bias=r(H * D) * 0.5 + shift, initial_state=r(3, H, D, D) * 0.1)
+                 A_log=r(128) * 0.5, dt_bias=r(H * D) * 0.5 + shift, initial_state=r(len(lens), H, D, D) * 0.1)
         want_o, want_s = O.kda_prefill(**a, cu_seqlens=cu)
         rr = lambda x, y: ((x.float() - y).pow(2).mean().sqrt() / y.pow(2).mean().sqrt()).item()  # noqa: E731
         for kind in args.kinds.split(","):

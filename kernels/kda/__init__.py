@@ -15,8 +15,8 @@ from k3rocm.kernels import tune
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, _split_norm_kernel, _split_prep_kernel, _split_state_kernel, kda_decode
-from .prefill import (BC, BT, _gate_kernel, _intra_kernel, _out_kernel, _solve_kernel, _state_kernel, _wu_kernel,
-                      kda_prefill)
+from .prefill import (BC, BT, SEG_BK, SEG_BV, _gate_kernel, _intra_kernel, _out_kernel, _seg_combine_kernel, _seg_kernel,
+                      _solve_kernel, _state_kernel, _wu_kernel, kda_prefill)
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
@@ -75,6 +75,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     out_sig = dict(qg=b, aqk=b, hbuf=b, vnew=b, o=p, chunk_tok="*i32", chunk_len="*i32", H="i32", K="constexpr",
                    V="constexpr", BT="constexpr", BV="constexpr", BK="constexpr", OPD="constexpr", INNER="constexpr",
                    Q2="constexpr")
+    seg_sig = dict(kg=b, w=b, u=b, glast="*fp32", pq="*fp32", seg_chunk="*i32", chunk_tok="*i32", chunk_len="*i32",
+                   H="i32", K="constexpr", V="constexpr", BT="constexpr", BV="constexpr", OPD="constexpr",
+                   WHOPD="constexpr", RB="constexpr", one="fp32")
+    comb_sig = dict(pq="*fp32", h0="*fp32", hstart="*fp32", ht="*fp32", seq_seg="*i32", H="i32", HAS_H0="constexpr",
+                    K="constexpr", V="constexpr", BV="constexpr", BK="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
                    A_log="*fp32", dt_bias="*fp32", onw="*fp32", conv_pool="*fp32", state_pool="*fp32",
                    slot_ids="*i32", out=p, H="i32", sq="i32", sk="i32", sv="i32", sd="i32", sb="i32", sg="i32",
@@ -95,6 +100,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     spl = next(c for c in configs.STATE["cuda"] if c.get("candidate"))
     fo = next(c for c in configs.STATE["cuda"] if c.get("FO"))
     bv = configs.DECODE["hip"][0]["BV"]
+    sg = {be: next(c for c in configs.STATE[be] if c.get("SEG")) for be in ("hip", "cuda")}
     return [
         ("short_conv", _conv_fwd_kernel, conv_sig,
          dict(HAS_STATE=True, W=4, BLOCK_T=cc["BLOCK_T"], BLOCK_C=cc["BLOCK_C"]), False, _opts(configs.CONV)),
@@ -146,6 +152,13 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=5, PF=0, WHOPD=5, INNER=0, SPL=0, FO=1, OOPD=5, RB=0), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]
           for be in ("hip", "cuda")}),
+        # the segmented state pass (SEG entries): the runs' affine maps at the first SEG entry's tile and options
+        # (fp16 tiles, one fp16 product each) and the IEEE fp32 chaining of the runs' initial states
+        ("prefill_seg_f16", _seg_kernel, dict(seg_sig, kg=h, w=h, u=h),
+         dict(K=K, V=K, BT=BT, BV=sg["cuda"]["BV"], OPD=5, WHOPD=5, RB=1), True,
+         {be: tune.split(sg[be], interp=False)[1] for be in ("hip", "cuda")}),
+        ("prefill_seg_combine", _seg_combine_kernel, comb_sig,
+         dict(HAS_H0=True, K=K, V=K, BV=SEG_BV, BK=SEG_BK), False, _opts(configs.SEG_COMBINE)),
         ("prefill_out_f16", _out_kernel, dict(out_sig, qg=h, aqk=h, hbuf=h, vnew=h),
          dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=5, INNER=0, Q2=0), True, _opts(configs.OUT)),
         ("prefill_out", _out_kernel, out_sig, dict(K=K, V=K, BT=BT, BV=ot["BV"], BK=ot["BK"], OPD=1, INNER=0, Q2=0), True,

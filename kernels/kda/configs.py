@@ -10,7 +10,7 @@ The prefill's products take 16-bit operands with fp32 accumulation for bf16 / fp
 UT solve run at the backend's default fp32 precision (TF32 on sm_90, fp32 MFMA on CDNA). When the inputs are fp32 the wrapper runs every product in IEEE fp32 (``OPD = 0``,
 ``PREC = "ieee"``) so the kernels match the fp32 oracle to ~1e-5.
 The interpreter runs the CUDA lists. Every table is public (:data:`CONV`, :data:`INTRA`, :data:`GATE`, :data:`SOLVE`, :data:`WU`, :data:`STATE`,
-:data:`OUT`, :data:`DECODE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every
+:data:`OUT`, :data:`DECODE`, :data:`SEG_COMBINE`; read with :func:`k3rocm.kernels.tune.configs`) so tests can run every
 configuration, not only
 the tuner's pick.
 """
@@ -46,6 +46,9 @@ _CUDA = {
               dict(RT=1, INNER=1, candidate=True, num_warps=8, num_stages=1)],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
+    # the segmented state pass's chaining launch (prefill._seg_combine_kernel; first entry, not tuned: timed inside
+    # the state pick of a SEG entry)
+    "seg_combine": [dict(num_warps=4, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
     "wu": [dict(num_warps=4, num_stages=1),
            dict(num_warps=8, num_stages=1),
@@ -92,6 +95,25 @@ _CUDA = {
               dict(BV=32, PF=0, FO=1, num_warps=4, num_stages=1),
               dict(BV=32, PF=0, FO=1, num_warps=4, num_stages=2),
               dict(BV=64, PF=0, FO=1, num_warps=8, num_stages=1),
+              # candidates for one wave at B1 T8192 H96 (the served FO entries hold 241 - 255 registers: 1 - 2
+              # programs an SM, so 192 - 768 programs run in ~1.45 waves), and for fewer V tiles re-reading the same
+              # w / kg / qg tiles. ptxas sm_90a, fp16 tiles (RB 1): BV 64 / 4 warps 255 registers, 276 bytes of
+              # spills (2 an SM: 264 slots for 192 programs); BV 32 held to 168 registers, 308 bytes (3 an SM: 396
+              # for 384); BV 64 / 8 warps held to 128, 476 bytes (2 an SM); BV 128 / 8 warps 255, 460 bytes (96
+              # programs, no V tile re-read)
+              dict(BV=64, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1),
+              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1, maxnreg=168),
+              dict(BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
+              dict(BV=128, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              # SEG: the segmented state pass for few long sequences (B1 T131072 H12 runs 48 programs of a 2,048-chunk
+              # loop): each sequence cut into runs of SEG chunks, their affine maps [Q | P] computed in parallel
+              # (prefill._seg_kernel, at this entry's BV and launch options over V + K columns), the runs' initial
+              # states chained in order (prefill._seg_combine_kernel, IEEE fp32), then this entry's loop on every run
+              # at once: about three times the loop's work for SEG-fold more programs. Candidates until measured
+              dict(SEG=32, BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              dict(SEG=64, BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              dict(SEG=16, BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              dict(SEG=32, BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1),
               # the plain loop on fp16 tiles at BV 64 / 4 warps / 2 stages (243 registers; on fp32 split tiles two
               # stages need more shared memory than sm_90 has)
               dict(BV=64, PF=0, candidate=True, num_warps=4, num_stages=2)],
@@ -143,6 +165,7 @@ _HIP = {
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+    "seg_combine": [dict(num_warps=4, waves_per_eu=0)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
            dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
@@ -157,6 +180,9 @@ _HIP = {
               # candidate (as on CUDA; never run on CDNA): the output in the loop with qg / kg / w stored split,
               # 190 / 196 VGPRs and no spills on gfx950 / gfx942 (the non-FO split loop: 162 / 158)
               dict(BV=32, PF=0, FO=1, candidate=True, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1,
+                   num_stages=1),
+              # the segmented state pass (as on CUDA; never run on CDNA)
+              dict(SEG=32, BV=32, PF=0, candidate=True, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1,
                    num_stages=1)],
     "out": [dict(BV=64, BK=32, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
             dict(BV=128, BK=16, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
@@ -179,8 +205,8 @@ def _table(kernel: str) -> dict[str, list[dict]]:
 
 #: per-backend tables of the short conv, the prefill gate, intra-chunk and UT-solve kernels, the chunk-parallel w / u
 #: products, the prefill state pass, the chunk-parallel prefill output and decode
-CONV, INTRA, GATE, SOLVE, WU, STATE, OUT, DECODE = (_table(k) for k in ("conv", "intra", "gate", "solve", "wu",
-                                                                        "state", "out", "decode"))
+CONV, INTRA, GATE, SOLVE, WU, STATE, OUT, DECODE, SEG_COMBINE = (
+    _table(k) for k in ("conv", "intra", "gate", "solve", "wu", "state", "out", "decode", "seg_combine"))
 
 
 POISON = False  # tests set True: every output buffer starts as NaN, so an unwritten element cannot pass

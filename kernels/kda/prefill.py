@@ -47,6 +47,7 @@ from . import configs as C
 
 BT = 64  # tokens per chunk
 BC = 16  # rows per sub-block
+SEG_BV = SEG_BK = 32  # the segmented state pass's combine: state columns a program, rows of h_s a product
 
 
 @_interp.kjit
@@ -545,6 +546,75 @@ def _state_split(kg, w, u, glast, hbuf, vnew, ht, h, hbase, hoff, s0, s1, c0, c1
 
 
 @_interp.kjit
+def _seg_kernel(kg, w, u, glast, pq, seg_chunk, chunk_tok, chunk_len, H,
+                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, OPD: tl.constexpr,
+                WHOPD: tl.constexpr, RB: tl.constexpr = 0, one=1.0):
+    """Pass 1 of the segmented state pass (``SEG``): the affine map of a run of chunks. One program per (segment,
+    head, BV of the ``V + K`` columns of ``[Q | P]``) walks the segment's chunks in order with the state step
+    ``X <- e^(G_L) X + kg^T (U - w X)``: from ``X = 0, U = u`` on the first V columns, which gives ``Q`` (the state
+    at the segment's end from a zero state), and from ``X = I, U = 0`` on the last K, which gives ``P`` (how the
+    segment maps its initial state: ``h_end = P h_start + Q``, the chunk step ``h <- (e^(G_L) - kg^T w) h + kg^T u``
+    composed). Stored to ``pq`` ``[segments, H, K, V + K]`` fp32. Products as :func:`_state_kernel`'s (``WHOPD``,
+    ``OPD``); the programs of one segment are adjacent in launch order (they read the same w / kg tiles)."""
+    n, cb = _pids(1, (V + K) // BV)
+    hh = tl.program_id(1)
+    cols = cb * BV + tl.arange(0, BV)
+    offs_k = tl.arange(0, K)
+    rows = tl.arange(0, BT)
+    isq = cols < V
+    h = (offs_k[:, None] == cols[None, :] - V).to(tl.float32)  # 0 on the Q columns, I on the P columns
+    c0 = tl.load(seg_chunk + n)
+    c1 = tl.load(seg_chunk + n + 1)
+    s0 = tl.load(chunk_tok + c0)
+    s1 = tl.load(chunk_tok + c1 - 1) + tl.load(chunk_len + c1 - 1)
+    for c in range(c0, c1):
+        t0 = s0 + (c - c0) * BT  # a segment is chunks of one sequence: affine addresses
+        L = tl.minimum(s1 - t0, BT)
+        mr = (rows < L)[:, None]
+        w_c = _reg(tl.load(_at(w, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0), mr, one, RB)
+        kg_c = _reg(tl.load(_at(kg, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0), mr, one, RB)
+        u_c = tl.load(_at(u, t0, rows, hh, H, cols, V), mask=mr & isq[None, :], other=0.0).to(tl.float32)
+        gl = tl.load(glast + (c * H + hh.to(tl.int64)) * K + offs_k, mask=(L + 0 * offs_k) > 0, other=0.0)
+        vn = u_c - _mm(w_c, h, WHOPD)
+        h = h * gl[:, None] + _mm(tl.trans(kg_c), vn, OPD)
+    tl.store(pq + (n.to(tl.int64) * H + hh) * (K * (V + K)) + (offs_k[:, None] * (V + K) + cols[None, :]), h)
+
+
+@_interp.kjit
+def _seg_combine_kernel(pq, h0, hstart, ht, seq_seg, H, HAS_H0: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BV: tl.constexpr, BK: tl.constexpr):
+    """Pass 2 of the segmented state pass: one program per (sequence, head, BV state columns) walks the
+    sequence's segments in order, stores each segment's initial state ``h_s`` to ``hstart`` ``[segments, H, K,
+    V]`` and steps ``h <- P_s h + Q_s`` (IEEE fp32, ``P_s h`` in BK-row slices of ``h_s`` read back from
+    ``hstart`` after a block barrier); the sequence's final state to ``ht``. ``h_0`` is ``h0`` (``HAS_H0``) or 0."""
+    n = tl.program_id(0)
+    hh = tl.program_id(1)
+    offs_k = tl.arange(0, K)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    hoff = offs_k[:, None] * V + offs_v[None, :]
+    hbase = (n.to(tl.int64) * H + hh) * (K * V)
+    if HAS_H0:
+        h = tl.load(h0 + hbase + hoff)
+    else:
+        h = tl.zeros([K, BV], dtype=tl.float32)
+    g0 = tl.load(seq_seg + n)
+    g1 = tl.load(seq_seg + n + 1)
+    for s in range(g0, g1):
+        sh = hh.to(tl.int64) + s * H
+        tl.store(hstart + sh * (K * V) + hoff, h)
+        tl.debug_barrier()  # h_s's rows are read back below by other threads of the program
+        pbase = pq + sh * (K * (V + K))
+        acc = tl.load(pbase + offs_k[:, None] * (V + K) + offs_v[None, :])
+        for kb in tl.static_range(0, K // BK):
+            kk = kb * BK + tl.arange(0, BK)
+            p = tl.load(pbase + offs_k[:, None] * (V + K) + (V + kk)[None, :])
+            hk = tl.load(hstart + sh * (K * V) + kk[:, None] * V + offs_v[None, :])
+            acc += tl.dot(p, hk, input_precision="ieee")
+        h = acc
+    tl.store(ht + hbase + hoff, h)
+
+
+@_interp.kjit
 def _out_kernel(qg, aqk, hbuf, vnew, o, chunk_tok, chunk_len, H,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
                 OPD: tl.constexpr, INNER: tl.constexpr = 0, Q2: tl.constexpr = 0):
@@ -595,6 +665,43 @@ def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor,
     if len(_CHUNK_TABLES) >= 16:
         _CHUNK_TABLES.pop(next(iter(_CHUNK_TABLES)))
     _CHUNK_TABLES[key] = out
+    return out
+
+
+_SEG_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def segment_table(cu_host: list[int], seg: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(seg_chunk [S+1], seq_seg [N+1], S)`` int32 for the segmented state pass: each sequence's chunks (as
+    :func:`chunk_table` numbers them) cut into runs of ``seg`` chunks (the last run shorter); ``seg_chunk`` holds
+    the runs' chunk boundaries, ``seq_seg`` each sequence's first run (a sequence without tokens has none).
+    Remembered per (offsets, seg, device), like :func:`chunk_table`.
+
+    Raises: ValueError if ``seg < 1``."""
+    if seg < 1:
+        raise ValueError(f"segment_table: seg = {seg} chunks per segment must be >= 1")
+    key = (tuple(int(c) for c in cu_host), int(seg), str(torch.device(device)))
+    hit = _SEG_TABLES.get(key)
+    if hit is not None:
+        return hit
+    cu = torch.tensor(cu_host, dtype=torch.int64)
+    nch = (cu[1:] - cu[:-1] + BT - 1) // BT
+    first = torch.zeros(len(cu_host), dtype=torch.int64)
+    first[1:] = nch.cumsum(0)  # each sequence's first chunk
+    nseg = (nch + seg - 1) // seg
+    seq_seg = torch.zeros(len(cu_host), dtype=torch.int64)
+    seq_seg[1:] = nseg.cumsum(0)
+    S = int(seq_seg[-1])
+    owner = torch.repeat_interleave(torch.arange(len(nch)), nseg, output_size=S)
+    bounds = first[:-1][owner] + (torch.arange(S) - seq_seg[:-1][owner]) * seg  # each run's first chunk
+    seg_chunk = torch.cat([bounds, first[-1:]])
+    packed = torch.cat([seg_chunk, seq_seg]).to(torch.int32)
+    if torch.device(device).type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    out = (packed[:S + 1], packed[S + 1:], S)
+    if len(_SEG_TABLES) >= 16:
+        _SEG_TABLES.pop(next(iter(_SEG_TABLES)))
+    _SEG_TABLES[key] = out
     return out
 
 
@@ -859,14 +966,37 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
                               "products 'fp16' / 'ieee' or with kg, qg and w stored split "
                               "(products=dict(pre=('kg', 'qg', 'w'))), not on split products splitting fp32 tiles in "
                               "the loop (spills on gfx942)")
-        if N:
-            _interp.launch(_state_kernel, _grid(N, H, V // bv, meta), kg, w, u, glast, h0, hbuf, vnew, ht,
-                           seq_chunk, chunk_tok, chunk_len, H, HAS_H0=initial_state is not None, K=K, V=V, BT=BT, BV=bv,
+        seg = meta.pop("SEG", 0)
+        if seg and pre:
+            raise ConfigError(f"kda_prefill: state config {c} cuts sequences into segments (SEG); it runs on the "
+                              "plain loop, not with kg / w stored split (products 'pre')")
+        h_in, has_h0, table, n_run, ht_run = h0, initial_state is not None, seq_chunk, N, ht
+        if seg:
+            # pass 1: each segment's affine map [Q | P]; pass 2: the segments' initial states in order (and the
+            # final states); pass 3 (below): the state loop on every segment at once from its initial state
+            seg_chunk, seq_seg, S = segment_table(cu_host, seg, dev)
+            hstart = torch.empty(max(S, 1), H, K, V, dtype=f32, device=dev)
+            if S:
+                pq = torch.empty(S, H, K, V + K, dtype=f32, device=dev)
+                _interp.launch(_seg_kernel, (S * ((V + K) // bv), H, 1), kg, w, u, glast, pq, seg_chunk, chunk_tok,
+                               chunk_len, H, K=K, V=V, BT=BT, BV=bv, OPD=opd["kv"], WHOPD=opd["wh"],
+                               RB=meta.get("RB", rb16), one=1.0, **opts)
+            else:
+                pq = hstart
+            _interp.launch(_seg_combine_kernel, (N, H, V // min(SEG_BV, V)), pq, h0, hstart, ht, seq_seg, H,
+                           HAS_H0=initial_state is not None, K=K, V=V, BV=min(SEG_BV, V), BK=min(SEG_BK, K),
+                           **seg_opts)
+            h_in, has_h0, table, n_run = hstart, True, seg_chunk, S
+            ht_run = torch.empty(max(S, 1), H, K, V, dtype=f32, device=dev)  # the loop's own end states, unused
+        if n_run:
+            _interp.launch(_state_kernel, _grid(n_run, H, V // bv, meta), kg, w, u, glast, h_in, hbuf, vnew, ht_run,
+                           table, chunk_tok, chunk_len, H, HAS_H0=has_h0, K=K, V=V, BT=BT, BV=bv,
                            OPD=opd["kv"], WHOPD=opd["wh"], SPL=pre, qg=qg, aqk=aqk, o=o, OOPD=opd["out"], one=1.0,
                            **{"RB": rb16, **meta},
                            **opts)
 
     out_first = tune.configs(C.OUT)[0]
+    seg_opts = tune.split(tune.configs(C.SEG_COMBINE)[0])[1]
 
     def launch_state_out(c):  # tuning: a state config without FO is timed with the output launch it needs
         launch_state(c)
@@ -896,6 +1026,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         cands = [cfg[name]] if name in cfg else tune.configs(table)
         if name == "state" and not fo_ok:
             cands = [c for c in cands if not c.get("FO")] or cands  # FO not on this form (a forced one raises)
+        if name == "state" and pre:
+            cands = [c for c in cands if not c.get("SEG")] or cands  # SEG: the plain loop only (a forced one raises)
         if name == "state" and not any(cc.get("FO") for cc in cands):
             run = launch_state  # no FO candidate: the output launch would add the same time to every config
         c = tune.pick(f"kda_{name}", key, cands, run)
