@@ -98,11 +98,62 @@ def test_prefill_every_config_of_each_table(kind):
     for c in tune.configs(getattr(KC, kind.upper()), candidates=True):
         # the output in the state loop (FO): on the fp32 inputs' IEEE products (the plain loop) and on qg / kg / w
         # stored split (the split loop, ~16 mantissa bits)
-        for prod in ((None, dict(pre=("kg", "qg", "w"))) if c.get("FO") else (None,)):
+        # (SEG, the segmented pass, runs on the plain loop only: test_prefill_segmented_state_pass)
+        for prod in ((None, dict(pre=("kg", "qg", "w"))) if c.get("FO") and not c.get("SEG") else (None,)):
             tol = 1e-4 if prod else 1e-5
             o, s = KPRE.kda_prefill(**a, cu_seqlens=cu, config=dict(first, **{kind: c}), products=prod)
             close(o, want_o, tol)
             close(s, want_s, tol)
+
+
+def test_segment_table_cuts_each_sequence_into_runs():
+    """The segmented state pass's table: each sequence's chunks in runs of ``seg`` (the last shorter), none for an
+    empty sequence, the runs' boundaries in the chunk numbering of :func:`chunk_table`; ``seg < 1`` refused."""
+    cu = [0, 1000, 1001, 1071, 1071, 9000]
+    _, _, seq_chunk = KPRE.chunk_table(cu, "cpu")
+    for seg in (1, 3, 4, 200):
+        seg_chunk, seq_seg, S = KPRE.segment_table(cu, seg, "cpu")
+        assert seg_chunk.numel() == S + 1 and int(seq_seg[-1]) == S and int(seg_chunk[-1]) == int(seq_chunk[-1])
+        for n in range(len(cu) - 1):
+            runs = seg_chunk[int(seq_seg[n]):int(seq_seg[n + 1]) + 1].tolist() if seq_seg[n] < seq_seg[n + 1] else []
+            nch = int(seq_chunk[n + 1] - seq_chunk[n])
+            if not nch:
+                assert not runs
+                continue
+            assert runs[0] == int(seq_chunk[n]) and runs[-1] == int(seq_chunk[n + 1])
+            sizes = [b - a for a, b in zip(runs, runs[1:])]
+            assert all(x == seg for x in sizes[:-1]) and 0 < sizes[-1] <= seg
+    with pytest.raises(ValueError, match="seg"):
+        KPRE.segment_table(cu, 0, "cpu")
+
+
+def test_prefill_segmented_state_pass():
+    """The state table's SEG entries (sequences cut into runs of SEG chunks, the runs' affine maps in parallel,
+    chained in IEEE fp32, then the loop on every run) at 1, 2 and 3 chunks a run on a packed batch of 300 + 1 + 0 +
+    130 tokens with initial states (5, 1, 0 and 3 runs at SEG 1; a run shorter than the rest; an empty sequence):
+    fp32 inputs (IEEE products) within 1e-5 of the oracle on o and every final state, the fp16 form within 1.5e-3
+    rel. RMS at ordinary decays and near decay 1; refused with the split-stored planes."""
+    gen = _gen()
+    lens = [300, 1, 0, 130]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    segs = [c for c in tune.configs(KC.STATE, candidates=True) if c.get("SEG")]
+    assert segs
+    for shift in (0.0, -12.0):
+        a = make_prefill(1, sum(lens), 2, D, gen, state=True, N=len(lens), dt_shift=shift)
+        want_o, want_s = O.kda_recurrent(**a, cu_seqlens=cu)
+        h = {kk: (vv.half() if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv) for kk, vv in a.items()}
+        hw_o, hw_s = O.kda_recurrent(**{kk: vv.float() for kk, vv in h.items()}, cu_seqlens=cu)
+        for c in segs:
+            for seg in (1, 2, 3):
+                cfg = {"state": dict(c, SEG=seg)}
+                o, st = KPRE.kda_prefill(**a, cu_seqlens=cu, config=cfg)
+                close(o, want_o, 1e-5)
+                close(st, want_s, 1e-5)
+                o, st = KPRE.kda_prefill(**h, cu_seqlens=cu, config=cfg, products="fp16")
+                assert _rel_rms(o, hw_o) < 1.5e-3 and _rel_rms(st, hw_s) < 1.5e-3, (c, seg, shift)
+                assert torch.equal(st[2], h["initial_state"][2])  # the empty sequence keeps its state
+    with pytest.raises(ConfigError, match="SEG"):
+        KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": dict(segs[0], FO=0)}, products=dict(pre=("kg", "w")))
 
 
 def test_prefill_gate_refuses_keys_other_than_cs_and_launch_options():
@@ -127,6 +178,10 @@ def test_prefill_split_stored_w_kg_equal_split_on_every_state_config():
             for pre in (("w", "kg"), ("kg", "qg", "w")):
                 if c.get("FO") and "qg" not in pre:
                     with pytest.raises(ConfigError, match="FO"):
+                        KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": c}, products=dict(pre=pre))
+                    continue
+                if c.get("SEG"):  # the segmented pass runs the plain loop only
+                    with pytest.raises(ConfigError, match="SEG"):
                         KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": c}, products=dict(pre=pre))
                     continue
                 po, ps = KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": c}, products=dict(pre=pre))
