@@ -66,7 +66,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                      BC="constexpr", PREC="constexpr")
     wu_sig = dict(k=p, v=p, braw=p, gbuf="*fp32", mbuf="*fp32", w=b, u=b, chunk_tok="*i32", chunk_len="*i32",
                   H="i32", K="constexpr", V="constexpr", BT="constexpr", WOPD="constexpr", UOPD="constexpr",
-                  INNER="constexpr", W2="constexpr")
+                  INNER="constexpr", W2="constexpr", SV="constexpr", abuf="*fp32", BC="constexpr", PREC="constexpr")
     state_sig = dict(kg=b, w=b, u=b, glast="*fp32", h0="*fp32", hbuf=b, vnew=b, ht="*fp32", seq_chunk="*i32",
                      chunk_tok="*i32", chunk_len="*i32", H="i32", HAS_H0="constexpr", K="constexpr", V="constexpr",
                      BT="constexpr", BV="constexpr", OPD="constexpr", PF="constexpr", WHOPD="constexpr",
@@ -109,7 +109,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_intra", _intra_kernel, intra_sig, dict(K=K, BT=BT, BC=BC, OPD=1, INNER=0, RT=0), True,
          _opts(configs.INTRA)),
         ("prefill_solve", _solve_kernel, solve_sig, dict(BT=BT, BC=BC, PREC=None), True, _opts(configs.SOLVE)),
-        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=0), True,
+        ("prefill_wu", _wu_kernel, wu_sig, dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=0, SV=0, BC=BC, PREC=None), True,
          _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0, FO=0, OOPD=1, RB=0), True,
@@ -119,7 +119,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16", qg="*bf16"), dict(K=K, BT=BT, KG2=1, QG2=1, CS=0), False,
          _opts(configs.GATE)),
         ("prefill_wu_w2", _wu_kernel, dict(wu_sig, w="*bf16"),
-         dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=1), True, _opts(configs.WU)),
+         dict(K=K, V=K, BT=BT, WOPD=1, UOPD=1, INNER=0, W2=1, SV=0, BC=BC, PREC=None), True, _opts(configs.WU)),
         ("prefill_state_spl", _state_kernel, dict(state_sig, w="*bf16", kg="*bf16"),
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=spl["BV"], OPD=1, PF=0, WHOPD=1, INNER=0, SPL=1, FO=0, OOPD=1, RB=0), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("candidate")) if be == "cuda"
@@ -143,8 +143,12 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          True, _opts(configs.INTRA)),
         ("prefill_solve_f16", _solve_kernel, dict(solve_sig, abuf=h, mbuf=h), dict(BT=BT, BC=BC, PREC=None), True,
          _opts(configs.SOLVE)),
-        ("prefill_wu_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h),
-         dict(K=K, V=K, BT=BT, WOPD=5, UOPD=5, INNER=0, W2=0), True, _opts(configs.WU)),
+        ("prefill_wu_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h, abuf=h),
+         dict(K=K, V=K, BT=BT, WOPD=5, UOPD=5, INNER=0, W2=0, SV=0, BC=BC, PREC=None), True, _opts(configs.WU)),
+        # the UT solve and w / u in one program (SV entries): fp16 products, the solve's fp32 ones
+        ("prefill_wu_sv_f16", _wu_kernel, dict(wu_sig, mbuf=h, w=h, u=h, abuf=h),
+         dict(K=K, V=K, BT=BT, WOPD=5, UOPD=5, INNER=0, W2=0, SV=1, BC=BC, PREC=None), True,
+         {be: tune.split(next(c for c in configs.WU[be] if c.get("SV")), interp=False)[1] for be in ("hip", "cuda")}),
         ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5, RB=0),
          True, _opts(configs.STATE)),

@@ -52,7 +52,11 @@ _CUDA = {
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
     "wu": [dict(num_warps=4, num_stages=1),
            dict(num_warps=8, num_stages=1),
-           dict(INNER=1, num_warps=4, num_stages=1)],
+           dict(INNER=1, num_warps=4, num_stages=1),
+           # SV 1: the UT solve in the same program, one program per (chunk, head) making M, w and u (no solve launch,
+           # M read back from L2 rather than twice from memory; prefill._wu_kernel). Candidates until measured
+           dict(SV=1, candidate=True, num_warps=4, num_stages=1),
+           dict(SV=1, candidate=True, num_warps=8, num_stages=1)],
     # the gate kernel's launch options (first entry, not tuned). H100, 2026-12-06 17:54 – 18:33 UTC (fp16 outputs, B1
     # T8192 H96, gpu-runs/results/h100_2026-12-06e): tl.cumsum 0.896 ms at 4 warps (1.164 at 8); the in-chunk
     # cumulative sum as three bf16 products with the lower-triangular ones (CS 1, prefill._cumsum_rows) 0.746 at 8
@@ -168,7 +172,8 @@ _HIP = {
     "seg_combine": [dict(num_warps=4, waves_per_eu=0)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-           dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+           dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+           dict(SV=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "gate": [dict(num_warps=4, waves_per_eu=0),  # as on CUDA (not measured on CDNA)
              dict(CS=1, candidate=True, num_warps=4, waves_per_eu=0)],
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),

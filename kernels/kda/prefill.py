@@ -331,6 +331,13 @@ def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
+    _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
+
+
+@_interp.kjit
+def _solve_chunk(abuf, mbuf, t0, L, hh, H, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """The UT solve of the chunk at token ``t0`` (``L`` tokens), head ``hh``: ``M = (I + A)^-1`` from ``abuf`` to
+    ``mbuf`` (:func:`_solve_kernel`)."""
     a10 = _blk(abuf, t0, L, hh, H, 1, 0, BT, BC)
     a20 = _blk(abuf, t0, L, hh, H, 2, 0, BT, BC)
     a21 = _blk(abuf, t0, L, hh, H, 2, 1, BT, BC)
@@ -365,31 +372,56 @@ def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.
 @_interp.kjit
 def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr,
-               INNER: tl.constexpr = 0, W2: tl.constexpr = 0):
+               INNER: tl.constexpr = 0, W2: tl.constexpr = 0, SV: tl.constexpr = 0, abuf=None, BC: tl.constexpr = 16,
+               PREC: tl.constexpr = None):
     """Phase 4 of a chunk, one program per (chunk, head, part): part 0 ``w = M (beta k e^G)`` (``[BT, K]``),
     part 1 ``u = M (beta v)`` (``[BT, V]``), each one ``[BT, BT] x [BT, D]`` product of the stored solve ``M``
     (its upper triangle read as 0) on the matrix unit (64-row tiles: wgmma on sm_90), ``w`` through :func:`_mm`
-    with ``WOPD``, ``u`` with ``UOPD``; stored (``W2 = 1``: ``w`` split, bf16 hi / lo, :func:`_store_split`)."""
-    c, part = _pids(INNER, 2)
+    with ``WOPD``, ``u`` with ``UOPD``; stored (``W2 = 1``: ``w`` split, bf16 hi / lo, :func:`_store_split`).
+    ``SV = 1``: phases 3 and 4 in one program per (chunk, head): the UT solve of ``abuf`` (:func:`_solve_chunk`,
+    ``PREC``) stored to ``mbuf`` and read back as one ``[BT, BT]`` tile after a block barrier (from L2: no solve
+    launch, M not read from memory twice), then both ``w`` and ``u``."""
+    if SV:
+        c = tl.program_id(0)
+    else:
+        c, part = _pids(INNER, 2)
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
     rows = tl.arange(0, BT)
     ok = rows < L
     mr = ok[:, None]
+    if SV:
+        _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
+        tl.debug_barrier()  # M's blocks were stored by other threads of this program
     m = tl.load(_at(mbuf, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
     b = tl.load(braw + (t0.to(tl.int64) * H + hh) + rows * H, mask=ok, other=0.0).to(tl.float32)
     b = tl.where(ok, tl.sigmoid(b), 0.0)
-    if part == 0:
-        offs_k = tl.arange(0, K)
-        kn = _l2n(tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32))
-        G = tl.load(_at(gbuf, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
-        bk = tl.where(mr, kn * tl.exp(G) * b[:, None], 0.0)
-        _store_split(w, _mm(m, bk, WOPD), t0, rows, hh, H, offs_k, mr, K, W2)
+    if SV:
+        _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K, WOPD, W2)
+        _wu_u(v, m, b, u, t0, rows, hh, H, mr, V, UOPD)
+    elif part == 0:
+        _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K, WOPD, W2)
     else:
-        offs_v = tl.arange(0, V)
-        bv = tl.load(_at(v, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32) * b[:, None]
-        tl.store(_at(u, t0, rows, hh, H, offs_v, V), _mm(m, bv, UOPD).to(u.dtype.element_ty), mask=mr)
+        _wu_u(v, m, b, u, t0, rows, hh, H, mr, V, UOPD)
+
+
+@_interp.kjit
+def _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K: tl.constexpr, WOPD: tl.constexpr, W2: tl.constexpr):
+    """``w = M (beta k e^G)`` of one chunk (:func:`_wu_kernel`), stored."""
+    offs_k = tl.arange(0, K)
+    kn = _l2n(tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32))
+    G = tl.load(_at(gbuf, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
+    bk = tl.where(mr, kn * tl.exp(G) * b[:, None], 0.0)
+    _store_split(w, _mm(m, bk, WOPD), t0, rows, hh, H, offs_k, mr, K, W2)
+
+
+@_interp.kjit
+def _wu_u(v, m, b, u, t0, rows, hh, H, mr, V: tl.constexpr, UOPD: tl.constexpr):
+    """``u = M (beta v)`` of one chunk (:func:`_wu_kernel`), stored."""
+    offs_v = tl.arange(0, V)
+    bv = tl.load(_at(v, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32) * b[:, None]
+    tl.store(_at(u, t0, rows, hh, H, offs_v, V), _mm(m, bv, UOPD).to(u.dtype.element_ty), mask=mr)
 
 
 @_interp.kjit
@@ -846,7 +878,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     Args, raises: as :func:`kda_prefill`. Runs the prefill once (tuning each kernel first where needed).
     Returns:
         ``(launches, o, final_state)``: ``launches`` is ``[(name, fn)]`` in launch order, ``name`` one of
-        ``"gate"``, ``"intra"``, ``"solve"``, ``"wu"``, ``"state"``, ``"out"``; ``fn()`` runs that kernel again with its chosen config on
+        ``"gate"``, ``"intra"``, ``"solve"`` (not with an SV w / u config), ``"wu"``, ``"state"``, ``"out"`` (not with
+        an FO state config); ``fn()`` runs that kernel again with its chosen config on
         the same buffers (running them all in order recomputes ``o`` and ``final_state``).
     """
     B, T, H, K = q.shape
@@ -942,7 +975,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     solve_opts = tune.split(tune.configs(C.SOLVE)[0])[1]
 
-    def launch_solve(_c=None):  # its own launch options (configs.SOLVE), timed with the intra kernel
+    def launch_solve(_c=None):  # its own launch options (configs.SOLVE), timed with the w / u kernel
         if NC:
             _interp.launch(_solve_kernel, (NC, H), abuf, mbuf, chunk_tok, chunk_len, H, BT=BT, BC=BC, PREC=prec,
                            **solve_opts)
@@ -950,13 +983,18 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     def launch_wu(c):
         meta, opts = tune.split(c)
         if NC:
-            _interp.launch(_wu_kernel, _grid(NC, H, 2, meta), kc, vc, br, gbuf, mbuf, w, u, chunk_tok, chunk_len,
-                           H, K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], W2=pre, **meta, **opts)
+            _interp.launch(_wu_kernel, _grid(NC, H, 1 if meta.get("SV") else 2, meta), kc, vc, br, gbuf, mbuf, w,
+                           u, chunk_tok, chunk_len, H, K=K, V=V, BT=BT, WOPD=opd["w"], UOPD=opd["u"], W2=pre,
+                           abuf=abuf, BC=BC, PREC=prec, **meta, **opts)
+
+    def launch_solve_wu(c):  # tuning: a w / u config without SV is timed with the solve launch it needs
+        if not c.get("SV"):
+            launch_solve()
+        launch_wu(c)
 
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
         launch_gate(c)
         launch_intra(c)
-        launch_solve(c)
 
     def launch_state(c):
         meta, opts = tune.split(c)
@@ -1016,9 +1054,8 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     launches = []
     fused_out = False
     for name, table, run, parts in (
-            ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra),
-                                                   ("solve", launch_solve))),
-            ("wu", C.WU, launch_wu, (("wu", launch_wu),)),
+            ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra))),
+            ("wu", C.WU, launch_solve_wu, (("solve", launch_solve), ("wu", launch_wu))),
             ("state", C.STATE, launch_state_out, (("state", launch_state),)),
             ("out", C.OUT, launch_out, (("out", launch_out),))):
         if name == "out" and fused_out:
@@ -1033,5 +1070,5 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         c = tune.pick(f"kda_{name}", key, cands, run)
         (launch_state if name == "state" else run)(c)
         fused_out = name == "state" and bool(c.get("FO"))
-        launches += [(nm, lambda f=f, c=c: f(c)) for nm, f in parts]
+        launches += [(nm, lambda f=f, c=c: f(c)) for nm, f in parts if not (nm == "solve" and c.get("SV"))]
     return launches, o, ht

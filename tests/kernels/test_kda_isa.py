@@ -20,6 +20,8 @@ CASES = {c[0]: c for c in kda.isa_cases()}
 #: its diagonal-block inverses are IEEE fp32), where a bf16 operand would cost the solve's accuracy
 FP32_MATRIX = {"prefill_solve", "prefill_solve_f16"}
 #: the kernels of prefill.PRODUCTS "fp16" whose products are all one fp16 product (fp16 MFMA, no bf16 and no fp32)
+#: fp16 products with the UT solve's fp32 ones in the same kernel (the w / u kernel's SV entries)
+F16_F32_MATRIX = {"prefill_wu_sv_f16"}
 F16_MATRIX = {"prefill_wu_f16", "prefill_state_f16", "prefill_state_f16_fo", "prefill_out_f16", "prefill_seg_f16"}
 
 
@@ -44,6 +46,10 @@ def test_kda_kernel_isa(name, target, monkeypatch):
         assert rep.matrix_ops, f"{name} on {target}: no matrix instructions"
         if be == "hip" and name in FP32_MATRIX:
             assert all(op.startswith("v_mfma_f32_") and op.endswith("_f32") for op in rep.matrix_ops), \
+                f"{name} on {target}: {rep.matrix_ops}"
+        elif be == "hip" and name in F16_F32_MATRIX:
+            assert any(op.startswith("v_mfma_f32_") and op.endswith("_f16") for op in rep.matrix_ops), rep.matrix_ops
+            assert all(op.startswith("v_mfma_f32_") and op.endswith(("_f16", "_f32")) for op in rep.matrix_ops), \
                 f"{name} on {target}: {rep.matrix_ops}"
         elif be == "hip" and name in F16_MATRIX:
             assert rep.matrix_ops and all(op.startswith("v_mfma_f32_") and "f16" in op and "bf16" not in op
