@@ -150,9 +150,13 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         a = prefill_inputs(B, T, H)
         prod = PRODUCT_FORMS[forms[0]]
         ours = lambda prod=prod: P.kda_prefill(**a, out_dtype=torch.bfloat16, products=prod)  # noqa: E731
+        from k3rocm.kernels import tune
+        seen = set(tune._CACHE)
         ours()
         t_ours = tt.do_bench(ours, warmup=50, rep=200)
         row = dict(row=name, ours_ms=t_ours, ours_form=forms[0])
+        # the tuner's picks for this row (gate and solve take their tables' first entries)
+        row["picks"] = {nm: cfg for (nm, key), cfg in tune._CACHE.items() if (nm, key) not in seen}
         row.update(prefill_kernel_ms(a, prod))
         for form in forms[1:]:  # the other precision forms, timed whole and launch by launch
             f = lambda p2=PRODUCT_FORMS[form]: P.kda_prefill(**a, out_dtype=torch.bfloat16, products=p2)  # noqa

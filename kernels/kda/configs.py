@@ -27,51 +27,58 @@ _CUDA = {
     # order, so the programs of one chunk / sequence run together and share its tiles in L2 (prefill._pids).
     # H100 2026-12-06 (gpu-runs/results/h100_2026-12-06b/c1): intra 1.215 vs 1.251 ms at B1 T8192 H96 and 0.601
     # vs 0.637 at B1 T32768 H12, so it leads the intra table; wu / state / out within 0.5% either way (kept after)
-    "intra": [dict(INNER=1, num_warps=4, num_stages=1),
+    "intra": [dict(RT=1, INNER=1, num_warps=4, num_stages=1),
+              dict(RT=1, num_warps=4, num_stages=1),
+              dict(INNER=1, num_warps=4, num_stages=1),
               dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1),
-              # candidates: RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
+              dict(RT=1, INNER=1, num_warps=8, num_stages=1),
+              # served from 2026-12-06 20:30 UTC (leading the table): RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
               # served form unrolls all four row blocks: ncu, H100 2026-12-06 18:16 UTC, B1 T8192 H96: 174 registers,
               # 2 programs an SM (12.5% occupancy), issue slots 31% busy, 32% of stalls on instruction fetch).
               # ptxas sm_90a: 128 registers at 4 and 8 warps, no spills. H100 2026-12-06 18:33 UTC, fp16 form, B1
               # T8192 H96 alone: 0.940 ms (INNER, 4 warps) / 1.046 / 1.317 (INNER, 8 warps) against the served
-              # 1.290 / 1.231; candidates until their GPU accuracy test has run (the interpreter's passes).
+              # 1.290 / 1.231. GPU accuracy (gpu-runs/kda_quick_check.py, H100 2026-12-06 20:18 UTC, fp16 form, packed
+              # 3000 + 1 + 70, both decays): 3.64e-4 / 6.25e-4 rel. RMS on o as the served entries, 5 x identical,
+              # finite at B1 T8192 H96; the tuned prefill took RT there (intra 0.931 ms).
               # Tried and dropped the same day (ms, same row): 2 warps 1.211 (INNER 3.402); each row block's products
               # transposed and whole, 16 - 64 rows tall so the warps split the rows (at 4 warps Triton lays the
               # mma.sync warps along M and every warp computes the whole 16-row block) 1.236 (INNER 1.280); A and its
               # UT solve in one program per (chunk, head), no A buffer and no solve launch, 2.442 against 1.23 + 0.32
               # (the four row blocks then run one after another)
-              dict(RT=1, INNER=1, candidate=True, num_warps=4, num_stages=1),
-              dict(RT=1, candidate=True, num_warps=4, num_stages=1),
-              dict(RT=1, INNER=1, candidate=True, num_warps=8, num_stages=1)],
+              ],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
     # the segmented state pass's chaining launch (prefill._seg_combine_kernel; first entry, not tuned: timed inside
     # the state pick of a SEG entry)
-    "seg_combine": [dict(num_warps=4, num_stages=1)],
+    "seg_combine": [dict(num_warps=8, num_stages=1)],
     # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
     "wu": [dict(num_warps=4, num_stages=1),
            dict(num_warps=8, num_stages=1),
            dict(INNER=1, num_warps=4, num_stages=1),
            # SV 1: the UT solve in the same program, one program per (chunk, head) making M, w and u (no solve launch,
-           # M read back from L2 rather than twice from memory; prefill._wu_kernel). Candidates until measured
+           # M read back from L2 rather than twice from memory; prefill._wu_kernel). GPU accuracy as the served entries
+           # (kda_quick_check.py, H100 2026-12-06 20:18 UTC), but the tuned pick, timing each non-SV entry with the
+           # solve launch, did not take them at B1 T8192 H96 or B1 T131072 H12: candidates
            dict(SV=1, candidate=True, num_warps=4, num_stages=1),
            dict(SV=1, candidate=True, num_warps=8, num_stages=1)],
     # the gate kernel's launch options (first entry, not tuned). H100, 2026-12-06 17:54 – 18:33 UTC (fp16 outputs, B1
     # T8192 H96, gpu-runs/results/h100_2026-12-06e): tl.cumsum 0.896 ms at 4 warps (1.164 at 8); the in-chunk
     # cumulative sum as three bf16 products with the lower-triangular ones (CS 1, prefill._cumsum_rows) 0.746 at 8
-    # warps, 0.722 held to 128 registers (maxnreg), 0.813 at 4, 1.173 at 16. The CS entries stay candidates until
-    # the GPU accuracy test has run on them (kda_quick_check.py / test_kda_gpu.py -k "fp16_products and gate"); in
-    # the interpreter they hold the fp16 form's accuracy, but on the fp32 inputs' IEEE path the final state's error
+    # warps, 0.722 held to 128 registers (maxnreg), 0.813 at 4, 1.173 at 16. In the interpreter the CS entries
+    # hold the fp16 form's accuracy, but on the fp32 inputs' IEEE path the final state's error
     # grows from 4e-6 to 4.5e-5 (B3 T63: the three partial sums round apart), so IEEE products keep the scan
     # (prefill_launches).
     # Tried and dropped: q and k loaded first beside the gate's input (1.007 ms; with CS 1 0.873, 8 warps), the
     # channels split over 2 or 4 programs (1.177 / 1.236 vs 1.168 ms earlier), 1 - 2 warps (3.2+ ms). An H200,
     # earlier: 1.08 ms at 4 warps against 1.33 / 1.41 at 8 / 16 with tl.cumsum.
-    "gate": [dict(num_warps=4, num_stages=1),
-             dict(CS=1, candidate=True, num_warps=8, num_stages=1),
-             dict(CS=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
-             dict(CS=1, candidate=True, num_warps=4, num_stages=1)],
+    # Served from 2026-12-06 20:30 UTC: CS 1 at 8 warps held to 128 registers. GPU accuracy (kda_quick_check.py, H100
+    # 2026-12-06 20:18 UTC, fp16 form): every CS entry 3.64e-4 / 6.25e-4 rel. RMS on o (ordinary decays / near decay
+    # 1) as tl.cumsum's, 5 x identical, finite at B1 T8192 H96.
+    "gate": [dict(CS=1, num_warps=8, num_stages=1, maxnreg=128),
+             dict(CS=1, num_warps=8, num_stages=1),
+             dict(num_warps=4, num_stages=1),
+             dict(CS=1, num_warps=4, num_stages=1)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -104,20 +111,24 @@ _CUDA = {
               # w / kg / qg tiles. ptxas sm_90a, fp16 tiles (RB 1): BV 64 / 4 warps 255 registers, 276 bytes of
               # spills (2 an SM: 264 slots for 192 programs); BV 32 held to 168 registers, 308 bytes (3 an SM: 396
               # for 384); BV 64 / 8 warps held to 128, 476 bytes (2 an SM); BV 128 / 8 warps 255, 460 bytes (96
-              # programs, no V tile re-read)
-              dict(BV=64, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1),
-              dict(BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1, maxnreg=168),
-              dict(BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
-              dict(BV=128, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
+              # programs, no V tile re-read). GPU accuracy as the served entries (kda_quick_check.py, H100 2026-12-06
+              # 20:18 UTC): tuned from then; the prefill with them among the candidates, 0.951 ms state pass at B1
+              # T8192 H96 (1.022 before)
+              dict(BV=64, PF=0, FO=1, num_warps=4, num_stages=1),
+              dict(BV=32, PF=0, FO=1, num_warps=4, num_stages=1, maxnreg=168),
+              dict(BV=64, PF=0, FO=1, num_warps=8, num_stages=1, maxnreg=128),
+              dict(BV=128, PF=0, FO=1, num_warps=8, num_stages=1),
               # SEG: the segmented state pass for few long sequences (B1 T131072 H12 runs 48 programs of a 2,048-chunk
               # loop): each sequence cut into runs of SEG chunks, their affine maps [Q | P] computed in parallel
               # (prefill._seg_kernel, at this entry's BV and launch options over V + K columns), the runs' initial
               # states chained in order (prefill._seg_combine_kernel, IEEE fp32), then this entry's loop on every run
-              # at once: about three times the loop's work for SEG-fold more programs. Candidates until measured
-              dict(SEG=32, BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
-              dict(SEG=64, BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
-              dict(SEG=16, BV=64, PF=0, FO=1, candidate=True, num_warps=8, num_stages=1),
-              dict(SEG=32, BV=32, PF=0, FO=1, candidate=True, num_warps=4, num_stages=1),
+              # at once: about three times the loop's work for SEG-fold more programs. H100 2026-12-06 20:18 UTC: the
+              # state's error as the plain loop's (3.27e-4 / 5.16e-4 rel. RMS, 5 x identical); at B1 T131072 H12 the
+              # tuned pick took a SEG entry, 3.65 ms for the three launches against 3.05 + 0.80 (loop + output)
+              dict(SEG=32, BV=64, PF=0, FO=1, num_warps=8, num_stages=1),
+              dict(SEG=64, BV=64, PF=0, FO=1, num_warps=8, num_stages=1),
+              dict(SEG=16, BV=64, PF=0, FO=1, num_warps=8, num_stages=1),
+              dict(SEG=32, BV=32, PF=0, FO=1, num_warps=4, num_stages=1),
               # the plain loop on fp16 tiles at BV 64 / 4 warps / 2 stages (243 registers; on fp32 split tiles two
               # stages need more shared memory than sm_90 has)
               dict(BV=64, PF=0, candidate=True, num_warps=4, num_stages=2)],
@@ -169,7 +180,7 @@ _HIP = {
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
-    "seg_combine": [dict(num_warps=4, waves_per_eu=0)],
+    "seg_combine": [dict(num_warps=8, waves_per_eu=0)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)
     "wu": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
            dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
