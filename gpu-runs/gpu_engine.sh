@@ -31,9 +31,9 @@
 #          parts), into RESULTS_DIR/mla/
 #   mltest the MLA / AttnRes GPU tests (tests/kernels/test_mla_gpu.py; MLA_TESTS: a pytest -k expression)
 #   atest  the AttnRes GPU test alone (every config, 20 x identical), in its own process
-#   kchk   gpu-runs/kda_quick_check.py: the candidate gate / intra / w-u / state configs' accuracy (fp16 form, packed batch, both
-#          decays), 5 x identical and finite at B1 T8192 H96 (KCHK_ARGS, e.g. "--all --kinds state"; KCHK_LIMIT s,
-#          default 150), into kchk.log
+#   kchk   gpu-runs/kda_quick_check.py: the candidate gate / intra / w-u / state configs' accuracy (fp16 form, packed
+#          batch, both decays), 5 x identical and finite at B1 T8192 H96 (KCHK_ARGS, e.g. "--all --kinds state";
+#          KCHK_LIMIT s, default 150), into kchk.log
 #   kdec   gpu-runs/bench_kda.py --only decode: every decode config, the default path, graphed, and fla's
 #          fused_recurrent_kda where importable, into RESULTS_DIR/kdec/
 #   ncu    Nsight Compute (`ncu --set full`, where the machine has it) of the first NCU_COUNT (default 2: w1|w3 and

@@ -1,12 +1,13 @@
 """Quick GPU accuracy check of chosen KDA prefill configs (no pytest, no warm-up of every config).
 
-    python gpu-runs/kda_quick_check.py [--products fp16] [--kinds gate,intra,wu,state] [--lens 1000,1,70] [--candidates-only]
+    python gpu-runs/kda_quick_check.py [--products fp16] [--kinds gate,intra,wu,state] [--lens 1000,1,70] [--all]
 
-For each config of the named tables (default: the candidates of the gate, intra, w / u and state tables, each beside its table's first entry), the prefill on a packed
-batch of 1000 + 1 + 70 tokens (``--lens``) (H 12, bf16, with an initial state) at ordinary decays and near decay 1: rel. RMS of o
-and the final state against the fp32 oracle, and whether 5 repeats are bit-identical; then finiteness at B1 T8192
-H96. One JSON line per (config, decay); exit status 1 if any exceeds 1.5e-3, is not finite or differs between runs.
-For a short borrowed-GPU slot where the full GPU test (tests/kernels/test_kda_gpu.py) does not fit.
+For each config of the named tables (default: the candidates of the gate, intra, w / u and state tables, each beside
+its table's first entry; ``--all``: every entry), the prefill on a packed batch of 1000 + 1 + 70 tokens (``--lens``;
+H 12, bf16, with an initial state) at ordinary decays and near decay 1: rel. RMS of o and the final state against the
+fp32 oracle, and whether 5 repeats are bit-identical; then finiteness at B1 T8192 H96. One JSON line per (config,
+decay); exit status 1 if any exceeds 1.5e-3, is not finite or differs between runs. For a short borrowed-GPU slot
+where the full GPU test (tests/kernels/test_kda_gpu.py) does not fit.
 """
 
 from __future__ import annotations
