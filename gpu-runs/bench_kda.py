@@ -142,6 +142,7 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
                decode_rows=None, forms=("default",)):
     import triton.testing as tt
 
+    from k3rocm.kernels import tune
     from k3rocm.kernels.kda import decode as DE
     from k3rocm.kernels.kda import prefill as P
     rows = []
@@ -150,7 +151,6 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         a = prefill_inputs(B, T, H)
         prod = PRODUCT_FORMS[forms[0]]
         ours = lambda prod=prod: P.kda_prefill(**a, out_dtype=torch.bfloat16, products=prod)  # noqa: E731
-        from k3rocm.kernels import tune
         seen = set(tune._CACHE)
         ours()
         t_ours = tt.do_bench(ours, warmup=50, rep=200)

@@ -692,18 +692,8 @@ def chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor,
     packs the same sequences (69 layers of K3 asked for the same table, 25 ms of host time per mixed step on
     the H200 host). The tensors are read-only inputs of the kernels; callers must not write them.
     """
-    key = (tuple(int(c) for c in cu_host), str(torch.device(device)))
-    hit = _CHUNK_TABLES.get(key)
-    if hit is not None:
-        return hit
-    out = _chunk_table(cu_host, device)
-    if len(_CHUNK_TABLES) >= 16:
-        _CHUNK_TABLES.pop(next(iter(_CHUNK_TABLES)))
-    _CHUNK_TABLES[key] = out
-    return out
-
-
-_SEG_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+    return _remember((tuple(int(c) for c in cu_host), str(torch.device(device))),
+                     lambda: _chunk_table(cu_host, device))
 
 
 def segment_table(cu_host: list[int], seg: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -715,10 +705,32 @@ def segment_table(cu_host: list[int], seg: int, device) -> tuple[torch.Tensor, t
     Raises: ValueError if ``seg < 1``."""
     if seg < 1:
         raise ValueError(f"segment_table: seg = {seg} chunks per segment must be >= 1")
-    key = (tuple(int(c) for c in cu_host), int(seg), str(torch.device(device)))
-    hit = _SEG_TABLES.get(key)
-    if hit is not None:
-        return hit
+    return _remember((tuple(int(c) for c in cu_host), int(seg), str(torch.device(device))),
+                     lambda: _segment_table(cu_host, seg, device))
+
+
+_TABLES: dict[tuple, tuple] = {}  # the last 32 chunk / segment tables, by (offsets, [seg,] device)
+
+
+def _remember(key: tuple, build) -> tuple:
+    hit = _TABLES.get(key)
+    if hit is None:
+        hit = build()
+        if len(_TABLES) >= 32:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = hit
+    return hit
+
+
+def _to_device(packed: torch.Tensor, device) -> torch.Tensor:
+    """``packed`` (host) on ``device``: from pinned memory the copy is queued behind the stream's work; from
+    pageable memory the host would wait for the device to drain before every prefill."""
+    if torch.device(device).type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return packed
+
+
+def _segment_table(cu_host: list[int], seg: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     cu = torch.tensor(cu_host, dtype=torch.int64)
     nch = (cu[1:] - cu[:-1] + BT - 1) // BT
     first = torch.zeros(len(cu_host), dtype=torch.int64)
@@ -729,18 +741,8 @@ def segment_table(cu_host: list[int], seg: int, device) -> tuple[torch.Tensor, t
     S = int(seq_seg[-1])
     owner = torch.repeat_interleave(torch.arange(len(nch)), nseg, output_size=S)
     bounds = first[:-1][owner] + (torch.arange(S) - seq_seg[:-1][owner]) * seg  # each run's first chunk
-    seg_chunk = torch.cat([bounds, first[-1:]])
-    packed = torch.cat([seg_chunk, seq_seg]).to(torch.int32)
-    if torch.device(device).type != "cpu":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    out = (packed[:S + 1], packed[S + 1:], S)
-    if len(_SEG_TABLES) >= 16:
-        _SEG_TABLES.pop(next(iter(_SEG_TABLES)))
-    _SEG_TABLES[key] = out
-    return out
-
-
-_CHUNK_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    packed = _to_device(torch.cat([bounds, first[-1:], seq_seg]).to(torch.int32), device)
+    return packed[:S + 1], packed[S + 1:], S
 
 
 def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -754,11 +756,7 @@ def _chunk_table(cu_host: list[int], device) -> tuple[torch.Tensor, torch.Tensor
     idx = torch.arange(NC) - sc[:-1][seq]
     tok = cu[:-1][seq] + idx * BT
     ln = torch.minimum(cu[1:][seq] - tok, torch.full_like(tok, BT))
-    packed = torch.cat([tok, ln, sc]).to(torch.int32)
-    if torch.device(device).type != "cpu":
-        # from pinned memory the copy is queued behind the stream's work; from pageable memory the host would
-        # wait for the device to drain before every prefill
-        packed = packed.pin_memory().to(device, non_blocking=True)
+    packed = _to_device(torch.cat([tok, ln, sc]).to(torch.int32), device)
     return packed[:NC], packed[NC:2 * NC], packed[2 * NC:]
 
 
