@@ -157,6 +157,10 @@ def bench_rows(out_dir, with_fla=True, only=("decode", "prefill"), prefill_rows=
         row = dict(row=name, ours_ms=t_ours, ours_form=forms[0])
         # the tuner's picks for this row (gate and solve take their tables' first entries)
         row["picks"] = {nm: cfg for (nm, key), cfg in tune._CACHE.items() if (nm, key) not in seen}
+        # every candidate's time in those picks (ms; the intra pick's include the gate, and the solve and w / u
+        # where an LC entry competes; the state pick's the output launch a non-FO entry needs)
+        row["timed"] = {nm: [[json.dumps(c, sort_keys=True), round(t, 4)] for c, t in tune.TIMINGS.get((nm, key), [])]
+                        for (nm, key) in tune._CACHE if (nm, key) not in seen}
         row.update(prefill_kernel_ms(a, prod))
         for form in forms[1:]:  # the other precision forms, timed whole and launch by launch
             f = lambda p2=PRODUCT_FORMS[form]: P.kda_prefill(**a, out_dtype=torch.bfloat16, products=p2)  # noqa
@@ -359,6 +363,9 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None, forms
                                                         config=dict(first, **{kind: c}),
                                                         products="fp16" if f16 else dict(pre=pre))
                     fns = dict(launches)
+                    if "local" in fns:  # an LC intra entry: gate, intra, solve and w / u in one launch
+                        res[f"{tag}:local_ms[{cj}]"] = tt.do_bench(fns["local"], warmup=10, rep=50)
+                        continue
                     res[f"{tag}_ms[{cj}]"] = tt.do_bench(fns[kind], warmup=10, rep=50)
                     if kind == "state":  # with the output launch it needs (none for FO: the loop wrote o)
                         res[f"{tag}+out_ms[{cj}]"] = (res[f"{tag}_ms[{cj}]"]
@@ -546,10 +553,11 @@ def main():
     pre = [r for r in rows if "state_ms" in r]
     if pre:
         lines += ["", "prefill, each launch alone (ms; conv = short_conv of q, k, v, run before the prefill):", "",
-                  "| row | gate | intra | solve | wu | state | out | sum | conv q,k,v |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| row | gate | intra | solve | wu | local | state | out | sum | conv q,k,v |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
-            ks = [r.get(f"{n}_ms", 0.0) for n in ("gate", "intra", "solve", "wu", "state", "out")]  # FO: no out
+            # FO: no out; LC: local in place of gate, intra, solve and wu
+            ks = [r.get(f"{n}_ms", 0.0) for n in ("gate", "intra", "solve", "wu", "local", "state", "out")]
             lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
                          f"{r['conv_qkv_ms']:.3f} |")
     for r in rows:

@@ -46,7 +46,7 @@ from k3rocm.hw import tune_env
 from k3rocm.kernels.target import current_target, interpreting
 
 __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", "pick", "mode", "current_mode",
-           "pow2", "pow2_ladder", "spec_cover", "LISTENERS"]
+           "pow2", "pow2_ladder", "spec_cover", "LISTENERS", "TIMINGS"]
 
 #: a launch configuration (see the module docstring for its keys)
 Config = dict[str, Any]
@@ -55,6 +55,9 @@ LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim"
 SELECT_KEYS = ("max_rows", "kind", "split_k", "w2", "candidate")
 
 _CACHE: dict[tuple, Config] = {}
+#: per ``(name, key)`` timed by :func:`pick`: ``[(config, ms)]`` of every candidate that ran, in table order
+#: (benchmarks report them beside the pick)
+TIMINGS: dict[tuple, list[tuple[Config, float]]] = {}
 _FIT: dict[tuple, Config] = {}  # per (name, key): the first candidate that launched (see _first_fit)
 
 #: the tune modes (see the module docstring)
@@ -143,6 +146,7 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
         fn(name, key)
     _spin_up()
     best, best_t = None, math.inf
+    timed = TIMINGS[ck] = []
     for cfg in candidates:
         try:
             t = None
@@ -156,6 +160,7 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
                 t = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
         except Exception:  # an out-of-resources config on this device: try the next one
             continue
+        timed.append((cfg, t))
         if t < best_t:
             best, best_t = cfg, t
     _CACHE[ck] = best if best is not None else candidates[0]

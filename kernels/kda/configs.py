@@ -33,6 +33,15 @@ _CUDA = {
               dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1),
               dict(RT=1, INNER=1, num_warps=8, num_stages=1),
+              # LC 1: the gate, A / Aqk, the UT solve and w / u of a chunk in one program (prefill._local_kernel):
+              # one launch for four, G / A / M read back from L2 at once instead of from memory by later launches,
+              # q / k read once more from L2. Tuned against the four launches (each other intra entry timed with the
+              # gate, the solve and the w / u table's first entry); candidates until run on a GPU
+              # (ptxas sm_90a, fp16 form with the CS gate: 255 registers at 4 or 8 warps, no spills; held to 128 at 8
+              # warps 160 bytes of spills, to 168 at 4 warps 372)
+              dict(LC=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
+              dict(LC=1, candidate=True, num_warps=4, num_stages=1, maxnreg=168),
+              dict(LC=1, candidate=True, num_warps=4, num_stages=1),
               # served from 2026-12-06 20:30 UTC (leading the table): RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
               # served form unrolls all four row blocks: ncu, H100 2026-12-06 18:16 UTC, B1 T8192 H96: 174 registers,
               # 2 programs an SM (12.5% occupancy), issue slots 31% busy, 32% of stalls on instruction fetch).
@@ -178,7 +187,8 @@ _HIP = {
     "intra": [dict(num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
+              dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              dict(LC=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "seg_combine": [dict(num_warps=8, waves_per_eu=0)],
     # 8 warps: at 4 the kernel takes 267 VGPRs and spills 27 SGPRs on gfx942 (222 VGPRs on gfx950)

@@ -251,6 +251,15 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
+    _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2, QG2,
+                CS)
+
+
+@_interp.kjit
+def _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H,
+                K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr, QG2: tl.constexpr, CS: tl.constexpr):
+    """The gate of chunk ``c`` (tokens ``t0 .. t0 + L``), head ``hh``: :func:`_gate_kernel`'s work, also the first
+    phase of :func:`_local_kernel`."""
     rows = tl.arange(0, BT)
     mr = (rows < L)[:, None]
     offs_k = tl.arange(0, K)
@@ -391,16 +400,26 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    rows = tl.arange(0, BT)
-    ok = rows < L
-    mr = ok[:, None]
     if SV:
         _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
         tl.debug_barrier()  # M's blocks were stored by other threads of this program
+        _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, 0, K, V, BT, WOPD, UOPD, W2, 1)
+    else:
+        _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, part, K, V, BT, WOPD, UOPD, W2, 0)
+
+
+@_interp.kjit
+def _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, part, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+              WOPD: tl.constexpr, UOPD: tl.constexpr, W2: tl.constexpr, BOTH: tl.constexpr):
+    """Load the chunk's stored solve ``M`` (``[BT, BT]``, upper triangle as 0) and ``beta``, then ``w`` (``part``
+    0) or ``u`` (``part`` 1), or both (``BOTH = 1``; ``part`` ignored)."""
+    rows = tl.arange(0, BT)
+    ok = rows < L
+    mr = ok[:, None]
     m = tl.load(_at(mbuf, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
     b = tl.load(braw + (t0.to(tl.int64) * H + hh) + rows * H, mask=ok, other=0.0).to(tl.float32)
     b = tl.where(ok, tl.sigmoid(b), 0.0)
-    if SV:
+    if BOTH:
         _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K, WOPD, W2)
         _wu_u(v, m, b, u, t0, rows, hh, H, mr, V, UOPD)
     elif part == 0:
@@ -425,6 +444,32 @@ def _wu_u(v, m, b, u, t0, rows, hh, H, mr, V: tl.constexpr, UOPD: tl.constexpr):
     offs_v = tl.arange(0, V)
     bv = tl.load(_at(v, t0, rows, hh, H, offs_v, V), mask=mr, other=0.0).to(tl.float32) * b[:, None]
     tl.store(_at(u, t0, rows, hh, H, offs_v, V), _mm(m, bv, UOPD).to(u.dtype.element_ty), mask=mr)
+
+
+@_interp.kjit
+def _local_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, aqk, abuf, mbuf,
+                  w, u, scale, lower_bound, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr, PREC: tl.constexpr, KG2: tl.constexpr,
+                  QG2: tl.constexpr, W2: tl.constexpr, CS: tl.constexpr, LC: tl.constexpr = 1):
+    """Phases 1 - 4 of a chunk in one program per (chunk, head) (the intra table's ``LC`` entries): the gate
+    (:func:`_gate_chunk`), the row blocks of A and Aqk in a runtime loop (:func:`_intra_row`), the UT solve
+    (:func:`_solve_chunk`) and ``w`` / ``u`` (:func:`_wu_parts`), a block barrier between phases (each reads what
+    other threads of the program stored). The same arithmetic as the four launches, bit for bit; G, A and M are
+    still stored but read back at once, from L2, and q / k / G / M are not read from memory again by later
+    launches. Outputs as the four kernels': qg, kg, glast, Aqk, w, u (and the intermediates gbuf, abuf, mbuf)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
+    t0 = tl.load(chunk_tok + c)
+    L = tl.load(chunk_len + c)
+    _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2, QG2,
+                CS)
+    tl.debug_barrier()  # G was stored by other threads of this program
+    for i in range(0, tl.cdiv(L, BC)):
+        _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K, BT, BC, OPD, 1)
+    tl.debug_barrier()  # A's blocks
+    _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
+    tl.debug_barrier()  # M's blocks
+    _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, 0, K, V, BT, WOPD, UOPD, W2, 1)
 
 
 @_interp.kjit
@@ -880,7 +925,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     Returns:
         ``(launches, o, final_state)``: ``launches`` is ``[(name, fn)]`` in launch order, ``name`` one of
         ``"gate"``, ``"intra"``, ``"solve"`` (not with an SV w / u config), ``"wu"``, ``"state"``, ``"out"`` (not with
-        an FO state config); ``fn()`` runs that kernel again with its chosen config on
+        an FO state config); with an LC intra config ``"local"`` in place of gate, intra, solve and w / u; ``fn()`` runs that kernel again with its chosen config on
         the same buffers (running them all in order recomputes ``o`` and ``final_state``).
     """
     B, T, H, K = q.shape
@@ -993,9 +1038,25 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
             launch_solve()
         launch_wu(c)
 
+    wu_first = tune.configs(C.WU)[0]
+    lc_rival = [False]  # an LC intra candidate is being timed: the others are timed with the solve and w / u they need
+
+    def launch_local(c):  # an LC intra config: the gate, A / Aqk, the solve and w / u in one launch
+        meta, opts = tune.split(c)
+        if NC:
+            _interp.launch(_local_kernel, (NC, H), qc, kc, vc, dr, br, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg,
+                           glast, aqk, abuf, mbuf, w, u, scale, float(lower_bound), H, K=K, V=V, BT=BT, BC=BC,
+                           OPD=opd["pair"], WOPD=opd["w"], UOPD=opd["u"], PREC=prec, KG2=pre, QG2=q2, W2=pre,
+                           CS=gate_meta.get("CS", 0), **meta, **opts)
+
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
+        if c.get("LC"):
+            launch_local(c)
+            return
         launch_gate(c)
         launch_intra(c)
+        if lc_rival[0]:
+            launch_solve_wu(wu_first)
 
     def launch_state(c):
         meta, opts = tune.split(c)
@@ -1053,15 +1114,17 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     # bounded specialisation: token and sequence counts enter the key as powers of two
     key = (tune.pow2(TT), tune.pow2(N), H, K, V, q.dtype, tuple(sorted((kk, str(vv)) for kk, vv in prec_parts.items())))
     launches = []
-    fused_out = False
+    fused_out = local = False
     for name, table, run, parts in (
             ("intra", C.INTRA, launch_gate_intra, (("gate", launch_gate), ("intra", launch_intra))),
             ("wu", C.WU, launch_solve_wu, (("solve", launch_solve), ("wu", launch_wu))),
             ("state", C.STATE, launch_state_out, (("state", launch_state),)),
             ("out", C.OUT, launch_out, (("out", launch_out),))):
-        if name == "out" and fused_out:
-            break  # the state pass wrote o
+        if name == "out" and fused_out or name == "wu" and local:
+            continue  # the state pass wrote o / the local kernel wrote w and u
         cands = [cfg[name]] if name in cfg else tune.configs(table)
+        if name == "intra":
+            lc_rival[0] = len(cands) > 1 and any(cc.get("LC") for cc in cands)
         if name == "state" and not fo_ok:
             cands = [c for c in cands if not c.get("FO")] or cands  # FO not on this form (a forced one raises)
         if name == "state" and pre:
@@ -1069,7 +1132,11 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         if name == "state" and not any(cc.get("FO") for cc in cands):
             run = launch_state  # no FO candidate: the output launch would add the same time to every config
         c = tune.pick(f"kda_{name}", key, cands, run)
+        lc_rival[0] = False
         (launch_state if name == "state" else run)(c)
         fused_out = name == "state" and bool(c.get("FO"))
+        local = name == "intra" and bool(c.get("LC"))
+        if local:
+            parts = (("local", launch_local),)
         launches += [(nm, lambda f=f, c=c: f(c)) for nm, f in parts if not (nm == "solve" and c.get("SV"))]
     return launches, o, ht

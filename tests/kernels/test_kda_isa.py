@@ -22,6 +22,9 @@ FP32_MATRIX = {"prefill_solve", "prefill_solve_f16"}
 #: the kernels of prefill.PRODUCTS "fp16" whose products are all one fp16 product (fp16 MFMA, no bf16 and no fp32)
 #: fp16 products with the UT solve's fp32 ones in the same kernel (the w / u kernel's SV entries)
 F16_F32_MATRIX = {"prefill_wu_sv_f16"}
+#: the one-program chunk phases (the intra table's LC entries): the CS gate's bf16 products, fp16 ones, the solve's
+#: fp32 ones
+MIXED_MATRIX = {"prefill_local_f16"}
 F16_MATRIX = {"prefill_wu_f16", "prefill_state_f16", "prefill_state_f16_fo", "prefill_out_f16", "prefill_seg_f16"}
 
 
@@ -51,6 +54,9 @@ def test_kda_kernel_isa(name, target, monkeypatch):
             assert any(op.startswith("v_mfma_f32_") and op.endswith("_f16") for op in rep.matrix_ops), rep.matrix_ops
             assert all(op.startswith("v_mfma_f32_") and op.endswith(("_f16", "_f32")) for op in rep.matrix_ops), \
                 f"{name} on {target}: {rep.matrix_ops}"
+        elif be == "hip" and name in MIXED_MATRIX:
+            assert {"bf16", "f16", "f32"} <= {op.rsplit("_", 1)[-1] for op in rep.matrix_ops}, rep.matrix_ops
+            assert all(op.startswith("v_mfma_f32_") for op in rep.matrix_ops), f"{name} on {target}: {rep.matrix_ops}"
         elif be == "hip" and name in F16_MATRIX:
             assert rep.matrix_ops and all(op.startswith("v_mfma_f32_") and "f16" in op and "bf16" not in op
                                           for op in rep.matrix_ops), f"{name} on {target}: {rep.matrix_ops}"
@@ -107,6 +113,9 @@ def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monk
         pytest.skip("the output in the loop does not run on split products in the plain loop (prefill.fo_ok)")
     # a SEG entry's loop is the state kernel at the entry's other keys (its runs' maps: the prefill_seg_f16 case)
     meta.pop("SEG", None)
+    if meta.get("LC"):  # the one-program chunk phases: their own kernel (the prefill_local_f16 case)
+        _, fn, sig, consts, _, _ = CASES["prefill_local_f16"]
+        name = "prefill_local_f16"
     rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
     assert rep.error is None, rep.error
     if name in F16_MATRIX:

@@ -156,6 +156,30 @@ def test_prefill_segmented_state_pass():
         KPRE.kda_prefill(**a, cu_seqlens=cu, config={"state": dict(segs[0], FO=0)}, products=dict(pre=("kg", "w")))
 
 
+def test_prefill_local_kernel_equals_its_four_launches():
+    """The intra table's LC entries (the gate, A / Aqk, the UT solve and w / u of a chunk in one program) give the
+    four launches' o and final state bit for bit on fp32 inputs (IEEE products), the fp16 form, the split form and
+    with kg / qg / w stored split, at ordinary decays and near decay 1, on a packed batch with a 1-token sequence
+    and a partial chunk; the launches name one "local" kernel in place of gate, intra, solve and wu."""
+    gen = _gen()
+    lcs = [c for c in tune.configs(KC.INTRA, candidates=True) if c.get("LC")]
+    assert lcs
+    rt = next(c for c in tune.configs(KC.INTRA, candidates=True) if c.get("RT"))
+    for shift in (0.0, -12.0):
+        a, cu, want_o, want_s = _packed_batch(gen, shift)
+        h = {kk: (vv.half() if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv) for kk, vv in a.items()}
+        for args, prod in ((a, None), (h, "fp16"), (h, "split"), (h, dict(pre=("kg", "qg", "w")))):
+            wu = next(c for c in tune.configs(KC.WU) if not c.get("SV"))
+            _, ro, rs = KPRE.prefill_launches(**args, cu_seqlens=cu, config={"intra": rt, "wu": wu}, products=prod)
+            for c in lcs[:1]:  # the interpreter ignores launch options (each entry: test_prefill_every_config_*)
+                launches, o, st = KPRE.prefill_launches(**args, cu_seqlens=cu, config={"intra": c, "wu": wu},
+                                                        products=prod)
+                names = [nm for nm, _ in launches]
+                assert names[0] == "local" and not {"gate", "intra", "solve", "wu"} & set(names), names
+                assert torch.equal(o, ro) and torch.equal(st, rs), (c, prod, shift)
+                assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3
+
+
 def test_prefill_gate_refuses_keys_other_than_cs_and_launch_options():
     a = make_prefill(1, 8, 1, D, _gen())
     with pytest.raises(ConfigError, match="KS"):
