@@ -42,6 +42,13 @@ _CUDA = {
               dict(LC=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
               dict(LC=1, candidate=True, num_warps=4, num_stages=1, maxnreg=168),
               dict(LC=1, candidate=True, num_warps=4, num_stages=1),
+              # LC 2: persistent, PS programs an SM, G / A / M in each program's own slot (a few MB, kept in L2)
+              # instead of the full-size buffers: 0.8 GB less written to memory at B1 T8192 H96
+              # (ptxas sm_90a: held to 128 at 8 warps 752 bytes of spills; 254 registers at 8 warps, none; 255 at 4
+              # warps, 100 bytes)
+              dict(LC=2, PS=2, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
+              dict(LC=2, PS=1, candidate=True, num_warps=8, num_stages=1),
+              dict(LC=2, PS=2, candidate=True, num_warps=4, num_stages=1),
               # served from 2026-12-06 20:30 UTC (leading the table): RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
               # served form unrolls all four row blocks: ncu, H100 2026-12-06 18:16 UTC, B1 T8192 H96: 174 registers,
               # 2 programs an SM (12.5% occupancy), issue slots 31% busy, 32% of stalls on instruction fetch).
@@ -188,6 +195,8 @@ _HIP = {
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
+              # (not the persistent LC 2: its loop keeps every pointer argument live, 30 / 67 SGPR spills on gfx950 at
+              # 8 / 4 warps)
               dict(LC=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "seg_combine": [dict(num_warps=8, waves_per_eu=0)],
