@@ -80,7 +80,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                    WHOPD="constexpr", RB="constexpr", one="fp32")
     local_sig = dict(q=p, k=p, v=p, draw=p, braw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32",
                      chunk_len="*i32", gbuf="*fp32", qg=h, kg=h, glast="*fp32", aqk=h, abuf=h, mbuf=h, w=h, u=h,
-                     scale="fp32", lower_bound="fp32", H="i32", NC="i32", K="constexpr", V="constexpr", BT="constexpr",
+                     scale="fp32", lower_bound="fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr",
                      BC="constexpr", OPD="constexpr", WOPD="constexpr", UOPD="constexpr", PREC="constexpr",
                      KG2="constexpr", QG2="constexpr", W2="constexpr", CS="constexpr", LC="constexpr")
     comb_sig = dict(pq="*fp32", h0="*fp32", hstart="*fp32", ht="*fp32", seq_seg="*i32", H="i32", HAS_H0="constexpr",
@@ -160,11 +160,6 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          dict(K=K, V=K, BT=BT, BC=BC, OPD=5, WOPD=5, UOPD=5, PREC=None, KG2=0, QG2=0, W2=0, CS=1, LC=1), True,
          {be: tune.split(next(c for c in configs.INTRA[be] if c.get("LC")), interp=False)[1]
           for be in ("hip", "cuda")}),
-        # its persistent form (LC 2): per-program G / A / M slots
-        ("prefill_local2_f16", _local_kernel, local_sig,
-         dict(K=K, V=K, BT=BT, BC=BC, OPD=5, WOPD=5, UOPD=5, PREC=None, KG2=0, QG2=0, W2=0, CS=1, LC=2), True,
-         {be: tune.split(next(c for c in configs.INTRA[be] if c.get("LC") == (2 if be == "cuda" else 1)),
-                         interp=False)[1] for be in ("hip", "cuda")}),
         ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5, RB=0),
          True, _opts(configs.STATE)),

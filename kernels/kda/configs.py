@@ -33,22 +33,6 @@ _CUDA = {
               dict(num_warps=4, num_stages=1),
               dict(num_warps=8, num_stages=1),
               dict(RT=1, INNER=1, num_warps=8, num_stages=1),
-              # LC 1: the gate, A / Aqk, the UT solve and w / u of a chunk in one program (prefill._local_kernel):
-              # one launch for four, G / A / M read back from L2 at once instead of from memory by later launches,
-              # q / k read once more from L2. Tuned against the four launches (each other intra entry timed with the
-              # gate, the solve and the w / u table's first entry); candidates until run on a GPU
-              # (ptxas sm_90a, fp16 form with the CS gate: 255 registers at 4 or 8 warps, no spills; held to 128 at 8
-              # warps 160 bytes of spills, to 168 at 4 warps 372)
-              dict(LC=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
-              dict(LC=1, candidate=True, num_warps=4, num_stages=1, maxnreg=168),
-              dict(LC=1, candidate=True, num_warps=4, num_stages=1),
-              # LC 2: persistent, PS programs an SM, G / A / M in each program's own slot (a few MB, kept in L2)
-              # instead of the full-size buffers: 0.8 GB less written to memory at B1 T8192 H96
-              # (ptxas sm_90a: held to 128 at 8 warps 752 bytes of spills; 254 registers at 8 warps, none; 255 at 4
-              # warps, 100 bytes)
-              dict(LC=2, PS=2, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
-              dict(LC=2, PS=1, candidate=True, num_warps=8, num_stages=1),
-              dict(LC=2, PS=2, candidate=True, num_warps=4, num_stages=1),
               # served from 2026-12-06 20:30 UTC (leading the table): RT 1, one code path for every row block with the blocks j < i in a runtime loop (the
               # served form unrolls all four row blocks: ncu, H100 2026-12-06 18:16 UTC, B1 T8192 H96: 174 registers,
               # 2 programs an SM (12.5% occupancy), issue slots 31% busy, 32% of stalls on instruction fetch).
@@ -62,6 +46,17 @@ _CUDA = {
               # mma.sync warps along M and every warp computes the whole 16-row block) 1.236 (INNER 1.280); A and its
               # UT solve in one program per (chunk, head), no A buffer and no solve launch, 2.442 against 1.23 + 0.32
               # (the four row blocks then run one after another)
+              # LC 1: the gate, A / Aqk, the UT solve and w / u of a chunk in one program (prefill._local_kernel):
+              # one launch for four, G / A / M read back from L2 at once instead of from memory by later launches.
+              # Tuned against the four launches (each other intra entry timed with the gate, the solve and the w / u
+              # table's first entry). H100 2026-12-06 23:05 UTC, fp16 form, B1 T8192 H96 (gpu-runs/results/
+              # h100_2026-12-06g): 2.842 ms at 8 warps held to 128 registers (160 bytes of spills, 2 programs an
+              # SM) against 2.515 for the four launches at the served entries; 4.256 held to 168 at 4 warps, 5.283 at
+              # 4 warps (255 registers): latency-bound by the warps an SM holds. A persistent form with G / A / M in
+              # per-program slots kept in L2 (nothing full-size written) took 4.67 – 6.69 ms at 1 – 2 programs an
+              # SM (752 bytes of spills at 128 registers) and was removed. GPU accuracy as the served entries
+              # (3.64e-4 / 6.25e-4 rel. RMS, 5 x identical, finite at B1 T8192 H96): a candidate, within 13%
+              dict(LC=1, candidate=True, num_warps=8, num_stages=1, maxnreg=128),
               ],
     # the UT solve's launch options (first entry, not tuned: timed inside the intra pick)
     "solve": [dict(num_warps=4, num_stages=1)],
@@ -195,8 +190,6 @@ _HIP = {
               dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
               dict(RT=1, INNER=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-              # (not the persistent LC 2: its loop keeps every pointer argument live, 30 / 67 SGPR spills on gfx950 at
-              # 8 / 4 warps)
               dict(LC=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "solve": [dict(num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "seg_combine": [dict(num_warps=8, waves_per_eu=0)],

@@ -143,14 +143,14 @@ def _store_blk(ptr, x, t0, L, hh, H, i, j, D: tl.constexpr, BC: tl.constexpr):
 
 
 @_interp.kjit
-def _pair(k, gbuf, aqk, t0, L, hh, H, gt, gh, gH, i, j, Gref, ka, qa,
+def _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gref, ka, qa,
           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, OPD: tl.constexpr, DIAG: tl.constexpr):
     """Block (i, j) of A (strictly lower overall), returned; block (i, j) of Aqk (lower incl. diagonal),
     stored at once (keeping it live would cost registers), j <= i; ``DIAG = 1``: the diagonal block (i = j), its
     upper part masked."""
     r = j * BC + tl.arange(0, BC)
     kj = _l2n(_rows(k, t0, L, hh, H, j, K, BC))
-    Gj = _rows(gbuf, gt, L, gh, gH, j, K, BC)
+    Gj = _rows(gbuf, t0, L, hh, H, j, K, BC)
     kb = tl.where((r < L)[:, None], kj * tl.exp(Gref[None, :] - Gj), 0.0)
     a = _mm(ka, tl.trans(kb), OPD)
     s = _mm(qa, tl.trans(kb), OPD)
@@ -164,17 +164,17 @@ def _pair(k, gbuf, aqk, t0, L, hh, H, gt, gh, gH, i, j, Gref, ka, qa,
 
 
 @_interp.kjit
-def _row_side(q, k, gbuf, braw, t0, L, hh, H, gt, gh, gH, scale, i, K: tl.constexpr, BC: tl.constexpr,
+def _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K: tl.constexpr, BC: tl.constexpr,
               FIRST: tl.constexpr = 0):
     """(ka_i, qa_i, Gref_i): beta k and scaled q of block i, decayed relative to the block's middle row
     (``FIRST = 1``: its first row, so every factor ``e^(G_r - G_ref)`` <= 1 and, for a block j < i, every
     ``e^(G_ref - G_c)`` <= 1: fp16 operands cannot overflow; not for the diagonal block, whose later columns would
     take ``e^(G_ref - G_c)`` up to ``e^150``)."""
     rref = tl.minimum(i * BC + (0 if FIRST else BC // 2), L - 1)
-    Gref = tl.load(gbuf + ((gt + rref).to(tl.int64) * gH + gh) * K + tl.arange(0, K)).to(tl.float32)
+    Gref = tl.load(gbuf + ((t0 + rref).to(tl.int64) * H + hh) * K + tl.arange(0, K)).to(tl.float32)
     r = i * BC + tl.arange(0, BC)
     m = (r < L)[:, None]
-    Gi = _rows(gbuf, gt, L, gh, gH, i, K, BC)
+    Gi = _rows(gbuf, t0, L, hh, H, i, K, BC)
     e = tl.exp(Gi - Gref[None, :])
     qi = _l2n(_rows(q, t0, L, hh, H, i, K, BC)) * scale
     ki = _l2n(_rows(k, t0, L, hh, H, i, K, BC))
@@ -251,12 +251,12 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, t0, hh, H, K, BT,
-                KG2, QG2, CS)
+    _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2, QG2,
+                CS)
 
 
 @_interp.kjit
-def _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, gt, gh, gH,
+def _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H,
                 K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr, QG2: tl.constexpr, CS: tl.constexpr):
     """The gate of chunk ``c`` (tokens ``t0 .. t0 + L``), head ``hh``: :func:`_gate_kernel`'s work, also the first
     phase of :func:`_local_kernel`."""
@@ -270,7 +270,7 @@ def _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bo
     g = tl.where(mr, g, 0.0)
     G = _cumsum_rows(g, BT, CS)
     gl = tl.sum(g, 0)
-    tl.store(_at(gbuf, gt, rows, gh, gH, offs_k, K), G, mask=mr)
+    tl.store(_at(gbuf, t0, rows, hh, H, offs_k, K), G, mask=mr)
     tl.store(glast + (c.to(tl.int64) * H + hh) * K + offs_k, tl.exp(gl))
     qn = tl.load(_at(q, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32)
     qn = _l2n(qn) * scale
@@ -298,32 +298,32 @@ def _intra_kernel(q, k, braw, chunk_tok, chunk_len, gbuf, aqk, abuf, scale, H,
     L = tl.load(chunk_len + c)
     if RT:
         if ib * BC < L:
-            _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, t0, hh, H, scale, ib, K, BT, BC, OPD, 1)
+            _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, ib, K, BT, BC, OPD, 1)
     else:
         for i in tl.static_range(0, BT // BC):
             if (ib == i) & (i * BC < L):
-                _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, t0, hh, H, scale, i, K, BT, BC, OPD, 0)
+                _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K, BT, BC, OPD, 0)
 
 
 @_interp.kjit
-def _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, gt, gh, gH, scale, i, K: tl.constexpr, BT: tl.constexpr,
+def _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K: tl.constexpr, BT: tl.constexpr,
                BC: tl.constexpr, OPD: tl.constexpr, RT: tl.constexpr):
     """Row block i of A and Aqk (:func:`_intra_kernel`): the blocks j < i (a runtime loop where ``RT = 1`` and i is
     a runtime value, else unrolled), then the diagonal.
     fp16 (``OPD`` 5 / 6): the blocks j < i about the block's first row, the diagonal split about its middle row."""
-    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, gt, gh, gH, scale, i, K, BC, OPD >= 5)
+    ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC, OPD >= 5)
     if RT:
         for j in range(0, i):
-            a = _pair(k, gbuf, aqk, t0, L, hh, H, gt, gh, gH, i, j, Gr, ka, qa, K, BT, BC, OPD, 0)
-            _store_blk(abuf, a, gt, L, gh, gH, i, j, BT, BC)
+            a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD, 0)
+            _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
     else:
         for j in tl.static_range(0, i):
-            a = _pair(k, gbuf, aqk, t0, L, hh, H, gt, gh, gH, i, j, Gr, ka, qa, K, BT, BC, OPD, 0)
-            _store_blk(abuf, a, gt, L, gh, gH, i, j, BT, BC)
+            a = _pair(k, gbuf, aqk, t0, L, hh, H, i, j, Gr, ka, qa, K, BT, BC, OPD, 0)
+            _store_blk(abuf, a, t0, L, hh, H, i, j, BT, BC)
     if OPD >= 5:
-        ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, gt, gh, gH, scale, i, K, BC)
-    a = _pair(k, gbuf, aqk, t0, L, hh, H, gt, gh, gH, i, i, Gr, ka, qa, K, BT, BC, OPD - 4 * (OPD >= 5), 1)
-    _store_blk(abuf, a, gt, L, gh, gH, i, i, BT, BC)
+        ka, qa, Gr = _row_side(q, k, gbuf, braw, t0, L, hh, H, scale, i, K, BC)
+    a = _pair(k, gbuf, aqk, t0, L, hh, H, i, i, Gr, ka, qa, K, BT, BC, OPD - 4 * (OPD >= 5), 1)
+    _store_blk(abuf, a, t0, L, hh, H, i, i, BT, BC)
 
 
 @_interp.kjit
@@ -403,39 +403,37 @@ def _wu_kernel(k, v, braw, gbuf, mbuf, w, u, chunk_tok, chunk_len, H,
     if SV:
         _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
         tl.debug_barrier()  # M's blocks were stored by other threads of this program
-        _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, t0, hh, H, 0, K, V, BT, WOPD, UOPD, W2, 1)
+        _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, 0, K, V, BT, WOPD, UOPD, W2, 1)
     else:
-        _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, t0, hh, H, part, K, V, BT, WOPD, UOPD, W2, 0)
+        _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, part, K, V, BT, WOPD, UOPD, W2, 0)
 
 
 @_interp.kjit
-def _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, gt, gh, gH, part, K: tl.constexpr, V: tl.constexpr,
-              BT: tl.constexpr,
+def _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, part, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               WOPD: tl.constexpr, UOPD: tl.constexpr, W2: tl.constexpr, BOTH: tl.constexpr):
     """Load the chunk's stored solve ``M`` (``[BT, BT]``, upper triangle as 0) and ``beta``, then ``w`` (``part``
     0) or ``u`` (``part`` 1), or both (``BOTH = 1``; ``part`` ignored)."""
     rows = tl.arange(0, BT)
     ok = rows < L
     mr = ok[:, None]
-    m = tl.load(_at(mbuf, gt, rows, gh, gH, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
+    m = tl.load(_at(mbuf, t0, rows, hh, H, rows, BT), mask=mr & (rows[None, :] <= rows[:, None]), other=0.0)
     b = tl.load(braw + (t0.to(tl.int64) * H + hh) + rows * H, mask=ok, other=0.0).to(tl.float32)
     b = tl.where(ok, tl.sigmoid(b), 0.0)
     if BOTH:
-        _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, gt, gh, gH, mr, K, WOPD, W2)
+        _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K, WOPD, W2)
         _wu_u(v, m, b, u, t0, rows, hh, H, mr, V, UOPD)
     elif part == 0:
-        _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, gt, gh, gH, mr, K, WOPD, W2)
+        _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K, WOPD, W2)
     else:
         _wu_u(v, m, b, u, t0, rows, hh, H, mr, V, UOPD)
 
 
 @_interp.kjit
-def _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, gt, gh, gH, mr, K: tl.constexpr, WOPD: tl.constexpr,
-          W2: tl.constexpr):
+def _wu_w(k, gbuf, m, b, w, t0, rows, hh, H, mr, K: tl.constexpr, WOPD: tl.constexpr, W2: tl.constexpr):
     """``w = M (beta k e^G)`` of one chunk (:func:`_wu_kernel`), stored."""
     offs_k = tl.arange(0, K)
     kn = _l2n(tl.load(_at(k, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0).to(tl.float32))
-    G = tl.load(_at(gbuf, gt, rows, gh, gH, offs_k, K), mask=mr, other=0.0)
+    G = tl.load(_at(gbuf, t0, rows, hh, H, offs_k, K), mask=mr, other=0.0)
     bk = tl.where(mr, kn * tl.exp(G) * b[:, None], 0.0)
     _store_split(w, _mm(m, bk, WOPD), t0, rows, hh, H, offs_k, mr, K, W2)
 
@@ -450,61 +448,28 @@ def _wu_u(v, m, b, u, t0, rows, hh, H, mr, V: tl.constexpr, UOPD: tl.constexpr):
 
 @_interp.kjit
 def _local_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, aqk, abuf, mbuf,
-                  w, u, scale, lower_bound, H, NC, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BC: tl.constexpr, OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr, PREC: tl.constexpr,
-                  KG2: tl.constexpr, QG2: tl.constexpr, W2: tl.constexpr, CS: tl.constexpr, LC: tl.constexpr = 1):
-    """Phases 1 - 4 of a chunk in one program (the intra table's ``LC`` entries): the gate (:func:`_gate_chunk`),
-    the row blocks of A and Aqk in a runtime loop (:func:`_intra_row`), the UT solve (:func:`_solve_chunk`) and
-    ``w`` / ``u`` (:func:`_wu_parts`), a block barrier between phases (each reads what other threads of the program
-    stored). The same arithmetic as the four launches, bit for bit. Outputs as theirs: qg, kg, glast, Aqk, w, u.
-
-    ``LC = 1``: one program per (chunk, head) on a ``(NC, H)`` grid; G, A and M go to the full-size ``gbuf`` /
-    ``abuf`` / ``mbuf`` (``[tokens, H, D]``) and are read back at once, from L2, not by later launches.
-    ``LC = 2``: a persistent grid of ``P`` programs (axis 0), program ``p`` taking items ``p, p + P, ...`` of the
-    ``NC * H`` (chunk, head) items (heads of a chunk adjacent); G, A and M go to the program's own slot of
-    ``gbuf`` ``[P, BT, K]`` / ``abuf``, ``mbuf`` ``[P, BT, BT]``, rewritten by each item, so they stay in L2 and
-    the full-size intermediates are never written to memory."""
-    if LC == 2:
-        pid = tl.program_id(0)
-        gs = gbuf + pid.to(tl.int64) * (BT * K)
-        as_ = abuf + pid.to(tl.int64) * (BT * BT)
-        ms = mbuf + pid.to(tl.int64) * (BT * BT)
-        zero = pid * 0
-        for it in range(pid, NC * H, tl.num_programs(0)):
-            c = it // H
-            hh = it % H
-            _local_chunk(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len, gs, qg, kg, glast, aqk, as_, ms,
-                         w, u, scale, lower_bound, H, c, hh, zero, zero, zero + 1, K, V, BT, BC, OPD, WOPD, UOPD,
-                         PREC, KG2, QG2, W2, CS, 0)
-            tl.debug_barrier()  # the next item rewrites the slot other threads read last
-    else:
-        c = tl.program_id(0)
-        hh = tl.program_id(1)
-        _local_chunk(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, aqk, abuf, mbuf,
-                     w, u, scale, lower_bound, H, c, hh, hh, hh, H, K, V, BT, BC, OPD, WOPD, UOPD, PREC, KG2, QG2, W2,
-                     CS, 1)
-
-
-@_interp.kjit
-def _local_chunk(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, aqk, abuf, mbuf,
-                 w, u, scale, lower_bound, H, c, hh, gt, gh, gH, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                 BC: tl.constexpr, OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr, PREC: tl.constexpr,
-                 KG2: tl.constexpr, QG2: tl.constexpr, W2: tl.constexpr, CS: tl.constexpr, OWN: tl.constexpr):
-    """:func:`_local_kernel`'s work on chunk ``c``, head ``hh``; G / A / M at rows ``gt + r``, head ``gh`` of
-    ``gH`` (``OWN = 1``: the chunk's own rows, ``t0``, whatever ``gt``)."""
+                  w, u, scale, lower_bound, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr, PREC: tl.constexpr, KG2: tl.constexpr,
+                  QG2: tl.constexpr, W2: tl.constexpr, CS: tl.constexpr, LC: tl.constexpr = 1):
+    """Phases 1 - 4 of a chunk in one program per (chunk, head) (the intra table's ``LC`` entries): the gate
+    (:func:`_gate_chunk`), the row blocks of A and Aqk in a runtime loop (:func:`_intra_row`), the UT solve
+    (:func:`_solve_chunk`) and ``w`` / ``u`` (:func:`_wu_parts`), a block barrier between phases (each reads what
+    other threads of the program stored). The same arithmetic as the four launches, bit for bit; G, A and M are
+    still stored but read back at once, from L2, and q / k / G / M are not read from memory again by later
+    launches. Outputs as the four kernels': qg, kg, glast, Aqk, w, u (and the intermediates gbuf, abuf, mbuf)."""
+    c = tl.program_id(0)
+    hh = tl.program_id(1)
     t0 = tl.load(chunk_tok + c)
     L = tl.load(chunk_len + c)
-    if OWN:
-        gt = t0
-    _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, gt, gh, gH, K,
-                BT, KG2, QG2, CS)
+    _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2, QG2,
+                CS)
     tl.debug_barrier()  # G was stored by other threads of this program
     for i in range(0, tl.cdiv(L, BC)):
-        _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, gt, gh, gH, scale, i, K, BT, BC, OPD, 1)
+        _intra_row(q, k, braw, gbuf, aqk, abuf, t0, L, hh, H, scale, i, K, BT, BC, OPD, 1)
     tl.debug_barrier()  # A's blocks
-    _solve_chunk(abuf, mbuf, gt, L, gh, gH, BT, BC, PREC)
+    _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
     tl.debug_barrier()  # M's blocks
-    _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, gt, gh, gH, 0, K, V, BT, WOPD, UOPD, W2, 1)
+    _wu_parts(k, v, braw, gbuf, mbuf, w, u, t0, L, hh, H, 0, K, V, BT, WOPD, UOPD, W2, 1)
 
 
 @_interp.kjit
@@ -790,22 +755,6 @@ def segment_table(cu_host: list[int], seg: int, device) -> tuple[torch.Tensor, t
 
 
 _TABLES: dict[tuple, tuple] = {}  # the last 32 chunk / segment tables, by (offsets, [seg,] device)
-
-
-def _sm_count(device) -> int:
-    """Streaming multiprocessors (compute units) of ``device``; 1 under the interpreter / on the CPU (so a
-    persistent grid's programs each take several items in tests)."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or interpreting():
-        return 1
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
-def _local_slots(P: int, K: int, BT: int, adt: torch.dtype, mdt: torch.dtype, device) -> tuple:
-    """The persistent local kernel's per-program slots (``LC = 2``): G ``[P, BT, K]`` fp32, A and M ``[P, BT, BT]``
-    in the dtypes of the full-size buffers (a few MB: they stay in L2)."""
-    return (C.empty(P, BT, K, dtype=torch.float32, device=device), C.empty(P, BT, BT, dtype=adt, device=device),
-            C.empty(P, BT, BT, dtype=mdt, device=device))
 
 
 def _remember(key: tuple, build) -> tuple:
@@ -1094,16 +1043,11 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     def launch_local(c):  # an LC intra config: the gate, A / Aqk, the solve and w / u in one launch
         meta, opts = tune.split(c)
-        if not NC:
-            return
-        bufs, grid = (gbuf, abuf, mbuf), (NC, H)
-        if meta["LC"] == 2:  # persistent: PS programs an SM, each with its own G / A / M slot
-            grid = (min(NC * H, meta.pop("PS", 2) * _sm_count(dev)),)
-            bufs = _local_slots(grid[0], K, BT, abuf.dtype, mbuf.dtype, dev)
-        _interp.launch(_local_kernel, grid, qc, kc, vc, dr, br, al, dtb, chunk_tok, chunk_len, bufs[0], qg, kg,
-                       glast, aqk, bufs[1], bufs[2], w, u, scale, float(lower_bound), H, NC, K=K, V=V, BT=BT, BC=BC,
-                       OPD=opd["pair"], WOPD=opd["w"], UOPD=opd["u"], PREC=prec, KG2=pre, QG2=q2, W2=pre,
-                       CS=gate_meta.get("CS", 0), **meta, **opts)
+        if NC:
+            _interp.launch(_local_kernel, (NC, H), qc, kc, vc, dr, br, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg,
+                           glast, aqk, abuf, mbuf, w, u, scale, float(lower_bound), H, K=K, V=V, BT=BT, BC=BC,
+                           OPD=opd["pair"], WOPD=opd["w"], UOPD=opd["u"], PREC=prec, KG2=pre, QG2=q2, W2=pre,
+                           CS=gate_meta.get("CS", 0), **meta, **opts)
 
     def launch_gate_intra(c):  # timed together: the intra kernel reads what the gate kernel writes
         if c.get("LC"):

@@ -24,10 +24,7 @@ FP32_MATRIX = {"prefill_solve", "prefill_solve_f16"}
 F16_F32_MATRIX = {"prefill_wu_sv_f16"}
 #: the one-program chunk phases (the intra table's LC entries): the CS gate's bf16 products, fp16 ones, the solve's
 #: fp32 ones
-MIXED_MATRIX = {"prefill_local_f16", "prefill_local2_f16"}
-#: cases not in the HIP tables, and why
-CUDA_ONLY = {"prefill_local2_f16": "the persistent local kernel (LC 2) is not in the HIP intra table: its loop keeps "
-                                   "every pointer argument live, 30 SGPR spills on gfx950 at 8 warps"}
+MIXED_MATRIX = {"prefill_local_f16"}
 F16_MATRIX = {"prefill_wu_f16", "prefill_state_f16", "prefill_state_f16_fo", "prefill_out_f16", "prefill_seg_f16"}
 
 
@@ -38,8 +35,6 @@ def test_kda_kernel_isa(name, target, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, fn, sig, consts, expects, opts = CASES[name]
     be = "hip" if target.startswith("gfx") else "cuda"
-    if name in CUDA_ONLY and be == "hip":
-        pytest.skip(f"{name}: {CUDA_ONLY[name]}")
     rep = compile_kernel(fn, sig, consts, target, name=f"kda.{name}", options=opts.get(be, {}),
                          expects_matrix=expects)
     rec = dict(kernel=rep.name, target=target, matrix_ops=rep.matrix_ops, vgpr=rep.vgpr, agpr=rep.agpr,
@@ -118,10 +113,9 @@ def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monk
         pytest.skip("the output in the loop does not run on split products in the plain loop (prefill.fo_ok)")
     # a SEG entry's loop is the state kernel at the entry's other keys (its runs' maps: the prefill_seg_f16 case)
     meta.pop("SEG", None)
-    if meta.get("LC"):  # the one-program chunk phases: their own kernel (the prefill_local*_f16 cases)
-        name = "prefill_local_f16" if meta["LC"] == 1 else "prefill_local2_f16"
-        _, fn, sig, consts, _, _ = CASES[name]
-        meta.pop("PS", None)
+    if meta.get("LC"):  # the one-program chunk phases: their own kernel (the prefill_local_f16 case)
+        _, fn, sig, consts, _, _ = CASES["prefill_local_f16"]
+        name = "prefill_local_f16"
     rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
     assert rep.error is None, rep.error
     if name in F16_MATRIX:
