@@ -49,7 +49,7 @@ _CUDA = {
               # LC 1: the gate, A / Aqk, the UT solve and w / u of a chunk in one program (prefill._local_kernel):
               # one launch for four, G / A / M read back from L2 at once instead of from memory by later launches.
               # Tuned against the four launches (each other intra entry timed with the gate, the solve and the w / u
-              # table's first entry). H100 2026-12-06 23:05 UTC, fp16 form, B1 T8192 H96 (gpu-runs/results/
+              # table's first entry). H100 2026-12-06 22:40 UTC, fp16 form, B1 T8192 H96 (gpu-runs/results/
               # h100_2026-12-06g): 2.842 ms at 8 warps held to 128 registers (160 bytes of spills, 2 programs an
               # SM) against 2.515 for the four launches at the served entries; 4.256 held to 168 at 4 warps, 5.283 at
               # 4 warps (255 registers): latency-bound by the warps an SM holds. A persistent form with G / A / M in
