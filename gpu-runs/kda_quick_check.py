@@ -36,6 +36,8 @@ def main() -> int:
     lens = [int(x) for x in args.lens.split(",")]
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
     first = {k: tune.configs(getattr(KC, k.upper()))[0] for k in ("gate", "intra", "wu", "state", "out")}
+    if args.products == "split":  # the output in the state loop (FO, the table's first entry) does not run there
+        first["state"] = next(c for c in tune.configs(KC.STATE) if not c.get("FO"))
     bad = 0
     for shift in (0.0, -12.0):
         g = torch.Generator(device="cuda").manual_seed(1234 + int(shift))

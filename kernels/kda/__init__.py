@@ -100,7 +100,10 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                     V="constexpr")
     split = next(c for c in configs.DECODE["cuda"] if c.get("SPLIT"))
     cc = configs.CONV["cuda"][0]
-    st = configs.STATE["cuda"][0]
+    # the plain loop's cases at the first entry without the output in the loop (the split form's untimed pick)
+    st = next(c for c in configs.STATE["cuda"] if not c.get("FO"))
+    st_opts = {be: tune.split(next(c for c in configs.STATE[be] if not c.get("FO")), interp=False)[1]
+               for be in ("hip", "cuda")}
     ot = configs.OUT["cuda"][0]
     spl = next(c for c in configs.STATE["cuda"] if c.get("candidate"))
     fo = next(c for c in configs.STATE["cuda"] if c.get("FO"))
@@ -118,7 +121,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
          _opts(configs.WU)),
         ("prefill_state", _state_kernel, state_sig,
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=1, PF=st["PF"], WHOPD=1, INNER=0, SPL=0, FO=0, OOPD=1, RB=0), True,
-         _opts(configs.STATE)),
+         st_opts),
         # w / kg stored split (prefill.PRODUCTS "pre"): their writers and the state pass's split loop at the first
         # state candidate's options
         ("prefill_gate_kg2", _gate_kernel, dict(gate_sig, kg="*bf16", qg="*bf16"), dict(K=K, BT=BT, KG2=1, QG2=1, CS=0), False,
@@ -162,7 +165,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
           for be in ("hip", "cuda")}),
         ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=st["BV"], OPD=5, PF=st["PF"], WHOPD=5, INNER=0, SPL=0, FO=0, OOPD=5, RB=0),
-         True, _opts(configs.STATE)),
+         True, st_opts),
         ("prefill_state_f16_fo", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h, qg=h, aqk=h),
          dict(HAS_H0=True, K=K, V=K, BT=BT, BV=fo["BV"], OPD=5, PF=0, WHOPD=5, INNER=0, SPL=0, FO=1, OOPD=5, RB=0), True,
          {be: tune.split(next(c for c in configs.STATE[be] if c.get("FO")), interp=False)[1]

@@ -93,7 +93,12 @@ _CUDA = {
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
-    "state": [dict(BV=32, PF=1, num_warps=4, num_stages=1),
+    # first (what serving runs untimed, tune mode "first"): the output in the loop at BV 64 / 4 warps, the tuned pick
+    # on the 16-bit and IEEE forms (H100 2026-12-06 22:40 UTC, fp16 form, B1 T8192 H96: 0.969 ms against 2.584 for
+    # the BV 32 / PF 1 entry that led the table before; gpu-runs/results/h100_2026-12-06g). Forms without FO (split
+    # products) take the first entry without it, BV 32 / PF 1, as before
+    "state": [dict(BV=64, PF=0, FO=1, num_warps=4, num_stages=1),
+              dict(BV=32, PF=1, num_warps=4, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, num_stages=1),
               dict(BV=16, PF=0, num_warps=4, num_stages=1),
@@ -124,8 +129,7 @@ _CUDA = {
               # for 384); BV 64 / 8 warps held to 128, 476 bytes (2 an SM); BV 128 / 8 warps 255, 460 bytes (96
               # programs, no V tile re-read). GPU accuracy as the served entries (kda_quick_check.py, H100 2026-12-06
               # 20:18 UTC): tuned from then; the prefill with them among the candidates, 0.951 ms state pass at B1
-              # T8192 H96 (1.022 before)
-              dict(BV=64, PF=0, FO=1, num_warps=4, num_stages=1),
+              # T8192 H96 (1.022 before). (BV 64 / 4 warps leads the table from 2026-12-06 23:10 UTC.)
               dict(BV=32, PF=0, FO=1, num_warps=4, num_stages=1, maxnreg=168),
               dict(BV=64, PF=0, FO=1, num_warps=8, num_stages=1, maxnreg=128),
               dict(BV=128, PF=0, FO=1, num_warps=8, num_stages=1),
