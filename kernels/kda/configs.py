@@ -63,9 +63,11 @@ _CUDA = {
     # the segmented state pass's chaining launch (prefill._seg_combine_kernel; first entry, not tuned: timed inside
     # the state pick of a SEG entry)
     "seg_combine": [dict(num_warps=8, num_stages=1)],
-    # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps)
-    "wu": [dict(num_warps=4, num_stages=1),
-           dict(num_warps=8, num_stages=1),
+    # w = M (beta k e^G), u = M (beta v): one [64, 64] x [64, 128] product a program (wgmma m64 at 4 warps). 8 warps
+    # first (serving's untimed pick): the tuned pick on the fp16 form at B1 T8192 H96 in both H100 runs of
+    # 2026-12-06 (0.774 against 0.842 ms at 4 warps, each with the solve launch, 22:40 UTC)
+    "wu": [dict(num_warps=8, num_stages=1),
+           dict(num_warps=4, num_stages=1),
            dict(INNER=1, num_warps=4, num_stages=1),
            # SV 1: the UT solve in the same program, one program per (chunk, head) making M, w and u (no solve launch,
            # M read back from L2 rather than twice from memory; prefill._wu_kernel). GPU accuracy as the served entries
