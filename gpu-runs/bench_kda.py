@@ -561,6 +561,11 @@ def main():
             lines.append(f"| {r['row']} | " + " | ".join(f"{x:.3f}" for x in ks) + f" | {sum(ks):.3f} | "
                          f"{r['conv_qkv_ms']:.3f} |")
     for r in rows:
+        for nm, lst in (r.get("timed") or {}).items():  # every candidate the tuner timed for this row, fastest first
+            if lst:
+                lines += ["", f"{r['row']}, `{nm}` tuned pick, each candidate timed (ms; what the time includes: "
+                              "`tune.TIMINGS`):", "", "| config | ms |", "|---|---|"]
+                lines += [f"| `{c}` | {t:.4f} |" for c, t in sorted(lst, key=lambda ct: ct[1])]
         for who in ("ours", "fla"):
             ks = r.get(f"{who}_kernels")
             if ks:
