@@ -493,7 +493,7 @@ def _valid_hint(cfg: K3Config, profile: Profile) -> str:
 
     def fits(tp: int, ep: int) -> bool:
         try:
-            return plan(cfg, profile, tp=tp, ep=ep, strict=False).fits
+            return plan(cfg, profile, tp=tp, ep=ep, strict=False, _probe=True).fits
         except PlanError:
             return False
 
@@ -570,7 +570,7 @@ def _rank_trunk(cfg: K3Config, lay: _Layout, rank: int) -> tuple[int, int]:
 
 def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None = None, kv_dtype: str = "bf16",
          max_tokens: int | None = None, context_len: int | None = None, strict: bool = True,
-         host_ranks: int | None = None) -> Placement:
+         host_ranks: int | None = None, *, _probe: bool = False) -> Placement:
     """Place ``cfg`` on ``profile``: per-rank tensor slices, bytes, memory budget, cache capacity, roofline.
 
     Args:
@@ -586,6 +586,8 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
             ``fits=False`` and ``problem`` set, so a caller can still print the numbers.
         host_ranks: on the cpu backend, the rank processes that share the host's memory (default ``tp``: every
             rank runs here; 1 for a ``--synthetic`` run, which builds one rank alone). Ignored on GPU profiles.
+        _probe: internal (the hints' own trial plans): errors carry no layout hint or suggestion, which would plan
+            again — on a profile that holds the model in no layout, without end.
 
     Raises:
         PlanError: heads / experts / widths not divisible by the layout, MXFP4 scale groups split by an
@@ -600,7 +602,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         for cand in range(want, 0, -1):  # the largest layout the config splits by, at most the profile's
             cand_ep = ep if ep is not None else (profile.ep if profile.ep and cand % profile.ep == 0 else cand)
             try:
-                _check_layout(cfg, profile, cand, cand_ep)
+                _check_layout(cfg, profile, cand, cand_ep, hint=not _probe)
             except PlanError as e:
                 first_err = first_err or e
                 continue
@@ -613,7 +615,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     if ep is None:
         ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
         try:
-            _check_layout(cfg, profile, tp, ep)
+            _check_layout(cfg, profile, tp, ep, hint=not _probe)
         except PlanError as e:
             # the user gave no --ep: say where the value came from, but only when another ep makes this tp work;
             # when none does, tp itself is what is wrong and the message (about tp) stands alone
@@ -622,7 +624,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                 raise PlanError(f"{e} (ep was not given and defaults to {ep}; pass --ep)") from None
             raise
     else:
-        _check_layout(cfg, profile, tp, ep)
+        _check_layout(cfg, profile, tp, ep, hint=not _probe)
     lay = _Layout(tp, ep)
     max_tokens = int(max_tokens or DEFAULT_MAX_TOKENS)
     context_len = int(context_len or DEFAULT_CONTEXT)
@@ -662,21 +664,20 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                         "kernel decodes them to bf16 in registers, so the byte plan holds but expert GEMMs run "
                         "at the bf16 rate (A8W4 is emulated there)")
     if not fits:
-        pl.problem = _not_fit_message(cfg, profile, pl)
+        pl.problem = _not_fit_message(cfg, profile, pl, suggest=not _probe)
         if strict:
             raise PlanError(pl.problem)
     return pl
 
 
-def _not_fit_message(cfg: K3Config, profile: Profile, pl: Placement) -> str:
+def _not_fit_message(cfg: K3Config, profile: Profile, pl: Placement, suggest: bool = True) -> str:
     need = pl.needed_bytes
     msg = (f"{cfg.name} does not fit {profile.name} at tp={pl.tp}/ep={pl.ep}: needs {need / GB:.1f} GB per GPU "
            f"(weights {pl.weights_bytes / GB:.1f} GB + reserves "
            f"{(pl.workspace_reserve_bytes + pl.activation_reserve_bytes) / GB:.1f} GB + one "
            f"{pl.cache.context_len}-token sequence of cache), {pl.usable_bytes / GB:.1f} GB usable "
            f"({profile.memory_bytes / GB:.1f} GB x {profile.usable_fraction})")
-    hint = _suggest(cfg, profile, pl)
-    return msg + "; " + hint
+    return msg + "; " + _suggest(cfg, profile, pl) if suggest else msg
 
 
 def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
@@ -689,7 +690,7 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
             fake = scaled_profile(profile, n)
             try:
                 p = plan(cfg, fake, tp=n, ep=n, kv_dtype=pl.kv_dtype, max_tokens=pl.max_tokens,
-                         context_len=pl.cache.context_len, strict=True)
+                         context_len=pl.cache.context_len, strict=True, _probe=True)
             except PlanError:
                 continue
             where = ("this node" if n <= profile.device_count else

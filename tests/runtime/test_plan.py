@@ -86,6 +86,20 @@ def test_official_k3_does_not_fit(k3, name):
     assert not p.fits and p.problem == msg and p.needed_bytes > p.usable_bytes
 
 
+@pytest.mark.parametrize("gb", [1, 24])
+def test_a_profile_that_holds_the_model_in_no_layout_gets_one_line(k3, gb):
+    """GPUs too small for any layout (K3 and k3-tiny on 1 GB cards, K3 on 24 GB ones): a one-line PlanError, default
+    tp and an explicit one; the hints' trial plans do not plan again (they once recursed without end: the suggestion
+    planned a scaled profile whose layout error planned hints of its own)."""
+    prof = replace(load_profile("mi355x-8"), memory_bytes=gb * 10**9)
+    for cfg in (k3, preset("k3-tiny")) if gb == 1 else (k3,):
+        for tp in (None, 3):
+            with pytest.raises(PlanError) as ei:
+                plan(cfg, prof, tp=tp)
+            assert "\n" not in str(ei.value)
+            assert ("does not fit" in str(ei.value)) == (tp is None), str(ei.value)
+
+
 def test_tp4_does_not_fit(k3):
     with pytest.raises(PlanError, match=r"tp=4/ep=4.*does not fit|does not fit.*tp=4/ep=4"):
         plan(k3, load_profile("mi355x-8"), tp=4, ep=4)
