@@ -41,6 +41,9 @@ _FIXED_FIELDS: tuple[tuple[str, tuple, str], ...] = (
     ("moe_router_activation_func", ("sigmoid",), "the router scores experts with a sigmoid"),
     ("num_expert_group", (1,), "no expert groups in top-k"),
     ("topk_group", (1,), "no expert groups in top-k"),
+    # (use_grouped_topk is not checked: with one expert group, grouped and plain top-k choose the same experts)
+    ("topk_method", ("noaux_tc",), "top-k of the sigmoid scores plus e_score_correction_bias, weights from the "
+                                   "uncorrected scores"),
     ("moe_layer_freq", (1,), "every layer after first_k_dense_replace is MoE"),
     ("mla_use_nope", (True,), "gated NoPE MLA"),
     ("latent_moe_use_norm", (True,), "the latent RMSNorm of Stable LatentMoE"),

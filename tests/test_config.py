@@ -300,6 +300,7 @@ _BAD_FIELDS = [
     (_T + ("moe_router_activation_func",), "softmax", "text_config.moe_router_activation_func"),
     (_T + ("num_expert_group",), 4, "text_config.num_expert_group"),
     (_T + ("topk_group",), 2, "text_config.topk_group"),
+    (_T + ("topk_method",), "greedy", "text_config.topk_method"),
     (_T + ("moe_layer_freq",), 2, "text_config.moe_layer_freq"),
     (_T + ("mla_use_nope",), False, "text_config.mla_use_nope"),
     (_T + ("latent_moe_use_norm",), False, "text_config.latent_moe_use_norm"),
