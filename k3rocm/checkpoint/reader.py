@@ -16,7 +16,8 @@
    tensor the index does not list);
 7. the tensor set is exactly ``layout.iter_specs(config)`` with the right dtypes and shapes (vision tensors
    ``vision_tower.`` / ``mm_projector.`` are recognised and skipped);
-8. (``check_scales=True``) no E8M0 ``weight_scale`` byte is 0xFF (NaN), checked with numpy on the mapped bytes.
+8. (``check_scales=True``) no E8M0 ``weight_scale`` byte is 0xFF (NaN) or 0xFD / 0xFE (2^126 / 2^127: the block's
+   E2M1 values up to 6 decode past the bf16 / fp32 range, to Inf), checked with numpy on the mapped bytes.
 """
 
 from __future__ import annotations
@@ -330,21 +331,30 @@ def _refuse_pickles(root: Path) -> None:
 
 
 def check_scale_bytes(index: CheckpointIndex, names: Iterable[str] | None = None) -> None:
-    """Raise on the first ``weight_scale`` tensor holding an E8M0 byte 0xFF (NaN; K3_FACTS §4).
+    """Raise on the first ``weight_scale`` tensor holding an E8M0 byte 0xFF (NaN; K3_FACTS §4) or 0xFD / 0xFE
+    (2^126 / 2^127: E2M1 values up to 6 in that block decode to more than bf16's and fp32's 3.4e38, i.e. Inf —
+    no quantizer picks such a scale, whose block maximum would itself be past that range).
 
     Raises:
-        CheckpointError: naming the tensor, its shard and the first bad (row, column).
+        CheckpointError: naming the tensor, its shard, the byte and the first bad (row, column).
     """
     names = [n for n in index.entries if n.endswith(".weight_scale")] if names is None else list(names)
     for n in names:
         e = index.entries[n]
         b = index.raw_bytes(n)
-        if b.size and b.max() == 0xFF:
-            flat = int(np.argmax(b == 0xFF))
+        if b.size and b.max() >= _SCALE_INF:
+            bad = b >= _SCALE_INF
+            flat = int(np.argmax(bad))
             where = np.unravel_index(flat, e.shape) if e.shape else ()
-            raise CheckpointError(f"{n} in {e.shard}: E8M0 scale byte 0xFF (NaN) at {tuple(int(i) for i in where)} "
-                                  f"({int((b == 0xFF).sum())} in this tensor); the checkpoint is corrupt - "
+            byte = int(b.reshape(-1)[flat])
+            what = "0xFF (NaN)" if byte == 0xFF else f"0x{byte:02X} (2^{byte - 127}: decodes to Inf)"
+            raise CheckpointError(f"{n} in {e.shard}: E8M0 scale byte {what} at {tuple(int(i) for i in where)} "
+                                  f"({int(bad.sum())} such bytes in this tensor); the checkpoint is corrupt - "
                                   "re-download that shard")
+
+
+#: the smallest E8M0 byte refused: 0xFD = 2^126, where 6 (E2M1's largest) x 2^126 passes fp32's largest finite value
+_SCALE_INF = 0xFD
 
 
 #: the names an MXFP4 routed-expert weight is stored under (compressed-tensors' pack-quantized format), and the one

@@ -152,6 +152,24 @@ def test_missing_and_unexpected_tensors(ck, tmp_path):
     _refused(other, CheckpointError, name, "unexpected")
 
 
+@pytest.mark.parametrize("byte", [0xFD, 0xFE])
+def test_scale_byte_that_decodes_to_inf(ck, byte):
+    """E8M0 2^126 / 2^127: the block's E2M1 values up to 6 decode past fp32's and bf16's range (Inf), which load
+    once reported as validated scales; refused like the NaN byte, naming the byte and where; 0xFC (2^125: 6 x 2^125
+    is finite) passes."""
+    ix = open_checkpoint(ck)
+    e = ix.entries[SCALE]
+    ix.close()
+    orig = (ck / e.shard).read_bytes()
+    b = bytearray(orig)
+    b[e.start + 2 * 5] = byte  # row 5, column 0 of a [64, 2] scale
+    (ck / e.shard).write_bytes(bytes(b))
+    _refused(ck, CheckpointError, SCALE, e.shard, f"0x{byte:02X}", f"2^{byte - 127}", "Inf", "(5, 0)")
+    b[e.start + 2 * 5] = 0xFC
+    (ck / e.shard).write_bytes(bytes(b))
+    assert len(open_checkpoint(ck)) == 1492
+
+
 def test_0xff_scale_byte(ck):
     ix = open_checkpoint(ck)
     e = ix.entries[SCALE]
