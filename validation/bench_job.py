@@ -287,8 +287,9 @@ def check_capacity(session: Session, concurrencies: list[int], input_len: int, o
     max_pos = int(text.get("max_position_embeddings") or 0)
     L = input_len + output_len
     if max_pos and L > max_pos:
-        raise ConfigError(f"--input-len + --output-len = {L:,} tokens exceeds the model's max_position_embeddings "
-                          f"{max_pos:,}")
+        raise ConfigError(f"--input-len + --output-len = {input_len:,} + {output_len:,} = {L:,} tokens exceeds the "
+                          f"model's max_position_embeddings {max_pos:,} (config.json); pass --input-len and "
+                          f"--output-len that sum to at most {max_pos:,}")
     pl = session.run_placement
     c = pl.cache
     per_seq = L * c.mla_bytes_per_token + c.kda_state_bytes_per_seq

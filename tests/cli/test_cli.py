@@ -382,7 +382,7 @@ def test_a_broken_manifest_stops_before_anything_is_printed(golden_ckpt, tmp_pat
 
 
 @pytest.mark.parametrize("args,what", [
-    (["--input-len", "1000000000"], "max_position_embeddings"),
+    (["--input-len", "1000000000"], "sum to at most"),
     (["--concurrency", "1000000", "--num-prompts", "1000000", "--warmups", "0"], "of cache per GPU"),
     (["--num-prompts", "1000000000000000000000"], "--num-prompts"),
     (["--warmups", "100000000"], "--warmups"),
