@@ -35,7 +35,9 @@ Examples:
 @click.option("--out", required=True, type=click.Path(path_type=str), metavar="DIR", help="New directory to write.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
               help="Weights are a function of (seed, tensor name).")
-@click.option("--shards", type=int, default=None, help="Number of shards (default: by size).")
+@click.option("--shards", type=int, default=None,
+              help="Number of shards, from 1 to one a layer (plus one for the embedding / head; default: about one "
+                   "per 20 GB, at least 2).")
 @click.option("--manifest", is_flag=True, help="Also write k3rocm-manifest.json (sha256 per file).")
 @click.option("--expert-init", type=click.Choice(["gaussian", "codes"]), default="gaussian", show_default=True,
               help="Routed experts: N(0, 1/in) quantized to MXFP4, or random E2M1 codes + E8M0 scales of the "

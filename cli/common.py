@@ -129,7 +129,7 @@ def debug_option(f):
 
 def seed_option(f):
     return click.option("--seed", default=0, type=click.IntRange(0, 2**63 - 1),
-                        help="Seed of generated inputs (0 .. 2^63-1; default 0).")(f)
+                        help="Seed of generated inputs (default 0).")(f)
 
 
 def common_options(f=None, *, kernels: bool = True):

@@ -170,7 +170,8 @@ neither the run is refused rather than assume 1.""")
 @click.option("--num-prompts", type=int, default=None,
               help="Measured requests per point (default 10 x concurrency); at least the largest concurrency.")
 @click.option("--range-ratio", type=float, default=DEFAULT_RANGE_RATIO, show_default=True,
-              help="Lower end of the length draws.")
+              help="Lower end of the length draws, in (0, 1]: each request's input and output lengths are drawn "
+                   "uniformly from [ratio x length, length]; 1 for fixed lengths.")
 @click.option("--warmups", type=int, default=None, help="Warm-up requests per point (default 2 x concurrency).")
 @click.option("--endpoint", default=None, metavar="URL",
               help="Run the same load against an OpenAI-compatible server (/v1/completions, streaming) instead "

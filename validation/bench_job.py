@@ -184,7 +184,8 @@ def check_options(bench: BenchOptions, kernels: str, profile: str | None) -> tup
         raise ConfigError(f"--range-ratio {b.range_ratio} must be in (0, 1]: lengths are drawn from [ratio x length, "
                           "length]; pass e.g. --range-ratio 1 for fixed lengths")
     if b.warmups is not None and not 0 <= b.warmups <= MAX_PROMPTS:
-        raise ConfigError(f"--warmups {b.warmups} must be in 0..{MAX_PROMPTS:,}")
+        raise ConfigError(f"--warmups {b.warmups} must be in 0..{MAX_PROMPTS:,}; leave it out for 2 x concurrency, "
+                          "or pass 0 to measure from the first request")
     if b.model_name is not None and b.endpoint is None:
         raise ConfigError("--model names the model an --endpoint serves; without --endpoint the built-in engine "
                           "runs the checkpoint: drop --model or add --endpoint URL")

@@ -180,7 +180,8 @@ class Session:
                               "drop --golden or --synthetic")
         for flag, v in (("--tp", o.tp), ("--ep", o.ep)):
             if v is not None and v < 1:
-                raise ConfigError(f"{flag} {v} must be at least 1")
+                raise ConfigError(f"{flag} {v} must be at least 1; leave it out for the profile's layout, or pass a "
+                                  "divisor of the GPU count (`k3rocm plan` lists the layouts that work)")
         if o.rank is not None and o.rank < 0:
             raise ConfigError(f"--rank {o.rank} must be at least 0")
 
