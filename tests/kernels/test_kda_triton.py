@@ -467,9 +467,11 @@ def test_tune_keys_bounded(monkeypatch):
 
     monkeypatch.setattr(tune, "pick", spy)
     gen = _gen()
+    plain = next(c for c in tune.configs(KC.STATE) if not c.get("FO"))  # with an output launch to pick for
     for T in (5, 7):
         a = make_prefill(1, T, 1, D, gen)
         KPRE.kda_prefill(**a)
+        KPRE.kda_prefill(**a, config={"state": plain})
         KCONV.short_conv(torch.randn(1, T, 8, generator=gen).to(DEV), torch.randn(8, 1, 4, generator=gen).to(DEV))
     for N in (3, 4):
         xs, ws, A_log, dt, onw, cp, sp = _decode_setup(gen, N, N, 1, D)
