@@ -15,8 +15,8 @@ from k3rocm.kernels import tune
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, _split_norm_kernel, _split_prep_kernel, _split_state_kernel, kda_decode
-from .prefill import (BC, BT, SEG_BK, SEG_BV, _gate_kernel, _intra_kernel, _local_kernel, _out_kernel, _seg_combine_kernel, _seg_kernel,
-                      _solve_kernel, _state_kernel, _wu_kernel, kda_prefill)
+from .prefill import (BC, BT, SEG_BK, SEG_BV, _gate_kernel, _intra_kernel, _local_kernel, _out_kernel,
+                      _seg_combine_kernel, _seg_kernel, _solve_kernel, _state_kernel, _wu_kernel, kda_prefill)
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
 
@@ -82,7 +82,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
                      chunk_len="*i32", gbuf="*fp32", qg=h, kg=h, glast="*fp32", aqk=h, abuf=h, mbuf=h, w=h, u=h,
                      scale="fp32", lower_bound="fp32", H="i32", K="constexpr", V="constexpr", BT="constexpr",
                      BC="constexpr", OPD="constexpr", WOPD="constexpr", UOPD="constexpr", PREC="constexpr",
-                     KG2="constexpr", QG2="constexpr", W2="constexpr", CS="constexpr", LC="constexpr")
+                     KG2="constexpr", QG2="constexpr", W2="constexpr", CS="constexpr")
     comb_sig = dict(pq="*fp32", h0="*fp32", hstart="*fp32", ht="*fp32", seq_seg="*i32", H="i32", HAS_H0="constexpr",
                     K="constexpr", V="constexpr", BV="constexpr", BK="constexpr")
     dec_sig = dict(q_raw=p, k_raw=p, v_raw=p, d_raw=p, b_raw=p, g_raw=p, wq="*fp32", wk="*fp32", wv="*fp32",
@@ -160,7 +160,7 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         # the gate, A / Aqk, the UT solve and w / u in one program (the intra table's LC entries), fp16 form with
         # the CS gate: bf16 products (the gate's cumulative sum), fp16 ones and the solve's fp32 ones
         ("prefill_local_f16", _local_kernel, local_sig,
-         dict(K=K, V=K, BT=BT, BC=BC, OPD=5, WOPD=5, UOPD=5, PREC=None, KG2=0, QG2=0, W2=0, CS=1, LC=1), True,
+         dict(K=K, V=K, BT=BT, BC=BC, OPD=5, WOPD=5, UOPD=5, PREC=None, KG2=0, QG2=0, W2=0, CS=1), True,
          {be: tune.split(next(c for c in configs.INTRA[be] if c.get("LC")), interp=False)[1]
           for be in ("hip", "cuda")}),
         ("prefill_state_f16", _state_kernel, dict(state_sig, kg=h, w=h, u=h, hbuf=h, vnew=h),

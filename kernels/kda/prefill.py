@@ -247,12 +247,16 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
     2026-12-06: fewer bytes in flight a program; so did a chunk's channels split over 2 or 4 programs, 1.18 / 1.24
     vs 1.17 ms, at 151 / 72 registers.) ``KG2`` / ``QG2`` = 1: ``kg`` / ``qg`` stored split, bf16 hi / lo
     (:func:`_store_split`); ``CS``: how the cumulative sum runs (:func:`_cumsum_rows`)."""
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    t0 = tl.load(chunk_tok + c)
-    L = tl.load(chunk_len + c)
+    c, hh, t0, L = _chunk_program(chunk_tok, chunk_len)
     _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2, QG2,
                 CS)
+
+
+@_interp.kjit
+def _chunk_program(chunk_tok, chunk_len):
+    """``(c, hh, t0, L)`` of a program on a ``(chunks, heads)`` grid: its chunk, head, first token and length."""
+    c = tl.program_id(0)
+    return c, tl.program_id(1), tl.load(chunk_tok + c), tl.load(chunk_len + c)
 
 
 @_interp.kjit
@@ -339,10 +343,7 @@ def _solve_kernel(abuf, mbuf, chunk_tok, chunk_len, H, BT: tl.constexpr, BC: tl.
     """Phase 3 of a chunk, one program per (chunk, head): the UT solve ``M = (I + A)^-1`` of the stored A (its
     16 x 16 blocks: :func:`_inv_diag` on the diagonal, then block products at ``PREC``), stored in fp32 (lower
     triangle; :func:`_wu_kernel` applies it)."""
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    t0 = tl.load(chunk_tok + c)
-    L = tl.load(chunk_len + c)
+    c, hh, t0, L = _chunk_program(chunk_tok, chunk_len)
     _solve_chunk(abuf, mbuf, t0, L, hh, H, BT, BC, PREC)
 
 
@@ -450,17 +451,14 @@ def _wu_u(v, m, b, u, t0, rows, hh, H, mr, V: tl.constexpr, UOPD: tl.constexpr):
 def _local_kernel(q, k, v, draw, braw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, aqk, abuf, mbuf,
                   w, u, scale, lower_bound, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                   OPD: tl.constexpr, WOPD: tl.constexpr, UOPD: tl.constexpr, PREC: tl.constexpr, KG2: tl.constexpr,
-                  QG2: tl.constexpr, W2: tl.constexpr, CS: tl.constexpr, LC: tl.constexpr = 1):
+                  QG2: tl.constexpr, W2: tl.constexpr, CS: tl.constexpr):
     """Phases 1 - 4 of a chunk in one program per (chunk, head) (the intra table's ``LC`` entries): the gate
     (:func:`_gate_chunk`), the row blocks of A and Aqk in a runtime loop (:func:`_intra_row`), the UT solve
     (:func:`_solve_chunk`) and ``w`` / ``u`` (:func:`_wu_parts`), a block barrier between phases (each reads what
     other threads of the program stored). The same arithmetic as the four launches, bit for bit; G, A and M are
     still stored but read back at once, from L2, and q / k / G / M are not read from memory again by later
     launches. Outputs as the four kernels': qg, kg, glast, Aqk, w, u (and the intermediates gbuf, abuf, mbuf)."""
-    c = tl.program_id(0)
-    hh = tl.program_id(1)
-    t0 = tl.load(chunk_tok + c)
-    L = tl.load(chunk_len + c)
+    c, hh, t0, L = _chunk_program(chunk_tok, chunk_len)
     _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2, QG2,
                 CS)
     tl.debug_barrier()  # G was stored by other threads of this program
@@ -925,8 +923,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     Returns:
         ``(launches, o, final_state)``: ``launches`` is ``[(name, fn)]`` in launch order, ``name`` one of
         ``"gate"``, ``"intra"``, ``"solve"`` (not with an SV w / u config), ``"wu"``, ``"state"``, ``"out"`` (not with
-        an FO state config); with an LC intra config ``"local"`` in place of gate, intra, solve and w / u; ``fn()`` runs that kernel again with its chosen config on
-        the same buffers (running them all in order recomputes ``o`` and ``final_state``).
+        an FO state config), ``"local"`` in place of gate, intra, solve and wu with an LC intra config; ``fn()`` runs
+        that kernel again with its chosen config on the same buffers (running them all in order recomputes ``o`` and
+        ``final_state``).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -1038,11 +1037,11 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
             launch_solve()
         launch_wu(c)
 
-    wu_first = tune.configs(C.WU)[0]
     lc_rival = [False]  # an LC intra candidate is being timed: the others are timed with the solve and w / u they need
 
     def launch_local(c):  # an LC intra config: the gate, A / Aqk, the solve and w / u in one launch
         meta, opts = tune.split(c)
+        meta.pop("LC")
         if NC:
             _interp.launch(_local_kernel, (NC, H), qc, kc, vc, dr, br, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg,
                            glast, aqk, abuf, mbuf, w, u, scale, float(lower_bound), H, K=K, V=V, BT=BT, BC=BC,
@@ -1056,7 +1055,7 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
         launch_gate(c)
         launch_intra(c)
         if lc_rival[0]:
-            launch_solve_wu(wu_first)
+            launch_solve_wu(tune.configs(C.WU)[0])
 
     def launch_state(c):
         meta, opts = tune.split(c)

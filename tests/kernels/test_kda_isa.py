@@ -113,7 +113,7 @@ def test_kda_prefill_every_hip_config_bf16_mfma_no_spills(name, ci, target, monk
         pytest.skip("the output in the loop does not run on split products in the plain loop (prefill.fo_ok)")
     # a SEG entry's loop is the state kernel at the entry's other keys (its runs' maps: the prefill_seg_f16 case)
     meta.pop("SEG", None)
-    if meta.get("LC"):  # the one-program chunk phases: their own kernel (the prefill_local_f16 case)
+    if meta.pop("LC", 0):  # the one-program chunk phases: their own kernel (the prefill_local_f16 case)
         _, fn, sig, consts, _, _ = CASES["prefill_local_f16"]
         name = "prefill_local_f16"
     rep = compile_kernel(fn, sig, {**consts, **meta}, target, name=f"kda.{name}", options=opts, expects_matrix=True)
