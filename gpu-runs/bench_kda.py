@@ -277,9 +277,8 @@ SWEEP_VARIANTS = {"split": "split", "split+pre": dict(pre=("kg", "w")), "split+p
 
 
 def gate_sweep(a) -> dict:
-    """The prefill's gate kernel alone on the row's inputs at each ``num_warps``, then at each entry of
-    ``configs.GATE`` (its shipped launch options first; the K-split candidates after), its buffers as the prefill
-    makes them (fp32)."""
+    """The prefill's gate kernel alone on the row's inputs at each ``num_warps`` (fp32 and fp16 outputs); the
+    entries of ``configs.GATE`` are timed by :func:`sweep` through the prefill's own gate launch."""
     import triton.testing as tt
 
     from k3rocm.kernels import _interp
@@ -305,24 +304,10 @@ def gate_sweep(a) -> dict:
                 res[f"gate_ms[{tag}num_warps={nw}]"] = tt.do_bench(fn, warmup=10, rep=50)
             except Exception as e:
                 res[f"gate_error[{tag}num_warps={nw}]"] = f"{type(e).__name__}: {e}"[:200]
-    from k3rocm.kernels import tune
-    from k3rocm.kernels.kda import configs as KC
-    for cfg in tune.configs(KC.GATE, candidates=True):  # the table's entries, candidates included
-        meta, opts = tune.split(cfg)
-        tag = ",".join(f"{kk}={vv}" for kk, vv in cfg.items() if kk not in ("num_stages", "candidate"))
-        # on the fp16 form's buffers (the default for bf16 inputs and the engine)
-        fn = lambda opts=opts, meta=meta: _interp.launch(  # noqa: E731
-            P._gate_kernel, (NC, H), q, k, dr, a["A_log"], a["dt_bias"], ct, cl, g, qh, kh, gl, K ** -0.5, -5.0,
-            H, K=K, BT=P.BT, **meta, **opts)
-        try:
-            fn()
-            res[f"gate_ms[{tag}]"] = tt.do_bench(fn, warmup=10, rep=50)
-        except Exception as e:
-            res[f"gate_error[{tag}]"] = f"{type(e).__name__}: {e}"[:200]
     return res
 
 
-def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None, forms=("split", "fp16")) -> list[dict]:
+def sweep(rows=None, kinds=("gate", "intra", "wu", "state", "out"), variants=None, forms=("split", "fp16")) -> list[dict]:
     """Where each launch could go: per row (default B1 T8192 H96 and B1 T131072 H12), every config of the intra, wu, state and out kernels timed alone, the gate
     kernel at each ``num_warps``, and each :data:`SWEEP_VARIANTS` entry timed launch by launch (first intra
     config, tuned state / out) with its relative RMS error on the accuracy input (B1 T4096 H12)."""
@@ -347,7 +332,7 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None, forms
         for kind, table, pre in (("intra", KC.INTRA, ()), ("wu", KC.WU, ()), ("state", KC.STATE, ()),
                                  ("state", KC.STATE, ("kg", "qg", "w")), ("out", KC.OUT, ()),
                                  ("intra", KC.INTRA, "fp16"), ("wu", KC.WU, "fp16"), ("state", KC.STATE, "fp16"),
-                                 ("out", KC.OUT, "fp16")):
+                                 ("out", KC.OUT, "fp16"), ("gate", KC.GATE, "fp16")):
             if kind not in kinds:
                 continue
             f16 = pre == "fp16"
@@ -373,7 +358,8 @@ def sweep(rows=None, kinds=("intra", "wu", "state", "out"), variants=None, forms
                                                          else 0.0))
                 except Exception as e:  # e.g. out of shared memory on this GPU: report, keep going
                     res[f"{tag}_error[{cj}]"] = f"{type(e).__name__}: {e}"[:200]
-        res.update(gate_sweep(a))
+        if "gate" in kinds:
+            res.update(gate_sweep(a))
         for name, prod in SWEEP_VARIANTS.items():
             if variants is not None and name not in variants:
                 continue
@@ -477,8 +463,9 @@ def main():
                     help="also profile each prefill row kernel by kernel (ours and fla's chunk_kda, torch.profiler)")
     ap.add_argument("--candidates", action="store_true",
                     help="the tuned picks also time the tables' candidate entries (which serving never takes)")
-    ap.add_argument("--sweep-kinds", default="intra,wu,state,out", metavar="KIND,...",
-                    help="the tables the sweep times config by config (default: intra,wu,state,out)")
+    ap.add_argument("--sweep-kinds", default="gate,intra,wu,state,out", metavar="KIND,...",
+                    help="the tables the sweep times config by config (default: gate,intra,wu,state,out; the gate on the fp16 form "
+                         "through the prefill's own launch, its num_warps ladder beside)")
     ap.add_argument("--sweep-variants", default=None, metavar="NAME,...",
                     help=f"the precision variants the sweep times (default all: {', '.join(SWEEP_VARIANTS)}; '' none)")
     ap.add_argument("--sweep-forms", default="split,fp16", metavar="FORM,...",
@@ -521,8 +508,8 @@ def main():
         _configs = tune.configs
         tune.configs = lambda table, backend=None, candidates=True: _configs(table, backend, True)
     kinds = tuple(args.sweep_kinds.split(","))
-    if any(k not in ("intra", "wu", "state", "out") for k in kinds):
-        ap.error(f"--sweep-kinds {args.sweep_kinds!r}: names among intra, wu, state, out")
+    if any(k not in ("gate", "intra", "wu", "state", "out") for k in kinds):
+        ap.error(f"--sweep-kinds {args.sweep_kinds!r}: names among gate, intra, wu, state, out")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     parts = args.only.split(",")

@@ -15,7 +15,7 @@ from k3rocm.kernels import tune
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
 from .decode import _decode_kernel, _split_norm_kernel, _split_prep_kernel, _split_state_kernel, kda_decode
-from .prefill import (BC, BT, SEG_BK, SEG_BV, _gate_kernel, _intra_kernel, _local_kernel, _out_kernel,
+from .prefill import (BC, BT, SEG_BK, SEG_BV, _gate_kernel, _gate_ps_kernel, _intra_kernel, _local_kernel, _out_kernel,
                       _seg_combine_kernel, _seg_kernel, _solve_kernel, _state_kernel, _wu_kernel, kda_prefill)
 
 __all__ = ["short_conv", "kda_prefill", "kda_decode", "configs", "isa_cases", "TRITON_IMPLS"]
@@ -146,6 +146,12 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
         # outputs, at the first CS entry's options of each backend
         ("prefill_gate_cs", _gate_kernel, dict(gate_sig, qg=h, kg=h), dict(K=K, BT=BT, KG2=0, QG2=0, CS=1), True,
          {be: tune.split(next(c for c in configs.GATE[be] if c.get("CS")), interp=False)[1]
+          for be in ("hip", "cuda")}),
+        # the persistent gate (PS entries): the CS gate's work in a loop over (chunk, head) items, at the first PS
+        # entry's options of each backend
+        ("prefill_gate_ps", _gate_ps_kernel, dict(gate_sig, qg=h, kg=h, n_items="i32"),
+         dict(K=K, BT=BT, KG2=0, QG2=0, CS=1), True,
+         {be: tune.split(next(c for c in configs.GATE[be] if c.get("PS")), interp=False)[1]
           for be in ("hip", "cuda")}),
         ("prefill_intra_f16", _intra_kernel, dict(intra_sig, aqk=h, abuf=h), dict(K=K, BT=BT, BC=BC, OPD=5, INNER=0, RT=0),
          True, _opts(configs.INTRA)),

@@ -91,7 +91,16 @@ _CUDA = {
     "gate": [dict(CS=1, num_warps=8, num_stages=1, maxnreg=128),
              dict(CS=1, num_warps=8, num_stages=1),
              dict(num_warps=4, num_stages=1),
-             dict(CS=1, num_warps=4, num_stages=1)],
+             dict(CS=1, num_warps=4, num_stages=1),
+             # PS: a persistent grid of PS programs a multiprocessor walking the (chunk, head) items in a loop
+             # (prefill._gate_ps_kernel), num_stages the loop pipeliner's depth: the next item's q / k / decay tiles
+             # come in by cp.async while this one's are used (the one-program-an-item gate holds 2 programs an SM,
+             # and each issues its loads only when it starts). ptxas sm_90a: 2 stages / 8 warps held to 128
+             # registers 220 bytes of spills (2 an SM), 3 stages / 8 warps 229 registers (1 an SM), 3 stages / 16
+             # warps held to 128 by the warp count, 48 bytes; 74 KB of shared memory each
+             dict(CS=1, PS=2, candidate=True, num_warps=8, num_stages=2, maxnreg=128),
+             dict(CS=1, PS=1, candidate=True, num_warps=8, num_stages=3),
+             dict(CS=1, PS=1, candidate=True, num_warps=16, num_stages=3)],
     # num_stages 1: a 2-stage pipeline of the fp32 [64, 128] tiles needs > 228 KB of shared memory on sm_90.
     # PF: the next chunk's tiles prefetched into registers (1) or loaded at each step (0); both run at the
     # register limit on sm_90 (ptxas), so the tuner measures which costs less
@@ -204,7 +213,8 @@ _HIP = {
            dict(INNER=1, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
            dict(SV=1, candidate=True, num_warps=8, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
     "gate": [dict(num_warps=4, waves_per_eu=0),  # as on CUDA (not measured on CDNA)
-             dict(CS=1, candidate=True, num_warps=4, waves_per_eu=0)],
+             dict(CS=1, candidate=True, num_warps=4, waves_per_eu=0),
+             dict(CS=1, PS=2, candidate=True, num_warps=8, waves_per_eu=0, num_stages=2)],
     "state": [dict(BV=32, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=16, PF=1, num_warps=8, waves_per_eu=2, matrix_instr_nonkdim=16, kpack=1, num_stages=1),
               dict(BV=32, PF=0, num_warps=4, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1, num_stages=1),

@@ -253,6 +253,37 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
 
 
 @_interp.kjit
+def _gate_ps_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
+                    n_items, K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0, QG2: tl.constexpr = 0,
+                    CS: tl.constexpr = 0):
+    """:func:`_gate_kernel` as a persistent grid: each program walks the ``n_items = chunks x heads`` (chunk,
+    head) items ``pid, pid + programs, ...`` in one loop (head fastest), so the loop pipeliner can issue the next
+    item's q / k / decay loads while this one's are in use (the launch's ``num_stages``). Same arithmetic per item,
+    bit for bit."""
+    for it in tl.range(tl.program_id(0), n_items, tl.num_programs(0)):
+        c = it // H
+        hh = it % H
+        t0 = tl.load(chunk_tok + c)
+        L = tl.load(chunk_len + c)
+        _gate_chunk(q, k, draw, A_log, dt_bias, gbuf, qg, kg, glast, scale, lower_bound, c, t0, L, hh, H, K, BT, KG2,
+                    QG2, CS)
+
+
+_N_SM: dict = {}
+
+
+def _programs_per_wave(dev, per_sm: int) -> int:
+    """``per_sm`` x the device's multiprocessors (CUs): a persistent grid's size. The interpreter takes 3 programs
+    (every loop then runs more than one item on the small test shapes)."""
+    if interpreting():
+        return 3
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _N_SM:
+        _N_SM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return per_sm * _N_SM[idx]
+
+
+@_interp.kjit
 def _chunk_program(chunk_tok, chunk_len):
     """``(c, hh, t0, L)`` of a program on a ``(chunks, heads)`` grid: its chunk, head, first token and length."""
     c = tl.program_id(0)
@@ -997,9 +1028,9 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
 
     # the gate's own config (configs.GATE's first entry, not tuned; config["gate"] forces one: tests, sweeps)
     gate_meta, gate_opts = tune.split(cfg.get("gate") or tune.configs(C.GATE)[0])
-    if set(gate_meta) - {"CS"}:
-        raise ConfigError(f"kda_prefill: gate config keys {sorted(set(gate_meta) - {'CS'})} are not gate options (the "
-                          "gate takes CS and launch options: num_warps, num_stages, waves_per_eu)")
+    if set(gate_meta) - {"CS", "PS"}:
+        raise ConfigError(f"kda_prefill: gate config keys {sorted(set(gate_meta) - {'CS', 'PS'})} are not gate options "
+                          "(the gate takes CS, PS and launch options: num_warps, num_stages, waves_per_eu)")
     if gate_meta.get("CS") and opd["pair"] == 0:
         # IEEE fp32 products (fp32 inputs): the scan. The three partial sums of CS round apart (the final state's
         # error 4e-6 -> 4.5e-5 in the interpreter); the 16-bit forms' own error is far above that
@@ -1007,8 +1038,15 @@ def prefill_launches(q, k, v, decay_raw, beta_raw, A_log, dt_bias, initial_state
     if gate_meta.get("CS") and interpreting():
         gate_meta["CS"] = 2  # the split cumulative sum multiplied in fp32 (bf16 tl.dot is wrong in the interpreter)
 
+    gate_ps = gate_meta.pop("PS", 0)  # programs a multiprocessor of a persistent gate grid (0: a program per item)
+
     def launch_gate(_c=None):  # its own launch options (configs.GATE), whatever the intra kernel's pick
-        if NC:
+        if NC and gate_ps:
+            n_items = NC * H
+            _interp.launch(_gate_ps_kernel, (min(n_items, _programs_per_wave(dev, gate_ps)),), qc, kc, dr, al, dtb,
+                           chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, float(lower_bound), H, n_items, K=K,
+                           BT=BT, KG2=pre, QG2=q2, **gate_meta, **gate_opts)
+        elif NC:
             _interp.launch(_gate_kernel, (NC, H), qc, kc, dr, al, dtb, chunk_tok, chunk_len, gbuf, qg, kg, glast,
                            scale, float(lower_bound), H, K=K, BT=BT, KG2=pre, QG2=q2, **gate_meta, **gate_opts)
 

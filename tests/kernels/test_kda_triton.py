@@ -180,6 +180,26 @@ def test_prefill_local_kernel_equals_its_four_launches():
                 assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3
 
 
+def test_prefill_persistent_gate_equals_the_gate_grid():
+    """The gate table's PS entries (a persistent grid looping over the (chunk, head) items; 3 programs in the
+    interpreter, so each walks several items, including a 1-token chunk and a partial one) give the one-program-an-item
+    gate's o and final state bit for bit, on fp32 inputs (the scan), the fp16 form and kg / qg stored split, at
+    ordinary decays and near decay 1; every buffer starts NaN (POISON), so an item no program reached fails."""
+    gen = _gen()
+    pss = [c for c in tune.configs(KC.GATE, candidates=True) if c.get("PS")]
+    assert pss
+    for shift in (0.0, -12.0):
+        a, cu, want_o, want_s = _packed_batch(gen, shift)
+        h = {kk: (vv.half() if kk in ("q", "k", "v", "decay_raw", "beta_raw") else vv) for kk, vv in a.items()}
+        for args, prod in ((a, None), (h, "fp16"), (h, dict(pre=("kg", "qg", "w")))):
+            for c in pss:
+                plain = {kk: vv for kk, vv in c.items() if kk not in ("PS", "candidate")}
+                ro, rs = KPRE.kda_prefill(**args, cu_seqlens=cu, config={"gate": plain}, products=prod)
+                o, st = KPRE.kda_prefill(**args, cu_seqlens=cu, config={"gate": c}, products=prod)
+                assert torch.equal(o, ro) and torch.equal(st, rs), (c, prod, shift)
+                assert _rel_rms(o, want_o) < 1.5e-3 and _rel_rms(st, want_s) < 1.5e-3
+
+
 def test_prefill_gate_refuses_keys_other_than_cs_and_launch_options():
     a = make_prefill(1, 8, 1, D, _gen())
     with pytest.raises(ConfigError, match="KS"):
