@@ -71,10 +71,13 @@ def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weight: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, append: bool = False,
-                  norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  norm_eps: float | None = None, addend: torch.Tensor | None = None,
+                  prefix_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused AttnRes step: aggregate ``bank[:num_rows]`` + ``prefix``, then the following RMSNorm.
 
-    This is what the ``attn_res`` Triton kernel computes in one pass.
+    This is what the ``attn_res`` Triton kernel computes in one pass. With ``addend`` the prefix source is
+    ``prefix + addend`` (the sublayer output not yet added, K3_FACTS §5 "prefix += out", one fp32 add), stored into
+    ``prefix_out``: the decoder's add and the next aggregation in one step, the same values as adding first.
 
     Args:
         bank: ``[R_max, T, D]`` bank storage (rows ``>= num_rows`` are not read).
@@ -85,10 +88,14 @@ def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weigh
             ``post_attention_layernorm`` or the model ``norm``).
         eps: RMSNorm eps of the keys; norm_eps: eps of the following RMSNorm (default ``eps``).
         append: write layer: also store ``prefix`` as bank row ``num_rows`` (in place, in the bank's dtype).
+        addend: ``[T, D]`` (any float dtype) added to ``prefix`` in fp32 before it is read; None: nothing added.
+        prefix_out: ``[T, D]`` fp32, receives ``prefix + addend`` (required with ``addend``; must not overlap
+            ``prefix``, ``addend`` or the bank).
     Returns:
         ``(h [T, D], h_normed [T, D])`` fp32, new tensors (never views of the bank).
     Raises:
-        ConfigError: ``append`` with a full bank, ``num_rows`` out of range, or shapes that disagree.
+        ConfigError: ``append`` with a full bank, ``num_rows`` out of range, shapes that disagree, ``addend``
+            without ``prefix_out`` (or either of another shape than ``prefix``, or ``prefix_out`` not fp32).
     """
     R_max = bank.shape[0]
     if not 0 <= num_rows <= R_max or (append and num_rows >= R_max):
@@ -96,12 +103,41 @@ def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weigh
                           f"size the bank with K3Config.num_attn_res_bank_rows")
     if bank.shape[1:] != prefix.shape:
         raise ConfigError(f"attn_res_norm: bank rows {tuple(bank.shape[1:])} and prefix {tuple(prefix.shape)} differ")
+    if addend is not None:
+        check_addend(prefix, addend, prefix_out, bank)
+        prefix_out.copy_(_f32(prefix) + _f32(addend))
+        prefix = prefix_out
     src = torch.cat([_f32(bank[:num_rows]), _f32(prefix)[None]], dim=0)
     h = attn_res(src, weight, eps)
     hn = rms_norm(h, norm_weight, eps if norm_eps is None else norm_eps)
     if append:
         bank[num_rows].copy_(prefix.to(bank.dtype))
     return h, hn
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (first to last byte) intersect on one device."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1) * a.element_size()
+    b1 = b0 + (sum((n - 1) * st for n, st in zip(b.shape, b.stride())) + 1) * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def check_addend(prefix: torch.Tensor, addend: torch.Tensor, prefix_out: torch.Tensor | None,
+                 bank: torch.Tensor | None = None) -> None:
+    """The ``addend`` / ``prefix_out`` pair of :func:`attn_res_norm`: both of ``prefix``'s shape, ``prefix_out``
+    fp32, sharing no memory with ``prefix``, ``addend`` or ``bank`` (a prefix updated in place would be added to
+    twice when a step is run again, e.g. by the tuner). Raises ConfigError otherwise."""
+    if prefix_out is None:
+        raise ConfigError("attn_res_norm: addend given without prefix_out (the fp32 [T, D] buffer that receives "
+                          "prefix + addend)")
+    if addend.shape != prefix.shape or prefix_out.shape != prefix.shape or prefix_out.dtype != torch.float32:
+        raise ConfigError(f"attn_res_norm: addend {tuple(addend.shape)} / prefix_out {tuple(prefix_out.shape)} "
+                          f"{prefix_out.dtype} must be the prefix's shape {tuple(prefix.shape)}, prefix_out fp32")
+    if any(overlaps(prefix_out, t) for t in (prefix, addend) + ((bank,) if bank is not None else ())):
+        raise ConfigError("attn_res_norm: prefix_out overlaps prefix, addend or the bank; give it its own buffer")
 
 
 AttnResFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]

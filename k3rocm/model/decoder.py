@@ -36,7 +36,7 @@ from k3rocm.errors import ConfigError
 from k3rocm.model.attnres import fold_res_weight
 from k3rocm.model.common import f32, linear, rms_norm
 from k3rocm.model.layer import (AttnResState, Batch, WeightView, attn_side, dense_mlp, final_aggregate, local_config,
-                                mixer_input_dtype, mlp_side, moe_block)
+                                mixer_input_dtype, mlp_side, moe_block, takes_addend)
 
 __all__ = ["Parallel", "LayerState", "Decoder", "Mixer"]
 
@@ -111,7 +111,9 @@ class LayerState:
     def clone(self, record: bool = True) -> "LayerState":
         """A copy of the residual state (AttnRes bank and prefix, or the stream) that can be run on separately:
         same batch and position (``next_layer``, ``mid``), fresh ``outputs``, no ``perturb``."""
-        res = None if self.res is None else AttnResState([b.clone() for b in self.res.bank], self.res.prefix.clone())
+        res = None if self.res is None else AttnResState(
+            [b.clone() for b in self.res.bank],
+            self.res.base.clone() if self.res.pending is None else self.res.base + self.res.pending)
         hid = None if self.hidden is None else self.hidden.clone()
         return LayerState(self.batch, res=res, hidden=hid, record=record, next_layer=self.next_layer, mid=self.mid)
 
@@ -177,7 +179,12 @@ class Decoder:
     def _add(self, state: LayerState, name: str, out: torch.Tensor) -> None:
         if state.perturb is not None:
             out = state.perturb(out)
-        if state.res is not None:
+        if state.res is not None and takes_addend(self.ops):
+            # added by the next aggregation in its own launch where the AttnRes op can (attn_res_norm's addend,
+            # AttnResState.pending): one launch less every half-layer
+            state.res.settle()  # (never two pending: the one before is added first)
+            state.res.pending = out
+        elif state.res is not None:
             state.res.prefix = state.res.prefix + out
         else:
             state.hidden = state.hidden + out
@@ -237,7 +244,9 @@ class Decoder:
         if state.next_layer != self.cfg.num_hidden_layers:
             raise ConfigError(f"final() after {state.next_layer} of {self.cfg.num_hidden_layers} layers; run them all")
         if self.attn_res:
-            res = state.res if rows is None else AttnResState([b[rows] for b in state.res.bank], state.res.prefix[rows])
+            r = state.res
+            res = r if rows is None else AttnResState([b[rows] for b in r.bank], r.base[rows],
+                                                      None if r.pending is None else r.pending[rows])
             return final_aggregate(res, self.res_weight("output_attn_res"), self.w("norm.weight"), self.cfg, self.ops)
         h = state.hidden if rows is None else state.hidden[rows]
         return rms_norm(h, self.w("norm.weight"), self.cfg.rms_norm_eps)

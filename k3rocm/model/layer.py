@@ -734,18 +734,41 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class AttnResState:
     """Per-forward Block AttnRes state on flat tokens.
 
     Attributes:
         bank: completed-block rows (embedding first), each its own ``[T, D]`` fp32 tensor (never a view of
             another row or of the prefix).
-        prefix: ``[T, D]`` fp32 running sum of the current block (the embedding before layer 0).
+        prefix: ``[T, D]`` fp32 running sum of the current block (the embedding before layer 0). Reading it adds
+            any ``pending`` output first (:meth:`settle`); setting it drops ``pending``.
+        pending: a sublayer output ``[T, D]`` not yet added to the prefix (None: none). The decoder defers its
+            ``prefix += out`` so the next aggregation adds it in its own launch (``attn_res_norm``'s ``addend``);
+            the aggregation reads :attr:`base` and ``pending`` apart.
+        base: the prefix without ``pending``.
     """
 
-    bank: list[torch.Tensor]
-    prefix: torch.Tensor
+    def __init__(self, bank: list[torch.Tensor], prefix: torch.Tensor, pending: torch.Tensor | None = None):
+        self.bank = bank
+        self.base = prefix
+        self.pending = pending
+
+    @property
+    def prefix(self) -> torch.Tensor:
+        return self.settle()
+
+    @prefix.setter
+    def prefix(self, value: torch.Tensor) -> None:
+        self.base, self.pending = value, None
+
+    def settle(self) -> torch.Tensor:
+        """Add ``pending`` into the prefix (a new tensor, as the decoder's ``prefix + out``) and return it."""
+        if self.pending is not None:
+            self.base, self.pending = self.base + self.pending, None
+        return self.base
+
+    def __repr__(self) -> str:
+        return f"AttnResState(bank={len(self.bank)} rows, prefix={tuple(self.base.shape)}, pending={self.pending is not None})"
 
 
 def _slots(state: AttnResState) -> torch.Tensor | None:
@@ -754,11 +777,26 @@ def _slots(state: AttnResState) -> torch.Tensor | None:
     if not state.bank:
         return None
     buf = state.bank[0]._base
-    if buf is None or buf.dim() != 3 or buf.shape[0] <= len(state.bank) or buf.shape[1:] != state.prefix.shape:
+    if buf is None or buf.dim() != 3 or buf.shape[0] <= len(state.bank) or buf.shape[1:] != state.base.shape:
         return None
     if any(r.data_ptr() != buf[i].data_ptr() or r.shape != buf.shape[1:] for i, r in enumerate(state.bank)):
         return None
     return buf
+
+
+def takes_addend(ops: Mapping[str, Callable]) -> bool:
+    """Whether the ops table's ``attn_res_norm`` takes ``addend`` / ``prefix_out`` (the pending prefix add in the
+    step: :class:`AttnResState`'s ``pending``)."""
+    return _takes(ops["attn_res_norm"], "addend")
+
+
+def _pending_kw(state: AttnResState) -> tuple[dict, torch.Tensor | None]:
+    """``attn_res_norm`` keywords that add ``state.pending`` in the step (none without one), and the new prefix
+    buffer they fill (None without one)."""
+    if state.pending is None:
+        return {}, None
+    new = torch.empty(state.base.shape, dtype=torch.float32, device=state.base.device)
+    return {"addend": state.pending, "prefix_out": new}, new
 
 
 def _normed(ops: Mapping[str, Callable], out_dtype: torch.dtype | None, *args: Any, **kw: Any) -> torch.Tensor:
@@ -790,10 +828,15 @@ def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: to
     buf = _slots(state)
     k = len(state.bank)
     if buf is not None and (not write or k < buf.shape[0] - 1):
-        x = _normed(ops, out_dtype, buf, k, state.prefix, weight, norm_weight, eps, append=write)
+        # a pending sublayer output is added in the same launch, into a new prefix (the op's prefix_out)
+        kw, new = _pending_kw(state)
+        x = _normed(ops, out_dtype, buf, k, state.base, weight, norm_weight, eps, append=write, **kw)
+        if new is not None:
+            state.prefix = new
         if write:
             state.bank.append(buf[k])
         return x
+    state.settle()
     x = _normed(ops, out_dtype, torch.stack(state.bank + [state.prefix]), k, state.prefix, weight, norm_weight, eps)
     if write:
         state.bank.append(state.prefix)
@@ -854,13 +897,16 @@ def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight
     write = cfg.is_write_layer(layer)
     if write and not state.bank and cfg.num_attn_res_bank_rows > 0:
         # the first write layer: one storage for every bank row of this forward (+ one spare slot)
-        buf = state.prefix.new_empty(cfg.num_attn_res_bank_rows + 1, *state.prefix.shape)
-        x = _normed(ops, out_dtype, buf, 0, state.prefix, weight, norm_weight, cfg.rms_norm_eps, append=True)
+        buf = state.base.new_empty(cfg.num_attn_res_bank_rows + 1, *state.base.shape)
+        kw, new = _pending_kw(state)
+        x = _normed(ops, out_dtype, buf, 0, state.base, weight, norm_weight, cfg.rms_norm_eps, append=True, **kw)
+        if new is not None:
+            state.prefix = new
         state.bank.append(buf[0])
     else:
         x = _aggregate_norm(ops, state, weight, norm_weight, cfg.rms_norm_eps, write, out_dtype)
     if write:
-        state.prefix = torch.zeros_like(state.prefix)
+        state.prefix = torch.zeros_like(state.base)
     return x
 
 

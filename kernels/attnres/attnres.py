@@ -40,6 +40,7 @@ from triton.runtime.jit import JITFunction
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
 from k3rocm.kernels.target import interpreting
+from k3rocm.model.attnres import check_addend, overlaps
 
 #: per-backend configs
 ATTNRES_CONFIGS: dict[str, list[dict]] = {
@@ -108,20 +109,24 @@ def _score(v, w, D, eps):
 # batch size, length or bank depth never compiles while serving
 @partial(JITFunction, do_not_specialize=("num_rows", "T", "nprog", "n_iter"))
 def _attn_res_kernel(
-    BANK, PREFIX, W, NW, H_OUT, HN_OUT,
-    num_rows, T, D, nprog, n_iter, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps,
+    BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT,
+    num_rows, T, D, nprog, n_iter, stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, stride_at, stride_pot,
+    eps, norm_eps,
     APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, PIPE: tl.constexpr = 0, STORE_H: tl.constexpr = True,
+    ADD: tl.constexpr = False,
 ):
+    # ADD: the prefix source is PREFIX + ADDEND (one fp32 add: the decoder's pending "prefix += out"), stored into
+    # P_OUT and read from there by the later passes; the bank append takes the sum
     # a fixed number of programs walks the tokens (t = pid, pid + nprog, ...): few resident tokens keep
     # each token's sources in L2 between pass 1 and pass 2
     sidx = tl.arange(0, S_PAD)
     offs = tl.arange(0, BLOCK_D)
     pid = tl.program_id(0)
     if PIPE:
-        _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, pid, num_rows, T, D, nprog, n_iter, stride_br,
-                         stride_bt, stride_pt, stride_ht, stride_hnt, eps, norm_eps, offs, APPEND, HAS_NORM,
-                         BLOCK_D, ROWS, STORE_H, PIPE)
+        _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT, pid, num_rows, T, D, nprog, n_iter,
+                         stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, stride_at, stride_pot, eps, norm_eps,
+                         offs, APPEND, HAS_NORM, BLOCK_D, ROWS, STORE_H, PIPE, ADD)
     else:
         for it in range(0, n_iter):  # n_iter = ceil(T / nprog), from the host
             # past the end: redo the last token (identical values written twice, no branch)
@@ -151,6 +156,9 @@ def _attn_res_kernel(
                     h = h * alpha + tl.sum(p[:, None] * v, 0)
                     mx = m_new
                 vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+                if ADD:
+                    vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m, other=0.0).to(tl.float32)
+                    tl.store(P_OUT + t * stride_pot + offs, vr, mask=m)
                 if APPEND:
                     tl.store(BANK + num_rows * stride_br + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
                 v = vr.to(tl.float32)
@@ -166,16 +174,16 @@ def _attn_res_kernel(
                     nw = tl.load(NW + offs, mask=m, other=0.0).to(tl.float32)
                     tl.store(HN_OUT + t * stride_hnt + offs, (h * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
             else:
-                _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt,
-                                  stride_pt, stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND, HAS_NORM, S_PAD,
-                                  BLOCK_D, STORE_H)
+                _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT, t, num_rows, D, stride_br,
+                                  stride_bt, stride_pt, stride_ht, stride_hnt, stride_at, stride_pot, eps, norm_eps,
+                                  sidx, offs, APPEND, HAS_NORM, S_PAD, BLOCK_D, STORE_H, ADD)
 
 
 @_interp.kjit
-def _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, pid, num_rows, T, D, nprog, n_iter, stride_br, stride_bt,
-                     stride_pt, stride_ht, stride_hnt, eps, norm_eps, offs, APPEND: tl.constexpr,
-                     HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr,
-                     STAGES: tl.constexpr):
+def _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT, pid, num_rows, T, D, nprog, n_iter,
+                     stride_br, stride_bt, stride_pt, stride_ht, stride_hnt, stride_at, stride_pot, eps, norm_eps, offs,
+                     APPEND: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                     STORE_H: tl.constexpr, STAGES: tl.constexpr, ADD: tl.constexpr):
     """The single-pass path as one software-pipelined stream (``PIPE``; the row fits one block).
 
     A program's tokens (t = pid, pid + nprog, ...) are one flat sequence of steps; step s loads tile
@@ -205,6 +213,9 @@ def _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, pid, num_rows, T, D, np
                     mask=rm[:, None] & m[None, :], other=0.0).to(tl.float32)
         # (the last-tile test as a vector: the interpreter takes no scalar in a load mask)
         vr = tl.load(PREFIX + t * stride_pt + offs, mask=m & (offs * 0 + k == nt - 1), other=0.0)
+        if ADD:
+            vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m & (offs * 0 + k == nt - 1),
+                                             other=0.0).to(tl.float32)
         vp = vr.to(tl.float32)
         first = k == 0
         mx = tl.where(first, float("-inf"), mx)
@@ -221,6 +232,8 @@ def _attn_res_stream(BANK, PREFIX, W, NW, H_OUT, HN_OUT, pid, num_rows, T, D, np
         h = h * alpha + tl.sum(p[:, None] * v, 0) + pp * vp
         mx = m_new
         if last:  # the token is complete
+            if ADD:
+                tl.store(P_OUT + t * stride_pot + offs, vp, mask=m)
             if APPEND:
                 tl.store(BANK + num_rows * stride_br + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
             hf = h / den
@@ -246,11 +259,13 @@ def _mix_block(vp, pp, m, p, sidx, num_rows, stride_br, BLOCK_D: tl.constexpr):
 
 
 @_interp.kjit
-def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride_br, stride_bt, stride_pt,
-                      stride_ht, stride_hnt, eps, norm_eps, sidx, offs, APPEND: tl.constexpr, HAS_NORM: tl.constexpr,
-                      S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, STORE_H: tl.constexpr):
+def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT, t, num_rows, D, stride_br, stride_bt,
+                      stride_pt, stride_ht, stride_hnt, stride_at, stride_pot, eps, norm_eps, sidx, offs,
+                      APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                      STORE_H: tl.constexpr, ADD: tl.constexpr):
     """One token when its row spans several blocks: scores (pass 1), mix (pass 2, from L2), norm (pass 3).
-    Without ``STORE_H`` pass 2 only sums h^2 and pass 3 mixes each block again (same operations, same h)."""
+    Without ``STORE_H`` pass 2 only sums h^2 and pass 3 mixes each block again (same operations, same h). With
+    ``ADD`` pass 1 stores the prefix + addend sum into ``P_OUT`` and the later passes read the prefix there."""
     scores = tl.full([S_PAD], float("-inf"), tl.float32)
     # pass 1: scores of the bank rows
     src = BANK + t * stride_bt
@@ -275,6 +290,9 @@ def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride
         d = d0 + offs
         m = d < D
         vr = tl.load(pre + d, mask=m, other=0.0)
+        if ADD:
+            vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + d, mask=m, other=0.0).to(tl.float32)
+            tl.store(P_OUT + t * stride_pot + d, vr, mask=m)
         v = vr.to(tl.float32)
         w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
         ss += v * v
@@ -283,6 +301,9 @@ def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, t, num_rows, D, stride
             tl.store(BANK + num_rows * stride_br + t * stride_bt + d, vr.to(BANK.dtype.element_ty), mask=m)
     sc = tl.sum(dt, 0) * tl.rsqrt(tl.sum(ss, 0) / D + eps)
     scores = tl.where(sidx == num_rows, sc, scores)
+    if ADD:  # the later passes read the sum back (each element by the thread that stored it; the barrier anyway)
+        pre = P_OUT + t * stride_pot
+        tl.debug_barrier()
     mx = tl.max(scores, 0)
     p = tl.exp(scores - mx)
     p = p / tl.sum(p, 0)
@@ -327,18 +348,20 @@ def _n_sm(device: torch.device) -> int:
 PIPE_SMEM_BYTES = {"cuda": 192 * 1024, "hip": 64 * 1024}
 
 
-def _pipe_stages(num_stages: int, rows: int, block_d: int, elem_bytes: int, backend: str) -> int:
+def _pipe_stages(num_stages: int, rows: int, block_d: int, elem_bytes: int, backend: str, add: bool = False) -> int:
     """The stage count ``PIPE`` of a config, lowered (to at least 2) to fit :data:`PIPE_SMEM_BYTES` of
-    ``backend`` (a stage holds ``rows`` bank rows and a prefix row of ``block_d`` elements)."""
+    ``backend`` (a stage holds ``rows`` bank rows and a prefix row of ``block_d`` elements, and an addend row with
+    ``add``)."""
     budget = PIPE_SMEM_BYTES.get(backend)
     if budget is None:
         return num_stages
-    while num_stages > 2 and (num_stages - 1) * (rows + 1) * block_d * elem_bytes > budget:
+    while num_stages > 2 and (num_stages - 1) * (rows + 1 + int(add)) * block_d * elem_bytes > budget:
         num_stages -= 1
     return num_stages
 
 
-def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, config, store_h=True):
+def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, config, store_h=True,
+            addend=None, p_out=None):
     T, D = prefix.shape
     if T == 0:
         return
@@ -349,6 +372,8 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     if h is None:
         h = hn  # not stored (store_h False): any pointer of the right dtype family serves
     has_norm = norm_weight is not None
+    # without an addend the ADDEND / P_OUT arguments are never read or written: the prefix stands in
+    add, pout = (addend, p_out) if addend is not None else (prefix, prefix)
 
     def run(meta, opts, per_sm):
         nprog = T if per_sm == 0 else min(T, per_sm * n_sm)
@@ -356,14 +381,15 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
         pipe = meta.get("PIPE", 0) if one_block else 0
         if pipe > 2 and not interp:
             pipe = _pipe_stages(pipe, meta.get("ROWS", 1), meta["BLOCK_D"], max(bank.element_size(),
-                                prefix.element_size()), "hip" if torch.version.hip else "cuda")
+                                prefix.element_size(), add.element_size()), "hip" if torch.version.hip else "cuda",
+                                add=addend is not None)
         meta = dict(meta, PIPE=pipe)
         _interp.launch(_attn_res_kernel, (nprog,),
-            bank, prefix, weight, norm_weight if has_norm else weight, h, hn,
+            bank, prefix, weight, norm_weight if has_norm else weight, h, hn, add, pout,
             num_rows, T, D, nprog, triton.cdiv(T, nprog), bank.stride(0), bank.stride(1), prefix.stride(0),
-            h.stride(0), hn.stride(0), float(eps), float(norm_eps),
+            h.stride(0), hn.stride(0), add.stride(0), pout.stride(0), float(eps), float(norm_eps),
             APPEND=append, HAS_NORM=has_norm, S_PAD=sources_pad(num_rows + 1), ONE_BLOCK=one_block,
-            STORE_H=store_h, **meta, **opts)
+            STORE_H=store_h, ADD=addend is not None, **meta, **opts)
 
     def plan(cfg):
         meta, opts = tune.split(cfg)
@@ -372,7 +398,7 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     if config is not None:
         run(*plan(config))
         return
-    key = (D, tune.pow2(T), bank.dtype, prefix.dtype, has_norm, store_h)
+    key = (D, tune.pow2(T), bank.dtype, prefix.dtype, has_norm, store_h, None if addend is None else addend.dtype)
     p = None if interp else _PLANS.get(key)
     if p is None:
         # timing must not append twice into a live bank: tune on the non-appending variant's shape
@@ -397,8 +423,11 @@ def _check(bank, num_rows, prefix, append):
 def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weight: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, append: bool = False, norm_eps: float | None = None,
                   out_dtype: torch.dtype | None = None, config: dict | None = None,
-                  out: tuple[torch.Tensor | None, torch.Tensor] | None = None, store_h: bool = True):
-    """Triton fused AttnRes step; same contract as :func:`k3rocm.model.attnres.attn_res_norm`.
+                  out: tuple[torch.Tensor | None, torch.Tensor] | None = None, store_h: bool = True,
+                  addend: torch.Tensor | None = None, prefix_out: torch.Tensor | None = None):
+    """Triton fused AttnRes step; same contract as :func:`k3rocm.model.attnres.attn_res_norm` (``addend`` /
+    ``prefix_out`` too: the prefix source is ``prefix + addend`` in fp32, stored into ``prefix_out``, one launch
+    instead of an add and this one).
 
     Args (beyond the oracle's):
         out_dtype: dtype of ``h_normed`` (default fp32; ``h`` is always fp32).
@@ -412,9 +441,14 @@ def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weigh
         ``(h [T, D] fp32, h_normed [T, D])`` (``h`` None when ``store_h`` is False), freshly allocated unless
         ``out`` is given.
     Raises:
-        ConfigError: bank full / shapes disagree, an output overlaps the bank.
+        ConfigError: bank full / shapes disagree, an output overlaps the bank, ``addend`` without a fitting
+            ``prefix_out`` (:func:`k3rocm.model.attnres.check_addend`).
     """
     _check(bank, num_rows, prefix, append)
+    if addend is not None:
+        check_addend(prefix, addend, prefix_out, bank)
+        if addend.stride(-1) != 1 or prefix_out.stride(-1) != 1:
+            raise ConfigError("attn_res_norm: addend and prefix_out need a contiguous last dim")
     T, D = prefix.shape
     if out is None:
         h = torch.empty(T, D, dtype=torch.float32, device=prefix.device) if store_h else None
@@ -427,8 +461,11 @@ def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weigh
             if o is not None and b0 < o.data_ptr() + o.numel() * o.element_size() and o.data_ptr() < b1:
                 raise ConfigError("attn_res_norm: an output buffer overlaps the bank; bank rows must stay live "
                                   "(K3_FACTS §5), allocate outputs separately")
+        for o in (h, hn):
+            if o is not None and addend is not None and overlaps(o, prefix_out):
+                raise ConfigError("attn_res_norm: an output buffer overlaps prefix_out; allocate them separately")
     _launch(bank, num_rows, prefix, weight, norm_weight, eps, eps if norm_eps is None else norm_eps, append, h, hn,
-            config, store_h=store_h)
+            config, store_h=store_h, addend=addend, p_out=prefix_out)
     return h, hn
 
 
@@ -449,16 +486,17 @@ def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float, config: di
 
 
 def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024, one_block: bool = False,
-                  rows: int = 1, pipe: int = 0, store_h: bool = True):
+                  rows: int = 1, pipe: int = 0, store_h: bool = True, add: bool = False):
     """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa`` (``pipe``: the ``PIPE`` stream's
-    stage count, 0 = the phased path; ``store_h``: the ``STORE_H`` variant)."""
+    stage count, 0 = the phased path; ``store_h``: the ``STORE_H`` variant; ``add``: the ``ADD`` variant, the
+    decoder's pending prefix add in the step)."""
     p = "*" + dtype
-    sig = {"BANK": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p,
-           "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "n_iter": "i32", "stride_br": "i64",
-           "stride_bt": "i32", "stride_pt": "i32", "stride_ht": "i32", "stride_hnt": "i32", "eps": "fp32",
-           "norm_eps": "fp32"}
+    sig = {"BANK": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p, "ADDEND": "*fp32",
+           "P_OUT": "*fp32", "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "n_iter": "i32",
+           "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32", "stride_ht": "i32", "stride_hnt": "i32",
+           "stride_at": "i32", "stride_pot": "i32", "eps": "fp32", "norm_eps": "fp32"}
     consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ONE_BLOCK=one_block,
-                  ROWS=rows, PIPE=pipe, STORE_H=store_h)
+                  ROWS=rows, PIPE=pipe, STORE_H=store_h, ADD=add)
     for k in consts:
         sig[k] = "constexpr"
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}

@@ -110,6 +110,67 @@ def test_kernel_step_every_config(K, num_rows, append):
 
 
 @pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("num_rows,append", [(0, True), (3, False), (7, True), (8, False)])
+def test_kernel_pending_add_every_config(K, T, num_rows, append):
+    """``addend`` / ``prefix_out`` (the decoder's pending ``prefix += out`` in the step): on every config (the
+    single-pass, streamed and phased paths) ``prefix_out`` is ``prefix + addend`` bit for bit (an fp32 addend and a
+    bf16 one), and ``h``, ``h_normed`` and the appended bank row are those of the call on that sum, bit for bit
+    (the sum is the prefix source); the prefix and addend are left as they were; the oracle agrees."""
+    g = torch.Generator().manual_seed(90 + 10 * T + num_rows)
+    D = 72
+    bank0 = torch.randn(9, T, D, generator=g)
+    bank0[num_rows:] = float("nan")
+    pre = torch.randn(T, D, generator=g)
+    w, nw = torch.randn(D, generator=g) * 0.3, 1 + 0.1 * torch.randn(D, generator=g)
+    for add in (torch.randn(T, D, generator=g), torch.randn(T, D, generator=g).to(torch.bfloat16)):
+        want_p = pre + add.float()
+        b_ref = bank0.clone()
+        po_ref = torch.full((T, D), float("nan"))
+        h_ref, hn_ref = A.attn_res_norm(b_ref, num_rows, pre, w, nw, 1e-5, append=append, addend=add,
+                                        prefix_out=po_ref)
+        assert torch.equal(po_ref, want_p)
+        pd, ad = pre.to(DEV), add.to(DEV)
+        for cfg in _configs(K):
+            b_sum, b = bank0.clone().to(DEV), bank0.clone().to(DEV)
+            h_sum, hn_sum = K.attn_res_norm(b_sum, num_rows, want_p.to(DEV), w.to(DEV), nw.to(DEV), 1e-5,
+                                            append=append, config=cfg)
+            po = torch.full((T, D), float("nan"), device=DEV)
+            h, hn = K.attn_res_norm(b, num_rows, pd, w.to(DEV), nw.to(DEV), 1e-5, append=append, config=cfg,
+                                    addend=ad, prefix_out=po)
+            assert torch.equal(po.cpu(), want_p), cfg
+            assert torch.equal(h, h_sum) and torch.equal(hn, hn_sum), cfg
+            assert torch.equal(b.cpu().nan_to_num(7.0), b_sum.cpu().nan_to_num(7.0)), cfg
+            assert torch.equal(pd.cpu(), pre) and torch.equal(ad.cpu(), add), cfg
+            torch.testing.assert_close(hn.cpu(), hn_ref, **TOL)
+            torch.testing.assert_close(h.cpu(), h_ref, **TOL)
+            # without h stored (the decoder's call), in bf16: the same normed output as the call on the sum
+            po2 = torch.empty(T, D, device=DEV)
+            _, hn2 = K.attn_res_norm(bank0.clone().to(DEV), num_rows, pd, w.to(DEV), nw.to(DEV), 1e-5, config=cfg,
+                                     store_h=False, out_dtype=torch.bfloat16, addend=ad, prefix_out=po2)
+            _, hn2_sum = K.attn_res_norm(bank0.clone().to(DEV), num_rows, want_p.to(DEV), w.to(DEV), nw.to(DEV),
+                                         1e-5, config=cfg, store_h=False, out_dtype=torch.bfloat16)
+            assert torch.equal(hn2, hn2_sum) and torch.equal(po2.cpu(), want_p), cfg
+
+
+def test_pending_add_refusals(K):
+    """An ``addend`` needs its own fp32 ``prefix_out`` of the prefix's shape, apart from the prefix, the addend and
+    the bank: otherwise one clear ConfigError (oracle and kernel alike), and nothing written."""
+    T, D = 3, 16
+    bank = torch.zeros(4, T, D, device=DEV)
+    pre, add = torch.randn(T, D, device=DEV), torch.randn(T, D, device=DEV)
+    w, nw = torch.randn(D, device=DEV), torch.ones(D, device=DEV)
+    bad = [dict(addend=add), dict(addend=add, prefix_out=pre), dict(addend=add, prefix_out=add),
+           dict(addend=add, prefix_out=bank[1]), dict(addend=add, prefix_out=torch.empty(T, D, dtype=torch.bfloat16)),
+           dict(addend=add[:2], prefix_out=torch.empty(T, D, device=DEV))]
+    for fn in (A.attn_res_norm, K.attn_res_norm):
+        for kw in bad:
+            before = (pre.clone(), add.clone(), bank.clone())
+            with pytest.raises(ConfigError, match="prefix_out|addend"):
+                fn(bank, 1, pre, w, nw, 1e-5, append=True, **kw)
+            assert all(torch.equal(x, y) for x, y in zip(before, (pre, add, bank)))
+
+
+@pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("num_rows,append", [(0, True), (0, False), (7, True), (8, False)])
 def test_kernel_without_h_every_config(K, T, num_rows, append):
     """``store_h=False`` (the decoder layer's call): no ``h`` stored or returned, ``h_normed`` and the bank exactly
@@ -153,20 +214,23 @@ def test_pipe_stages_fit_shared_memory(K):
 
 
 def test_pipe_configs_compile_for_sm90(K, monkeypatch):
-    """Every PIPE config of the CUDA table compiles ahead of time for sm_90 (bf16 bank, write layer, no h) and its
-    tiles are staged by the loop pipeliner (``cp.async`` into shared memory), within the 227 KiB of a block."""
+    """Every PIPE config of the CUDA table compiles ahead of time for sm_90 (bf16 bank, write layer, no h; and with
+    the decoder's pending prefix add, ADD, at the stage count the launch lowers it to) and its tiles are staged by
+    the loop pipeliner (``cp.async`` into shared memory), within the 227 KiB of a block."""
     isa = pytest.importorskip("k3rocm.kernels.isa")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     seen = set()
-    for c in (c for c in K.ATTNRES_CONFIGS["cuda"] if c.get("PIPE")):
-        key = (c["ROWS"], c["PIPE"], c["num_warps"])
+    for c, add in ((c, add) for c in K.ATTNRES_CONFIGS["cuda"] if c.get("PIPE") for add in (False, True)):
+        pipe = K._pipe_stages(c["PIPE"], c["ROWS"], c["BLOCK_D"], 4 if add else 2, "cuda", add=add)
+        key = (c["ROWS"], pipe, c["num_warps"], add)
         if key in seen:
             continue
         seen.add(key)
         sig, consts, _ = K.isa_signature("bf16", append=True, block_d=c["BLOCK_D"], one_block=True, rows=c["ROWS"],
-                                         pipe=c["PIPE"], store_h=False)
+                                         pipe=pipe, store_h=False, add=add)
         hinted = tuple(n for n, t in sig.items() if t.startswith("*")) + (
-            "D", "stride_br", "stride_bt", "stride_pt", "stride_ht", "stride_hnt")  # as a launch at D 7168 marks them
+            "D", "stride_br", "stride_bt", "stride_pt", "stride_ht", "stride_hnt", "stride_at",
+            "stride_pot")  # as a launch at D 7168 marks them
         rep = isa.compile_kernel(K._attn_res_kernel, sig, consts, "sm_90", name=str(c),
                                  options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]), aligned=hinted)
         assert rep.error is None, rep.error
