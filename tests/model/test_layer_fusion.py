@@ -4,6 +4,8 @@ fuses nothing (its math is unchanged). Counts of aten ops per sublayer call, bef
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +35,7 @@ class _Count(TorchDispatchMode):
 
     def wrap(self, ops):
         def one(name, fn):
+            @functools.wraps(fn)  # the op's signature stays visible (the decoder asks what an op takes)
             def call(*a, **k):
                 self.ops.append("op:" + name)
                 self.inside += 1
@@ -187,3 +190,36 @@ def test_kda_mixer_asks_for_fp16_products_in_a_bf16_scope(tiny):
             y = L.kda_mixer(x, L.WeightView(weights), kda, cfg, ops, L.Batch(torch.tensor([0, 5], dtype=torch.int32)))
         assert torch.isfinite(y).all()
     assert seen == ["fp16", None, "plain"]
+
+
+def test_prefix_add_deferred_into_the_next_aggregation(tiny_ckpt, tiny_cfg):
+    """With an AttnRes op that takes ``addend`` (the oracle's and the kernel's), the decoder leaves each sublayer's
+    ``prefix += out`` to the next aggregation (``AttnResState.pending``): logits and every recorded sublayer output
+    bit for bit those of an op without it (each add its own), and two fewer standalone fp32 ``add`` launches a
+    layer; a state read mid-way (``.prefix``, ``clone``) sees the sum."""
+    from k3rocm.model.attnres import attn_res_norm
+    from k3rocm.model.model import K3Model
+
+    def no_addend(bank, num_rows, prefix, weight, norm_weight, eps, append=False, norm_eps=None):
+        return attn_res_norm(bank, num_rows, prefix, weight, norm_weight, eps, append=append, norm_eps=norm_eps)
+
+    weights = load_weights(tiny_ckpt)
+    ids = torch.randint(0, tiny_cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for ops in (None, {"attn_res_norm": no_addend}):
+        m = K3Model(tiny_cfg, weights, ops=ops)
+        with _Count() as c:
+            m.ops = c.wrap(m.ops)  # each op one count: only the adds outside the ops are counted
+            st = m.embed(ids.reshape(-1), L.Batch(torch.tensor([0, 7, 14], dtype=torch.int32)), record=True)
+            for i in range(tiny_cfg.num_hidden_layers):
+                m.run_layer(i, st)
+        pending = st.res.pending
+        mid = st.clone()  # a copy of the state before the output aggregation, the sum settled
+        logits = m.final(st)
+        runs.append((logits, st.outputs, c.ops.count("add"), pending, mid))
+    (la, oa, adds_a, pa, ma), (lb, ob, adds_b, pb, mb) = runs
+    assert torch.equal(la, lb)
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[k], ob[k]) for k in oa)
+    assert adds_b - adds_a == 2 * tiny_cfg.num_hidden_layers, (adds_a, adds_b)
+    assert pa is not None and pb is None
+    assert ma.res.pending is None and torch.equal(ma.res.prefix, mb.res.prefix)
