@@ -27,6 +27,7 @@ import torch
 
 from k3rocm.errors import ConfigError
 from k3rocm.model.common import rms_norm
+from k3rocm.numerics import check_addend
 
 __all__ = ["attn_res", "attn_res_norm", "fold_res_weight", "AttnResStack", "run_attnres_stack"]
 
@@ -113,31 +114,6 @@ def attn_res_norm(bank: torch.Tensor, num_rows: int, prefix: torch.Tensor, weigh
     if append:
         bank[num_rows].copy_(prefix.to(bank.dtype))
     return h, hn
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` (first to last byte) intersect on one device."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + (sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1) * a.element_size()
-    b1 = b0 + (sum((n - 1) * st for n, st in zip(b.shape, b.stride())) + 1) * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
-def check_addend(prefix: torch.Tensor, addend: torch.Tensor, prefix_out: torch.Tensor | None,
-                 bank: torch.Tensor | None = None) -> None:
-    """The ``addend`` / ``prefix_out`` pair of :func:`attn_res_norm`: both of ``prefix``'s shape, ``prefix_out``
-    fp32, sharing no memory with ``prefix``, ``addend`` or ``bank`` (a prefix updated in place would be added to
-    twice when a step is run again, e.g. by the tuner). Raises ConfigError otherwise."""
-    if prefix_out is None:
-        raise ConfigError("attn_res_norm: addend given without prefix_out (the fp32 [T, D] buffer that receives "
-                          "prefix + addend)")
-    if addend.shape != prefix.shape or prefix_out.shape != prefix.shape or prefix_out.dtype != torch.float32:
-        raise ConfigError(f"attn_res_norm: addend {tuple(addend.shape)} / prefix_out {tuple(prefix_out.shape)} "
-                          f"{prefix_out.dtype} must be the prefix's shape {tuple(prefix.shape)}, prefix_out fp32")
-    if any(overlaps(prefix_out, t) for t in (prefix, addend) + ((bank,) if bank is not None else ())):
-        raise ConfigError("attn_res_norm: prefix_out overlaps prefix, addend or the bank; give it its own buffer")
 
 
 AttnResFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -40,7 +40,7 @@ from triton.runtime.jit import JITFunction
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
 from k3rocm.kernels.target import interpreting
-from k3rocm.model.attnres import check_addend, overlaps
+from k3rocm.numerics import check_addend, overlaps
 
 #: per-backend configs
 ATTNRES_CONFIGS: dict[str, list[dict]] = {
