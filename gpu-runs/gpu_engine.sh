@@ -44,6 +44,8 @@
 #          _decode_kernel for the fused one) after NCU_SKIP (default 60) warm ones), into kncu.log; KNCU_ARGS replaces
 #          the bench arguments (e.g. "--only prefill --no-fla --prefill 1x8192x96" with NCU_KERNEL=_state_kernel and
 #          K3ROCM_TUNE=0, so the launch profiled is the table's first config)
+#   dense  gpu-runs/bench_dense.py: the skinny GEMM's configs against the vendor GEMM on a K3 rank's dense projections
+#          at 1 / 16 / 53 / 64 token rows, graph-replayed (DENSE_ARGS, DENSE_LIMIT s, default 120), into RESULTS_DIR/dense/
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
@@ -115,9 +117,10 @@ for s in $STEPS; do
     kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name "regex:${NCU_KERNEL:-_split_state_kernel}" \
           --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" \
           ${KNCU_ARGS:---only decode --no-fla --decode "${KNCU_ROWS:-64x96}"} --out "$R/kncu" ;;
+    dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kchk kdec ncu kncu moe)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kchk kdec ncu kncu moe dense)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,

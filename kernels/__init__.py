@@ -14,7 +14,7 @@ from types import ModuleType
 
 __all__ = ["FAMILIES", "import_families"]
 
-FAMILIES = ("kda", "mla", "attnres", "moe", "mx")
+FAMILIES = ("kda", "mla", "attnres", "moe", "mx", "dense")
 
 
 def import_families(families: tuple[str, ...] | None = None) -> tuple[dict[str, ModuleType], dict[str, str]]:

@@ -1,0 +1,111 @@
+"""The skinny GEMM (``k3rocm.kernels.dense``): every config against a float64 oracle at the edge shapes (one row, a
+row count past a tile, N and K off every tile), the split-K sum deterministic and its counters left at zero, the
+refusals, and the ahead-of-time compile for gfx950, gfx942 and sm_90 (matrix instructions, no AMD spills, the
+loads staged by ``cp.async`` on sm_90 once the launcher's alignment hints are given).
+
+Without a GPU the kernel runs in the Triton interpreter (fp32 products of the exact bf16 / fp16 values); the
+module fixture sets ``TRITON_INTERPRET=1`` for this module only."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from k3rocm.errors import ConfigError
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 70, 300), (5, 64, 256), (16, 130, 513), (17, 200, 1000), (53, 96, 384), (64, 64, 64), (65, 33, 160)]
+
+
+@pytest.fixture(scope="module")
+def D():
+    old = os.environ.get("TRITON_INTERPRET")
+    if DEV == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield importlib.import_module("k3rocm.kernels.dense.gemm")
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+def _configs(D):
+    return D.SKINNY_CONFIGS["cuda" if DEV == "cuda" else "interpreter"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_config_matches_the_oracle(D, dtype):
+    """Every config whose row band fits (candidates included) within 1e-5 of the float64 product of the same 16-bit
+    values (fp32 accumulation), fresh random inputs per shape; bit-identical on a second run (split-K partials
+    summed in split order by whichever program arrives last) and the counter buffer back at zero."""
+    g = torch.Generator().manual_seed(11)
+    ran = 0
+    for M, N, K in SHAPES:
+        x = torch.randn(M, K, generator=g).to(dtype).to(DEV)
+        w = (torch.randn(N, K, generator=g) * 0.05).to(dtype).to(DEV)
+        ref = x.double() @ w.double().T
+        scale = ref.abs().max().item()
+        for c in _configs(D):
+            if M > c.get("max_rows", M):
+                continue
+            y = D.skinny_gemm(x, w, config=c)
+            assert y.dtype == torch.float32 and y.shape == (M, N)
+            err = (y.double() - ref).abs().max().item() / scale
+            assert err < 1e-5, (M, N, K, c, err)
+            assert torch.equal(y, D.skinny_gemm(x, w, config=c)), (M, N, K, c)
+            ran += 1
+    assert ran >= 2 * len(SHAPES)
+    for buf in D.COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
+
+
+def test_tuned_pick_and_strided_rows(D):
+    """Without a config the pick for the shape runs (its row band); x may be a row-strided view (a column slice of a
+    wider activation) and the weight a row slice of a concatenated matrix."""
+    g = torch.Generator().manual_seed(12)
+    big = torch.randn(7, 400, generator=g).bfloat16().to(DEV)
+    x = big[:, 50:306]
+    wall = torch.randn(90, 256, generator=g).bfloat16().to(DEV)
+    w = wall[10:80]
+    y = D.skinny_gemm(x, w)
+    ref = x.double() @ w.double().T
+    assert (y.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+def test_empty_and_refusals(D):
+    x = torch.randn(3, 32).bfloat16().to(DEV)
+    w = torch.randn(8, 32).bfloat16().to(DEV)
+    assert D.skinny_gemm(x[:0], w).shape == (0, 8)
+    assert torch.equal(D.skinny_gemm(x[:, :0], w[:, :0]), torch.zeros(3, 8, device=DEV))
+    for a, b, what in ((x, w[:, :16], "same K"), (x.float(), w.float(), "bf16"), (x, w.half(), "bf16"),
+                       (x.t().contiguous().t(), w, "contiguous"), (x[0], w, "same K")):
+        with pytest.raises(ConfigError, match=what):
+            D.skinny_gemm(a, b)
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942", "sm_90"])
+def test_compiles_for_each_target(D, target, monkeypatch):
+    """Each ISA case compiles with matrix instructions (bf16 MFMA on AMD, wgmma on sm_90), no AMD spills, and on
+    sm_90 with the launcher's alignment hints (K, N and the strides divisible by 16, as at K3's widths) the loop's
+    tiles are staged by the pipeliner's ``cp.async``, within the shared memory of a block."""
+    isa = pytest.importorskip("k3rocm.kernels.isa")
+    from k3rocm.kernels.dense import isa_cases
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    be = "hip" if target.startswith("gfx") else "cuda"
+    for name, fn, sig, consts, expects, opts in isa_cases():
+        hinted = tuple(n for n, t in sig.items() if t.startswith("*")) + ("K", "N", "stride_xm", "stride_wn",
+                                                                            "stride_ym")
+        rep = isa.compile_kernel(fn, sig, consts, target, name=name, options=opts[be], expects_matrix=expects,
+                                 aligned=hinted)
+        assert rep.error is None, rep.error
+        if be == "hip":
+            assert rep.matrix_ops and all("bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+            assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, (name, target, rep.vgpr_spill, rep.sgpr_spill)
+            assert rep.lds_bytes <= (64 if target == "gfx942" else 160) * 1024, (name, rep.lds_bytes)
+        else:
+            assert any(op.startswith("wgmma") for op in rep.matrix_ops), rep.matrix_ops
+            assert "cp.async" in rep.asm, name
+            assert rep.lds_bytes <= 227 * 1024, (name, rep.lds_bytes)
