@@ -16,6 +16,6 @@ TRITON_IMPLS: tuple = ()
 
 
 def isa_cases() -> list[tuple]:
-    """The skinny GEMM at 16 and 64 token rows, split 1 and 2, for ``kernels isa``: matrix instructions expected
+    """The skinny GEMM at 16 and 64 token rows, split 1, 2 and 16 (the most :func:`~.gemm.auto_split` takes), for ``kernels isa``: matrix instructions expected
     (wgmma / mma on sm_90, bf16 MFMA on gfx942 / gfx950)."""
-    return [isa_case(16, 2), isa_case(64, 1), isa_case(64, 2)]
+    return [isa_case(16, 2), isa_case(64, 1), isa_case(64, 2), isa_case(64, 16)]

@@ -28,7 +28,7 @@ from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
 from k3rocm.kernels.target import interpreting
 
-__all__ = ["skinny_gemm", "SKINNY_CONFIGS", "COUNTERS"]
+__all__ = ["skinny_gemm", "SKINNY_CONFIGS", "COUNTERS", "auto_split"]
 
 
 @_interp.kjit
@@ -85,13 +85,18 @@ def _skinny_gemm_kernel(x, w, y, ws, cnt, M, N, K, stride_xm, stride_wn, stride_
 _W = dict(num_stages=1)
 #: per backend, best first within each ``max_rows`` band (rows = M, the tokens); all candidates until a GPU has
 #: timed them against the vendor GEMM (gpu-runs/bench_dense.py)
+#: ``SPLIT_K`` 0: chosen per shape by :func:`auto_split` (a power of two up to 16)
 SKINNY_CONFIGS = {
-    "cuda": [dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=256, SPLIT_K=2, max_rows=16, candidate=True, num_warps=4,
+    "cuda": [dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=256, SPLIT_K=0, max_rows=16, candidate=True, num_warps=4,
+                  num_stages=4),
+             dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=256, SPLIT_K=2, max_rows=16, candidate=True, num_warps=4,
                   num_stages=4),
              dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=4, max_rows=16, candidate=True, num_warps=4,
                   num_stages=6),
-             dict(BLOCK_N=64, BLOCK_M=32, BLOCK_K=128, SPLIT_K=2, max_rows=32, candidate=True, num_warps=4,
+             dict(BLOCK_N=64, BLOCK_M=32, BLOCK_K=128, SPLIT_K=0, max_rows=32, candidate=True, num_warps=4,
                   num_stages=5),
+             dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, SPLIT_K=0, max_rows=64, candidate=True, num_warps=4,
+                  num_stages=4),
              dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, SPLIT_K=2, max_rows=64, candidate=True, num_warps=4,
                   num_stages=4),
              dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, max_rows=64, candidate=True, num_warps=4,
@@ -99,9 +104,9 @@ SKINNY_CONFIGS = {
              dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, SPLIT_K=4, max_rows=64, candidate=True, num_warps=4,
                   num_stages=4),
              dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, candidate=True, num_warps=8, num_stages=4)],
-    "hip": [dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=2, max_rows=16, candidate=True, num_warps=4,
+    "hip": [dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=0, max_rows=16, candidate=True, num_warps=4,
                  num_stages=2, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
-            dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=64, SPLIT_K=2, max_rows=64, candidate=True, num_warps=4,
+            dict(BLOCK_N=64, BLOCK_M=64, BLOCK_K=64, SPLIT_K=0, max_rows=64, candidate=True, num_warps=4,
                  num_stages=2, waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1),
             dict(BLOCK_N=128, BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, candidate=True, num_warps=8, num_stages=2,
                  waves_per_eu=0, matrix_instr_nonkdim=16, kpack=1)],
@@ -127,6 +132,32 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
                               "(the counter buffer is allocated and zeroed then)")
         buf = COUNTERS[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
     return buf
+
+
+_N_SM: dict[str, int] = {}
+
+
+def _n_sm(device: torch.device) -> int:
+    """Multiprocessors (CUs) of ``device``; 4 in the interpreter (so the test shapes take several splits)."""
+    if interpreting() or device.type != "cuda":
+        return 4
+    key = str(device)
+    if key not in _N_SM:
+        _N_SM[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _N_SM[key]
+
+
+def auto_split(M: int, N: int, K: int, meta: dict, n_sm: int, most: int = 16) -> int:
+    """``SPLIT_K`` of a config that leaves it 0: the smallest power of two that gives at least two programs a
+    multiprocessor (``n_sm``), at most ``most`` and at most the K steps there are. Shapes with few weight rows (a
+    TP rank's 768-row slice: 12 tiles of 64) need many splits to fill the GPU; wide ones (7,168 rows: 112 tiles)
+    need one or two."""
+    tiles = triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(M, meta["BLOCK_M"])
+    steps = triton.cdiv(K, meta["BLOCK_K"])
+    s = 1
+    while tiles * s < 2 * n_sm and s * 2 <= min(most, steps):
+        s *= 2
+    return s
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -161,6 +192,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict | None = Non
 
     def run(c):
         meta, opts = tune.split(c)
+        if not meta["SPLIT_K"]:
+            meta["SPLIT_K"] = auto_split(M, N, K, meta, _n_sm(x.device))
         grid = (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"], triton.cdiv(M, meta["BLOCK_M"]))
         ws = y
         cnt = y

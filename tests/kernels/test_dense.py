@@ -62,6 +62,18 @@ def test_every_config_matches_the_oracle(D, dtype):
         assert int(buf.abs().sum()) == 0
 
 
+def test_auto_split_fills_the_gpu():
+    """``SPLIT_K`` 0 takes the smallest power of two giving two programs a multiprocessor, within the K steps and
+    16: many for a 768-row slice, one for a 10,240-row one, never more splits than K steps."""
+    from k3rocm.kernels.dense.gemm import auto_split
+    meta = dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=256)
+    assert auto_split(53, 768, 7168, dict(meta, BLOCK_M=64), 132) == 16
+    assert auto_split(1, 10240, 7168, meta, 132) == 2
+    assert auto_split(1, 20480, 7168, meta, 132) == 1
+    assert auto_split(16, 64, 256, meta, 132) == 1  # one K step
+    assert auto_split(16, 64, 1024, meta, 132) == 4
+
+
 def test_tuned_pick_and_strided_rows(D):
     """Without a config the pick for the shape runs (its row band); x may be a row-strided view (a column slice of a
     wider activation) and the weight a row slice of a concatenated matrix."""
