@@ -13,6 +13,9 @@ import os
 
 import pytest
 import torch
+# Triton's compiler imported in compiled mode, before the D fixture sets TRITON_INTERPRET: the ahead-of-time test
+# below needs the jitted (not interpreted) standard library that its first compile imports
+import triton.compiler.code_generator  # noqa: F401
 
 from k3rocm.errors import ConfigError
 
