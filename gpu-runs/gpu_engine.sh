@@ -7,6 +7,8 @@
 # 540: one call of a 10-minute machine slot):
 #   p4     k3rocm bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 (input 256 / output
 #          64, 64 prompts): the decode-step goals of docs/BENCHMARKS.md, every step logged (p4_steps/steps.jsonl)
+#   p4t    p4 with the engine's dense projections of <= 64 rows on the Triton skinny GEMM (DENSE_GEMM=triton of
+#          prof_steps.py), into RESULTS_DIR/p4t
 #   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64 (K3_LIMIT s,
 #          default 140)
 #   prof   the K3 rank again with torch.profiler over steps 75..114 after warm-up (the last chunk steps and the
@@ -88,6 +90,8 @@ RANK="--synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --conc
 for s in $STEPS; do
   if [ "$(left)" -lt 20 ]; then printf '%s\tskipped\t0\n' "$s" >>"$R/steps.tsv"; continue; fi
   case $s in
+    p4t) DENSE_GEMM=triton PROF_OUT=$R/p4t_steps PROF_AFTER=1000000 PROF_N=0 step p4t "$(lim 200)" $PY "$HERE/prof_steps.py" \
+          bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4t" ;;
     p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 200)" $PY "$HERE/prof_steps.py" bench \
           --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
     k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim "${K3_LIMIT:-140}")" $PY "$HERE/prof_steps.py" bench \
@@ -120,7 +124,7 @@ for s in $STEPS; do
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kchk kdec ncu kncu moe dense)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kchk kdec ncu kncu moe dense p4t)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,

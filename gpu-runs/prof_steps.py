@@ -18,11 +18,22 @@ Usage (on the GPU machine, the package importable)::
 
 ``PROF_AFTER`` past the run's last step only logs the steps. The bench's own figures are disturbed inside the
 profiled window; use a separate run for them.
+
+``DENSE_GEMM=triton`` runs the engine's fp32-output dense projections of at most ``DENSE_ROWS`` (default 64) rows
+through the Triton skinny GEMM (``k3rocm.kernels.dense``, its first fitting config; ``k3rocm.model.common.DENSE_GEMM``)
+instead of the vendor GEMM, to time the engine with it before anything serves it.
 """
 import os, sys, time, json, functools, collections
 import torch
 from torch.profiler import profile, ProfilerActivity
 from k3rocm.runtime import engine as E
+if os.environ.get("DENSE_GEMM", "vendor") == "triton":
+    from k3rocm.kernels.dense import skinny_gemm
+    from k3rocm.model import common as _common
+    _common.DENSE_GEMM[:] = [skinny_gemm, int(os.environ.get("DENSE_ROWS", "64"))]
+    print(f"prof_steps: dense projections of <= {_common.DENSE_GEMM[1]} rows on the Triton skinny GEMM", flush=True)
+elif os.environ.get("DENSE_GEMM", "vendor") != "vendor":
+    sys.exit(f"prof_steps: DENSE_GEMM={os.environ['DENSE_GEMM']!r} is not 'vendor' or 'triton'")
 OUTD = os.environ.get("PROF_OUT", "/tmp/prof"); os.makedirs(OUTD, exist_ok=True)
 AFTER = int(os.environ.get("PROF_AFTER", "30")); N = int(os.environ.get("PROF_N", "24"))
 state = {"warm": 0, "n": 0}

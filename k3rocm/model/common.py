@@ -225,6 +225,14 @@ def linear_lp(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, weight.shape[0])
 
 
+#: an experimental replacement for the vendor GEMM of :func:`linear`'s low-precision path at few rows:
+#: ``[fn, max_rows]`` with ``fn(a [M, K], weight [N, K]) -> [M, N] fp32`` (``k3rocm.kernels.dense.skinny_gemm``)
+#: used when ``M <= max_rows``; ``fn`` None (the default): the vendor GEMM always. Set only by the GPU scripts that
+#: time the engine with the Triton skinny GEMM (``gpu-runs/prof_steps.py``, ``DENSE_GEMM=triton``) until that
+#: kernel is measured faster; nothing in the package sets it
+DENSE_GEMM: list = [None, 64]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T (+ bias)``, returned fp32. x ``[..., in]``, weight ``[out, in]`` (HF layout) -> ``[..., out]``.
 
@@ -243,7 +251,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(f32(x), f32(weight), None if bias is None else f32(bias))
     lead = x.shape[:-1]
     a = x.reshape(-1, x.shape[-1]).to(dt)
-    if a.device.type == "cuda" and a.shape[0] and fp32_out_supported(a.device):
+    fn, rows = DENSE_GEMM
+    if fn is not None and 0 < a.shape[0] <= rows and weight.stride(-1) == 1 and a.stride(-1) == 1:
+        y = fn(a, weight)
+    elif a.device.type == "cuda" and a.shape[0] and fp32_out_supported(a.device):
         y = torch.mm(a, weight.t(), out_dtype=torch.float32)
     else:
         y = F.linear(a, weight).float()

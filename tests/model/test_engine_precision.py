@@ -262,3 +262,32 @@ def test_engine_matmul_dtype_defaults_and_errors(tiny):
     for bad in (torch.float32, "bf16"):
         with pytest.raises(ConfigError):
             Engine(cfg, w, matmul_dtype=bad, **kw)
+
+
+def test_dense_gemm_hook_takes_few_rows_only():
+    """``common.DENSE_GEMM`` (the GPU scripts' switch to the Triton skinny GEMM) routes the low-precision path's
+    products of at most ``max_rows`` rows through its function, with the rounded operands; more rows, the fp32 path
+    and the default (None) never call it, and the result is the function's, reshaped."""
+    from k3rocm.model import common as C
+    seen = []
+
+    def fake(a, w):
+        seen.append((tuple(a.shape), a.dtype))
+        return (a.float() @ w.float().T) + 1.0
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 8, generator=g).bfloat16()
+    x = torch.randn(2, 3, 8, generator=g)
+    saved = list(C.DENSE_GEMM)
+    try:
+        C.DENSE_GEMM[:] = [fake, 6]
+        with C.matmul_dtype(torch.bfloat16):
+            y = C.linear(x, w)
+            big = C.linear(torch.randn(7, 8, generator=g), w)
+        fp32 = C.linear(x, w)
+    finally:
+        C.DENSE_GEMM[:] = saved
+    assert seen == [((6, 8), torch.bfloat16)]
+    torch.testing.assert_close(y, (x.reshape(6, 8).bfloat16().float() @ w.float().T + 1.0).reshape(2, 3, 6))
+    assert big.shape == (7, 6) and fp32.shape == (2, 3, 6)
+    assert C.DENSE_GEMM[0] is None
