@@ -20,8 +20,9 @@ Usage (on the GPU machine, the package importable)::
 profiled window; use a separate run for them.
 
 ``DENSE_GEMM=triton`` runs the engine's fp32-output dense projections of at most ``DENSE_ROWS`` (default 64) rows
-through the Triton skinny GEMM (``k3rocm.kernels.dense``, its first fitting config; ``k3rocm.model.common.DENSE_GEMM``)
-instead of the vendor GEMM, to time the engine with it before anything serves it.
+through the Triton skinny GEMM (``k3rocm.kernels.dense``; ``k3rocm.model.common.DENSE_GEMM``) instead of the vendor
+GEMM, to time the engine with it before anything serves it. Its config is the tune mode's pick (serving's default
+mode: the first entry whose row band fits). The switch holds for the whole process.
 """
 import os, sys, time, json, functools, collections
 import torch

@@ -790,10 +790,14 @@ def takes_addend(ops: Mapping[str, Callable]) -> bool:
     return _takes(ops["attn_res_norm"], "addend")
 
 
-def _pending_kw(state: AttnResState) -> tuple[dict, torch.Tensor | None]:
+def _pending_kw(state: AttnResState, ops: Mapping[str, Callable]) -> tuple[dict, torch.Tensor | None]:
     """``attn_res_norm`` keywords that add ``state.pending`` in the step (none without one), and the new prefix
-    buffer they fill (None without one)."""
+    buffer they fill (None without one). An op that does not take ``addend`` gets the pending output added first
+    (:meth:`AttnResState.settle`) and no keywords."""
     if state.pending is None:
+        return {}, None
+    if not takes_addend(ops):
+        state.settle()
         return {}, None
     new = torch.empty(state.base.shape, dtype=torch.float32, device=state.base.device)
     return {"addend": state.pending, "prefix_out": new}, new
@@ -829,7 +833,7 @@ def _aggregate_norm(ops: Mapping[str, Callable], state: AttnResState, weight: to
     k = len(state.bank)
     if buf is not None and (not write or k < buf.shape[0] - 1):
         # a pending sublayer output is added in the same launch, into a new prefix (the op's prefix_out)
-        kw, new = _pending_kw(state)
+        kw, new = _pending_kw(state, ops)
         x = _normed(ops, out_dtype, buf, k, state.base, weight, norm_weight, eps, append=write, **kw)
         if new is not None:
             state.prefix = new
@@ -898,7 +902,7 @@ def attn_side(state: AttnResState, layer: int, weight: torch.Tensor, norm_weight
     if write and not state.bank and cfg.num_attn_res_bank_rows > 0:
         # the first write layer: one storage for every bank row of this forward (+ one spare slot)
         buf = state.base.new_empty(cfg.num_attn_res_bank_rows + 1, *state.base.shape)
-        kw, new = _pending_kw(state)
+        kw, new = _pending_kw(state, ops)
         x = _normed(ops, out_dtype, buf, 0, state.base, weight, norm_weight, cfg.rms_norm_eps, append=True, **kw)
         if new is not None:
             state.prefix = new

@@ -20,9 +20,12 @@ Formula: plain matrix product (fp32 accumulation of exact bf16 / fp16 products);
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
@@ -31,7 +34,8 @@ from k3rocm.kernels.target import interpreting
 __all__ = ["skinny_gemm", "SKINNY_CONFIGS", "COUNTERS", "auto_split"]
 
 
-@_interp.kjit
+# M (token rows) not specialised on (== 1, % 16): a new row count never compiles while serving
+@partial(JITFunction, do_not_specialize=("M",))
 def _skinny_gemm_kernel(x, w, y, ws, cnt, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, F32: tl.constexpr = 0):
@@ -219,9 +223,11 @@ def isa_case(block_m: int = 16, split_k: int = 2, backend_opts: dict | None = No
     sig = dict(x="*bf16", w="*bf16", y="*fp32", ws="*fp32", cnt="*i32", M="i32", N="i32", K="i32",
                stride_xm="i32", stride_wn="i32", stride_ym="i32", BLOCK_N="constexpr", BLOCK_M="constexpr",
                BLOCK_K="constexpr", SPLIT_K="constexpr", F32="constexpr")
-    first = {be: next(c for c in SKINNY_CONFIGS[be] if c["BLOCK_M"] == block_m or be == "hip")
+    first = {be: next((c for c in SKINNY_CONFIGS[be] if c["BLOCK_M"] == block_m), SKINNY_CONFIGS[be][0])
              for be in ("cuda", "hip")}
-    c = first["cuda"]
-    consts = dict(BLOCK_N=c["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=c["BLOCK_K"], SPLIT_K=split_k, F32=0)
-    opts = {be: tune.split(cf, interp=False)[1] for be, cf in first.items()}
+    # each backend compiles its own entry's tiles (a backend's "constexprs" replace the case's there)
+    tiles = {be: dict(BLOCK_N=c["BLOCK_N"], BLOCK_M=block_m, BLOCK_K=c["BLOCK_K"], SPLIT_K=split_k, F32=0)
+             for be, c in first.items()}
+    consts = tiles["cuda"]
+    opts = {be: dict(tune.split(cf, interp=False)[1], constexprs=tiles[be]) for be, cf in first.items()}
     return (f"skinny_gemm_m{block_m}_s{split_k}", _skinny_gemm_kernel, sig, consts, True, opts)

@@ -36,8 +36,11 @@ sequences. Algebra: Yang et al. 2024 (DeltaNet over sequence length), Kimi Linea
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
@@ -252,7 +255,8 @@ def _gate_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg,
                 CS)
 
 
-@_interp.kjit
+# n_items (chunks x heads) not specialised on (== 1, % 16): a new chunk count never compiles while serving
+@partial(JITFunction, do_not_specialize=("n_items",))
 def _gate_ps_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, kg, glast, scale, lower_bound, H,
                     n_items, K: tl.constexpr, BT: tl.constexpr, KG2: tl.constexpr = 0, QG2: tl.constexpr = 0,
                     CS: tl.constexpr = 0):

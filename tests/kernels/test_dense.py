@@ -113,8 +113,9 @@ def test_compiles_for_each_target(D, target, monkeypatch):
     for name, fn, sig, consts, expects, opts in isa_cases():
         hinted = tuple(n for n, t in sig.items() if t.startswith("*")) + ("K", "N", "stride_xm", "stride_wn",
                                                                             "stride_ym")
-        rep = isa.compile_kernel(fn, sig, consts, target, name=name, options=opts[be], expects_matrix=expects,
-                                 aligned=hinted)
+        o = dict(opts[be])
+        rep = isa.compile_kernel(fn, sig, {**consts, **o.pop("constexprs", {})}, target, name=name, options=o,
+                                 expects_matrix=expects, aligned=hinted)
         assert rep.error is None, rep.error
         if be == "hip":
             assert rep.matrix_ops and all("bf16" in op for op in rep.matrix_ops), rep.matrix_ops

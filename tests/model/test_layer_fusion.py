@@ -223,3 +223,15 @@ def test_prefix_add_deferred_into_the_next_aggregation(tiny_ckpt, tiny_cfg):
     assert adds_b - adds_a == 2 * tiny_cfg.num_hidden_layers, (adds_a, adds_b)
     assert pa is not None and pb is None
     assert ma.res.pending is None and torch.equal(ma.res.prefix, mb.res.prefix)
+    # an op table swapped mid-forward for one without addend (the owner swaps ops in place): the pending output
+    # is added first, no TypeError, the same logits
+    m = K3Model(tiny_cfg, weights)
+    st = m.embed(ids.reshape(-1), L.Batch(torch.tensor([0, 7, 14], dtype=torch.int32)))
+    half = tiny_cfg.num_hidden_layers // 2
+    for i in range(half):
+        m.run_layer(i, st)
+    assert st.res.pending is not None
+    m.ops["attn_res_norm"] = no_addend
+    for i in range(half, tiny_cfg.num_hidden_layers):
+        m.run_layer(i, st)
+    assert torch.equal(m.final(st), lb)
