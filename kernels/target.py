@@ -17,7 +17,7 @@ try:
 except ImportError:  # the registry asks for the target where Triton may be missing (the torch oracle then serves)
     triton = None
 
-__all__ = ["BACKENDS", "Target", "current_target", "interpreting"]
+__all__ = ["BACKENDS", "Target", "current_target", "interpreting", "multiprocessors"]
 
 BACKENDS = ("cuda", "hip", "interpreter")
 
@@ -67,3 +67,17 @@ def current_target() -> Target:
 #: device index -> the driver's target: asked once per device (the driver query reads the device's capability;
 #: ~750 calls per mixed step of the K3 rank cost ~9 ms of host time on the H200 host, 2026-12-02)
 _DRIVER_TARGETS: dict[int, Target] = {}
+
+
+#: device index -> its multiprocessor (CU) count, asked once per device
+_N_SM: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Multiprocessors (SMs on NVIDIA, CUs on AMD) of the GPU ``device``, remembered per device: the size of a
+    persistent grid, read at every launch of one (the callers pick their own count under the interpreter)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _N_SM.get(idx)
+    if n is None:
+        n = _N_SM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -145,3 +146,20 @@ def run_module_in_interpreter(test_file: str, timeout_s: float = 600) -> None:
     res = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-x"],
                          env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+
+
+@contextlib.contextmanager
+def interpreter_without_gpu():
+    """``TRITON_INTERPRET=1`` for the duration when no GPU is present (kernels are compiled-mode objects that switch
+    to the interpreter at launch time), the variable restored after; with a GPU nothing changes. For module-scoped
+    kernel fixtures: ``with interpreter_without_gpu(): yield importlib.import_module(...)``."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old

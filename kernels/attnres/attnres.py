@@ -39,7 +39,7 @@ from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
-from k3rocm.kernels.target import interpreting
+from k3rocm.kernels.target import interpreting, multiprocessors
 from k3rocm.numerics import check_addend, overlaps
 
 #: per-backend configs
@@ -329,17 +329,9 @@ def _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT, t, num_
             tl.store(HN_OUT + t * stride_hnt + d, (hv * rs * nw).to(HN_OUT.dtype.element_ty), mask=m)
 
 
-#: (device index) -> multiprocessor count; (tune key) -> (meta, options, programs per SM) of the picked config.
-#: Both skip per-call host work at decode sizes, where the launch, not the kernel, is the cost.
-_N_SM: dict[int, int] = {}
+#: (tune key) -> (meta, options, programs per SM) of the picked config: skips per-call host work at decode sizes,
+#: where the launch, not the kernel, is the cost.
 _PLANS: dict[tuple, tuple[dict, dict, int]] = {}
-
-
-def _n_sm(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _N_SM:
-        _N_SM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _N_SM[idx]
 
 
 #: shared memory the ``PIPE`` stream may stage per program: its stage count is lowered until the ``PIPE - 1``
@@ -366,7 +358,7 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     if T == 0:
         return
     interp = interpreting()
-    n_sm = 1 if interp else _n_sm(prefix.device)
+    n_sm = 1 if interp else multiprocessors(prefix.device)
     if hn is None:
         hn = h
     if h is None:

@@ -29,7 +29,7 @@ from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
-from k3rocm.kernels.target import interpreting
+from k3rocm.kernels.target import interpreting, multiprocessors
 
 __all__ = ["skinny_gemm", "SKINNY_CONFIGS", "COUNTERS", "auto_split"]
 
@@ -138,17 +138,9 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-_N_SM: dict[str, int] = {}
-
-
 def _n_sm(device: torch.device) -> int:
     """Multiprocessors (CUs) of ``device``; 4 in the interpreter (so the test shapes take several splits)."""
-    if interpreting() or device.type != "cuda":
-        return 4
-    key = str(device)
-    if key not in _N_SM:
-        _N_SM[key] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _N_SM[key]
+    return 4 if interpreting() or device.type != "cuda" else multiprocessors(device)
 
 
 def auto_split(M: int, N: int, K: int, meta: dict, n_sm: int, most: int = 16) -> int:

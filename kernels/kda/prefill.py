@@ -44,7 +44,7 @@ from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
-from k3rocm.kernels.target import interpreting
+from k3rocm.kernels.target import interpreting, multiprocessors
 
 from . import configs as C
 
@@ -273,18 +273,10 @@ def _gate_ps_kernel(q, k, draw, A_log, dt_bias, chunk_tok, chunk_len, gbuf, qg, 
                     QG2, CS)
 
 
-_N_SM: dict = {}
-
-
 def _programs_per_wave(dev, per_sm: int) -> int:
     """``per_sm`` x the device's multiprocessors (CUs): a persistent grid's size. The interpreter takes 3 programs
     (every loop then runs more than one item on the small test shapes)."""
-    if interpreting():
-        return 3
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if idx not in _N_SM:
-        _N_SM[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return per_sm * _N_SM[idx]
+    return 3 if interpreting() else per_sm * multiprocessors(dev)
 
 
 @_interp.kjit

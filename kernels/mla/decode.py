@@ -25,7 +25,7 @@ from triton.runtime.jit import JITFunction
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
 from k3rocm.kernels.mla.prefill import load_cols, pad_dim
-from k3rocm.kernels.target import current_target
+from k3rocm.kernels.target import current_target, multiprocessors
 from k3rocm.numerics import FP8_MAX
 
 LOG2E = 1.4426950408889634
@@ -391,7 +391,7 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tenso
         if gate.stride(-1) != 1:
             gate = gate.contiguous()
     gt = gate if gate is not None else out.view(N, Tq, H * Dv)
-    n_sm = 1 if current_target().backend == "interpreter" else torch.cuda.get_device_properties(q_nope.device).multi_processor_count
+    n_sm = 1 if current_target().backend == "interpreter" else multiprocessors(q_nope.device)
     min_chunk = MIN_SPLIT_TOKENS if num_splits is None else SPLIT_ALIGN
 
     def plan(block_h: int) -> tuple[int, int]:

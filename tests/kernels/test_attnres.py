@@ -8,7 +8,6 @@ Without a GPU the kernel runs in the Triton interpreter (fp32): the module fixtu
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import triton.compiler.code_generator  # noqa: F401
 from k3rocm.config import preset
 from k3rocm.errors import ConfigError
 from k3rocm.model import attnres as A
+from tests.helpers import interpreter_without_gpu
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -28,14 +28,8 @@ TOL = dict(atol=2e-5, rtol=2e-5)
 def K():
     """The kernel module. Without a GPU, ``TRITON_INTERPRET=1`` is set for this module's tests only: the
     kernel is a compiled-mode object and switches to the interpreter at launch time."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if DEV == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield importlib.import_module("k3rocm.kernels.attnres.attnres")
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    with interpreter_without_gpu():
+        yield importlib.import_module("k3rocm.kernels.attnres.attnres")
 
 
 def _configs(K):

@@ -9,7 +9,6 @@ module fixture sets ``TRITON_INTERPRET=1`` for this module only."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 import triton.compiler.code_generator  # noqa: F401
 
 from k3rocm.errors import ConfigError
+from tests.helpers import interpreter_without_gpu
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 70, 300), (5, 64, 256), (16, 130, 513), (17, 200, 1000), (53, 96, 384), (64, 64, 64), (65, 33, 160)]
@@ -25,14 +25,8 @@ SHAPES = [(1, 70, 300), (5, 64, 256), (16, 130, 513), (17, 200, 1000), (53, 96, 
 
 @pytest.fixture(scope="module")
 def D():
-    old = os.environ.get("TRITON_INTERPRET")
-    if DEV == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield importlib.import_module("k3rocm.kernels.dense.gemm")
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    with interpreter_without_gpu():
+        yield importlib.import_module("k3rocm.kernels.dense.gemm")
 
 
 def _configs(D):

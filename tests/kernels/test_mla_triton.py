@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 
 import pytest
 import torch
 
 from k3rocm.errors import ConfigError
 from k3rocm.model import mla as M
+from tests.helpers import interpreter_without_gpu
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(atol=2e-5, rtol=2e-5) if DEV == "cpu" else dict(atol=5e-3, rtol=5e-3)  # tf32 dots on GPU
@@ -26,14 +26,8 @@ DN, DR, DV, R = 32, 16, 32, 32  # k3-tiny MLA dims (K3_FACTS: 128/64/128/512)
 def K():
     """(prefill module, decode module). Without a GPU, ``TRITON_INTERPRET=1`` is set for this module's tests
     only: the kernels are compiled-mode objects and switch to the interpreter at launch time."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if DEV == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield [importlib.import_module(m) for m in ("k3rocm.kernels.mla.prefill", "k3rocm.kernels.mla.decode")]
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    with interpreter_without_gpu():
+        yield [importlib.import_module(m) for m in ("k3rocm.kernels.mla.prefill", "k3rocm.kernels.mla.decode")]
 
 
 def _cfgs(table):
