@@ -12,6 +12,15 @@ Each kernel family (``k3rocm.kernels.<family>``) exposes ``isa_cases()`` returni
 (``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``); a backend's entry may
 also carry ``"constexprs"``: values that replace the case's constexprs on that backend (a kernel with a
 CUDA-only inline-PTX branch switches it off for HIP this way).
+
+Integer arguments: at run time Triton's launcher specialises every integer argument that is a multiple of 16
+(unless the kernel lists it in ``do_not_specialize``), and the compiler then proves the alignment it needs for
+vector loads (16-byte ``cp.async`` instead of 4-byte, ``global_load_dwordx4`` instead of dwords). An
+ahead-of-time signature has no values, so a case states it: the type ``"i32:16"`` / ``"i64:16"`` (see
+:func:`specialize`) marks an integer that is a multiple of 16 at the K3 sizes the case stands for. Without it
+the compile is what a launch with an unaligned value would give (measured 2026-12-07 on gfx950: the A16W4
+grouped GEMM at 217 VGPRs unmarked against 82 as launched, the skinny GEMM with 65-90 SGPR spills unmarked and
+none as launched). Token counts, head counts that vary with the tensor-parallel degree and the like stay plain.
 """
 
 from __future__ import annotations
@@ -29,6 +38,11 @@ from k3rocm.errors import HardwareError
 from k3rocm.kernels import import_families
 
 TARGETS = ("gfx950", "gfx942", "sm_90")
+
+#: shared memory / LDS one program may use, bytes: gfx950 160 KiB, gfx942 64 KiB (CDNA3 ISA guide); sm_90 227 KiB
+#: (CUDA programming guide, compute capability 9.0: 228 KiB per SM, 1 KiB reserved). A kernel that compiles
+#: above it does not launch ("out of resource: shared memory").
+LDS_LIMIT = {"gfx950": 160 * 1024, "gfx942": 64 * 1024, "sm_90": 227 * 1024}
 
 _MATRIX_RE = {
     "hip": re.compile(r"\b(v_mfma\w*|v_smfmac\w*)"),
@@ -72,7 +86,8 @@ class IsaReport:
 
     @property
     def ok(self) -> bool:
-        """No compile error, matrix instructions present where expected, no spills on AMD targets."""
+        """No compile error, matrix instructions present where expected, shared memory / LDS within the target's
+        limit (:data:`LDS_LIMIT`), no spills on AMD targets."""
         return not self.problems()
 
     def problems(self) -> list[str]:
@@ -82,6 +97,10 @@ class IsaReport:
             return [f"compile failed: {self.error.splitlines()[0] if self.error else ''}"]
         if self.expects_matrix and not self.matrix_ops:
             out.append("no matrix instructions (expected v_mfma/wgmma)")
+        limit = LDS_LIMIT.get(self.target)
+        if limit and self.lds_bytes and self.lds_bytes > limit:
+            out.append(f"{self.lds_bytes} bytes of shared memory / LDS, above the {limit} a program may use "
+                       f"on {self.target} (it would not launch)")
         if self.target.startswith("gfx"):
             if self.vgpr_spill:
                 out.append(f"{self.vgpr_spill} VGPR spills")
@@ -95,6 +114,36 @@ class IsaReport:
         d["ok"] = self.ok
         d["problems"] = self.problems()
         return d
+
+
+#: suffix of an integer type in a case signature: "a multiple of 16 at run time" (module docstring)
+ALIGNED_INT = ":16"
+
+
+def specialize(signature: dict[str, str], values: dict[str, int]) -> dict[str, str]:
+    """A copy of ``signature`` in which each integer argument named in ``values`` whose value is a multiple of 16
+    gets the :data:`ALIGNED_INT` suffix, as the launcher would specialise it for that value (0 included).
+    ``values``: the integer arguments at the K3 sizes the case stands for.
+
+    Raises:
+        HardwareError: a name in ``values`` that is not an integer argument of ``signature``.
+    """
+    out = dict(signature)
+    for name, v in values.items():
+        if out.get(name) not in ("i32", "i64"):
+            raise HardwareError(f"ISA case: {name!r} is not an i32 / i64 argument of the signature ({out.get(name)!r})")
+        if int(v) % 16 == 0:
+            out[name] += ALIGNED_INT
+    return out
+
+
+def _no_specialize(jit) -> set[str]:
+    """Names of the arguments the kernel's launcher never specialises (``do_not_specialize``)."""
+    names = list(jit.arg_names)
+    out = set()
+    for d in getattr(jit, "do_not_specialize", None) or ():
+        out.add(d if isinstance(d, str) else names[d])
+    return out
 
 
 def gpu_target(target: str):
@@ -119,7 +168,9 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str
     Args:
         fn: the jitted kernel (an ``@triton.autotune`` wrapper is unwrapped to its function).
         signature: argument name -> Triton type (``"*bf16"``, ``"*fp32"``, ``"i32"``, ``"fp32"``,
-            ``"constexpr"``); every argument of the kernel must appear.
+            ``"constexpr"``); every argument of the kernel must appear. ``"i32:16"`` / ``"i64:16"``: an integer
+            that is a multiple of 16 at run time (module docstring; :func:`specialize`); an argument in the
+            kernel's ``do_not_specialize`` cannot carry it (the launcher never specialises it).
         constexprs: values of the constexpr arguments.
         target: ``gfx950``, ``gfx942`` or ``sm_90``.
         options: compile options (``num_warps``, ``num_stages``, ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``).
@@ -136,12 +187,19 @@ def compile_kernel(fn: Callable, signature: dict[str, str], constexprs: dict[str
         jit = jit.fn
     tgt = gpu_target(target)
     names = list(jit.arg_names)
+    rep = IsaReport(name=name or getattr(jit, "__name__", str(jit)), target=target, expects_matrix=expects_matrix)
+    ints16 = [n for n, t in signature.items() if t.endswith(ALIGNED_INT)]
+    wrong = sorted(set(ints16) & _no_specialize(jit))
+    if wrong:
+        rep.error = (f"ConfigError: {', '.join(wrong)} marked {ALIGNED_INT} but the kernel does not specialise "
+                     f"{'it' if len(wrong) == 1 else 'them'} (do_not_specialize); drop the suffix in the case")
+        return rep
+    signature = {n: t[: -len(ALIGNED_INT)] if t.endswith(ALIGNED_INT) else t for n, t in signature.items()}
     if aligned is True:
         div = [n for n, t in signature.items() if t.startswith("*")]
     else:
         div = list(aligned or ())
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div if n in names}
-    rep = IsaReport(name=name or getattr(jit, "__name__", str(jit)), target=target, expects_matrix=expects_matrix)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in dict.fromkeys(div + ints16) if n in names}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -39,6 +39,7 @@ from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
+from k3rocm.kernels.isa import specialize
 from k3rocm.kernels.target import interpreting, multiprocessors
 from k3rocm.numerics import check_addend, overlaps
 
@@ -493,4 +494,9 @@ def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024,
                   ROWS=rows, PIPE=pipe, STORE_H=store_h, ADD=add)
     for k in consts:
         sig[k] = "constexpr"
+    # K3's hidden width; every row stride is a multiple of it (bank rows T x D). The row / token / program counts
+    # are never specialised (do_not_specialize)
+    D = 7168
+    sig = specialize(sig, dict(D=D, stride_br=53 * D, stride_bt=D, stride_pt=D, stride_ht=D, stride_hnt=D,
+                               stride_at=D, stride_pot=D))
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}

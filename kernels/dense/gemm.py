@@ -29,6 +29,7 @@ from triton.runtime.jit import JITFunction
 
 from k3rocm.errors import ConfigError
 from k3rocm.kernels import _interp, tune
+from k3rocm.kernels.isa import specialize
 from k3rocm.kernels.target import interpreting, multiprocessors
 
 __all__ = ["skinny_gemm", "SKINNY_CONFIGS", "COUNTERS", "auto_split"]
@@ -215,6 +216,8 @@ def isa_case(block_m: int = 16, split_k: int = 2, backend_opts: dict | None = No
     sig = dict(x="*bf16", w="*bf16", y="*fp32", ws="*fp32", cnt="*i32", M="i32", N="i32", K="i32",
                stride_xm="i32", stride_wn="i32", stride_ym="i32", BLOCK_N="constexpr", BLOCK_M="constexpr",
                BLOCK_K="constexpr", SPLIT_K="constexpr", F32="constexpr")
+    # a K3 projection (7168 -> 3584, the latent down projection); M (the token count) is never specialised
+    sig = specialize(sig, dict(N=3584, K=7168, stride_xm=7168, stride_wn=7168, stride_ym=3584))
     first = {be: next((c for c in SKINNY_CONFIGS[be] if c["BLOCK_M"] == block_m), SKINNY_CONFIGS[be][0])
              for be in ("cuda", "hip")}
     # each backend compiles its own entry's tiles (a backend's "constexprs" replace the case's there)

@@ -11,6 +11,7 @@ ahead-of-time ISA check (``k3rocm kernels isa``).
 from __future__ import annotations
 
 from k3rocm.kernels import tune
+from k3rocm.kernels.isa import specialize
 
 from . import configs
 from .conv import _conv_fwd_kernel, _conv_state_kernel, short_conv
@@ -54,8 +55,11 @@ def isa_cases(dtype: str = "bf16", K: int = 128) -> list[tuple]:
     h = "*fp16"  # the same under prefill.PRODUCTS "fp16"
     conv_sig = dict(x=p, w="*fp32", y=p, state_in="*fp32", cu="*i32", tok_seq="*i32", TT="i32", NCH="i32",
                     HAS_STATE="constexpr", W="constexpr", BLOCK_T="constexpr", BLOCK_C="constexpr")
+    # the conv's channels (q|k|v of H heads, 3 H K) are a multiple of 16 for every head count; TT (tokens) varies
+    conv_sig = specialize(conv_sig, dict(NCH=3 * 12 * K))
     cs_sig = dict(x=p, state_in="*fp32", state_out="*fp32", cu="*i32", NCH="i32", HAS_STATE="constexpr",
                   W="constexpr", BLOCK_C="constexpr")
+    cs_sig = specialize(cs_sig, dict(NCH=3 * 12 * K))
     gate_sig = dict(q=p, k=p, draw=p, A_log="*fp32", dt_bias="*fp32", chunk_tok="*i32", chunk_len="*i32",
                     gbuf="*fp32", qg=b, kg=b, glast="*fp32", scale="fp32", lower_bound="fp32", H="i32",
                     K="constexpr", BT="constexpr", KG2="constexpr", QG2="constexpr", CS="constexpr")

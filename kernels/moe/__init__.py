@@ -11,10 +11,11 @@ import math
 import re
 
 from k3rocm.kernels import tune
+from k3rocm.kernels.isa import specialize
 
 from .configs import (GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, gemm_config,
                       gemm_name, router_config, stage_config)
-from .gemm import (dq_isa_case, isa_options, moe_dispatch_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
+from .gemm import (K3_LATENT, K3_PAIRS, dq_isa_case, isa_options, k3_gemm_ints, moe_dispatch_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                    moe_reduce_kernel)
 from .mlp import glu
 from .mlp import isa_case as _glu_isa_case
@@ -58,6 +59,7 @@ def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tup
               "TILE_N": tiles[0], "TILE_K": tiles[1]}
     for c in consts:
         sig[c] = "constexpr"
+    sig = specialize(sig, k3_gemm_ints(gated, tiles, scaled_a8=a8))
     opts = isa_options(cfg, backend)
     lay = f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else ""
     name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(full)}{lay}]"
@@ -81,12 +83,10 @@ def isa_cases() -> list[tuple]:
                 cuda_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                 cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
     # the A16W4 decode-path GEMM (the CUDA list's decode kinds; the HIP tables serve tl.dot_scaled, so its CUDA
-    # tiles are compiled for sm_90 only: the 4-warp m16 tile CUDA serves spills 24-31 SGPRs on gfx950 / gfx942),
-    # in its one-multiply variant (every K3 layer) and the general one; plus one AMD portability case of the
-    # source (the 8-warp m16 tile without the inline-PTX bf16x2 multiplies, spill-free there; not compiled for
-    # sm_90, whose tiles are the cases above)
-    amd = next(c for c in GEMM_CONFIGS["cuda"] if c["kind"] != "scaled" and c["num_warps"] == 8
-               and c["BLOCK_M"] == 16 and c.get("split_k", 1) == 1)
+    # tiles, with their inline-PTX bf16x2 multiplies, are compiled for sm_90 only) in its one-multiply variant
+    # (every K3 layer) and the general one; plus the AMD portability case of the source: the tile and the layout
+    # CUDA serves (4-warp m16, tiled, planar bits) without the inline PTX, at 2 stages, spill-free on gfx950 and
+    # gfx942 as the launcher specialises it (the unspecialised compile spilled 24-31 SGPRs; isa.specialize)
     for gated in (True, False):
         big = max(GEMM_CONFIGS["cuda"], key=lambda c: c.get("max_rows", math.inf))  # the served large-group tile
         for cfg, fused in ((GEMM_CONFIGS["cuda"][0], True), (big, True),
@@ -94,19 +94,20 @@ def isa_cases() -> list[tuple]:
             name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, cfg, "cuda", fused_scale=fused)
             cases.append((name, fn, sig, consts, expects, {"hip": None, "cuda": cuda_opts}))
         # what CUDA serves: the first config on the tiled layout with its planar value bits
-        name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda",
-                                                                LAYOUT_TILES["cuda"], bits=LAYOUT_BITS["cuda"])
+        served = GEMM_CONFIGS["cuda"][0]
+        name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, served, "cuda", LAYOUT_TILES["cuda"],
+                                                                bits=LAYOUT_BITS["cuda"])
         cases.append((name, fn, sig, consts, expects, {"hip": None, "cuda": cuda_opts}))
-        name, fn, sig, consts, expects, _ = dq_isa_case(gated, amd, "cuda", fused_scale=True)
-        hip_opts = {"num_warps": amd["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
+        hip_opts = {"num_warps": served["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
         base, tag = name[:-1].split("[", 1)  # the tile's name at the 2 stages it compiles with, no inline PTX
-        cases.append((f"{base}[{re.sub(r's[0-9]+$', 's2', tag)},amd-portability]", fn, sig, consts, expects,
-                      {"hip": hip_opts, "cuda": None}))
+        cases.append((f"{base}[{re.sub(r's[0-9]+(?=,)', 's2', tag, count=1)},amd-portability]", fn, sig, consts,
+                      expects, {"hip": hip_opts, "cuda": None}))
     # the one-program dispatch at K3 size (896 local experts, up to 8192 pairs), as ops.dispatch_gpu launches it
     dpsig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
              "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32", "bstart_ptr": "*i32",
              "run_ptr": "*i32", "UB": "i32", "BLOCK_M": "constexpr", "BLOCK_P": "constexpr", "BLOCK_E": "constexpr",
              "BLOCK_UB": "constexpr"}
+    dpsig = specialize(dpsig, dict(first=0, num_local=896, P=8192))  # (UB varies with the routing)
     cases.append(("dispatch_one_program", moe_dispatch_kernel, dpsig,
                   {"BLOCK_M": 16, "BLOCK_P": 64, "BLOCK_E": 1024, "BLOCK_UB": 8192}, False,
                   {"hip": {"num_warps": 8}, "cuda": {"num_warps": 8}}))
@@ -114,6 +115,9 @@ def isa_cases() -> list[tuple]:
             "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
             "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "IEEE": "constexpr",
             "SPLIT_X": "constexpr"}
+    # K3's gate (896 x 7168) at 64 tokens in 16 splits of 448; the token count itself is not specialised on
+    rsig = specialize(rsig, dict(E=896, D=7168, K_PER_SPLIT=448, stride_x=7168, stride_w=7168, stride_ps=64 * 896,
+                                 stride_pt=896))
     for rc in ROUTER_CONFIGS["hip"]:
         rconst = {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": False,
                   "SPLIT_X": 0}
@@ -138,6 +142,8 @@ def isa_cases() -> list[tuple]:
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
             "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
             "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr", "stride_ys": "i32"}
+    dsig = specialize(dsig, dict(D=K3_LATENT, stride_y=K3_LATENT, stride_o=K3_LATENT, stride_n=K3_LATENT,
+                                 stride_ys=K3_PAIRS * K3_LATENT))
     cases.append(("reduce_norm", moe_reduce_kernel, dsig, {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 1},
                   False, {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
     # split-K: the reduction over 4 w2 partials per pair, and the w1|w3 finishing step (sum + SiTU-GLU)
@@ -147,6 +153,7 @@ def isa_cases() -> list[tuple]:
     fsig = {"part_ptr": "*fp32", "h_ptr": "*bf16", "offsets_ptr": "*i64", "num_local": "i32", "I": "i32",
             "stride_ps": "i32", "stride_h": "i32", "SPLITS": "constexpr", "ACT": "constexpr", "BETA": "constexpr",
             "BETA_LIN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_I": "constexpr"}
+    fsig = specialize(fsig, dict(num_local=896, I=3072, stride_ps=2 * K3_PAIRS * 3072, stride_h=3072))
     cases.append(("glu_finish_split4", moe_glu_finish_kernel, fsig,
                   {"SPLITS": 4, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_R": 16, "BLOCK_I": 256}, False,
                   {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))

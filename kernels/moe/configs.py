@@ -224,11 +224,15 @@ ROUTER_CONFIGS: dict[str, list[Config]] = {
     # candidates only
     "cuda": [router_config(16, 128, 128, 4, 4, max_rows=16), router_config(64, 128, 64, 4, 3),
              router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64)],
-    "hip": [router_config(32, 64, 64, 4, 2)],  # larger tiles spill SGPRs on gfx942
+    # larger tiles do not fit gfx942 as the launcher specialises them (AOT, 2026-12-07): t64e128k64w4s3 spills 30
+    # SGPRs, t64e64k128w8s3 64 VGPRs, t16e128k128w4s4 needs 120 KiB of LDS (64 KiB there)
+    "hip": [router_config(32, 64, 64, 4, 2)],
     "interpreter": [router_config(16, 128, 256, 4, 1)],  # large tiles: fewer interpreted programs
 }
 
 
 #: token rows per tile of the fused dispatch (``router.bucket_pairs``; capped at 16384 lanes / the local expert
-#: count): gfx942/gfx950 spill SGPRs above 4 rows at 896 experts (tests/kernels/test_moe_isa.py), sm_90 does not
+#: count). HIP's 4 was chosen when the unspecialised AOT compile spilled SGPRs above 4 rows at 896 experts; compiled
+#: as the launcher specialises it (``kernels.isa.specialize``) 4, 8 and 16 rows are spill-free on gfx950 and
+#: gfx942 (16 rows take all 64 KiB of gfx942's LDS). Not measured on AMD, so 4 stays
 ROUTER_BUCKET_TOKENS: dict[str, int] = {"cuda": 16, "hip": 4, "interpreter": 32}

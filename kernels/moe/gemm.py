@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from k3rocm.kernels import tune
+from k3rocm.kernels.isa import specialize
 from k3rocm.kernels.moe.configs import SCALE_PF_KINDS, SWAP_KINDS, gemm_name, stage_config
 from k3rocm.kernels.mx.quant import mxfp8_quantize_tile
 
@@ -563,6 +564,35 @@ def moe_gemm_dq_kernel(
             tl.store(o_ptrs, acc_g * wt[:, None], mask=omask)
 
 
+#: K3's routed-expert sizes for the ahead-of-time cases: latent width, expert intermediate width, (token, expert)
+#: pairs of a 64-token step at top-16
+K3_LATENT, K3_INTER, K3_PAIRS = 3584, 3072, 64 * 16
+
+
+def k3_gemm_ints(gated: bool, tiles: tuple[int, int] = (0, 0), split_k: int = 1,
+                 scaled_a8: bool | None = None) -> dict[str, int]:
+    """The integer arguments of a grouped GEMM as ``ops`` passes them for one K3 layer at 64 tokens (w1|w3 if
+    ``gated``, else w2; ``tiles`` the tiled layout, (0, 0) the checkpoint's), for ``k3rocm.kernels.isa.specialize``:
+    the launcher specialises the multiples of 16 among them. ``scaled_a8``: None for the decode kernel, else the
+    scaled kernel's two extra strides (activation / output scale rows) in that mode."""
+    rows, k = (2 * K3_INTER, K3_LATENT) if gated else (K3_LATENT, K3_INTER)
+    n = rows // 2 if gated else rows
+    if tiles[0]:
+        g = 2 if gated else 1
+        chunk = g * tiles[0] * (tiles[1] // 2 + tiles[1] // 32)
+        per_expert = -(-n // tiles[0]) * (k // tiles[1]) * chunk
+        we, wn, wse, wsn = per_expert, 0, per_expert, 0
+    else:
+        we, wn, wse, wsn = rows * k // 2, k // 2, rows * k // 32, k // 32
+    out_w = n if gated else K3_LATENT
+    ints = dict(N=n, K=k, HALF_N=n if gated else 0, stride_am=k, stride_we=we, stride_wn=wn, stride_wse=wse,
+                stride_wsn=wsn, stride_om=out_w)
+    if scaled_a8 is None:
+        return dict(ints, K_PER=k // split_k, stride_os=(2 if gated else 1) * K3_PAIRS * out_w)
+    return dict(ints, stride_asm=k // 32 if scaled_a8 else k,
+                stride_osm=(n // 32 if scaled_a8 else n) if gated else out_w)
+
+
 def isa_options(cfg: tune.Config, backend: str) -> dict:
     """Compile options of a GEMM config for ``backend``: its launch options on ``"hip"`` (but ``maxnreg``, a CUDA
     option), ``num_warps``, ``num_stages`` and ``maxnreg`` (where set) on ``"cuda"``."""
@@ -592,6 +622,7 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
               "SPLIT_K": cfg.get("split_k", 1), "BITS": bits}
     for c in consts:
         sig[c] = "constexpr"
+    sig = specialize(sig, k3_gemm_ints(gated, tiles, cfg.get("split_k", 1)))
     opts = isa_options(cfg, backend)
     lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + (",planar" if bits else "") + (
         "" if fused_scale else ",general-scale")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from k3rocm.kernels.isa import specialize
 from k3rocm.kernels.moe.gemm import write_block_table
 
 
@@ -250,6 +251,8 @@ def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
               "DISPATCH": dispatch, "BLOCK_M": 16, "BLOCK_T": bucket_tokens, "BLOCK_L": 1024, "BLOCK_UB": 2048,
               "BLOCK_PT": pair_tokens(bucket_tokens)}
     sig.update({c: "constexpr" for c in consts})
+    # K3's 896 experts, all local from expert 0, partials of 64 tokens (the token and block counts vary)
+    sig = specialize(sig, dict(E=896, stride_ps=64 * 896, stride_pt=896, first=0, num_local=896))
     warps = 8 if dispatch else 4
     return (f"router_topk{f'_dispatch_t{bucket_tokens}' if dispatch else ''}", router_topk_kernel, sig, consts, False,
             {"hip": {"num_warps": warps}, "cuda": {"num_warps": warps}})

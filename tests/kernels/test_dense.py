@@ -98,19 +98,21 @@ def test_empty_and_refusals(D):
 @pytest.mark.parametrize("target", ["gfx950", "gfx942", "sm_90"])
 def test_compiles_for_each_target(D, target, monkeypatch):
     """Each ISA case compiles with matrix instructions (bf16 MFMA on AMD, wgmma on sm_90), no AMD spills, and on
-    sm_90 with the launcher's alignment hints (K, N and the strides divisible by 16, as at K3's widths) the loop's
-    tiles are staged by the pipeliner's ``cp.async``, within the shared memory of a block."""
+    sm_90 with the launcher's alignment hints (the case marks K, N and the strides divisible by 16, as at K3's
+    widths: ``isa.specialize``) the loop's tiles are staged by the pipeliner's ``cp.async``, within the shared
+    memory of a block."""
     isa = pytest.importorskip("k3rocm.kernels.isa")
     from k3rocm.kernels.dense import isa_cases
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     be = "hip" if target.startswith("gfx") else "cuda"
     for name, fn, sig, consts, expects, opts in isa_cases():
-        hinted = tuple(n for n, t in sig.items() if t.startswith("*")) + ("K", "N", "stride_xm", "stride_wn",
-                                                                            "stride_ym")
+        assert {n for n, t in sig.items() if t.endswith(isa.ALIGNED_INT)} == {"K", "N", "stride_xm", "stride_wn",
+                                                                              "stride_ym"}
         o = dict(opts[be])
         rep = isa.compile_kernel(fn, sig, {**consts, **o.pop("constexprs", {})}, target, name=name, options=o,
-                                 expects_matrix=expects, aligned=hinted)
+                                 expects_matrix=expects)
         assert rep.error is None, rep.error
+        assert rep.ok, (name, target, rep.problems())
         if be == "hip":
             assert rep.matrix_ops and all("bf16" in op for op in rep.matrix_ops), rep.matrix_ops
             assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, (name, target, rep.vgpr_spill, rep.sgpr_spill)

@@ -4,15 +4,14 @@ Two views:
 * ``kernels isa`` as the toolkit runs it (``k3rocm.kernels.isa.run_isa``): compiles everywhere, matrix
   instructions (v_mfma / wgmma / mma) wherever the kernel has a dot, no VGPR spills on AMD.
 * the launch-time view: the JIT marks pointer and integer arguments divisible by 16 (``tt.divisibility``),
-  which is what lets it vectorise loads; compiled with those hints, as a real launch is, every kernel must
-  have **zero VGPR and zero SGPR spills** on gfx950 and gfx942 and use 128-bit loads.
+  which is what lets it vectorise loads; the cases carry those hints (the strides as K3 constants, the integer
+  arguments a launch specialises as ``"i32:16"``, ``isa.specialize``), so compiled as a real launch is, every
+  kernel must have **zero VGPR and zero SGPR spills** on gfx950 and gfx942 and use 128-bit loads.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import warnings
 
 import pytest
 
@@ -60,34 +59,15 @@ def test_amd_no_vgpr_spills(reports):
             assert r.lds_bytes <= (160 if r.target == "gfx950" else 64) * 1024
 
 
-def _compile_like_launch(fn, sig, consts, target, opts):
-    """triton.compile with the divisibility-16 hints the JIT adds at launch for aligned pointers / ints."""
-    import triton
-    from triton.compiler import ASTSource
-
-    jit = fn
-    while hasattr(jit, "fn") and not hasattr(jit, "arg_names"):
-        jit = jit.fn
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(jit.arg_names)
-             if sig[n].startswith("*") or sig[n] in ("i32", "i64")}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        k = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts, attrs=attrs),
-                           target=isa.gpu_target(target), options=dict(opts))
-    asm = k.asm["amdgcn"]
-    meta = {}
-    for key, val in re.findall(r"\.(vgpr_spill_count|sgpr_spill_count|vgpr_count):\s+(\d+)", asm):
-        meta.setdefault(key, int(val))
-    return meta, asm
-
-
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])
 def test_amd_zero_spills_at_launch(target):
     cases = isa.family_cases(("mla", "attnres"))
     assert len(cases) >= 6
     for name, fn, sig, consts, _expects, opts in cases:
-        meta, asm = _compile_like_launch(fn, sig, consts, target, opts.get("hip", {}))
-        assert meta.get("vgpr_spill_count", 0) == 0, f"{name} on {target}: {meta}"
-        assert meta.get("sgpr_spill_count", 0) == 0, f"{name} on {target}: {meta}"
+        o = dict(opts.get("hip", {}))
+        rep = isa.compile_kernel(fn, sig, {**consts, **o.pop("constexprs", {})}, target, name=name, options=o)
+        assert rep.error is None, rep.error
+        assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, f"{name} on {target}: {rep.to_dict()}"
+        asm = rep.asm
         if "cache_write" not in name:
             assert "global_load_dwordx4" in asm or "buffer_load_dwordx4" in asm, f"{name}: no 128-bit loads"
