@@ -135,8 +135,12 @@ def run_sweep(stage: Stage, concurrencies: list[int], point: Callable[[int], dic
 
 
 def _interrupted(results: list[dict], total: int, how: str = "Ctrl-C") -> Interrupted:
-    e = Interrupted(f"interrupted ({how}) after {len(results)} of {total} points; the finished points are in "
-                    "the report, marked interrupted")
+    if results:
+        e = Interrupted(f"interrupted ({how}) after {len(results)} of {total} points; the finished points are in "
+                        "the report, marked interrupted")
+    else:
+        e = Interrupted(f"interrupted ({how}) before any of the {total} points finished: nothing was measured (the "
+                        "report keeps the rows of what ran before the sweep, marked interrupted)")
     if how == "SIGTERM":
         e.exit_code = 143
     return e

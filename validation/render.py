@@ -170,7 +170,7 @@ def render_markdown(rep: Report) -> str:
                 lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
                                                            for c in sconcs) + " |")
             lines.append("")
-        plots = [(k, v) for k, v in (s.series or {}).items() if v.get("y")]
+        plots = [(k, v) for k, v in (s.series or {}).items() if has_points(v)]
         if plots:
             lines += ["Plots (drawn in report.html), with the level of their series:", ""]
             lines += [f"- {k} ({v.get('title', k)}): {plot_level_text(v)}" for k, v in plots]
@@ -237,6 +237,11 @@ def plot_level_text(spec: dict) -> str:
     return "levels: " + "; ".join(f"{lab} {lv or 'not recorded'}" for lab, lv in per.items())
 
 
+def has_points(spec: dict) -> bool:
+    """Whether a series spec has a value to draw (an interrupted sweep can leave labels with empty lists)."""
+    return any(len(v or ()) for v in (spec.get("y") or {}).values())
+
+
 def _series_svg(name: str, spec: dict) -> str | None:
     """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind",
     "levels": {label: level}}`` (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with
@@ -254,13 +259,13 @@ def _series_svg(name: str, spec: dict) -> str | None:
         import matplotlib
     except ImportError:
         return (f"<p class=\"fail\">plot {html.escape(name)} omitted: matplotlib is not installed "
-                "(pip install matplotlib)</p>") if spec.get("y") else None
+                "(pip install matplotlib)</p>") if has_points(spec) else None
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     plt.rcParams["svg.fonttype"] = "none"
     x = spec.get("x") or []
     ys = spec.get("y") or {}
-    if not ys:
+    if not has_points(spec):
         return None
     fig, ax = plt.subplots(figsize=(6.4, 3.0), dpi=100)
     kind = spec.get("kind", "line")

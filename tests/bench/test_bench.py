@@ -428,3 +428,24 @@ def test_sigterm_ends_a_sweep_like_ctrl_c_and_exits_143():
     e = _interrupted(results, 4, stopped)
     assert e.exit_code == 143 and "SIGTERM" in str(e) and "\n" not in str(e)
     assert _interrupted(results, 4).exit_code == 130
+
+
+def test_a_sweep_interrupted_before_its_first_point_says_nothing_was_measured_and_draws_no_plot(tmp_path):
+    # Ctrl-C during the first point: the message does not claim finished points, and the report's empty series
+    # (labels with no values) become neither an SVG in the HTML nor a plot line in the Markdown
+    from k3rocm.validation.bench_job import _interrupted, run_sweep
+    from k3rocm.validation.evidence import Stage
+    from k3rocm.validation.render import _series_svg, has_points
+
+    def point(c):
+        raise KeyboardInterrupt()
+    st = Stage("bench")
+    results, stopped = run_sweep(st, [1, 2], point)
+    assert results == [] and stopped == "Ctrl-C"
+    msg = str(_interrupted(results, 2, stopped))
+    assert "before any of the 2 points finished" in msg and "nothing was measured" in msg
+    assert "finished points are in" not in msg
+    empty = {"x": [], "y": {"TTFT p50": [], "TPOT p50": []}, "xlabel": "concurrency", "ylabel": "ms"}
+    assert not has_points(empty) and _series_svg("latency", empty) is None
+    one = {"x": [1], "y": {"TTFT p50": [12.5], "TPOT p50": []}, "xlabel": "concurrency", "ylabel": "ms"}
+    assert has_points(one) and "<svg" in _series_svg("latency", one)
