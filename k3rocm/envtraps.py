@@ -73,7 +73,7 @@ TRAPS: tuple[Trap, ...] = (
          ("--kda-prefill-backend",), "rocm",
          (("--kda-prefill-backend", "= flashkda"),),
          "the KDA prefill backend FlashKDA (a CUDA-only extension) is selected on ROCm",
-         "the CUDA-only KDA extension is chosen on a ROCm node: the server fails when it loads it",
+         "the server fails when it loads the extension",
          "leave --kda-prefill-backend at auto (ROCm selects its own KDA kernels)",
          "vLLM PR #50262"),
 )

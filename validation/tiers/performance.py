@@ -308,9 +308,11 @@ def _compile_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
     if not c:
         return
     ladder = (r.get("warmup") or {}).get("ladder") or {}
+    buckets = ladder.get("prefill_buckets") or []
     after = (f"after warm-up of {len(ladder.get('graphs', []))} decode graphs, "
-             f"{len(ladder.get('mixed_graphs', []))} mixed-step graphs and prefill buckets "
-             f"{ladder.get('prefill_buckets', [])}" if ladder else "after the warm-up requests")
+             f"{len(ladder.get('mixed_graphs', []))} mixed-step graphs and "
+             + (f"prefill buckets of {', '.join(map(str, buckets))} tokens" if buckets else "no prefill buckets")
+             if ladder else "after the warm-up requests")
     if ladder.get("seconds") is not None:
         stage.add(info(tier, f"{tag}.warmup.seconds", round(float(ladder["seconds"]), 3), "s", level=lv,
                        detail=f"engine.warm_up(): graphs captured, the kernels of every step shape serving can meet "
