@@ -313,9 +313,10 @@ class Engine:
             free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # the allocator's own free
             return free - nbytes >= reserve
 
-        # planar value bits (the backend's default) only for A16W4: A8W4 runs the scaled kernel, which reads nibbles
-        bits = None if self.moe_mode == "a16w4" else 0
-        return w.use_kernel_layout(lambda ew: kernel_layout(ew, check=True, bits=bits), room=room)
+        # planar value bits and the mma element order (the backend's defaults) only for A16W4: A8W4 runs the scaled
+        # kernel, which reads nibbles in the checkpoint's order
+        keep = None if self.moe_mode == "a16w4" else 0
+        return w.use_kernel_layout(lambda ew: kernel_layout(ew, check=True, bits=keep, order=keep), room=room)
 
     @staticmethod
     def _layout_summary(w: Any, stats: list[dict]) -> str:

@@ -98,6 +98,9 @@ def isa_cases() -> list[tuple]:
         name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, served, "cuda", LAYOUT_TILES["cuda"],
                                                                 bits=LAYOUT_BITS["cuda"])
         cases.append((name, fn, sig, consts, expects, {"hip": None, "cuda": cuda_opts}))
+        # the same on the mma element order (the activations to the matrix unit as loaded)
+        case = dq_isa_case(gated, served, "cuda", LAYOUT_TILES["cuda"], bits=LAYOUT_BITS["cuda"], order=1)
+        cases.append((*case[:5], {"hip": None, "cuda": case[5]}))
         hip_opts = {"num_warps": served["num_warps"], "num_stages": 2, "constexprs": {"PTX": False}}
         base, tag = name[:-1].split("[", 1)  # the tile's name at the 2 stages it compiles with, no inline PTX
         cases.append((f"{base}[{re.sub(r's[0-9]+(?=,)', 's2', tag, count=1)},amd-portability]", fn, sig, consts,

@@ -214,6 +214,14 @@ LAYOUT_TILES: dict[str, tuple[int, int]] = {"cuda": (128, 128), "hip": (128, 128
 #: (its first configs are scaled ones; the tests build planar layouts explicitly).
 LAYOUT_BITS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 0}
 
+#: element order within each 32-element block of that layout (``k3rocm.kernels.mx.layout``: 0 = the checkpoint's,
+#: 1 = the mma order, from which the decode-path GEMM's decoded tiles come out in the natural K order and its
+#: activation tiles go to the matrix unit as loaded: on sm_90, as launched, the w1|w3 k-step loses its two
+#: conflicted ``stmatrix`` stores of the permuted activations and two shared-memory reloads; the output equals
+#: the checkpoint order's up to the fp32 summation order inside each k16 product). Only the decode path reads
+#: order 1. 0 everywhere until the GPU sweep (``bench_moe.py --sweep-layout tiled``) times both.
+LAYOUT_ORDER: dict[str, int] = {"cuda": 0, "hip": 0, "interpreter": 0}
+
 
 ROUTER_CONFIGS: dict[str, list[Config]] = {
     # H200 2026-12-02 (gpu-runs/bench_route.py, K3 gate, fp32 input split into three bf16 products, each config

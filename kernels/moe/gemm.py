@@ -434,6 +434,7 @@ def moe_gemm_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
     PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, BITS: tl.constexpr = 0,
+    KORDER: tl.constexpr = 0,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -445,7 +446,9 @@ def moe_gemm_dq_kernel(
     multiples of 4.
     ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
     ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`; ``BITS``: its value bits (0 checkpoint
-    nibbles, 1 planar lanes: the tiled layout of ``mx.layout`` only). ``FUSED_SCALE``: one multiply per
+    nibbles, 1 planar lanes: the tiled layout of ``mx.layout`` only); ``KORDER``: its element order within a block
+    (1: the mma order of ``mx.layout``, whose decode in the MMA K order is the natural K order, so the activations
+    are used as loaded in both orientations; 0: the checkpoint's). ``FUSED_SCALE``: one multiply per
     decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128.
     ``SCALE_PF``: 0 = the E8M0 scales of a k-step read when it decodes (a synchronous load on the k-step chain).
     1 (config kinds ``"dqp"`` / ``"dqnp"``): the ``[BLOCK_N, BLOCK_K/32]`` scale tile of step k+1 is read into
@@ -514,7 +517,10 @@ def moe_gemm_dq_kernel(
         if F32:
             a = a.to(tl.float32)
         if SWAP:  # decoded weights = the MMA's register operand, in its K order; tokens the narrow side
-            at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
+            if KORDER:  # the layout's element order makes the decode's K order the natural one
+                at = tl.trans(a)
+            else:
+                at = tl.trans(mxfp4_k_order(a, BLOCK_M, BLOCK_K))
             wg = mxfp4_decode_tile(tl.load(wg_ptrs), sg_cur if SCALE_PF != 0 else tl.load(sg_ptrs), BLOCK_N,
                                     BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
             acc_g = tl.dot(wg, at, acc_g, input_precision="ieee" if F32 else None)
@@ -523,12 +529,13 @@ def moe_gemm_dq_kernel(
                                         BLOCK_K, F32, True, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
                 acc_u = tl.dot(wu, at, acc_u, input_precision="ieee" if F32 else None)
         else:  # activations as they are; decoded weights (natural K order) staged as the shared operand
+            # (from the mma element order the decode's MMA K order is the natural one)
             wg = mxfp4_decode_tile(tl.load(wg_ptrs), sg_cur if SCALE_PF != 0 else tl.load(sg_ptrs), BLOCK_N,
-                                    BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
+                                    BLOCK_K, F32, KORDER == 1, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision="ieee" if F32 else None)
             if GATED:
                 wu = mxfp4_decode_tile(tl.load(wu_ptrs), su_cur if SCALE_PF != 0 else tl.load(su_ptrs), BLOCK_N,
-                                        BLOCK_K, F32, False, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
+                                        BLOCK_K, F32, KORDER == 1, FUSED_SCALE, PTX, SCALE_PF == 2, BITS)
                 acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision="ieee" if F32 else None)
         dv, ds = _w_step(k0, G, TILE_N, TILE_K, BLOCK_K)
         wg_ptrs += dv // 4
@@ -603,7 +610,7 @@ def isa_options(cfg: tune.Config, backend: str) -> dict:
 
 
 def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0),
-                fused_scale: bool = True, bits: int = 0) -> tuple:
+                fused_scale: bool = True, bits: int = 0, order: int = 0) -> tuple:
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
     ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU); ``tiles``: (TILE_N, TILE_K) of the tiled
     weight layout, (0, 0) = checkpoint layout; ``fused_scale``: the variant for scale bytes <= 128 (what every
@@ -619,12 +626,13 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
               "SWAP": cfg["kind"] in SWAP_KINDS, "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
               "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0),
-              "SPLIT_K": cfg.get("split_k", 1), "BITS": bits}
+              "SPLIT_K": cfg.get("split_k", 1), "BITS": bits, "KORDER": order}
     for c in consts:
         sig[c] = "constexpr"
     sig = specialize(sig, k3_gemm_ints(gated, tiles, cfg.get("split_k", 1)))
     opts = isa_options(cfg, backend)
     lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + (",planar" if bits else "") + (
+        ",mma-order" if order else "") + (
         "" if fused_scale else ",general-scale")
     return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(full)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
             opts)

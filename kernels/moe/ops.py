@@ -24,8 +24,8 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_TILES, ROUTER_BUCKET_TOKENS,
-                                        ROUTER_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, stage_config)
+from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
+                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
@@ -326,11 +326,13 @@ class ExpertLayout:
 
 
 def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: bool = False,
-                  bits: int | None = None) -> ExpertLayout:
+                  bits: int | None = None, order: int | None = None) -> ExpertLayout:
     """Repack one layer's checkpoint-layout experts (``w13_packed/w13_scale/w2_packed/w2_scale``) into the tiled
     layout on their device, once (at load / engine build). ``tiles``: (tile_n, tile_k), default
     ``configs.LAYOUT_TILES`` of the current backend; ``bits``: value bits (0 checkpoint nibbles, 1 planar lanes,
-    which only the decode-path GEMMs read), default ``configs.LAYOUT_BITS`` of the current backend. ``check``:
+    which only the decode-path GEMMs read), default ``configs.LAYOUT_BITS`` of the current backend; ``order``: the
+    element order within a block (0 the checkpoint's, 1 the mma order, which only the decode-path GEMMs read),
+    default ``configs.LAYOUT_ORDER`` of the current backend. ``check``:
     also prove with ``mx.layout.check_repack`` that both tensors read back to the checkpoint's bytes (raises
     ConfigError if not).
 
@@ -339,8 +341,9 @@ def kernel_layout(experts: Any, tiles: tuple[int, int] | None = None, check: boo
     backend = "interpreter" if interpreting() else current_target().backend
     tn, tk = tiles or LAYOUT_TILES[backend]
     bits = LAYOUT_BITS[backend] if bits is None else bits
+    order = LAYOUT_ORDER[backend] if order is None else order
     srcs = [(_get(experts, f"{w}_packed"), _get(experts, f"{w}_scale")) for w in ("w13", "w2")]
-    lay = ExpertLayout(repack_mxfp4(*srcs[0], 2, tn, tk, bits), repack_mxfp4(*srcs[1], 1, tn, tk, bits))
+    lay = ExpertLayout(repack_mxfp4(*srcs[0], 2, tn, tk, bits, order), repack_mxfp4(*srcs[1], 1, tn, tk, bits, order))
     if check:
         check_repack(lay.w13, *srcs[0])
         check_repack(lay.w2, *srcs[1])
@@ -482,6 +485,11 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
         raise ConfigError(f"moe_experts: the experts' kernel layout holds planar value bits, which only the A16W4 "
                           f"decode path reads, but this call runs the scaled kernel ({mode}, {a.dtype}, config kind "
                           f"{cfg['kind']!r}); make the layout with kernel_layout(..., bits=0)")
+    order13, order2 = (lay.w13.order, lay.w2.order) if lay is not None else (0, 0)
+    if (order13 or order2) and not dq:
+        raise ConfigError(f"moe_experts: the experts' kernel layout holds the mma element order, which only the A16W4 "
+                          f"decode path reads, but this call runs the scaled kernel ({mode}, {a.dtype}, config kind "
+                          f"{cfg['kind']!r}); make the layout with kernel_layout(..., order=0)")
     swap = cfg["kind"] in SWAP_KINDS
     spf = SCALE_PF_KINDS.get(cfg["kind"], 0)
     interp = interpreting()
@@ -514,7 +522,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=swap, F32=interp,
                 TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, SPLIT_K=s1, BITS=bits13,
-                **opts)
+                KORDER=order13, **opts)
             if s1 > 1:
                 moe_glu_finish_kernel[(triton.cdiv(P, 16), triton.cdiv(inter, 256))](
                     part13, h, d.offsets, E_loc, inter, 2 * P * inter, h.stride(0), SPLITS=s1, ACT=act,
@@ -543,7 +551,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
                 TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, BITS=bits2,
-                **opts2)
+                KORDER=order2, **opts2)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg2["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,

@@ -38,6 +38,15 @@ one shift and one mask, pairs 0 and 3 two shifts and two masks (on sm_90 the w1|
 from 134 to 102 LOP3 and from 41 to 31 SHF per thread). No lane layout puts every pair one shift away (no
 translate of {6,7,8,15} tiles the 16 lane bits four times), so two pairs stay at four operations.
 
+Element order within a 32-element block (``order``): 0 = the checkpoint's (word q of a block holds elements
+8q .. 8q+7, element 8q + i in nibble i). 1 = *mma*: word q holds the elements one thread of a Hopper MMA takes as
+its register operand across the block's two k16 steps, nibble i = j + 4b holding element ``8j + 2q + b``
+(:data:`MMA_ORDER`). The decode joins nibbles j and j+4 of a word into one register and places pair (j, b) of
+word q at K position ``8j + 2q + b`` (``moe.gemm.mxfp4_decode_tile`` with ``MMA_ORDER``), so from this order the
+decoded tile comes out in the natural K order: the GEMM reads its activations as they are, instead of permuting
+each activation tile to the decode's order through registers and shared memory. Value bits (``bits``) apply on
+top of either order.
+
 The layout is a permutation of the checkpoint's bits (plus zero padding), so :func:`unpack_mxfp4` recovers the
 checkpoint tensors bit for bit and :func:`check_repack` proves that the kernel sees exactly the checkpoint's
 values.
@@ -56,6 +65,11 @@ from k3rocm.errors import ConfigError
 PLANAR_MAG = (0, 3, 6, 9)
 PLANAR_SIGN = (13, 12, 15, 14)
 BIT_LAYOUTS = {0: "nibble", 1: "planar"}
+#: element orders within a 32-element block (module docstring)
+ORDER_LAYOUTS = {0: "checkpoint", 1: "mma"}
+#: order 1: the element stored in nibble slot ``s = 8q + i`` of a block (word q, nibble i = j + 4b) is
+#: ``8j + 2q + b`` (j = i % 4, b = i // 4); a permutation of 0..31
+MMA_ORDER = tuple(8 * (s % 8 % 4) + 2 * (s // 8) + (s % 8) // 4 for s in range(32))
 _LUTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
@@ -78,6 +92,33 @@ def _lane_lut(inverse: bool, device: torch.device) -> torch.Tensor:
 
 #: value bytes permuted at once by :func:`permute_value_bits` (its int32 temporaries are 4-6 x this)
 PERMUTE_STEP_BYTES = 32 << 20
+
+
+def permute_block_order(values: torch.Tensor, to_mma: bool) -> torch.Tensor:
+    """Checkpoint element order -> the mma order (``to_mma``) or back, of u8 value bytes whose last dim is a
+    multiple of 16 (each 16 bytes one 32-element MXFP4 block; module docstring): slot s of a block takes element
+    :data:`MMA_ORDER` [s] (and back: element :data:`MMA_ORDER` [s] returns to slot s). A new contiguous tensor of
+    the same shape on the same device; a bijection on the nibbles of each block.
+
+    Raises ConfigError if ``values`` is not u8 or its last dim is not a multiple of 16."""
+    if values.dtype != torch.uint8 or values.shape[-1] % 16:
+        raise ConfigError(f"MXFP4 block order: need u8 bytes in 16-byte blocks, got {values.dtype} "
+                          f"{tuple(values.shape)}")
+    perm = torch.tensor(MMA_ORDER, dtype=torch.long, device=values.device)
+    src = values.contiguous()
+    out = torch.empty_like(src)
+    flat_src, flat_out = src.view(-1, 16), out.view(-1, 16)
+    rows = max(1, PERMUTE_STEP_BYTES // 16)
+    for i in range(0, flat_src.shape[0], rows):
+        v = flat_src[i:i + rows]
+        nib = torch.stack((v & 15, v >> 4), dim=-1).reshape(-1, 32)  # element 2i in the low nibble of byte i
+        if to_mma:
+            nib = nib.index_select(1, perm)
+        else:
+            nib = torch.empty_like(nib).index_copy_(1, perm, nib)
+        nib = nib.reshape(-1, 16, 2)
+        flat_out[i:i + rows] = nib[..., 0] | (nib[..., 1] << 4)
+    return out
 
 
 def permute_value_bits(values: torch.Tensor, to_planar: bool) -> torch.Tensor:
@@ -108,7 +149,8 @@ class TiledMxfp4:
     data ``[E, NT, KT, CHUNK]`` u8 on the device of the source; rows = N_g (rows per group, unpadded); k = K
     (elements per row); groups = G (2: w1|w3 gate/up, 1: w2); tile_n, tile_k = rows and elements per chunk;
     repack_s = wall seconds of the repack (device synchronised when on a GPU); max_scale = the largest E8M0 byte;
-    bits = bits within a value word (0 nibble, 1 planar; module docstring).
+    bits = bits within a value word (0 nibble, 1 planar); order = element order within a block (0 checkpoint,
+    1 mma; module docstring).
     """
 
     data: torch.Tensor
@@ -120,6 +162,7 @@ class TiledMxfp4:
     repack_s: float = 0.0
     max_scale: int = 255
     bits: int = 0
+    order: int = 0
 
     @property
     def num_experts(self) -> int:
@@ -137,12 +180,12 @@ class TiledMxfp4:
     def experts(self, first: int, end: int) -> "TiledMxfp4":
         """Local experts ``first .. end-1`` (a view of the same bytes: the expert is the leading dim)."""
         return TiledMxfp4(self.data[first:end], self.rows, self.k, self.groups, self.tile_n, self.tile_k,
-                          self.repack_s, self.max_scale, self.bits)
+                          self.repack_s, self.max_scale, self.bits, self.order)
 
     def to(self, device: str | torch.device) -> "TiledMxfp4":
         """The same layout with its bytes on ``device`` (shared when already there)."""
         return TiledMxfp4(self.data.to(device), self.rows, self.k, self.groups, self.tile_n, self.tile_k,
-                          self.repack_s, self.max_scale, self.bits)
+                          self.repack_s, self.max_scale, self.bits, self.order)
 
 
 def fit_tile_k(tile_k: int, k: int) -> int:
@@ -168,16 +211,19 @@ def expert_chunk(packed: torch.Tensor) -> int:
 
 
 def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n: int, tile_k: int,
-                 bits: int = 0) -> TiledMxfp4:
+                 bits: int = 0, order: int = 0) -> TiledMxfp4:
     """Repack checkpoint-layout MXFP4 ``packed [E, G*N_g, K/2]`` u8 + ``scale [E, G*N_g, K/32]`` u8 into the
     tiled layout, on their device (torch ops only; no host round trip).
 
     ``tile_k`` is fitted to K with :func:`fit_tile_k`; ``tile_n`` must be a multiple of 16; ``bits``: 0 keeps the
-    checkpoint nibbles, 1 stores planar lanes (module docstring).
-    Raises ConfigError on shapes that do not match, a bad tile or an unknown ``bits``.
+    checkpoint nibbles, 1 stores planar lanes; ``order``: 0 the checkpoint's element order within a block, 1 the
+    mma order (module docstring).
+    Raises ConfigError on shapes that do not match, a bad tile or an unknown ``bits`` / ``order``.
     """
     if bits not in BIT_LAYOUTS:
         raise ConfigError(f"repack_mxfp4: bits {bits!r} is not one of {sorted(BIT_LAYOUTS)} (0 nibble, 1 planar)")
+    if order not in ORDER_LAYOUTS:
+        raise ConfigError(f"repack_mxfp4: order {order!r} is not one of {sorted(ORDER_LAYOUTS)} (0 checkpoint, 1 mma)")
     if packed.dim() != 3 or scale.dim() != 3 or packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ConfigError(f"repack_mxfp4: need u8 [E, N, K/2] and [E, N, K/32], got {tuple(packed.shape)} "
                           f"{packed.dtype} and {tuple(scale.shape)} {scale.dtype}")
@@ -210,21 +256,25 @@ def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor, groups: int, tile_n:
     for a in range(0, E, step):
         b = min(E, a + step)
         v = tiles(packed[a:b], tk // 2)
+        if order:  # each row's tk // 2 bytes are whole 16-byte blocks (tk is a multiple of 32)
+            v = permute_block_order(v, True)
         data[a:b, ..., :vb] = permute_value_bits(v, True) if bits else v
         data[a:b, ..., vb:] = tiles(scale[a:b], tk // 32)
     max_scale = int(scale.max()) if scale.numel() else -1  # one reduction + host read, at load only
     if sync:
         torch.cuda.synchronize(packed.device)
-    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0, max_scale, bits)
+    return TiledMxfp4(data, ng, K, groups, tile_n, tk, time.perf_counter() - t0, max_scale, bits, order)
 
 
 def _untile(t: TiledMxfp4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tiled bytes in checkpoint order (planar value bits read back as nibbles), padding rows kept:
-    ``[E, G, NT*tile_n, K/2]``, ``[E, G, NT*tile_n, K/32]``."""
+    """The tiled bytes in checkpoint order (planar value bits read back as nibbles, the mma element order as the
+    checkpoint's), padding rows kept: ``[E, G, NT*tile_n, K/2]``, ``[E, G, NT*tile_n, K/32]``."""
     E, nt, kt, _ = t.data.shape
     G, tn, tk = t.groups, t.tile_n, t.tile_k
     vbytes = G * tn * (tk // 2)
     vals = permute_value_bits(t.data[..., :vbytes], False) if t.bits else t.data[..., :vbytes]
+    if t.order:
+        vals = permute_block_order(vals, False)
 
     def untile(x: torch.Tensor, per_row: int) -> torch.Tensor:
         return x.reshape(E, nt, kt, G, tn, per_row).permute(0, 3, 1, 4, 2, 5).reshape(E, G, nt * tn, kt * per_row)

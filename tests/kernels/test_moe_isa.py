@@ -100,11 +100,19 @@ def test_amd_tiled_layout_no_spills(target):
 @pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
 def test_sm90_tiled_layout_decode_kernel(bits):
     # the decode kernel on the tiled layout with the CUDA tile the 64-token step picks, on both value-bit layouts
-    # (planar is what CUDA serves): bf16 wgmma
+    # (planar is what CUDA serves) and both element orders: bf16 wgmma. In the checkpoint order each k-step
+    # permutes the activation tile through registers and writes it back with stmatrix for wgmma's shared
+    # operand; from the mma order the tile goes to wgmma as the pipeliner loaded it (no stmatrix in the kernel)
     for gated in (True, False):
-        rep = _compile(dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda", LAYOUT_TILES["cuda"], bits=bits), "sm_90")
-        assert rep.error is None, rep.error
-        assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+        stm = {}
+        for order in (0, 1):
+            rep = _compile(dq_isa_case(gated, GEMM_CONFIGS["cuda"][0], "cuda", LAYOUT_TILES["cuda"], bits=bits,
+                                       order=order), "sm_90")
+            assert rep.error is None, rep.error
+            assert any(op.startswith("wgmma.mma_async") and "bf16" in op for op in rep.matrix_ops), rep.matrix_ops
+            assert "cp.async.cg.shared.global" in rep.asm  # 16-byte copies: the launch's alignment reached it
+            stm[order] = len(re.findall(r"\bstmatrix\.", rep.asm))
+        assert stm[0] > 0 and stm[1] == 0, stm
 
 
 @pytest.mark.parametrize("target", ["gfx950", "gfx942"])

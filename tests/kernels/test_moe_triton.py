@@ -330,6 +330,54 @@ def test_decode_every_code_and_scale_bit_exact(tk, lo, hi, fused, bits):
 
 
 @pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
+def test_decode_from_the_mma_element_order_is_the_natural_k_order(tk, bits):
+    # the layout's mma order (mx.layout.MMA_ORDER) stores each block's elements so that the decode, which places
+    # pair (j, b) of word q at K position 8j + 2q + b, gives every element at its own position: the whole tile
+    # equals the MXFP4 oracle column for column, for every code and scale of the probe tile, both value bits
+    from k3rocm.kernels.mx.layout import permute_block_order
+    from k3rocm.mx import dequantize_mxfp4
+
+    packed, s = _all_codes_tile([100 + i for i in range(32)])
+    got, order = _decode_probe(tk, permute_block_order(packed, True), s, False, bits)
+    assert sorted(order[0].tolist()) == list(range(64)) and order[0].tolist() != list(range(64))
+    assert torch.equal(got, dequantize_mxfp4(packed, s).bfloat16().float())
+    # and the checkpoint order decodes to the permuted positions, not the natural ones
+    natural, _ = _decode_probe(tk, packed, s, False, bits)
+    assert not torch.equal(natural, got)
+
+
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
+@pytest.mark.parametrize("tiles", [None, (16, 32)], ids=["backend", "chunk-spanning"])
+def test_mma_element_order_layout_equals_the_checkpoint_layout(tk, tiles, bits):
+    # the mma element order is a permutation of the checkpoint's bits that the decode undoes: every decode-path
+    # config (split-K ones too) gives the checkpoint layout's output up to the fp32 summation order inside the
+    # matrix products (its k16 steps now sum natural runs of K), and the fp32 oracle's within TOL; 20 repeats
+    # identical on the GPU; the scaled kernel (A8W4) refuses the layout with one line
+    from k3rocm.kernels.moe.configs import DQ_KINDS
+
+    x, ids, wts, ew = _case(3, 8, 64, 96, 4, seed=73)
+    ewd = _to(ew, tk.dev)
+    lay = tk.moe.ops.kernel_layout(ewd, tiles, check=True, bits=bits, order=1)
+    assert lay.w13.order == lay.w2.order == 1 and lay.w13.bits == bits
+    ewt = dict(ewd, kernel_layout=lay)
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    ref = _ref_a16w4(x, ids, wts, ew)
+    runs = [c for c in tk.configs if c["kind"] in DQ_KINDS]
+    assert runs
+    for cfg in runs if tiles is None else runs[:2]:
+        want = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=cfg)
+        got = tk.moe.moe_experts(*args, ewt, mode="a16w4", config=cfg, poison=True)
+        assert torch.isfinite(got).all(), f"{tk.moe.gemm_name(cfg)}: unwritten output"
+        assert _rel(got, want) < 1e-5, f"{tk.moe.gemm_name(cfg)}: mma order differs {_rel(got, want):.3g}"
+        assert _rel(got.cpu(), ref) < TOL["a16w4"], f"{tk.moe.gemm_name(cfg)}: {_rel(got.cpu(), ref):.3g}"
+    with pytest.raises(ConfigError, match="planar value bits" if bits else "mma element order"):
+        tk.moe.moe_experts(*args, ewt, mode="a8w4", config=runs[0])
+    if GPU:
+        outs = [tk.moe.moe_experts(*args, ewt, mode="a16w4") for _ in range(20)]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_extreme_scales(tk, fused, bits):
     # E8M0 0 (2^-127: results are bf16 subnormals) and 253/254 (6 x 2^127 overflows to inf, as in fp32); the

@@ -116,3 +116,43 @@ def test_planar_bits_documented_positions_and_round_trip(monkeypatch):
         check_repack(t, p, s)
     with pytest.raises(ConfigError, match="bits"):
         repack_mxfp4(p, s, 2, 16, 64, bits=2)
+
+
+@pytest.mark.parametrize("bits", [0, 1], ids=["nibble", "planar"])
+def test_mma_element_order_documented_positions_and_round_trip(monkeypatch, bits):
+    # the mma order: nibble slot 8q + j + 4b of each 32-element block (16 bytes) holds element 8j + 2q + b; the
+    # permutation is a bijection in any step size, the value bits go on top, the scales are untouched, and the
+    # tiled layout with it reads back (and checks) as the checkpoint's bytes; a flipped nibble is caught
+    import k3rocm.kernels.mx.layout as L
+
+    assert sorted(L.MMA_ORDER) == list(range(32))
+    for q in range(4):
+        for j in range(4):
+            for b in range(2):
+                assert L.MMA_ORDER[8 * q + j + 4 * b] == 8 * j + 2 * q + b
+    g = torch.Generator().manual_seed(13)
+    x = torch.randint(0, 256, (5, 48), dtype=torch.uint8, generator=g)
+    y = L.permute_block_order(x, True)
+    assert not torch.equal(y, x) and torch.equal(L.permute_block_order(y, False), x)
+    nx = torch.stack((x & 15, x >> 4), -1).reshape(5, 3, 32)
+    ny = torch.stack((y & 15, y >> 4), -1).reshape(5, 3, 32)
+    assert torch.equal(ny, nx[..., list(L.MMA_ORDER)])
+    monkeypatch.setattr(L, "PERMUTE_STEP_BYTES", 48)  # three blocks a step, one step ending mid-tensor
+    assert torch.equal(L.permute_block_order(x, True), y)
+    p, s = _weights(3, 2 * 40, 96, seed=14)
+    t = repack_mxfp4(p, s, 2, 16, 64, bits=bits, order=1)
+    base = repack_mxfp4(p, s, 2, 16, 64)
+    vb = 2 * 16 * t.tile_k // 2
+    assert t.order == 1 and t.experts(1, 3).order == 1 and torch.equal(t.data[..., vb:], base.data[..., vb:])
+    want = L.permute_block_order(base.data[..., :vb], True)
+    assert torch.equal(t.data[..., :vb], L.permute_value_bits(want, True) if bits else want)
+    rp, rs = unpack_mxfp4(t)
+    assert torch.equal(rp, p) and torch.equal(rs, s)
+    check_repack(t, p, s)
+    t.data.view(-1)[3] ^= 0x01
+    with pytest.raises(ConfigError, match="differ"):
+        check_repack(t, p, s)
+    with pytest.raises(ConfigError, match="order"):
+        repack_mxfp4(p, s, 2, 16, 64, order=2)
+    with pytest.raises(ConfigError, match="16-byte blocks"):
+        L.permute_block_order(x[:, :40], True)
