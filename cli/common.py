@@ -127,17 +127,25 @@ def debug_option(f):
     return click.option("--debug", is_flag=True, help="Show tracebacks for expected errors.")(f)
 
 
-def seed_option(f):
-    return click.option("--seed", default=0, type=click.IntRange(0, 2**63 - 1),
-                        help="Seed of generated inputs (default 0).")(f)
+def _seed(ctx, param, value):
+    """``--seed``: an integer in 0 .. 2^63 - 1 (torch's generator range), else one clear line."""
+    if value is not None and not 0 <= value < 2**63:
+        raise click.BadParameter(f"{value} is outside 0 .. 2^63 - 1; pass a non-negative integer such as 0 or 1234")
+    return value
+
+
+def seed_option(f, hidden: bool = False):
+    return click.option("--seed", default=0, type=int, callback=_seed, metavar="N", hidden=hidden,
+                        help="Seed of generated inputs: prompts, synthetic weights (default 0).")(f)
 
 
 def common_options(f=None, *, kernels: bool = True):
     """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up). ``kernels=False`` (``load``,
-    which runs no kernels) keeps ``--kernels`` out of ``--help``; given anyway, the command refuses it in one line.
-    Use as ``@common_options`` or ``@common_options(kernels=False)``."""
+    which runs no kernels and generates no inputs) keeps ``--kernels`` and ``--seed`` out of ``--help``; a
+    ``--kernels`` given anyway is refused in one line. Use as ``@common_options`` or ``@common_options(kernels=False)``."""
     def apply(f):
-        for opt in (debug_option, seed_option, functools.partial(kernels_option, hidden=not kernels), out_option,
+        for opt in (debug_option, functools.partial(seed_option, hidden=not kernels),
+                    functools.partial(kernels_option, hidden=not kernels), out_option,
                     profile_option, checkpoint_option):
             f = opt(f)
         return f

@@ -65,12 +65,15 @@ def default_checkpoint() -> Path:
     final = root / DEFAULT_NAME
     if _usable(final, say=final.exists()):
         return final
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: the k3rocm cache must be a directory, and this is a file; set {CACHE_ENV} to a "
+                              "writable directory")
     try:
         root.mkdir(parents=True, exist_ok=True)
         build = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.build-", dir=root))
     except OSError as e:
-        raise CheckpointError(f"{root}: cannot create the k3rocm cache ({e}); set {CACHE_ENV} to a writable "
-                              "directory") from None
+        raise CheckpointError(f"{root}: cannot create the k3rocm cache ({e.strerror or e}); set {CACHE_ENV} to a "
+                              "writable directory") from None
     try:
         ck = write_checkpoint(preset("k3-tiny"), build / "checkpoint", seed=DEFAULT_SEED)
         make_manifest(ck)

@@ -439,7 +439,8 @@ def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool 
             if hint:  # a suggestion must never lead to the next error: only layouts that pass every check
                 good = [e for t, e in valid_layouts(cfg, profile) if t == tp]
                 fix = (f"with tp={tp} try ep=" + " or ep=".join(map(str, good)) if good
-                       else f"no ep works with tp={tp}; {_valid_hint(cfg, profile)}")
+                       else f"and no ep works with tp={tp} (the model splits no valid way into tp={tp} ranks); "
+                            f"{_valid_hint(cfg, profile)}")
             raise PlanError(f"{where}: {cfg.num_experts} routed experts are not divisible by ep={ep}; {fix}")
         etp = tp // ep
         I = cfg.moe_intermediate_size

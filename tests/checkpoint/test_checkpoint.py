@@ -334,6 +334,17 @@ def test_load_weights_dequantizes_golden_experts_like_the_oracle_would(golden_ck
 
 
 # ----------------------------------------------------------------------------------- embedded default
+def test_a_cache_path_that_is_a_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    from k3rocm.errors import CheckpointError
+
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    monkeypatch.setenv("K3ROCM_CACHE", str(f))
+    with pytest.raises(CheckpointError, match="must be a directory, and this is a file; set K3ROCM_CACHE") as e:
+        embedded.default_checkpoint()
+    assert "\n" not in str(e.value) and f.read_text() == "x"
+
+
 def test_default_checkpoint_cached_atomic_and_reused(tiny_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("K3ROCM_CACHE", str(tmp_path / "cache"))
     results, errors = [], []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 from k3rocm.envtraps import TRAPS, match_traps, settings_text
 from k3rocm.runtime import registry
@@ -44,7 +45,9 @@ def tier_env(session: Session, stage: Stage) -> None:
                   check("env", "device.memory", det.memory_bytes / 1e9, ge=0.9 * prof.memory_bytes / 1e9, unit="GB",
                         detail="at least 90% of the profile's HBM is visible"))
     else:
-        stage.add(info("env", "hardware.fallback", f"{det.backend}:{det.arch or 'cpu'} x{det.count}",
+        here = (f"{det.count} x {det.arch} ({det.backend})" if det.count else
+                f"the CPU ({platform.machine() or 'unknown arch'}, no GPU)")
+        stage.add(info("env", "hardware.fallback", here,
                        level="measured-fallback",
                        detail=f"profile {prof.name} names {prof.arch} x{prof.device_count}; every measurement "
                               "in this report is measured-fallback, targets are projected"))
