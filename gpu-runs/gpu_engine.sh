@@ -48,6 +48,8 @@
 #          K3ROCM_TUNE=0, so the launch profiled is the table's first config)
 #   dense  gpu-runs/bench_dense.py: the skinny GEMM's configs against the vendor GEMM on a K3 rank's dense projections
 #          at 1 / 16 / 53 / 64 token rows, graph-replayed (DENSE_ARGS, DENSE_LIMIT s, default 120), into RESULTS_DIR/dense/
+#   apend  tests/kernels/test_attnres.py -k "pending or every_config" (ATTNRES_TESTS replaces the selection,
+#          ATTNRES_LIMIT the 60 s): the decoder's pending prefix add inside AttnRes, every config, on the GPU
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
@@ -114,6 +116,8 @@ for s in $STEPS; do
     mltest) step mltest "$(lim 200)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py \
           ${MLA_TESTS:+-k "$MLA_TESTS"} ;;
     atest) step atest "$(lim 120)" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_mla_gpu.py -k attnres ;;
+    apend) step apend "$(lim ${ATTNRES_LIMIT:-60})" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_attnres.py \
+          -k "${ATTNRES_TESTS:-pending or every_config}" ;;
     kchk) step kchk "$(lim ${KCHK_LIMIT:-150})" $PY "$HERE/kda_quick_check.py" ${KCHK_ARGS:-} ;;
     kdec) step kdec "$(lim 150)" $PY "$HERE/bench_kda.py" --only decode ${KDEC_ARGS:-} --out "$R/kdec" ;;
     ncu) step ncu "$(lim 200)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count "${NCU_COUNT:-2}" \
@@ -124,7 +128,7 @@ for s in $STEPS; do
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest kchk kdec ncu kncu moe dense p4t)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,
