@@ -133,15 +133,21 @@ def test_followers_start_with_ctrl_c_ignored():
     from k3rocm.runtime.serve import start_follower
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    before = signal.getsignal(signal.SIGINT)
-    p = start_follower(ctx.Process(target=_report_sigint, args=(q,)))
-    assert signal.getsignal(signal.SIGINT) is before
-    assert q.get(timeout=60) is True
-    p.join(timeout=60)
-    plain = ctx.Process(target=_report_sigint, args=(q,))  # the control: a plain start keeps Python's handler
-    plain.start()
-    assert q.get(timeout=60) is False
-    plain.join(timeout=60)
+    # Python's own handler in this process for the test: a process started with SIGINT ignored (a background job of
+    # a non-interactive shell) passes the ignore on to every child, and the control below would mean nothing
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = signal.getsignal(signal.SIGINT)
+        p = start_follower(ctx.Process(target=_report_sigint, args=(q,)))
+        assert signal.getsignal(signal.SIGINT) is before
+        assert q.get(timeout=60) is True
+        p.join(timeout=60)
+        plain = ctx.Process(target=_report_sigint, args=(q,))  # the control: a plain start keeps Python's handler
+        plain.start()
+        assert q.get(timeout=60) is False
+        plain.join(timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_a_group_that_does_not_form_leaves_no_rank_environment(monkeypatch):
