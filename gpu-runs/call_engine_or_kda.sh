@@ -4,23 +4,16 @@
 #
 #   gpu-runs/call_engine_or_kda.sh RESULTS_DIR
 #
-# Always: p4 (k3-prefix-4 at c1 / c8 / c64), the gate sweep (KSWEEP_ARGS) and the skinny GEMM against the vendor
-# one (dense); then k3 + prof on a card of >= 100 GiB, else kda (KDA_BENCH_ARGS). BIG_STEPS / SMALL_STEPS replace
-# either list. The AttnRes pending-add tests run last on the assembled package (unless the steps hold `apend`,
-# which runs them where it stands). Everything under
-# RESULTS_DIR; pass K3ROCM_SOURCE_COMMIT as for gpu_engine.sh.
+# Always: apend (the AttnRes pending-add tests), p4 (k3-prefix-4 at c1 / c8 / c64), the gate sweep (KSWEEP_ARGS)
+# and the skinny GEMM against the vendor one (dense); then k3 + prof on a card of >= 100 GiB, else kda
+# (KDA_BENCH_ARGS). BIG_STEPS / SMALL_STEPS replace either list. Everything under RESULTS_DIR; pass
+# K3ROCM_SOURCE_COMMIT as for gpu_engine.sh.
 set -u
 R=${1:?usage: gpu-runs/call_engine_or_kda.sh RESULTS_DIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$R"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
 MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | tr -d ' ')
-if [ "${MIB:-0}" -ge 100000 ]; then STEPS=${BIG_STEPS:-p4 ksweep dense k3 prof}; else STEPS=${SMALL_STEPS:-p4 ksweep dense kda}; fi
+if [ "${MIB:-0}" -ge 100000 ]; then STEPS=${BIG_STEPS:-apend p4 ksweep dense k3 prof}; else STEPS=${SMALL_STEPS:-apend p4 ksweep dense kda}; fi
 echo "steps: $STEPS (${MIB:-?} MiB)" | tee "$R/plan.txt"
 DEADLINE=${DEADLINE:-520} PACK=0 bash "$HERE/gpu_engine.sh" "$R" "$STEPS"
-PK=${K3ROCM_PKG_DIR:-/tmp/k3rocm_pkg}
-case " $STEPS " in *" apend "*) PK=/nonexistent ;; esac  # the steps ran them already
-if [ -d "$PK/tests" ]; then
-  (cd "$PK" && PYTHONPATH=$PK timeout "${ATTNRES_LIMIT:-45}" python3 -m pytest -q -p no:cacheprovider \
-      tests/kernels/test_attnres.py -k "pending or every_config" > "$R/attnres.log" 2>&1)
-fi

@@ -481,15 +481,14 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     # decode path (Hopper A16W4): bf16 activations only; A8W4 and fp16 activations take the scaled kernel
     dq = cfg["kind"] in DQ_KINDS and not a8 and a.dtype == torch.bfloat16
     bits13, bits2 = (lay.w13.bits, lay.w2.bits) if lay is not None else (0, 0)
-    if (bits13 or bits2) and not dq:
-        raise ConfigError(f"moe_experts: the experts' kernel layout holds planar value bits, which only the A16W4 "
-                          f"decode path reads, but this call runs the scaled kernel ({mode}, {a.dtype}, config kind "
-                          f"{cfg['kind']!r}); make the layout with kernel_layout(..., bits=0)")
     order13, order2 = (lay.w13.order, lay.w2.order) if lay is not None else (0, 0)
-    if (order13 or order2) and not dq:
-        raise ConfigError(f"moe_experts: the experts' kernel layout holds the mma element order, which only the A16W4 "
-                          f"decode path reads, but this call runs the scaled kernel ({mode}, {a.dtype}, config kind "
-                          f"{cfg['kind']!r}); make the layout with kernel_layout(..., order=0)")
+    held = [(what, fix) for what, fix, on in (("planar value bits", "bits=0", bits13 or bits2),
+                                              ("the mma element order", "order=0", order13 or order2)) if on]
+    if held and not dq:
+        raise ConfigError(f"moe_experts: the experts' kernel layout holds {' and '.join(w for w, _ in held)}, which "
+                          f"only the A16W4 decode path reads, but this call runs the scaled kernel ({mode}, {a.dtype}, "
+                          f"config kind {cfg['kind']!r}); make the layout with "
+                          f"kernel_layout(..., {', '.join(f for _, f in held)})")
     swap = cfg["kind"] in SWAP_KINDS
     spf = SCALE_PF_KINDS.get(cfg["kind"], 0)
     interp = interpreting()

@@ -55,7 +55,7 @@ values.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -179,13 +179,11 @@ class TiledMxfp4:
 
     def experts(self, first: int, end: int) -> "TiledMxfp4":
         """Local experts ``first .. end-1`` (a view of the same bytes: the expert is the leading dim)."""
-        return TiledMxfp4(self.data[first:end], self.rows, self.k, self.groups, self.tile_n, self.tile_k,
-                          self.repack_s, self.max_scale, self.bits, self.order)
+        return replace(self, data=self.data[first:end])
 
     def to(self, device: str | torch.device) -> "TiledMxfp4":
         """The same layout with its bytes on ``device`` (shared when already there)."""
-        return TiledMxfp4(self.data.to(device), self.rows, self.k, self.groups, self.tile_n, self.tile_k,
-                          self.repack_s, self.max_scale, self.bits, self.order)
+        return replace(self, data=self.data.to(device))
 
 
 def fit_tile_k(tile_k: int, k: int) -> int:
