@@ -819,3 +819,20 @@ def test_nan_weights_in_several_tensors_keep_each_remedy_whole(golden_ckpt, tmp_
     assert f"{remedy}; … and 5 more; see {out}" in line, line
     row = next(ln for ln in (out / "report.md").read_text().splitlines() if "| load.problems |" in ln)
     assert f"{remedy}; … and " in row and row.rstrip().endswith("more |"), row
+
+
+def test_a_seed_out_of_range_is_refused_in_one_line(tmp_path):
+    """--seed takes 0 .. 2^63 - 1 (torch's generator range); anything else: one `error:` line through the console
+    script, exit 2, nothing written; `load` (which generates nothing) does not offer it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rep"
+    for seed in ("-1", str(2**63), "abc"):
+        r = subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", "bench", "--seed", seed,
+                            "--out", str(out)], capture_output=True, text=True, timeout=120)
+        err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and "--seed" in err[0], r.stderr
+        assert seed == "abc" or "0 .. 2^63 - 1" in err[0], err[0]
+        assert not out.exists()
+    assert "--seed" not in run(["load", "--help"]).output
