@@ -112,6 +112,10 @@ def _bf16_path(xl, ids, K, I, w13_bf, w2_bf, num_local):
     return run
 
 
+#: programs per SM of the persistent grid each goal row times beside the plain grid (configs ``persist``)
+PERSIST_AB = (2, 3)
+
+
 def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_bytes, w13_bf, w2_bf, ogs,
               do_bench, dev, lay_alt=None) -> dict:
     """One row of the goal table (module docstring) for the experts ``ew`` (local slice) and its layout ``lay``
@@ -143,6 +147,14 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
             # other bits: the same bits; the other order: equal up to the fp32 order inside the k16 products
             r["alt_rel_diff"] = ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
         r["fraction"] = r["floor_ms"] / r["ours_ms"]
+        if cfg["kind"] in DQ_KINDS:  # the same config on the persistent grid (programs per SM), and its bits
+            base = moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg)
+            for p in PERSIST_AB:
+                cp = dict(cfg, persist=p)
+                r[f"ours_persist{p}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cp))
+                got = moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cp)
+                r[f"persist{p}_rel_diff"] = ((got - base).abs().max() / base.abs().max().clamp_min(1e-30)).item()
+            del base
         if cfg["kind"] in DQ_KINDS:  # the decode's general variant (two multiplies per pair), same weights
             real = moe_ops.fused_scale_ok
             moe_ops.fused_scale_ok = lambda _s: False
@@ -388,8 +400,10 @@ def _goal_markdown(meta, repack, goals) -> str:
            "| row | experts used | config | ours ms (tiled layout: value bits, element order) | ours ms (tiled, the "
            "other bits or order; rel. diff of the output) | "
            "ours ms (checkpoint layout) | "
-           "ours ms (tiled, general decode) | MXFP4 floor ms | fraction | bf16 grouped_mm ms | matmul_ogs ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "ours ms (tiled, general decode) | " + " | ".join(f"persistent grid, {p} per SM, ms (rel. diff)"
+                                                          for p in PERSIST_AB) +
+           " | MXFP4 floor ms | fraction | bf16 grouped_mm ms | matmul_ogs ms |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(PERSIST_AB) + "---|---|---|---|"]
     for g in goals:
         nib = _cell(g.get("ours_alt_ms"))
         if "alt_rel_diff" in g:
@@ -397,6 +411,9 @@ def _goal_markdown(meta, repack, goals) -> str:
         ours = _cell(g.get("ours_ms", g.get("ours_error"))) + (f" ({g['bits']}, {g['order']})" if "bits" in g else "")
         out.append(f"| {g['row']} | {g['experts_used']} | {g['config']} | {ours}"
                    f" | {nib} | {_cell(g.get('ours_checkpoint_layout_ms'))} | {_cell(g.get('ours_general_decode_ms'))} | "
+                   + "".join(f"{_cell(g.get(f'ours_persist{p}_ms'))}"
+                             + (f" ({g[f'persist{p}_rel_diff']:.1e})" if f"persist{p}_rel_diff" in g else "") + " | "
+                             for p in PERSIST_AB) +
                    f"{g['floor_ms']:.3f} ({g['floor_kind']}) | "
                    f"{_cell(g.get('fraction'), 2)} | {_cell(g.get('bf16_grouped_mm_ms'))} | {_cell(g.get('matmul_ogs'))} |")
     return "\n".join(out) + "\n"

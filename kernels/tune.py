@@ -52,7 +52,7 @@ __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", 
 Config = dict[str, Any]
 
 LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "maxnreg")
-SELECT_KEYS = ("max_rows", "kind", "split_k", "w2", "candidate")
+SELECT_KEYS = ("max_rows", "kind", "split_k", "w2", "candidate", "persist")
 
 _CACHE: dict[tuple, Config] = {}
 #: per ``(name, key)`` timed by :func:`pick`: ``[(config, ms)]`` of every candidate that ran, in table order

@@ -28,7 +28,7 @@ W2_KEYS = ("BLOCK_N", "num_warps", "num_stages", "maxnreg")
 
 def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                 max_rows: float = math.inf, kind: str = "scaled", split_k: int = 1, w2: dict | None = None,
-                **launch) -> Config:
+                persist: int = 0, **launch) -> Config:
     """One grouped-GEMM launch config: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
 
     Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``
@@ -42,6 +42,10 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     in a fixed order afterwards (w1|w3: ``moe_glu_finish_kernel`` adds them and applies the GLU; w2: the
     per-token reduction adds them), so results are deterministic (no atomics) but not bit-equal to ``split_k=1``
     (another fp32 summation order). A8W4 / fp16 activations (the scaled kernel) run unsplit.
+    ``persist``: decode kinds only — 0 = one program per (M block, n tile, split), empty blocks included (they
+    exit at once); n > 0 = a persistent grid of n programs per SM (CU on AMD) that walk the live blocks' work
+    items (``gemm.moe_gemm_dq_kernel`` ``PERSIST``): no program for an empty block, and the next item's loads in
+    the same program. The same bits as 0.
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
     ``launch``: backend-only launch options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
     ``kind``: which A16W4 kernel runs — ``"scaled"`` (``moe_gemm_kernel``: ``tl.dot_scaled`` with the
@@ -56,7 +60,7 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     decode path produces bf16 weights); the tiles are the config's in every case.
 
     Raises:
-        ConfigError: ``kind`` is not one of :data:`GEMM_KINDS`.
+        ConfigError: ``kind`` is not one of :data:`GEMM_KINDS`; a bad ``w2``, ``split_k`` or ``persist``.
     """
     if kind not in GEMM_KINDS:
         raise ConfigError(f"GEMM config kind {kind!r} is not one of {', '.join(GEMM_KINDS)}; fix kernels/moe/configs.py")
@@ -67,10 +71,15 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     if split_k < 1 or (split_k > 1 and kind not in DQ_KINDS):
         raise ConfigError(f"GEMM config split_k {split_k}: must be >= 1, and > 1 only for the decode kinds "
                           f"{', '.join(DQ_KINDS)} (not {kind!r}); fix kernels/moe/configs.py")
+    if persist < 0 or (persist > 0 and kind not in DQ_KINDS):
+        raise ConfigError(f"GEMM config persist {persist}: must be >= 0, and > 0 only for the decode kinds "
+                          f"{', '.join(DQ_KINDS)} (not {kind!r}); fix kernels/moe/configs.py")
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
                max_rows=max_rows, kind=kind, **launch)
     if split_k > 1:
         cfg["split_k"] = split_k
+    if persist:
+        cfg["persist"] = persist
     if w2:
         cfg["w2"] = dict(w2)
     return cfg
@@ -87,11 +96,13 @@ def stage_config(cfg: Config, gated: bool) -> Config:
 
 def gemm_name(cfg: Config) -> str:
     """Short name of a GEMM config for reports:
-    ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[r{maxnreg}][sk{split_k}][+w2n{N}w{warps}s{stages}[r{maxnreg}]]`` (no prefix
-    for scaled; the register cap only where one is set; the split suffix only when split_k > 1; the w2 suffix, w2's
-    whole tile and launch, only when the config overrides it)."""
+    ``[kind-]m{M}n{N}k{K}w{warps}s{stages}[r{maxnreg}][sk{split_k}][p{persist}][+w2n{N}w{warps}s{stages}[r{maxnreg}]]``
+    (no prefix for scaled; the register cap only where one is set; the split suffix only when split_k > 1; the
+    persistent-grid suffix, programs per SM, only when set; the w2 suffix, w2's whole tile and launch, only when
+    the config overrides it)."""
     pre = "" if cfg["kind"] == "scaled" else f"{cfg['kind']}-"
     sk = f"sk{cfg['split_k']}" if cfg.get("split_k", 1) > 1 else ""
+    sk += f"p{cfg['persist']}" if cfg.get("persist") else ""
     reg = lambda c: f"r{c['maxnreg']}" if c.get("maxnreg") else ""  # noqa: E731
     w2 = ""
     if cfg.get("w2"):
@@ -162,6 +173,11 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
         # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
+        # the served 4-warp m16 tile on a persistent grid, 2 and 3 programs per SM (ncu of the served w1|w3: 3
+        # resident): at 64 tokens a K3 layer's block table has 960 slots for ~600 live blocks and the EP16 slice 120
+        # for ~45, and every empty slot is a launched program in the plain grid (candidates until measured)
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", persist=2),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", persist=3),
         # Not listed, measured slower than the served tile (H200 2026-12-04, one K3 layer, 64 / 512 tokens, ms, served
         # 3.564-3.622 / 6.424-6.426): w2 on its own tile (configs may give w2 one: gemm_config(w2=...)) — n256 with 4
         # warps 3.743-4.107 / 6.653-6.817, n256 with 8 warps 4.015 / 7.034, 6 stages 3.764 / 6.589 (221f0d7; with
@@ -193,6 +209,8 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K (K = 64 / 96 in the tests: 2 / 3 k-steps of 32 in 2 ranges, the last one shorter)
         gemm_config(16, 32, 32, 4, 1, kind="dqp", split_k=2),
         gemm_config(32, 64, 32, 4, 1, kind="dqn", split_k=3),
+        # the persistent grid (one program per "SM" under the interpreter: each walks many items)
+        gemm_config(16, 32, 64, 4, 1, kind="dqp", persist=2),
         # w2 on its own n-tile (the decode path and the scaled kernel)
         gemm_config(16, 32, 64, 4, 1, kind="dqp", w2=dict(BLOCK_N=64)),
         gemm_config(16, 32, 64, 4, 1, w2=dict(BLOCK_N=64, num_warps=2)),

@@ -425,50 +425,16 @@ def mxfp4_decode_probe_kernel(w_ptr, s_ptr, o_ptr, idx_ptr, oi_ptr, BN: tl.const
 
 
 @triton.jit
-def moe_gemm_dq_kernel(
-    a_ptr, w_ptr, ws_ptr, out_ptr,
-    sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
-    N, K, HALF_N,
-    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER, stride_os,
-    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
-    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, BITS: tl.constexpr = 0,
-    KORDER: tl.constexpr = 0,
-):
-    """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
-    (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
-    ``acc[n, m] = W[n, :] . a[m, :]``, so the decoded weight tile is the MMA's register operand (its 64-row
-    side on Hopper) and the few token rows of a decode-sized group are the narrow side; the activations are
-    loaded in the decode's K order. Not ``SWAP`` (kind ``"dqn"``): ``acc[m, n] = a[m, :] . W[n, :]`` with the
-    activations as they are and the decoded weights staged as the shared-memory operand (large groups, where
-    the permuted activation loads would cost more than the staging). Weight strides are in bytes and
-    multiples of 4.
-    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
-    ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`; ``BITS``: its value bits (0 checkpoint
-    nibbles, 1 planar lanes: the tiled layout of ``mx.layout`` only); ``KORDER``: its element order within a block
-    (1: the mma order of ``mx.layout``, whose decode in the MMA K order is the natural K order, so the activations
-    are used as loaded in both orientations; 0: the checkpoint's). ``FUSED_SCALE``: one multiply per
-    decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128.
-    ``SCALE_PF``: 0 = the E8M0 scales of a k-step read when it decodes (a synchronous load on the k-step chain).
-    1 (config kinds ``"dqp"`` / ``"dqnp"``): the ``[BLOCK_N, BLOCK_K/32]`` scale tile of step k+1 is read into
-    registers before step k's decode (the last step re-reads its own bytes), so its DRAM latency overlaps a whole
-    k-step. 2 (kind ``"dqw"``): the same one step ahead, read one byte per weight word (``[BLOCK_N, BLOCK_K/8]``
-    u8, word w takes its block's byte w // 4: no broadcast of the scales inside the decode).
-    ``SPLIT_K`` > 1 (config ``split_k``): program ``(m, n, s)`` (grid axis 2 = the split) runs the k-steps of
-    ``[s * K_PER, min(K, (s + 1) * K_PER))`` (``K_PER`` a multiple of ``BLOCK_K``, and of ``TILE_K`` in the
-    tiled layout; the last split may be shorter)
-    and stores fp32 partials at ``out_ptr + s * stride_os`` (elements): w1|w3 the gate partials ``[P, I]`` and
-    the up partials ``stride_os / 2`` elements further (``moe_glu_finish_kernel`` adds them in split order and
-    applies the GLU), w2 the partials times the router weight, ``[P, D]`` per split (``moe_reduce_kernel`` with
-    ``SPLITS``). ``K_PER`` / ``stride_os`` are unused when ``SPLIT_K == 1``.
-    ``SCALE_PF`` 1 and 2 give the bits of 0 (same bytes, same decode, same dot order); ``SPLIT_K`` > 1 does not
-    give the bits of 1 (another fp32 summation order) but the same bits on every run (fixed order, no atomics)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
+def _dq_item(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_pair_ptr, pair_weight_ptr, block_start_ptr, offsets_ptr,
+             N, K, HALF_N, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER, stride_os,
+             e, pid_m, pid_n, pid_s,
+             TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+             F32: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr, FUSED_SCALE: tl.constexpr,
+             PTX: tl.constexpr, SCALE_PF: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
+             KORDER: tl.constexpr):
+    """One work item of :func:`moe_gemm_dq_kernel`: M block ``pid_m`` (local expert ``e`` >= 0), n tile ``pid_n``,
+    k split ``pid_s`` (0 when ``SPLIT_K`` is 1). The kernel's docstring has the arguments."""
     rows, rmask, arow, offs_n, nmask = _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N,
                                                   TOPK, GATED, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -479,7 +445,6 @@ def moe_gemm_dq_kernel(
     G: tl.constexpr = 2 if GATED else 1
     rv, rs, up_v, up_s = _w_rows(offs_n, K, stride_wn, stride_wsn, HALF_N, G, TILE_N, TILE_K)
     if SPLIT_K > 1:  # this split's k range; its first value / scale byte of each row
-        pid_s = tl.program_id(2)
         k_lo, dv0, ds0 = _w_split(pid_s, K_PER, G, TILE_N, TILE_K, BLOCK_K)
         k_hi = tl.minimum(K, k_lo + K_PER)
         rv += dv0
@@ -571,6 +536,80 @@ def moe_gemm_dq_kernel(
             tl.store(o_ptrs, acc_g * wt[:, None], mask=omask)
 
 
+@triton.jit
+def moe_gemm_dq_kernel(
+    a_ptr, w_ptr, ws_ptr, out_ptr,
+    sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
+    N, K, HALF_N,
+    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER, stride_os, UB,
+    TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BETA: tl.constexpr, BETA_LIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+    F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
+    PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, BITS: tl.constexpr = 0,
+    KORDER: tl.constexpr = 0, PERSIST: tl.constexpr = 0,
+):
+    """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
+    (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
+    ``acc[n, m] = W[n, :] . a[m, :]``, so the decoded weight tile is the MMA's register operand (its 64-row
+    side on Hopper) and the few token rows of a decode-sized group are the narrow side; the activations are
+    loaded in the decode's K order. Not ``SWAP`` (kind ``"dqn"``): ``acc[m, n] = a[m, :] . W[n, :]`` with the
+    activations as they are and the decoded weights staged as the shared-memory operand (large groups, where
+    the permuted activation loads would cost more than the staging). Weight strides are in bytes and
+    multiples of 4.
+    ``F32``: fp32 decode and an IEEE fp32 dot, for the Triton interpreter only (see :func:`mxfp4_decode_tile`).
+    ``TILE_N``/``TILE_K``: weight layout, as in :func:`moe_gemm_kernel`; ``BITS``: its value bits (0 checkpoint
+    nibbles, 1 planar lanes: the tiled layout of ``mx.layout`` only); ``KORDER``: its element order within a block
+    (1: the mma order of ``mx.layout``, whose decode in the MMA K order is the natural K order, so the activations
+    are used as loaded in both orientations; 0: the checkpoint's). ``FUSED_SCALE``: one multiply per
+    decoded pair (:func:`mxfp4_decode_tile`); only for weights whose scale bytes are all <= 128.
+    ``SCALE_PF``: 0 = the E8M0 scales of a k-step read when it decodes (a synchronous load on the k-step chain).
+    1 (config kinds ``"dqp"`` / ``"dqnp"``): the ``[BLOCK_N, BLOCK_K/32]`` scale tile of step k+1 is read into
+    registers before step k's decode (the last step re-reads its own bytes), so its DRAM latency overlaps a whole
+    k-step. 2 (kind ``"dqw"``): the same one step ahead, read one byte per weight word (``[BLOCK_N, BLOCK_K/8]``
+    u8, word w takes its block's byte w // 4: no broadcast of the scales inside the decode).
+    ``SPLIT_K`` > 1 (config ``split_k``): program ``(m, n, s)`` (grid axis 2 = the split) runs the k-steps of
+    ``[s * K_PER, min(K, (s + 1) * K_PER))`` (``K_PER`` a multiple of ``BLOCK_K``, and of ``TILE_K`` in the
+    tiled layout; the last split may be shorter)
+    and stores fp32 partials at ``out_ptr + s * stride_os`` (elements): w1|w3 the gate partials ``[P, I]`` and
+    the up partials ``stride_os / 2`` elements further (``moe_glu_finish_kernel`` adds them in split order and
+    applies the GLU), w2 the partials times the router weight, ``[P, D]`` per split (``moe_reduce_kernel`` with
+    ``SPLITS``). ``K_PER`` / ``stride_os`` are unused when ``SPLIT_K == 1``.
+    ``SCALE_PF`` 1 and 2 give the bits of 0 (same bytes, same decode, same dot order); ``SPLIT_K`` > 1 does not
+    give the bits of 1 (another fp32 summation order) but the same bits on every run (fixed order, no atomics).
+    ``PERSIST`` > 0 (config ``persist``): a persistent grid of ``(programs,)`` instead of ``(UB, n tiles, splits)``.
+    Program i runs the work items i, i + programs, ... of the ``UB * n_tiles * SPLIT_K`` items (block-major:
+    item = (block * SPLIT_K + split) * n_tiles + n tile, so programs running at once share a block's activation
+    rows), and stops at its first item of an empty block: the block table holds its live blocks first, then -1
+    (``ops.GpuDispatch``), so no item after that one is live. Empty blocks cost no program and the next item's
+    loads issue in the same program. Each item computes exactly what the program of the same (block, n tile,
+    split) computes in the plain grid: the same bits. ``UB``: the block table's length (used only here)."""
+    if PERSIST:
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        per_block = n_tiles * SPLIT_K
+        nprog = tl.num_programs(0)
+        item = tl.program_id(0)
+        blk = item // per_block
+        e = tl.load(block_expert_ptr + blk, mask=blk < UB, other=-1)
+        while e >= 0:
+            r = item - blk * per_block
+            _dq_item(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_pair_ptr, pair_weight_ptr, block_start_ptr, offsets_ptr,
+                     N, K, HALF_N, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER,
+                     stride_os, e, blk, r % n_tiles, r // n_tiles, TOPK, GATED, ACT, BETA, BETA_LIN, BLOCK_M,
+                     BLOCK_N, BLOCK_K, SWAP, F32, TILE_N, TILE_K, FUSED_SCALE, PTX, SCALE_PF, SPLIT_K, BITS, KORDER)
+            item += nprog
+            blk = item // per_block
+            e = tl.load(block_expert_ptr + blk, mask=blk < UB, other=-1)
+    else:
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            _dq_item(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_pair_ptr, pair_weight_ptr, block_start_ptr, offsets_ptr,
+                     N, K, HALF_N, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER,
+                     stride_os, e, pid_m, tl.program_id(1), tl.program_id(2) if SPLIT_K > 1 else 0, TOPK, GATED,
+                     ACT, BETA, BETA_LIN, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, F32, TILE_N, TILE_K, FUSED_SCALE, PTX,
+                     SCALE_PF, SPLIT_K, BITS, KORDER)
+
+
 #: K3's routed-expert sizes for the ahead-of-time cases: latent width, expert intermediate width, (token, expert)
 #: pairs of a 64-token step at top-16
 K3_LATENT, K3_INTER, K3_PAIRS = 3584, 3072, 64 * 16
@@ -621,12 +660,13 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
            "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32",
            "block_start_ptr": "*i32", "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
            "stride_am": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64", "stride_wsn": "i32",
-           "stride_om": "i32", "K_PER": "i32", "stride_os": "i64"}
+           "stride_om": "i32", "K_PER": "i32", "stride_os": "i64", "UB": "i32"}
     consts = {"TOPK": 16, "GATED": gated, "ACT": "situ", "BETA": 4.0, "BETA_LIN": 25.0,
               "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
               "SWAP": cfg["kind"] in SWAP_KINDS, "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
               "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0),
-              "SPLIT_K": cfg.get("split_k", 1), "BITS": bits, "KORDER": order}
+              "SPLIT_K": cfg.get("split_k", 1), "BITS": bits, "KORDER": order,
+              "PERSIST": cfg.get("persist", 0)}
     for c in consts:
         sig[c] = "constexpr"
     sig = specialize(sig, k3_gemm_ints(gated, tiles, cfg.get("split_k", 1)))

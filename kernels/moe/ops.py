@@ -31,7 +31,7 @@ from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, mo
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
 from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4, unpack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
-from k3rocm.kernels.target import current_target, interpreting
+from k3rocm.kernels.target import current_target, interpreting, multiprocessors
 
 MODES = ("a16w4", "a8w4")
 
@@ -270,6 +270,16 @@ def _act_format(dtype: torch.dtype) -> str:
     raise ConfigError(f"moe_experts: activation dtype {dtype} unsupported by the A16W4 kernel; pass bf16 or fp16")
 
 
+def _dq_grid(ub: int, n_tiles: int, splits: int, persist: int, dev: torch.device) -> tuple[int, ...]:
+    """Grid of ``gemm.moe_gemm_dq_kernel``: ``(ub, n_tiles, splits)``, one program per work item, when ``persist`` is
+    0; else ``(programs,)`` for its persistent form, ``persist`` programs per SM / CU of ``dev`` (per "SM" of one
+    under the interpreter, so the tests walk many items per program) and never more than the items."""
+    if not persist:
+        return (ub, n_tiles, splits)
+    sms = 1 if interpreting() else multiprocessors(dev)
+    return (max(1, min(persist * sms, ub * n_tiles * splits)),)
+
+
 def _split_k(K: int, block_k: int, split_k: int, tile_k: int = 0) -> tuple[int, int]:
     """``(K_PER, splits)`` of a split-K GEMM over ``K`` elements in k-steps of ``block_k``: at most ``split_k``
     ranges of whole k-steps (of whole ``tile_k`` chunks of the tiled layout when ``tile_k``; ``block_k`` divides
@@ -505,6 +515,7 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     # split-K (decode kinds): up to split_k ranges of whole k-steps per GEMM; fp32 partials [S, ..] summed after
     sk = cfg.get("split_k", 1) if dq else 1
+    persist = cfg.get("persist", 0) if dq else 0  # programs per SM of the persistent grid (0: one per item)
     # split boundaries at whole chunks of the backend's layout tile in both layouts (the tiled layout needs them
     # there for its full-width loads; the checkpoint layout takes the same ones so both give the same bits)
     tile_k = LAYOUT_TILES["interpreter" if interp else current_target().backend][1]
@@ -515,13 +526,13 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     def run_w13():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]), s1)](
+            moe_gemm_dq_kernel[_dq_grid(ub, triton.cdiv(inter, cfg["BLOCK_N"]), s1, persist, dev)](
                 a, g13[0], g13[1], part13, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                inter, D, inter, a.stride(0), *g13[2:6], inter if s1 > 1 else h.stride(0), kp1, 2 * P * inter,
+                inter, D, inter, a.stride(0), *g13[2:6], inter if s1 > 1 else h.stride(0), kp1, 2 * P * inter, ub,
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=swap, F32=interp,
                 TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, SPLIT_K=s1, BITS=bits13,
-                KORDER=order13, **opts)
+                KORDER=order13, PERSIST=int(persist > 0), **opts)
             if s1 > 1:
                 moe_glu_finish_kernel[(triton.cdiv(P, 16), triton.cdiv(inter, 256))](
                     part13, h, d.offsets, E_loc, inter, 2 * P * inter, h.stride(0), SPLITS=s1, ACT=act,
@@ -544,13 +555,13 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     def run_w2():
         if dq:
-            moe_gemm_dq_kernel[(ub, triton.cdiv(D, cfg2["BLOCK_N"]), s2)](
+            moe_gemm_dq_kernel[_dq_grid(ub, triton.cdiv(D, cfg2["BLOCK_N"]), s2, persist, dev)](
                 h, g2[0], g2[1], y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-                D, inter, 0, h.stride(0), *g2[2:6], y.stride(1), kp2, y.stride(0),
+                D, inter, 0, h.stride(0), *g2[2:6], y.stride(1), kp2, y.stride(0), ub,
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
                 TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, BITS=bits2,
-                KORDER=order2, **opts2)
+                KORDER=order2, PERSIST=int(persist > 0), **opts2)
             return
         moe_gemm_kernel[(ub, triton.cdiv(D, cfg2["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,

@@ -646,6 +646,59 @@ def test_split_k_variants(tk, T, E, D, inter, tiled):
             assert torch.equal(tk.moe.moe_experts(*args, ewc, mode="a16w4", config=cfg), got), f"{name}: layouts differ"
 
 
+@pytest.mark.parametrize("T,E,D,inter", [(1, 8, 128, 96), (3, 16, 64, 96), (9, 4, 128, 64), (16, 3, 64, 64)],
+                         ids=["one-row", "empty-experts", "rows-past-tile", "more-programs-than-blocks"])
+@pytest.mark.parametrize("tiled", [False, True], ids=["checkpoint", "tiled"])
+def test_persistent_grid_bit_identical(tk, T, E, D, inter, tiled):
+    # persist (decode kinds): a persistent grid whose programs walk the live blocks' (block, split, n tile) items and
+    # stop at the first empty block. Each item is the plain grid's program of the same (block, n tile, split): the
+    # same bits, for every kind, with split-K and with w2 on its own n-tile. Under the interpreter a program per
+    # "SM" times persist, so 1 or 2 programs walk every item (one-row: a single live block; empty-experts: most
+    # blocks empty; more-programs-than-blocks: the grid capped at the items, 3 experts x 16 tokens x 4 = 64 pairs)
+    import k3rocm.kernels.moe.configs as C
+
+    x, ids, wts, ew = _case(T, E, D, inter, min(4, E), seed=T + E + 11)
+    ewd = _to(ew, tk.dev)
+    if tiled:
+        ewd = dict(ewd, kernel_layout=tk.moe.ops.kernel_layout(ewd, check=True))
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    d = tk.moe.ops.dispatch_gpu(args[1], 0, E, 16)
+    live = (d.block_expert >= 0).cpu()  # the contract the persistent walk relies on: live blocks first, then -1
+    assert not (live[1:] & ~live[:-1]).any(), "block table: a live block after an empty one"
+    for base in (C.gemm_config(16, 32, 64, 4, 1, kind="dqp"), C.gemm_config(32, 64, 32, 4, 1, kind="dqn"),
+                 C.gemm_config(16, 32, 32, 4, 1, kind="dq", split_k=2),
+                 C.gemm_config(16, 32, 64, 4, 1, kind="dqw", w2=dict(BLOCK_N=64))):
+        want = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=base)
+        assert torch.isfinite(want).all()
+        for persist in (1, 2, 1000):
+            cfg = dict(base, persist=persist)
+            got = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=cfg, poison=True)
+            name = C.gemm_name(cfg)
+            if tk.dev == "cpu":
+                assert torch.equal(got, want), f"{name}: differs from {C.gemm_name(base)}"
+            else:  # compiled, another kernel may schedule the fp32 accumulation differently (a few ulps at most)
+                dd = (got.float() - want.float()).abs().max().item()
+                assert dd <= 1e-6 * want.float().abs().max().item(), f"{name}: differs by {dd}"
+                for _ in range(20):
+                    assert torch.equal(tk.moe.moe_experts(*args, ewd, mode="a16w4", config=cfg), got), \
+                        f"{name}: not deterministic"
+
+
+def test_persist_config_checks():
+    import k3rocm.kernels.moe.configs as C
+    from k3rocm.errors import ConfigError
+    from k3rocm.kernels.moe.ops import _dq_grid
+
+    with pytest.raises(ConfigError, match="persist"):
+        C.gemm_config(16, 32, 64, 4, 1, persist=2)  # the scaled kernel has no persistent form
+    with pytest.raises(ConfigError, match="persist"):
+        C.gemm_config(16, 32, 64, 4, 1, kind="dq", persist=-1)
+    assert C.gemm_name(C.gemm_config(16, 128, 128, 4, 4, kind="dqp", split_k=2, persist=3)) == "dqp-m16n128k128w4s4sk2p3"
+    assert "persist" not in C.gemm_config(16, 32, 64, 4, 1, kind="dq")
+    assert C.stage_config(C.gemm_config(16, 32, 64, 4, 1, kind="dq", persist=2), False)["persist"] == 2  # w2 too
+    assert _dq_grid(10, 4, 2, 0, torch.device("cpu")) == (10, 4, 2)
+
+
 def test_split_k_config_checks():
     import k3rocm.kernels.moe.configs as C
     from k3rocm.errors import ConfigError
