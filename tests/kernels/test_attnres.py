@@ -384,3 +384,61 @@ def test_kernel_bf16_bank_every_config(K, T, num_rows, append):
         torch.testing.assert_close(b.cpu().float(), b_ref, equal_nan=True, atol=0, rtol=0)
         h2, hn2 = K.attn_res_norm(b2, *args, append=append, config=cfg, store_h=False)
         assert h2 is None and torch.equal(hn2, hn), cfg
+
+
+def test_split_form_at_k3_width_and_repeated(K):
+    """The split form (config ``SPLIT``: two launches over (token, column block) programs, the token's last program
+    writing the norm) at K3's width (D 7168, 8 bank rows + the prefix: 9 sources, 14 column blocks of 512, the last
+    full) and at a width whose last block is partial, each call three times on the same buffers: the same bits
+    every time, within the oracle's tolerance, and every arrival counter back at zero (the launch must be
+    repeatable inside a replayed graph)."""
+    cfgs = [c for c in _configs(K) if c.get("SPLIT")]
+    assert cfgs, "no split config in the list"
+    g = torch.Generator().manual_seed(77)
+    for T, D, rows in ((3, 7168, 8), (2, 200, 3)):
+        bank = torch.randn(9, T, D, generator=g)
+        pre = torch.randn(T, D, generator=g)
+        w, nw = torch.randn(D, generator=g) * D ** -0.5, 1 + 0.1 * torch.randn(D, generator=g)
+        h_ref, hn_ref = A.attn_res_norm(bank.clone(), rows, pre, w, nw, 1e-5)
+        for cfg in cfgs + [dict(cfgs[0], BLOCK_D=512)]:
+            first = None
+            for _ in range(3):
+                h, hn = K.attn_res_norm(bank.to(DEV), rows, pre.to(DEV), w.to(DEV), nw.to(DEV), 1e-5, config=cfg)
+                torch.testing.assert_close(h.cpu(), h_ref, **TOL)
+                torch.testing.assert_close(hn.cpu(), hn_ref, **TOL)
+                if first is None:
+                    first = (h, hn)
+                else:
+                    assert torch.equal(h, first[0]) and torch.equal(hn, first[1]), f"{cfg}: not repeatable"
+            for held in K._DONE.values():
+                assert all(int(c.abs().sum()) == 0 for c in held), "an arrival counter was left non-zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_split_form_in_a_graph(K):
+    """The split form captured in a CUDA / HIP graph at a decode size (53 tokens, K3's width, bf16 bank) and replayed
+    on new inputs: each replay equals an eager call on the same inputs bit for bit (the counters reset themselves)."""
+    cfg = next(c for c in K.ATTNRES_CONFIGS["hip" if torch.version.hip else "cuda"] if c.get("SPLIT"))
+    T, D, rows = 53, 7168, 6
+    bank = torch.randn(8, T, D, device="cuda").bfloat16()
+    pre, add = torch.randn(T, D, device="cuda"), torch.randn(T, D, device="cuda")
+    w, nw = torch.randn(D, device="cuda") * D ** -0.5, 1 + 0.1 * torch.randn(D, device="cuda")
+    pout = torch.empty_like(pre)
+    hn = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+    call = lambda: K.attn_res_norm(bank, rows, pre, w, nw, 1e-5, config=cfg, out=(None, hn), store_h=False,  # noqa: E731
+                                   addend=add, prefix_out=pout)
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        pre.normal_()
+        add.normal_()
+        graph.replay()
+        got = hn.clone()
+        call()
+        assert torch.equal(got, hn)
+        ref = A.attn_res_norm(bank.float().clone(), rows, (pre + add), w, nw, 1e-5)[1]
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
