@@ -112,8 +112,9 @@ def _bf16_path(xl, ids, K, I, w13_bf, w2_bf, num_local):
     return run
 
 
-#: programs per SM of the persistent grid each goal row times beside the plain grid (configs ``persist``)
-PERSIST_AB = (2, 3)
+#: programs per SM of the persistent grid each goal row times beside the plain grid (configs ``persist``); none by
+#: default since 2 and 3 were slower on every row (1 x H100, 2026-12-07: kernels/moe/configs.py), ``--persist 2 3``
+PERSIST_AB: tuple = ()
 
 
 def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_bytes, w13_bf, w2_bf, ogs,
@@ -205,12 +206,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ab", choices=("order", "bits"), default="order",
                     help="the goal rows also time the layout with the other element order (checkpoint / mma) or the "
                          "other value bits (nibble / planar), the rest as the backend's default")
+    ap.add_argument("--persist", type=int, nargs="*", default=[],
+                    help="also time the picked config on the persistent grid at these programs per SM on every goal "
+                         "row (with its difference from the plain grid's output)")
     ap.add_argument("--out", default="gpu-runs/results", help="folder for moe_bench.json and moe_bench.md")
     ap.add_argument("--small", action="store_true",
                     help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
     ap.add_argument("--device", default="cuda", help="cuda (timed with do_bench) or cpu (Triton interpreter, "
                     "TRITON_INTERPRET=1; wall-clock, for checking this script, not for figures)")
     args = ap.parse_args(argv)
+    global PERSIST_AB
+    PERSIST_AB = tuple(args.persist)
     dev = args.device
     E, D, I, H, K = (16, 64, 64, 128, 4) if args.small else (E_K3, D_K3, I_K3, H_K3, K_K3)
     expert_bytes = 3 * D * I // 2 + 3 * D * I // 32

@@ -7,6 +7,9 @@
 # 540: one call of a 10-minute machine slot):
 #   p4     k3rocm bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 (input 256 / output
 #          64, 64 prompts): the decode-step goals of docs/BENCHMARKS.md, every step logged (p4_steps/steps.jsonl)
+#   adec   gpu-runs/bench_attnres_decode.py: every AttnRes config at decode sizes as the engine calls it (graphed)
+#   p4a    p4 with each dense projection of <= 64 rows on the faster of the vendor and the skinny GEMM (a timed pick
+#          per shape: DENSE_GEMM=auto of prof_steps.py), into RESULTS_DIR/p4a
 #   p4t    p4 with the engine's dense projections of <= 64 rows on the Triton skinny GEMM (DENSE_GEMM=triton of
 #          prof_steps.py), into RESULTS_DIR/p4t
 #   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64 (K3_LIMIT s,
@@ -92,6 +95,8 @@ RANK="--synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --conc
 for s in $STEPS; do
   if [ "$(left)" -lt 20 ]; then printf '%s\tskipped\t0\n' "$s" >>"$R/steps.tsv"; continue; fi
   case $s in
+    p4a) DENSE_GEMM=auto PROF_OUT=$R/p4a_steps PROF_AFTER=1000000 PROF_N=0 step p4a "$(lim 200)" $PY "$HERE/prof_steps.py" \
+          bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4a" ;;
     p4t) DENSE_GEMM=triton PROF_OUT=$R/p4t_steps PROF_AFTER=1000000 PROF_N=0 step p4t "$(lim 200)" $PY "$HERE/prof_steps.py" \
           bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4t" ;;
     p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 200)" $PY "$HERE/prof_steps.py" bench \
@@ -125,10 +130,11 @@ for s in $STEPS; do
     kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name "regex:${NCU_KERNEL:-_split_state_kernel}" \
           --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" \
           ${KNCU_ARGS:---only decode --no-fla --decode "${KNCU_ROWS:-64x96}"} --out "$R/kncu" ;;
+    adec) step adec "$(lim "${ADEC_LIMIT:-90}")" $PY "$HERE/bench_attnres_decode.py" ${ADEC_ARGS:-} ;;
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,

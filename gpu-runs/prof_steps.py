@@ -19,6 +19,7 @@ Usage (on the GPU machine, the package importable)::
 ``PROF_AFTER`` past the run's last step only logs the steps. The bench's own figures are disturbed inside the
 profiled window; use a separate run for them.
 
+``DENSE_GEMM=auto``: the faster of the two per shape (``k3rocm.kernels.dense.fastest_gemm``, a timed pick at warm-up).
 ``DENSE_GEMM=triton`` runs the engine's fp32-output dense projections of at most ``DENSE_ROWS`` (default 64) rows
 through the Triton skinny GEMM (``k3rocm.kernels.dense``; ``k3rocm.model.common.DENSE_GEMM``) instead of the vendor
 GEMM, to time the engine with it before anything serves it. Its config is the tune mode's pick (serving's default
@@ -33,8 +34,15 @@ if os.environ.get("DENSE_GEMM", "vendor") == "triton":
     from k3rocm.model import common as _common
     _common.DENSE_GEMM[:] = [skinny_gemm, int(os.environ.get("DENSE_ROWS", "64"))]
     print(f"prof_steps: dense projections of <= {_common.DENSE_GEMM[1]} rows on the Triton skinny GEMM", flush=True)
+elif os.environ.get("DENSE_GEMM", "vendor") == "auto":
+    from k3rocm.kernels.dense import fastest_gemm
+    from k3rocm.model import common as _common
+    _vendor = lambda a, w: torch.mm(a, w.t(), out_dtype=torch.float32)  # noqa: E731 (linear's vendor path)
+    _common.DENSE_GEMM[:] = [lambda a, w: fastest_gemm(a, w, _vendor), int(os.environ.get("DENSE_ROWS", "64"))]
+    print(f"prof_steps: dense projections of <= {_common.DENSE_GEMM[1]} rows on the faster of the vendor and the "
+          "skinny GEMM per shape (timed pick)", flush=True)
 elif os.environ.get("DENSE_GEMM", "vendor") != "vendor":
-    sys.exit(f"prof_steps: DENSE_GEMM={os.environ['DENSE_GEMM']!r} is not 'vendor' or 'triton'")
+    sys.exit(f"prof_steps: DENSE_GEMM={os.environ['DENSE_GEMM']!r} is not 'vendor', 'triton' or 'auto'")
 OUTD = os.environ.get("PROF_OUT", "/tmp/prof"); os.makedirs(OUTD, exist_ok=True)
 AFTER = int(os.environ.get("PROF_AFTER", "30")); N = int(os.environ.get("PROF_N", "24"))
 state = {"warm": 0, "n": 0}

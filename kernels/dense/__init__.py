@@ -7,9 +7,9 @@ it (``gpu-runs/bench_dense.py``). Oracle: ``x.float() @ W.float().T``.
 
 from __future__ import annotations
 
-from .gemm import SKINNY_CONFIGS, isa_case, skinny_gemm
+from .gemm import SKINNY_CONFIGS, VENDOR, fastest_gemm, isa_case, skinny_gemm
 
-__all__ = ["skinny_gemm", "SKINNY_CONFIGS", "isa_cases", "TRITON_IMPLS"]
+__all__ = ["skinny_gemm", "fastest_gemm", "VENDOR", "SKINNY_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
 #: the ``triton`` implementations of this family (none of an oracle op)
 TRITON_IMPLS: tuple = ()

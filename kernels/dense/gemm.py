@@ -32,7 +32,7 @@ from k3rocm.kernels import _interp, tune
 from k3rocm.kernels.isa import specialize
 from k3rocm.kernels.target import interpreting, multiprocessors
 
-__all__ = ["skinny_gemm", "SKINNY_CONFIGS", "COUNTERS", "auto_split"]
+__all__ = ["skinny_gemm", "fastest_gemm", "SKINNY_CONFIGS", "COUNTERS", "auto_split", "VENDOR"]
 
 
 # M (token rows) not specialised on (== 1, % 16): a new row count never compiles while serving
@@ -226,3 +226,40 @@ def isa_case(block_m: int = 16, split_k: int = 2, backend_opts: dict | None = No
     consts = tiles["cuda"]
     opts = {be: dict(tune.split(cf, interp=False)[1], constexprs=tiles[be]) for be, cf in first.items()}
     return (f"skinny_gemm_m{block_m}_s{split_k}", _skinny_gemm_kernel, sig, consts, True, opts)
+
+
+#: the vendor GEMM as a candidate of :func:`fastest_gemm` (first: what an untimed pick takes)
+VENDOR: dict = dict(VENDOR=1)
+
+
+def fastest_gemm(x: torch.Tensor, weight: torch.Tensor, vendor) -> torch.Tensor:
+    """``x @ weight^T`` in fp32 by whichever of the vendor GEMM and :func:`skinny_gemm`'s configs is faster at this
+    shape: a timed pick (``tune.pick``, key ``(pow2(M), N, K, dtype)``, timed as graph replays, the way the engine
+    runs its steps) among :data:`VENDOR` and the skinny configs whose row band fits M. The vendor GEMM comes first,
+    so an untimed pick (tune mode ``"first"`` / ``"frozen"``, ``K3ROCM_TUNE=0``, inside a capture) keeps it.
+    Measured per shape (1 x H100, 2026-12-07, docs/BENCHMARKS.md, ``gpu-runs/bench_dense.py``): the skinny GEMM
+    wins on the K3 rank's KDA input projection (0.68 - 0.72 x the vendor time at 16 - 64 rows), the latent down
+    projection (0.92 - 0.95 x) and MLA q_a | kv_a (0.80 - 0.94 x), and loses on the small ones (KDA o_proj, the
+    shared expert) and on the latent up projection: hence a pick per shape, not a switch.
+
+    Args:
+        x: ``[M, K]`` bf16 / fp16; weight ``[N, K]`` of its dtype (last dims contiguous).
+        vendor: ``vendor(x, weight) -> [M, N] fp32``, the caller's vendor GEMM.
+    Returns:
+        ``[M, N]`` fp32.
+    Raises:
+        ConfigError: as :func:`skinny_gemm`, where a skinny config is the pick.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.device.type != "cuda" or M == 0:
+        return vendor(x, weight)
+    fits = [c for c in tune.configs(SKINNY_CONFIGS, candidates=True) if M <= c.get("max_rows", M)]
+    out: list = []
+
+    def run(c):
+        out[:] = [vendor(x, weight) if c is VENDOR else skinny_gemm(x, weight, config=c)]
+
+    cfg = tune.pick("dense_gemm", (tune.pow2(M), N, K, x.dtype), [VENDOR] + fits, run, graphed=True)
+    run(cfg)
+    return out[0]

@@ -173,12 +173,13 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
         # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
-        # the served 4-warp m16 tile on a persistent grid, 2 and 3 programs per SM (ncu of the served w1|w3: 3
-        # resident): at 64 tokens a K3 layer's block table has 960 slots for ~600 live blocks and the EP16 slice 120
-        # for ~45, and every empty slot is a launched program in the plain grid (candidates until measured)
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", persist=2),
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", persist=3),
-        # Not listed, measured slower than the served tile (H200 2026-12-04, one K3 layer, 64 / 512 tokens, ms, served
+        # Not listed: the served tile on the persistent grid (persist=2 / 3 programs per SM; no program for the empty
+        # slots of the block table, 960 for ~600 live blocks at 64 tokens), the same bits, slower everywhere
+        # (1 x H100 2026-12-07, 3adc52c, bench_moe --tokens 64 512 --ep-ranks 16, ms, plain / 2 / 3 per SM): 64 tokens
+        # 3.790 / 4.178 / 4.723, EP16 slice 0.327 / 0.343 / 0.379, 512 tokens 7.154 / 7.343 / 8.118, EP16 slice
+        # 0.630 / 0.654 / 0.716. A program's next item starts its k-loop cold (the pipeliner prefetches within one
+        # item's loop only), and fewer programs are resident than the plain grid keeps in flight.
+        # Also not listed, measured slower than the served tile (H200 2026-12-04, one K3 layer, 64 / 512 tokens, ms, served
         # 3.564-3.622 / 6.424-6.426): w2 on its own tile (configs may give w2 one: gemm_config(w2=...)) — n256 with 4
         # warps 3.743-4.107 / 6.653-6.817, n256 with 8 warps 4.015 / 7.034, 6 stages 3.764 / 6.589 (221f0d7; with
         # the 4-warp tile w2 already streams its bytes as fast as w1|w3: 1.144 and 2.279 ms for 1/3 and 2/3 of them);
