@@ -86,6 +86,9 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, num_warps=16, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=2048, PROGS_PER_SM=4, ROWS=1, num_warps=8, num_stages=1, waves_per_eu=0),
+        # the split form (see the CUDA list; spill-free on gfx950 / gfx942 at 71 - 75 VGPRs, kernels isa), a candidate
+        # the timed pick serves only where faster
+        dict(BLOCK_D=512, SPLIT=1, num_warps=4, num_stages=1, waves_per_eu=0),
     ],
     # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
     # BLOCK_D=128 holds the test rows in one block: the single-pass path (ROWS=4: partial, masked row tiles);
@@ -640,3 +643,30 @@ def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024,
     sig = specialize(sig, dict(D=D, stride_br=53 * D, stride_bt=D, stride_pt=D, stride_ht=D, stride_hnt=D,
                                stride_at=D, stride_pot=D))
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}
+
+
+def split_isa_cases(dtype: str = "fp32", block_d: int = 512) -> list[tuple]:
+    """``(name, fn, signature, constexprs, expects_matrix, options)`` of the split form's two kernels for ``kernels
+    isa``: the engine's call (``dtype`` bank and prefix, the pending add, a write layer; norm without h), K3's width
+    and 8 bank rows + the prefix (S_PAD 16), 4 warps as the shipped ``SPLIT`` configs."""
+    p = "*" + dtype
+    D = 7168
+    ints = dict(D=D, stride_br=53 * D, stride_bt=D, stride_pt=D, stride_at=D, stride_pot=D, stride_ps=D,
+                stride_ht=D, stride_hnt=D)
+    s1 = {"BANK": p, "PREFIX": p, "W": "*fp32", "ADDEND": "*fp32", "P_OUT": "*fp32", "PART": "*fp32",
+          "num_rows": "i32", "T": "i32", "D": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
+          "stride_at": "i32", "stride_pot": "i32", "stride_part": "i32"}
+    c1 = dict(APPEND=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ADD=True)
+    s2 = {"BANK": p, "PSRC": "*fp32", "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": "*bf16",
+          "PART": "*fp32", "DONE": "*i32", "num_rows": "i32", "T": "i32", "D": "i32", "stride_br": "i64",
+          "stride_bt": "i32", "stride_ps": "i32", "stride_ht": "i32", "stride_hnt": "i32", "stride_part": "i32",
+          "eps": "fp32", "norm_eps": "fp32"}
+    c2 = dict(HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d)
+    out = []
+    for name, fn, sig, consts in (("attn_res_split_stats", _attn_res_split_stats_kernel, s1, c1),
+                                  ("attn_res_split_mix", _attn_res_split_mix_kernel, s2, c2)):
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        sig = specialize(sig, {k: v for k, v in ints.items() if k in sig})
+        opts = {"num_warps": 4, "num_stages": 1}
+        out.append((f"{name}_{dtype}[d{block_d}]", fn, sig, consts, False, {"cuda": opts, "hip": opts}))
+    return out
