@@ -7,7 +7,7 @@ Oracle: :mod:`k3rocm.model.attnres`.
 
 from __future__ import annotations
 
-from .attnres import ATTNRES_CONFIGS, _attn_res_kernel, attn_res, attn_res_norm, isa_signature, split_isa_cases
+from .attnres import ATTNRES_CONFIGS, _attn_res_kernel, attn_res, attn_res_norm, isa_signature
 
 __all__ = ["attn_res", "attn_res_norm", "ATTNRES_CONFIGS", "isa_cases", "TRITON_IMPLS"]
 
@@ -35,4 +35,4 @@ def isa_cases() -> list[tuple]:
             ("attn_res_norm_fp32", _attn_res_kernel, sig2, consts2, False, opts2),
             ("attn_res_norm_append_bf16_one_block", _attn_res_kernel, sig3, consts3, False, opts3),
             ("attn_res_norm_add_fp32_one_block", _attn_res_kernel, sig4, consts4, False, opts3),
-            ("attn_res_norm_add_fp32", _attn_res_kernel, sig6, consts6, False, opts6)] + split_isa_cases()
+            ("attn_res_norm_add_fp32", _attn_res_kernel, sig6, consts6, False, opts6)]

@@ -72,30 +72,20 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, PIPE=4, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, PIPE=6, num_warps=32, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, PIPE=3, num_warps=16, num_stages=1),
-        # SPLIT: two launches over (token, column block) programs (_attn_res_split_stats_kernel: partial scores and
-        # sums of squares per block; _attn_res_split_mix_kernel: the block partials summed in a fixed order, softmax,
-        # h of its block; the token's last program to finish writes the norm of the row). For decode-sized calls, where one program per
-        # token leaves most SMs idle: the K3 rank's graphed decode step (53 rows) ran 187 calls at 9.6 us, 1.8 ms
-        # a step (H200, 2026-12-04, section "Tokens per step"), ~5 x the bytes' floor. 53 tokens x 14 blocks of
-        # 512 = 742 programs. Candidates: the timed pick serves one where it is faster
-        dict(BLOCK_D=512, SPLIT=1, num_warps=4, num_stages=1),
-        dict(BLOCK_D=1024, SPLIT=1, num_warps=4, num_stages=1),
+        # (Not listed: a split form, two launches over (token, column block) programs with the token's last program
+        # writing the norm, for decode-sized calls: slower than the first entry at every size, 1 x H100 2026-12-07,
+        # e.g. 14.4 vs 9.4 us at 53 tokens x 8 bank rows graph-replayed; BENCHMARKS "AttnRes at decode sizes")
     ],
     "hip": [
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, num_warps=16, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, num_warps=16, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=1024, PROGS_PER_SM=0, ROWS=1, num_warps=4, num_stages=1, waves_per_eu=0),
         dict(BLOCK_D=2048, PROGS_PER_SM=4, ROWS=1, num_warps=8, num_stages=1, waves_per_eu=0),
-        # the split form (see the CUDA list; spill-free on gfx950 / gfx942 at 71 - 75 VGPRs, kernels isa), a candidate
-        # the timed pick serves only where faster
-        dict(BLOCK_D=512, SPLIT=1, num_warps=4, num_stages=1, waves_per_eu=0),
     ],
     # the interpreter counts as one multiprocessor: PROGS_PER_SM=2 runs the token-walking path with 2 programs
     # BLOCK_D=128 holds the test rows in one block: the single-pass path (ROWS=4: partial, masked row tiles);
     # wider rows run the blocked path (PIPE is ignored there)
     "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0, ROWS=1), dict(BLOCK_D=64, PROGS_PER_SM=0, ROWS=1),
-                    # the split form: several column blocks per token (a partial last one at the test widths)
-                    dict(BLOCK_D=16, SPLIT=1), dict(BLOCK_D=128, SPLIT=1),
                     dict(BLOCK_D=32, PROGS_PER_SM=2, ROWS=1), dict(BLOCK_D=128, PROGS_PER_SM=2, ROWS=1),
                     dict(BLOCK_D=128, PROGS_PER_SM=0, ROWS=4),
                     # the PIPE stream: 2 / 3 programs walking the tokens, partial row tiles; one token per program
@@ -191,92 +181,6 @@ def _attn_res_kernel(
                 _attn_res_blocked(BANK, PREFIX, W, NW, H_OUT, HN_OUT, ADDEND, P_OUT, t, num_rows, D, stride_br,
                                   stride_bt, stride_pt, stride_ht, stride_hnt, stride_at, stride_pot, eps, norm_eps,
                                   sidx, offs, APPEND, HAS_NORM, S_PAD, BLOCK_D, STORE_H, ADD)
-
-
-# the split form (config ``SPLIT``): two launches over (token, column block) programs instead of one program per
-# token; the per-call counts are not specialised on, as in the kernel above
-@partial(JITFunction, do_not_specialize=("num_rows", "T"))
-def _attn_res_split_stats_kernel(
-    BANK, PREFIX, W, ADDEND, P_OUT, PART,
-    num_rows, T, D, stride_br, stride_bt, stride_pt, stride_at, stride_pot, stride_part,
-    APPEND: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr,
-):
-    """Phase 1 of the split form, program (token t, column block c): over its ``BLOCK_D`` columns, each source's
-    partial dot with the weight and partial sum of squares, stored at ``PART[t, c, 0:S_PAD]`` and
-    ``PART[t, c, S_PAD:2 S_PAD]``. With ``ADD`` the prefix source is ``PREFIX + ADDEND`` (fp32), stored into
-    ``P_OUT``; ``APPEND`` stores the prefix source into bank row ``num_rows``."""
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    sidx = tl.arange(0, S_PAD)
-    offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = offs < D
-    v = tl.load(BANK + t * stride_bt + sidx.to(tl.int64)[:, None] * stride_br + offs[None, :],
-                mask=(sidx < num_rows)[:, None] & m[None, :], other=0.0).to(tl.float32)
-    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
-    if ADD:
-        vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(P_OUT + t * stride_pot + offs, vr, mask=m)
-    if APPEND:
-        tl.store(BANK + num_rows * stride_br + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
-    v = tl.where((sidx == num_rows)[:, None], vr.to(tl.float32)[None, :], v)
-    w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
-    base = PART + (t * tl.num_programs(1) + c).to(tl.int64) * stride_part
-    tl.store(base + sidx, tl.sum(v * w[None, :], 1))
-    tl.store(base + S_PAD + sidx, tl.sum(v * v, 1))
-
-
-@partial(JITFunction, do_not_specialize=("num_rows", "T"))
-def _attn_res_split_mix_kernel(
-    BANK, PSRC, W, NW, H_OUT, HN_OUT, PART, DONE,
-    num_rows, T, D, stride_br, stride_bt, stride_ps, stride_ht, stride_hnt, stride_part, eps, norm_eps,
-    HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Phase 2 of the split form, program (token t, column block c): the partials of every column block of t
-    summed in block order (the same order in every program of t, so all see the same scores), the scores
-    ``s_j * rsqrt(q_j / D + eps)``, their softmax p, then h = sum_j p_j v_j over this program's columns (the raw
-    values read again; ``PSRC``: the prefix source, phase 1's ``P_OUT`` with an addend), stored into ``H_OUT``
-    (the caller's h, or a scratch row when h is not kept), with its partial sum of squares at
-    ``PART[t, c, 2 S_PAD]``. With ``HAS_NORM`` the last of t's programs to finish (an acq_rel counter
-    ``DONE[t]``, reset by that program: the launch is capturable and repeatable) sums those partials in block
-    order and writes ``h_normed = h * rsqrt(sum h^2 / D + norm_eps) * norm_weight`` for the whole row."""
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    nblk = tl.num_programs(1)
-    sidx = tl.arange(0, S_PAD)
-    sc = tl.zeros([S_PAD], tl.float32)
-    ss = tl.zeros([S_PAD], tl.float32)
-    row = PART + (t * nblk).to(tl.int64) * stride_part
-    for b in range(0, nblk):
-        sc += tl.load(row + b * stride_part + sidx)
-        ss += tl.load(row + b * stride_part + S_PAD + sidx)
-    sc = tl.where(sidx <= num_rows, sc * tl.rsqrt(ss / D + eps), float("-inf"))
-    e = tl.exp(sc - tl.max(sc, 0))
-    p = e / tl.sum(e, 0)
-    offs = c * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = offs < D
-    v = tl.load(BANK + t * stride_bt + sidx.to(tl.int64)[:, None] * stride_br + offs[None, :],
-                mask=(sidx < num_rows)[:, None] & m[None, :], other=0.0).to(tl.float32)
-    vr = tl.load(PSRC + t * stride_ps + offs, mask=m, other=0.0).to(tl.float32)
-    v = tl.where((sidx == num_rows)[:, None], vr[None, :], v)
-    h = tl.sum(p[:, None] * v, 0)
-    tl.store(H_OUT + t * stride_ht + offs, h, mask=m)
-    if HAS_NORM:
-        tl.store(row + c * stride_part + 2 * S_PAD, tl.sum(h * h, 0))
-        tl.debug_barrier()  # every lane's stores before the release below
-        arrived = tl.atomic_add(DONE + t, 1, sem="acq_rel")
-        if arrived == nblk - 1:  # t's other programs have stored their h columns and partials
-            tl.debug_barrier()
-            hh = tl.zeros([], tl.float32)
-            for b in range(0, nblk):
-                hh += tl.load(row + b * stride_part + 2 * S_PAD, volatile=True)
-            rs = tl.rsqrt(hh / D + norm_eps)
-            for b in range(0, nblk):
-                ob = b * BLOCK_D + tl.arange(0, BLOCK_D)
-                mb = ob < D
-                hb = tl.load(H_OUT + t * stride_ht + ob, mask=mb, other=0.0, volatile=True)
-                nw = tl.load(NW + ob, mask=mb, other=0.0).to(tl.float32)
-                tl.store(HN_OUT + t * stride_hnt + ob, (hb * rs * nw).to(HN_OUT.dtype.element_ty), mask=mb)
-            tl.atomic_xchg(DONE + t, 0, sem="relaxed")
 
 
 @_interp.kjit
@@ -468,9 +372,6 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     add, pout = (addend, p_out) if addend is not None else (prefix, prefix)
 
     def run(meta, opts, per_sm):
-        if meta.get("SPLIT", 0):
-            return _launch_split(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, store_h,
-                                 add if addend is not None else None, pout, meta, opts)
         nprog = T if per_sm == 0 else min(T, per_sm * n_sm)
         one_block = meta["BLOCK_D"] >= D
         pipe = meta.get("PIPE", 0) if one_block else 0
@@ -499,52 +400,13 @@ def _launch(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, 
     p = None if interp else _PLANS.get(key)
     if p is None:
         # timing must not append twice into a live bank: tune on the non-appending variant's shape
-        # timed as graph replays: the engine runs every AttnRes call inside its step graphs, where the split form's
-        # two launches pay no host launch gap
+        # timed as graph replays, as the engine runs every AttnRes call (inside its step graphs: no host launch gap)
         cfg = tune.pick("attn_res", key, tune.configs(ATTNRES_CONFIGS), lambda c: run(*plan(c)), can_time=not append,
                         graphed=True)
         p = plan(cfg)
         if not interp and tune._CACHE.get(("attn_res", key)) is cfg:
             _PLANS[key] = p  # only a timed (cached) choice is final
     run(*p)
-
-
-#: per device: zeroed int32 arrival counters of the split form's last-program-per-token norm (grown outside
-#: graph capture: the engine warms every shape up before capturing it)
-_DONE: dict = {}
-
-
-def _done_counters(dev: torch.device, tokens: int) -> torch.Tensor:
-    held = _DONE.setdefault(dev, [])
-    if not held or held[-1].numel() < tokens:
-        held.append(torch.zeros(max(1024, triton.next_power_of_2(tokens)), dtype=torch.int32, device=dev))
-    return held[-1]
-
-
-def _launch_split(bank, num_rows, prefix, weight, norm_weight, eps, norm_eps, append, h, hn, store_h, addend, pout,
-                  meta, opts):
-    """The split form of :func:`_launch` (config ``SPLIT``): :func:`_attn_res_split_stats_kernel` then
-    :func:`_attn_res_split_mix_kernel` over ``(T, ceil(D / BLOCK_D))`` programs, through an fp32 scratch of
-    ``2 S_PAD + 1`` floats per program (and an fp32 h row per token when h is not kept)."""
-    T, D = prefix.shape
-    dev = prefix.device
-    s_pad = sources_pad(num_rows + 1)
-    bd = meta["BLOCK_D"]
-    nblk = triton.cdiv(D, bd)
-    part = torch.empty(T, nblk, 2 * s_pad + 1, dtype=torch.float32, device=dev)
-    add = addend if addend is not None else prefix
-    _interp.launch(_attn_res_split_stats_kernel, (T, nblk),
-                   bank, prefix, weight, add, pout, part, num_rows, T, D, bank.stride(0), bank.stride(1),
-                   prefix.stride(0), add.stride(0), pout.stride(0), part.stride(1),
-                   APPEND=append, S_PAD=s_pad, BLOCK_D=bd, ADD=addend is not None, **opts)
-    src = pout if addend is not None else prefix
-    has_norm = norm_weight is not None
-    hout = h if store_h else torch.empty(T, D, dtype=torch.float32, device=dev)  # h not kept: a scratch row
-    _interp.launch(_attn_res_split_mix_kernel, (T, nblk),
-                   bank, src, weight, norm_weight if has_norm else weight, hout, hn if has_norm else hout, part,
-                   _done_counters(dev, T), num_rows, T, D, bank.stride(0), bank.stride(1), src.stride(0),
-                   hout.stride(0), (hn if has_norm else hout).stride(0), part.stride(1), float(eps), float(norm_eps),
-                   HAS_NORM=has_norm, S_PAD=s_pad, BLOCK_D=bd, **opts)
 
 
 def _check(bank, num_rows, prefix, append):
@@ -644,29 +506,3 @@ def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024,
                                stride_at=D, stride_pot=D))
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}
 
-
-def split_isa_cases(dtype: str = "fp32", block_d: int = 512) -> list[tuple]:
-    """``(name, fn, signature, constexprs, expects_matrix, options)`` of the split form's two kernels for ``kernels
-    isa``: the engine's call (``dtype`` bank and prefix, the pending add, a write layer; norm without h), K3's width
-    and 8 bank rows + the prefix (S_PAD 16), 4 warps as the shipped ``SPLIT`` configs."""
-    p = "*" + dtype
-    D = 7168
-    ints = dict(D=D, stride_br=53 * D, stride_bt=D, stride_pt=D, stride_at=D, stride_pot=D, stride_ps=D,
-                stride_ht=D, stride_hnt=D)
-    s1 = {"BANK": p, "PREFIX": p, "W": "*fp32", "ADDEND": "*fp32", "P_OUT": "*fp32", "PART": "*fp32",
-          "num_rows": "i32", "T": "i32", "D": "i32", "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32",
-          "stride_at": "i32", "stride_pot": "i32", "stride_part": "i32"}
-    c1 = dict(APPEND=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ADD=True)
-    s2 = {"BANK": p, "PSRC": "*fp32", "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": "*bf16",
-          "PART": "*fp32", "DONE": "*i32", "num_rows": "i32", "T": "i32", "D": "i32", "stride_br": "i64",
-          "stride_bt": "i32", "stride_ps": "i32", "stride_ht": "i32", "stride_hnt": "i32", "stride_part": "i32",
-          "eps": "fp32", "norm_eps": "fp32"}
-    c2 = dict(HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d)
-    out = []
-    for name, fn, sig, consts in (("attn_res_split_stats", _attn_res_split_stats_kernel, s1, c1),
-                                  ("attn_res_split_mix", _attn_res_split_mix_kernel, s2, c2)):
-        sig = dict(sig, **{k: "constexpr" for k in consts})
-        sig = specialize(sig, {k: v for k, v in ints.items() if k in sig})
-        opts = {"num_warps": 4, "num_stages": 1}
-        out.append((f"{name}_{dtype}[d{block_d}]", fn, sig, consts, False, {"cuda": opts, "hip": opts}))
-    return out
