@@ -31,8 +31,12 @@ def isa_cases() -> list[tuple]:
     # tests/kernels/test_attnres.py compiles every CUDA PIPE config for sm_90 with and without it)
     sig4, consts4, _ = isa_signature("fp32", append=True, block_d=8192, one_block=True, rows=2, add=True)
     sig6, consts6, opts6 = isa_signature("fp32", append=True, add=True)
+    # the EARLY candidate (prefix / addend loads before the bank tiles) as the decoder calls it
+    sig7, consts7, _ = isa_signature("fp32", append=True, block_d=8192, one_block=True, rows=4, add=True,
+                                     store_h=False, early=1)
     return [("attn_res_norm_append_bf16", _attn_res_kernel, sig, consts, False, opts),
             ("attn_res_norm_fp32", _attn_res_kernel, sig2, consts2, False, opts2),
             ("attn_res_norm_append_bf16_one_block", _attn_res_kernel, sig3, consts3, False, opts3),
             ("attn_res_norm_add_fp32_one_block", _attn_res_kernel, sig4, consts4, False, opts3),
-            ("attn_res_norm_add_fp32", _attn_res_kernel, sig6, consts6, False, opts6)]
+            ("attn_res_norm_add_fp32", _attn_res_kernel, sig6, consts6, False, opts6),
+            ("attn_res_norm_add_fp32_one_block_early", _attn_res_kernel, sig7, consts7, False, opts3)]

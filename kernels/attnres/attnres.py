@@ -72,6 +72,12 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, PIPE=4, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=1, ROWS=1, PIPE=6, num_warps=32, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, PIPE=3, num_warps=16, num_stages=1),
+        # EARLY: the first two entries with the prefix / addend loads issued before the bank tiles (the single-pass
+        # path; at decode sizes a token is a chain of dependent load phases, 9.4 us at 53 tokens x 8 rows on an H100
+        # for ~3.4 us of bytes): candidates the graph-replayed pick serves where faster
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, EARLY=1, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, EARLY=1, num_warps=16, num_stages=1),
+        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=8, EARLY=1, num_warps=32, num_stages=1),
         # (Not listed: a split form, two launches over (token, column block) programs with the token's last program
         # writing the norm, for decode-sized calls: slower than the first entry at every size, 1 x H100 2026-12-07,
         # e.g. 14.4 vs 9.4 us at 53 tokens x 8 bank rows graph-replayed; BENCHMARKS "AttnRes at decode sizes")
@@ -87,7 +93,7 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
     # wider rows run the blocked path (PIPE is ignored there)
     "interpreter": [dict(BLOCK_D=16, PROGS_PER_SM=0, ROWS=1), dict(BLOCK_D=64, PROGS_PER_SM=0, ROWS=1),
                     dict(BLOCK_D=32, PROGS_PER_SM=2, ROWS=1), dict(BLOCK_D=128, PROGS_PER_SM=2, ROWS=1),
-                    dict(BLOCK_D=128, PROGS_PER_SM=0, ROWS=4),
+                    dict(BLOCK_D=128, PROGS_PER_SM=0, ROWS=4), dict(BLOCK_D=128, PROGS_PER_SM=0, ROWS=4, EARLY=1),
                     # the PIPE stream: 2 / 3 programs walking the tokens, partial row tiles; one token per program
                     dict(BLOCK_D=128, PROGS_PER_SM=2, ROWS=2, PIPE=3),
                     dict(BLOCK_D=128, PROGS_PER_SM=3, ROWS=1, PIPE=4),
@@ -118,7 +124,7 @@ def _attn_res_kernel(
     eps, norm_eps,
     APPEND: tl.constexpr, HAS_NORM: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     ONE_BLOCK: tl.constexpr, ROWS: tl.constexpr, PIPE: tl.constexpr = 0, STORE_H: tl.constexpr = True,
-    ADD: tl.constexpr = False,
+    ADD: tl.constexpr = False, EARLY: tl.constexpr = 0,
 ):
     # ADD: the prefix source is PREFIX + ADDEND (one fp32 add: the decoder's pending "prefix += out"), stored into
     # P_OUT and read from there by the later passes; the bank append takes the sum
@@ -141,6 +147,11 @@ def _attn_res_kernel(
                 # their scores), then folded into an online softmax over the sources (running max / denominator,
                 # FlashAttention-style rescaling of h); the prefix is the last source
                 m = offs < D
+                if EARLY:  # the prefix (and addend) loads issued before the bank tiles': one dependent phase less
+                    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+                    if ADD:
+                        vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m,
+                                                         other=0.0).to(tl.float32)
                 w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
                 mx = tl.full([], float("-inf"), tl.float32)
                 den = tl.zeros([], tl.float32)
@@ -159,9 +170,12 @@ def _attn_res_kernel(
                     den = den * alpha + tl.sum(p, 0)
                     h = h * alpha + tl.sum(p[:, None] * v, 0)
                     mx = m_new
-                vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+                if not EARLY:
+                    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+                    if ADD:
+                        vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m,
+                                                         other=0.0).to(tl.float32)
                 if ADD:
-                    vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m, other=0.0).to(tl.float32)
                     tl.store(P_OUT + t * stride_pot + offs, vr, mask=m)
                 if APPEND:
                     tl.store(BANK + num_rows * stride_br + t * stride_bt + offs, vr.to(BANK.dtype.element_ty), mask=m)
@@ -486,17 +500,17 @@ def attn_res(sources: torch.Tensor, weight: torch.Tensor, eps: float, config: di
 
 
 def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024, one_block: bool = False,
-                  rows: int = 1, pipe: int = 0, store_h: bool = True, add: bool = False):
+                  rows: int = 1, pipe: int = 0, store_h: bool = True, add: bool = False, early: int = 0):
     """(signature, constexprs, options) of the AttnRes kernel for ``kernels isa`` (``pipe``: the ``PIPE`` stream's
     stage count, 0 = the phased path; ``store_h``: the ``STORE_H`` variant; ``add``: the ``ADD`` variant, the
-    decoder's pending prefix add in the step)."""
+    decoder's pending prefix add in the step; ``early``: the ``EARLY`` variant, prefix loads before the bank tiles)."""
     p = "*" + dtype
     sig = {"BANK": p, "PREFIX": p, "W": "*fp32", "NW": "*fp32", "H_OUT": "*fp32", "HN_OUT": p, "ADDEND": "*fp32",
            "P_OUT": "*fp32", "num_rows": "i32", "T": "i32", "D": "i32", "nprog": "i32", "n_iter": "i32",
            "stride_br": "i64", "stride_bt": "i32", "stride_pt": "i32", "stride_ht": "i32", "stride_hnt": "i32",
            "stride_at": "i32", "stride_pot": "i32", "eps": "fp32", "norm_eps": "fp32"}
     consts = dict(APPEND=append, HAS_NORM=True, S_PAD=MIN_SOURCES_PAD, BLOCK_D=block_d, ONE_BLOCK=one_block,
-                  ROWS=rows, PIPE=pipe, STORE_H=store_h, ADD=add)
+                  ROWS=rows, PIPE=pipe, STORE_H=store_h, ADD=add, EARLY=early)
     for k in consts:
         sig[k] = "constexpr"
     # K3's hidden width; every row stride is a multiple of it (bank rows T x D). The row / token / program counts
