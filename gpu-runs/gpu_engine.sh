@@ -10,6 +10,7 @@
 #   adec   gpu-runs/bench_attnres_decode.py: every AttnRes config at decode sizes as the engine calls it (graphed)
 #   p4a    p4 with each dense projection of <= 64 rows on the faster of the vendor and the skinny GEMM (a timed pick
 #          per shape: DENSE_GEMM=auto of prof_steps.py), into RESULTS_DIR/p4a
+#   k3a    k3 with the per-shape pick between the vendor and the skinny GEMM (DENSE_GEMM=auto), into RESULTS_DIR/k3a
 #   p4t    p4 with the engine's dense projections of <= 64 rows on the Triton skinny GEMM (DENSE_GEMM=triton of
 #          prof_steps.py), into RESULTS_DIR/p4t
 #   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64 (K3_LIMIT s,
@@ -101,6 +102,8 @@ for s in $STEPS; do
           bench --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4t" ;;
     p4) PROF_OUT=$R/p4_steps PROF_AFTER=1000000 PROF_N=0 step p4 "$(lim 200)" $PY "$HERE/prof_steps.py" bench \
           --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
+    k3a) DENSE_GEMM=auto PROF_OUT=$R/k3a_steps PROF_AFTER=1000000 PROF_N=0 step k3a "$(lim "${K3_LIMIT:-140}")" $PY \
+          "$HERE/prof_steps.py" bench $RANK --out "$R/k3a" ;;
     k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim "${K3_LIMIT:-140}")" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3" ;;
     prof) PROF_OUT=$R/prof PROF_AFTER=${K3_PROF_AFTER:-75} PROF_N=${K3_PROF_N:-40} step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \
@@ -134,7 +137,7 @@ for s in $STEPS; do
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,

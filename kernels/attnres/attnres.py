@@ -74,10 +74,12 @@ ATTNRES_CONFIGS: dict[str, list[dict]] = {
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, PIPE=3, num_warps=16, num_stages=1),
         # EARLY: the first two entries with the prefix / addend loads issued before the bank tiles (the single-pass
         # path; at decode sizes a token is a chain of dependent load phases, 9.4 us at 53 tokens x 8 rows on an H100
-        # for ~3.4 us of bytes): candidates the graph-replayed pick serves where faster
+        # for ~3.4 us of bytes). 1 x H100 2026-12-07 (bench_attnres_decode.py, graph-replayed, us at 53 tokens x 3 /
+        # 6 / 8 bank rows): first entry 7.0 / 9.1 / 9.3, EARLY 4-row 6.8 / 9.1 / 9.4, EARLY 2-row 7.0 / 8.3 / 9.5;
+        # slower at 256 tokens (27 vs 24 at 6 rows). The graph-replayed pick serves them where faster. (EARLY with
+        # all 8 rows in one tile at 32 warps: 14 - 15 us, not listed)
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=4, EARLY=1, num_warps=16, num_stages=1),
         dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=2, EARLY=1, num_warps=16, num_stages=1),
-        dict(BLOCK_D=8192, PROGS_PER_SM=0, ROWS=8, EARLY=1, num_warps=32, num_stages=1),
         # (Not listed: a split form, two launches over (token, column block) programs with the token's last program
         # writing the norm, for decode-sized calls: slower than the first entry at every size, 1 x H100 2026-12-07,
         # e.g. 14.4 vs 9.4 us at 53 tokens x 8 bank rows graph-replayed; BENCHMARKS "AttnRes at decode sizes")
