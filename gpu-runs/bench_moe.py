@@ -112,15 +112,11 @@ def _bf16_path(xl, ids, K, I, w13_bf, w2_bf, num_local):
     return run
 
 
-#: programs per SM of the persistent grid each goal row times beside the plain grid (configs ``persist``); none by
-#: default since 2 and 3 were slower on every row (1 x H100, 2026-12-07: kernels/moe/configs.py), ``--persist 2 3``
-PERSIST_AB: tuple = ()
-
-
 def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_bytes, w13_bf, w2_bf, ogs,
-              do_bench, dev, lay_alt=None) -> dict:
+              do_bench, dev, lay_alt=None, persist: tuple = ()) -> dict:
     """One row of the goal table (module docstring) for the experts ``ew`` (local slice) and its layout ``lay``
-    (``lay_alt``: the same tiles with the other value bits or the other element order, ``--ab``, timed beside it)."""
+    (``lay_alt``: the same tiles with the other value bits or the other element order, ``--ab``, timed beside it;
+    ``persist``: programs per SM at which the picked config is also timed on the persistent grid, ``--persist``)."""
     local = ids.flatten().long()
     local = local[local < num_local]
     used = int((torch.bincount(local, minlength=num_local) > 0).sum())
@@ -148,9 +144,9 @@ def _goal_row(label, T, xl, ids, wts, ew, lay, num_local, E, D, I, K, expert_byt
             # other bits: the same bits; the other order: equal up to the fp32 order inside the k16 products
             r["alt_rel_diff"] = ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
         r["fraction"] = r["floor_ms"] / r["ours_ms"]
-        if cfg["kind"] in DQ_KINDS:  # the same config on the persistent grid (programs per SM), and its bits
+        if cfg["kind"] in DQ_KINDS and persist:  # the same config on the persistent grid, and its bits
             base = moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cfg)
-            for p in PERSIST_AB:
+            for p in persist:
                 cp = dict(cfg, persist=p)
                 r[f"ours_persist{p}_ms"] = do_bench(lambda: moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cp))
                 got = moe_experts(xl, ids, wts, ewt, mode="a16w4", config=cp)
@@ -208,15 +204,14 @@ def main(argv: list[str] | None = None) -> None:
                          "other value bits (nibble / planar), the rest as the backend's default")
     ap.add_argument("--persist", type=int, nargs="*", default=[],
                     help="also time the picked config on the persistent grid at these programs per SM on every goal "
-                         "row (with its difference from the plain grid's output)")
+                         "row (with its difference from the plain grid's output; 2 and 3 were slower on every row on an "
+                         "H100, 2026-12-07, so none by default)")
     ap.add_argument("--out", default="gpu-runs/results", help="folder for moe_bench.json and moe_bench.md")
     ap.add_argument("--small", action="store_true",
                     help="smoke run: 16 experts, latent 64, intermediate 64, top-4 (k3-tiny sizes)")
     ap.add_argument("--device", default="cuda", help="cuda (timed with do_bench) or cpu (Triton interpreter, "
                     "TRITON_INTERPRET=1; wall-clock, for checking this script, not for figures)")
     args = ap.parse_args(argv)
-    global PERSIST_AB
-    PERSIST_AB = tuple(args.persist)
     dev = args.device
     E, D, I, H, K = (16, 64, 64, 128, 4) if args.small else (E_K3, D_K3, I_K3, H_K3, K_K3)
     expert_bytes = 3 * D * I // 2 + 3 * D * I // 32
@@ -272,11 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         r = dict(tokens=T, experts_used=used, bytes_fp4=bytes_fp4, floor_fp4_ms=floor_fp4 * 1e3,
                  floor_flops_ms=floor_flop * 1e3)
         goals.append(_goal_row(f"{T} tokens", T, xl, ids, wts, ew, lay, E, E, D, I, K, expert_bytes, w13_bf, w2_bf,
-                               ogs, do_bench, dev, lay_alt))
+                               ogs, do_bench, dev, lay_alt, tuple(args.persist)))
         print(json.dumps(goals[-1]), flush=True)
         if T in EP_TOKENS:
             goals.append(_goal_row(f"EP{ep_ranks} slice, {T} tokens", T, xl, ids, wts, ew_ep, lay_ep, nl, E, D, I, K,
-                                   expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev, lay_alt_ep))
+                                   expert_bytes, w13_bf, w2_bf, ogs, do_bench, dev, lay_alt_ep, tuple(args.persist)))
             print(json.dumps(goals[-1]), flush=True)
         if args.sweep_ep:
             ewt_ep = dict(ew_ep, kernel_layout=lay_ep)
@@ -385,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_bench.json"), "w") as f:
         json.dump(dict(meta=meta, repack=repack, goals=goals, rows=rows), f, indent=1)
-    md = _goal_markdown(meta, repack, goals) + ("\n" + _markdown(meta, rows, args.modes) if rows else "")
+    md = _goal_markdown(meta, repack, goals, tuple(args.persist)) + ("\n" + _markdown(meta, rows, args.modes) if rows else "")
     with open(os.path.join(args.out, "moe_bench.md"), "w") as f:
         f.write(md)
     print(md)
@@ -397,7 +392,7 @@ def _cell(v, nd=3) -> str:
     return f"{v:.{nd}f}" if isinstance(v, float) else ("—" if v is None else str(v))
 
 
-def _goal_markdown(meta, repack, goals) -> str:
+def _goal_markdown(meta, repack, goals, persist: tuple = ()) -> str:
     out = [f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
            f"commit {meta['commit']}", "",
            f"Repack of one layer into the kernel layout: {repack['repack_ms']:.1f} ms, {repack['layout_bytes']:,} B "
@@ -407,9 +402,9 @@ def _goal_markdown(meta, repack, goals) -> str:
            "other bits or order; rel. diff of the output) | "
            "ours ms (checkpoint layout) | "
            "ours ms (tiled, general decode) | " + " | ".join(f"persistent grid, {p} per SM, ms (rel. diff)"
-                                                          for p in PERSIST_AB) +
+                                                          for p in persist) +
            " | MXFP4 floor ms | fraction | bf16 grouped_mm ms | matmul_ogs ms |",
-           "|---|---|---|---|---|---|---|" + "---|" * len(PERSIST_AB) + "---|---|---|---|"]
+           "|---|---|---|---|---|---|---|" + "---|" * len(persist) + "---|---|---|---|"]
     for g in goals:
         nib = _cell(g.get("ours_alt_ms"))
         if "alt_rel_diff" in g:
@@ -419,7 +414,7 @@ def _goal_markdown(meta, repack, goals) -> str:
                    f" | {nib} | {_cell(g.get('ours_checkpoint_layout_ms'))} | {_cell(g.get('ours_general_decode_ms'))} | "
                    + "".join(f"{_cell(g.get(f'ours_persist{p}_ms'))}"
                              + (f" ({g[f'persist{p}_rel_diff']:.1e})" if f"persist{p}_rel_diff" in g else "") + " | "
-                             for p in PERSIST_AB) +
+                             for p in persist) +
                    f"{g['floor_ms']:.3f} ({g['floor_kind']}) | "
                    f"{_cell(g.get('fraction'), 2)} | {_cell(g.get('bf16_grouped_mm_ms'))} | {_cell(g.get('matmul_ogs'))} |")
     return "\n".join(out) + "\n"

@@ -117,6 +117,16 @@ def _score(v, w, D, eps):
     return tl.sum(v * w, 0) * tl.rsqrt(tl.sum(v * v, 0) / D + eps)
 
 
+@_interp.kjit
+def _prefix_row(PREFIX, ADDEND, t, stride_pt, stride_at, offs, m, ADD: tl.constexpr):
+    """Token ``t``'s prefix source over columns ``offs`` (mask ``m``): the prefix row in its own dtype, or with
+    ``ADD`` the prefix plus the addend in fp32."""
+    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
+    if ADD:
+        vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m, other=0.0).to(tl.float32)
+    return vr
+
+
 # compiled mode (as _interp.kjit); the per-call counts are not specialised on (== 1, % 16), so a new
 # batch size, length or bank depth never compiles while serving
 @partial(JITFunction, do_not_specialize=("num_rows", "T", "nprog", "n_iter"))
@@ -150,10 +160,7 @@ def _attn_res_kernel(
                 # FlashAttention-style rescaling of h); the prefix is the last source
                 m = offs < D
                 if EARLY:  # the prefix (and addend) loads issued before the bank tiles': one dependent phase less
-                    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
-                    if ADD:
-                        vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m,
-                                                         other=0.0).to(tl.float32)
+                    vr = _prefix_row(PREFIX, ADDEND, t, stride_pt, stride_at, offs, m, ADD)
                 w = tl.load(W + offs, mask=m, other=0.0).to(tl.float32)
                 mx = tl.full([], float("-inf"), tl.float32)
                 den = tl.zeros([], tl.float32)
@@ -173,10 +180,7 @@ def _attn_res_kernel(
                     h = h * alpha + tl.sum(p[:, None] * v, 0)
                     mx = m_new
                 if not EARLY:
-                    vr = tl.load(PREFIX + t * stride_pt + offs, mask=m, other=0.0)
-                    if ADD:
-                        vr = vr.to(tl.float32) + tl.load(ADDEND + t * stride_at + offs, mask=m,
-                                                         other=0.0).to(tl.float32)
+                    vr = _prefix_row(PREFIX, ADDEND, t, stride_pt, stride_at, offs, m, ADD)
                 if ADD:
                     tl.store(P_OUT + t * stride_pot + offs, vr, mask=m)
                 if APPEND:
@@ -521,4 +525,3 @@ def isa_signature(dtype: str = "bf16", append: bool = True, block_d: int = 1024,
     sig = specialize(sig, dict(D=D, stride_br=53 * D, stride_bt=D, stride_pt=D, stride_ht=D, stride_hnt=D,
                                stride_at=D, stride_pot=D))
     return sig, consts, {"cuda": {"num_warps": 4, "num_stages": 1}, "hip": {"num_warps": 4, "num_stages": 1}}
-
