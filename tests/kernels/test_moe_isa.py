@@ -199,3 +199,21 @@ def test_scale_prefetch_variants_compile(target):
             else:
                 assert rep.vgpr_spill == 0 and rep.sgpr_spill == 0, rep.name
                 assert rep.matrix_ops and not any(SCALED_MFMA.match(op) for op in rep.matrix_ops), rep.matrix_ops
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
+def test_persistent_grid_compiles(target):
+    # the decode kernel's persistent form (config persist: a while loop over work items around the k-loop) compiles
+    # with its matrix instructions; on sm_90 the k-loop inside it is pipelined as in the plain grid (as many
+    # cp.async copies: the outer loop does not stop the pipeliner); on AMD without spills at the portable tile
+    backend = "cuda" if target == "sm_90" else "hip"
+    base = GEMM_CONFIGS["cuda"][0] if backend == "cuda" else gemm_config(16, 64, 128, 4, 2, kind="dq")
+    tiles = LAYOUT_TILES["cuda"] if backend == "cuda" else (0, 0)
+    for gated in (True, False):
+        plain, pers = (_compile(dq_isa_case(gated, dict(base, persist=p), backend, tiles), target) for p in (0, 2))
+        assert pers.error is None, pers.error
+        assert pers.matrix_ops == plain.matrix_ops and pers.matrix_ops, pers.matrix_ops
+        if backend == "cuda":
+            assert len(re.findall(r"cp\.async\.", pers.asm)) == len(re.findall(r"cp\.async\.", plain.asm)) > 0
+        else:
+            assert pers.ok, f"{pers.name} on {target}: {pers.problems()}"
