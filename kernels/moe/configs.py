@@ -113,11 +113,16 @@ def gemm_name(cfg: Config) -> str:
 
 
 def router_config(block_t: int, block_e: int, block_k: int, num_warps: int, num_stages: int,
-                  max_rows: float = math.inf) -> Config:
+                  max_rows: float = math.inf, programs: int = 264, candidate: bool = False) -> Config:
     """One router-logits launch config: tile tokens x experts x hidden, warps, stages; used while tokens <=
-    ``max_rows``. Returns ``{"BLOCK_T", "BLOCK_E", "BLOCK_K", "num_warps", "num_stages", "max_rows"}``."""
-    return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-                max_rows=max_rows)
+    ``max_rows``. ``programs``: the grid the K splits aim at (splits = programs // tiles, 1..32, at most one
+    per BLOCK_K step). ``candidate``: benchmarks and tests only, never picked while serving.
+    Returns ``{"BLOCK_T", "BLOCK_E", "BLOCK_K", "PROGRAMS", "num_warps", "num_stages", "max_rows"[, "candidate"]}``."""
+    cfg = dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, PROGRAMS=programs, num_warps=num_warps,
+               num_stages=num_stages, max_rows=max_rows)
+    if candidate:
+        cfg["candidate"] = True
+    return cfg
 
 
 GEMM_CONFIGS: dict[str, list[Config]] = {
@@ -250,7 +255,14 @@ ROUTER_CONFIGS: dict[str, list[Config]] = {
     # and never served: 33.3 -> 18.2 us at 64 tokens, 93.9 -> 31.2 at 256); the other two stay as autotune
     # candidates only
     "cuda": [router_config(16, 128, 128, 4, 4, max_rows=16), router_config(64, 128, 64, 4, 3),
-             router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64)],
+             router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64),
+             # not yet timed (2026-12-07): more K splits in flight (the 64-token logits were 12.3 us in the K3
+             # rank's step against a ~3 us gate read), deeper pipelines, two token tiles, smaller expert tiles
+             router_config(64, 128, 64, 4, 4, candidate=True), router_config(64, 64, 64, 4, 3, candidate=True),
+             router_config(64, 128, 64, 4, 3, programs=528, candidate=True),
+             router_config(32, 128, 64, 4, 3, candidate=True), router_config(64, 64, 64, 4, 4, programs=528,
+                                                                             candidate=True),
+             router_config(64, 128, 32, 4, 4, programs=528, candidate=True)],
     # larger tiles do not fit gfx942 as the launcher specialises them (AOT, 2026-12-07): t64e128k64w4s3 spills 30
     # SGPRs, t64e64k128w8s3 64 VGPRs, t16e128k128w4s4 needs 120 KiB of LDS (64 KiB there)
     "hip": [router_config(32, 64, 64, 4, 2)],

@@ -63,7 +63,7 @@ def _router_logits(x, gate_weight, top_k, config):
     # keyed on the power of two above T (bounded set: no new compile per batch size while serving)
     cfg = config or tune.pick("moe_router", (tune.pow2(T),), tune.configs(ROUTER_CONFIGS), rows=T)
     tiles = triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(E, cfg["BLOCK_E"])
-    splits = max(1, min(16, 264 // tiles, triton.cdiv(D, cfg["BLOCK_K"])))
+    splits = max(1, min(32, cfg.get("PROGRAMS", 264) // tiles, triton.cdiv(D, cfg["BLOCK_K"])))
     k_per = triton.cdiv(triton.cdiv(D, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     splits = triton.cdiv(D, k_per)
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
