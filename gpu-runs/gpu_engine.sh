@@ -18,6 +18,7 @@
 #   prof   the K3 rank again with torch.profiler over steps 75..114 after warm-up (the last chunk steps and the
 #          widest decode steps; K3_PROF_AFTER / K3_PROF_N move and size the window): device time per kernel per
 #          step kind in prof/kernels_1.txt
+#   prof1  the same at concurrency 1 (4 prompts): the one-row decode step kernel by kernel, steps 8..27 (prof1/)
 #   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
 #   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MOE_TESTS: a
@@ -110,6 +111,8 @@ for s in $STEPS; do
           $RANK --out "$R/k3" ;;
     prof) PROF_OUT=$R/prof PROF_AFTER=${K3_PROF_AFTER:-75} PROF_N=${K3_PROF_N:-40} step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3_prof" ;;
+    prof1) PROF_OUT=$R/prof1 PROF_AFTER=${K3_PROF_AFTER:-8} PROF_N=${K3_PROF_N:-20} step prof1 "$(lim 150)" $PY \
+          "$HERE/prof_steps.py" bench $RANK --concurrency 1 --num-prompts 4 --out "$R/k3_prof1" ;;
     cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
     etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
@@ -140,7 +143,7 @@ for s in $STEPS; do
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,
