@@ -59,7 +59,8 @@
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
 # BENCH_ARGS (optional) is appended to the p4 / k3 / prof / cprof bench commands (e.g. "--max-num-batched-tokens 1024").
-# K3_PRESET (default k3) is the preset of the one-rank TP16/EP16 steps (k3, k3a, prof, cprof): k3-prefix-56 fits an
+# MDEC_ARGS: bench_moe_decode.py (step mdec: the experts at 1 - 64 tokens on one rank's slice, every decode config
+# and split-K of the served tile, graph-replayed). K3_PRESET (default k3) is the preset of the one-rank TP16/EP16 steps (k3, k3a, prof, cprof): k3-prefix-56 fits an
 # 80 GB card (~65 GB of weights), the whole k3 (~108 GB) needs a card of >= 100 GB. ROUTE_ARGS: bench_route.py (step route).
 # RESULTS_DIR/steps.tsv lists each step's exit status and seconds; the rest (reports, bench step logs, profiles)
 # ends up in RESULTS_DIR/results.tgz unless PACK=0. On a copied tree without git metadata, run it as
@@ -138,12 +139,13 @@ for s in $STEPS; do
     kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name "regex:${NCU_KERNEL:-_split_state_kernel}" \
           --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" \
           ${KNCU_ARGS:---only decode --no-fla --decode "${KNCU_ROWS:-64x96}"} --out "$R/kncu" ;;
+    mdec) step mdec "$(lim "${MDEC_LIMIT:-200}")" $PY "$HERE/bench_moe_decode.py" ${MDEC_ARGS:---ep-ranks 16} --out "$R/mdec" ;;
     route) step route "$(lim 120)" $PY "$HERE/bench_route.py" ${ROUTE_ARGS:---tokens 4 64 256} --out "$R/route" ;;
     adec) step adec "$(lim "${ADEC_LIMIT:-90}")" $PY "$HERE/bench_attnres_decode.py" ${ADEC_ARGS:-} ;;
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1 mdec)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,
