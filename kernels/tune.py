@@ -7,7 +7,8 @@ A config (:data:`Config`) is a plain dict with three kinds of keys:
   ``matrix_instr_nonkdim``, ``kpack``; on CUDA also ``maxnreg`` (registers per thread at most: more programs per SM,
   at the price of spills the ISA tests count) (all dropped under the interpreter);
 * selection keys, :data:`SELECT_KEYS`: ``max_rows`` (use this config while the shape's row count is at most
-  this; default unbounded) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the
+  this; default unbounded), ``max_pairs`` (only while the caller's work count — the MoE GEMMs: the rank's
+  expected local (token, expert) pairs — is at most this; a config carrying it is skipped when no count is given) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the
   MoE GEMMs' K splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``), and
   ``candidate`` (True: not yet run on a GPU — tested in the interpreter and compiled ahead of time like every
   entry, timed by the kernel benchmarks, but left out of :func:`configs` unless asked, so neither a tuned pick nor
@@ -52,7 +53,7 @@ __all__ = ["Config", "LAUNCH_KEYS", "SELECT_KEYS", "MODES", "configs", "split", 
 Config = dict[str, Any]
 
 LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "maxnreg")
-SELECT_KEYS = ("max_rows", "kind", "split_k", "w2", "candidate", "persist")
+SELECT_KEYS = ("max_rows", "max_pairs", "kind", "split_k", "w2", "candidate", "persist")
 
 _CACHE: dict[tuple, Config] = {}
 #: per ``(name, key)`` timed by :func:`pick`: ``[(config, ms)]`` of every candidate that ran, in table order
@@ -114,11 +115,13 @@ def current_mode() -> str:
 
 
 def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config], None] | None = None,
-         rows: float | None = None, can_time: bool = True, graphed: bool = False) -> Config:
+         rows: float | None = None, can_time: bool = True, graphed: bool = False,
+         pairs: float | None = None) -> Config:
     """Choose the config of ``candidates`` for kernel ``name`` at the shape ``key``.
 
-    1. ``rows`` given: the first candidate whose ``max_rows`` (default unbounded) is >= ``rows``, else the
-       last one, is the only candidate.
+    1. ``rows`` given: the first candidate whose ``max_rows`` (default unbounded) is >= ``rows`` — and, where it
+       has ``max_pairs``, ``pairs`` is given and at most that — else the last one, is the only candidate.
+       ``key`` must then tell apart the ``pairs`` buckets that choose differently.
     2. Tune mode ``"first"`` (:func:`mode`): the first candidate that launches on this device (not timed;
        :func:`_first_fit`).
     3. A choice already timed for ``(name, key)`` in this process is returned.
@@ -133,7 +136,8 @@ def pick(name: str, key: tuple, candidates: list[Config], run: Callable[[Config]
        fails is timed eagerly instead.
     """
     if rows is not None:
-        candidates = [next((c for c in candidates if rows <= c.get("max_rows", math.inf)), candidates[-1])]
+        fits = [c for c in candidates if "max_pairs" not in c or (pairs is not None and pairs <= c["max_pairs"])]
+        candidates = [next((c for c in fits if rows <= c.get("max_rows", math.inf)), (fits or candidates)[-1])]
     ck = (name, key)
     if _MODE[0] == "first":
         return _first_fit(ck, candidates, run if can_time else None)

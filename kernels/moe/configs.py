@@ -28,7 +28,7 @@ W2_KEYS = ("BLOCK_N", "num_warps", "num_stages", "maxnreg")
 
 def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                 max_rows: float = math.inf, kind: str = "scaled", split_k: int = 1, w2: dict | None = None,
-                persist: int = 0, **launch) -> Config:
+                persist: int = 0, max_pairs: float = math.inf, **launch) -> Config:
     """One grouped-GEMM launch config: tile M x N x K (K a multiple of 32, N of 32), warps, pipeline stages.
 
     Returns ``{"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "max_rows", "kind", **launch}``
@@ -47,6 +47,9 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
     items (``gemm.moe_gemm_dq_kernel`` ``PERSIST``): no program for an empty block, and the next item's loads in
     the same program. The same bits as 0.
     ``max_rows``: use this config while the mean pairs per active expert is <= max_rows.
+    ``max_pairs``: only while the rank expects at most this many local (token, expert) pairs (``ops.gemm_pick``:
+    all ranks' pairs times the rank's share of the experts) — decode steps of a few tokens, whose few active experts
+    leave most SMs idle without a K split.
     ``launch``: backend-only launch options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack`` on HIP).
     ``kind``: which A16W4 kernel runs — ``"scaled"`` (``moe_gemm_kernel``: ``tl.dot_scaled`` with the
     weights as ``e2m1``; native scaled MFMA on gfx950), ``"dq"`` (``moe_gemm_dq_kernel``: integer decode
@@ -78,6 +81,8 @@ def gemm_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_st
                max_rows=max_rows, kind=kind, **launch)
     if split_k > 1:
         cfg["split_k"] = split_k
+    if max_pairs != math.inf:
+        cfg["max_pairs"] = max_pairs
     if persist:
         cfg["persist"] = persist
     if w2:
@@ -146,6 +151,16 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # 4 warps: 167 (m16) / 246 (m32) registers per thread on sm_90, no spills; m64 with 4 warps spills (255
         # registers + 256 B of stack), so the 64-row tile keeps 8 warps. 41-96 rows: the m16 tile again (one
         # point, 73 rows: 5 blocks of 16 rows beat 2 of 64 by 1.9 x); above: the 64-row tile at any size.
+        # Few local pairs (decode steps of a few tokens on an EP rank): the K split multiplies the programs of the
+        # few active experts (one expert: 48 w1|w3 n-tiles on 132 SMs). 1 x H100 2026-12-07 (d73f2dd,
+        # gpu-runs/bench_moe_decode.py, graph-replayed, us; tokens: local pairs / experts, unsplit w4s4 -> the pick):
+        # EP16 1 token (2 / 2) 75.0 -> sk4 36.9 (sk2 49.4, sk8 41.3); 2 (2 / 2) 79.0 -> sk4 37.3; 4 (6 / 5) 94.1 ->
+        # sk2 59.0 (sk4 63.5); 8 (9 / 9) 102.9 -> 8 warps unsplit 78.8 (sk2 84.2); 16 (22 / 18) 153.6, w8 149.5,
+        # sk2 152.0 (unsplit from here); EP8 1 token (4 / 4) 78.6 -> sk2 54.0 (sk4 55.0). The thresholds are the
+        # expected local pairs (ops.gemm_pick: 1 / 2 / 4 / 8 at EP16 for 1 / 2 / 4 / 8 tokens, 2 / 4 / 8 / 16 at EP8)
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=4, max_pairs=2),
+        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2, max_pairs=4),
+        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp", max_pairs=8),
         gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp"),
         gemm_config(32, 128, 128, 4, 4, max_rows=40, kind="dqp"),
         gemm_config(16, 128, 128, 4, 4, max_rows=96, kind="dqp"),
@@ -156,7 +171,6 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # 4.350 vs 4.673 ms for `dq` at 64 tokens), the plain-load `dq` tiles, the 64- and 128-row `dq` tiles
         # served before (8192 tokens = 146 rows per expert: 64-row tiles waste 24% of the MMA rows on the last
         # block of a group, 128-row tiles 43%)
-        gemm_config(16, 128, 128, 8, 4, max_rows=16, kind="dqp"),
         gemm_config(32, 128, 128, 8, 4, max_rows=40, kind="dqp"),
         gemm_config(64, 128, 128, 8, 3, max_rows=192, kind="dq"),
         gemm_config(128, 128, 64, 8, 3, kind="dq"),
@@ -175,9 +189,6 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
         # leave wgmma for mma.sync on sm_90)
         gemm_config(16, 128, 128, 4, 3, max_rows=16, kind="dqp"),
         gemm_config(16, 128, 128, 4, 5, max_rows=16, kind="dqp"),
-        # split-K 2 on the 4-warp tile: for ranks with few local experts (the K3 rank of TP16/EP16 holds 56: 1,344
-        # w1|w3 programs, 3.4 waves of 3 programs per SM; bench_moe --ep-ranks 16 --sweep-ep times it there)
-        gemm_config(16, 128, 128, 4, 4, max_rows=16, kind="dqp", split_k=2),
         # Not listed: the served tile on the persistent grid (persist=2 / 3 programs per SM; no program for the empty
         # slots of the block table, 960 for ~600 live blocks at 64 tokens), the same bits, slower everywhere
         # (1 x H100 2026-12-07, 3adc52c, bench_moe --tokens 64 512 --ep-ranks 16, ms, plain / 2 / 3 per SM): 64 tokens

@@ -406,12 +406,15 @@ def gemm_pick(pairs: int, num_local: int, config: tune.Config | None = None,
     local expert, keyed on its power of two (never a raw length: no specialisation per batch). Under expert
     parallelism a rank expects ``pairs * num_local / num_experts`` of the pairs (uniform routing), so a rank of
     EP16 at 256 tokens (4096 pairs, 256 local over 56 experts: ~5 rows each) takes the narrow-M tile, not the
-    64-row one the all-local estimate (73 rows) would. The fused routing groups its pairs for this config's
-    ``BLOCK_M``."""
+    64-row one the all-local estimate (73 rows) would. Configs with ``max_pairs`` (a K split, more warps) serve
+    while that expected local pair count is at most theirs: a decode step of a few tokens keeps few experts busy.
+    The fused routing groups its pairs for this config's ``BLOCK_M``."""
     if num_experts and num_experts > num_local:
         pairs = math.ceil(pairs * num_local / num_experts)
     rows = pairs / max(1, min(num_local, pairs))  # mean pairs per active expert
-    return config or tune.pick("moe_gemm", (tune.pow2(math.ceil(rows)),), tune.configs(GEMM_CONFIGS), rows=rows)
+    # keyed on powers of two of both (bounded: the few-pairs configs stop at a handful of pairs)
+    key = (tune.pow2(math.ceil(rows)), min(tune.pow2(max(1, pairs)), 64))
+    return config or tune.pick("moe_gemm", key, tune.configs(GEMM_CONFIGS), rows=rows, pairs=pairs)
 
 
 def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin, config: tune.Config | None,

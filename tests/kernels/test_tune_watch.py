@@ -176,3 +176,33 @@ def test_candidates_are_left_out_unless_asked():
     assert tune.configs(table, "cuda", candidates=True) == table["cuda"]
     meta, opts = tune.split({"BV": 32, "candidate": True, "num_warps": 4}, interp=False)
     assert meta == {"BV": 32} and opts == {"num_warps": 4}
+
+
+def test_pick_max_pairs_serves_only_counts_it_covers():
+    """A config carrying ``max_pairs`` is chosen only for a given pair count at most its own; without a count it
+    is never chosen (callers that know nothing of pairs keep the plain rows rule)."""
+    cands = [{"B": 1, "max_pairs": 2, "max_rows": 16}, {"B": 2, "max_pairs": 8, "max_rows": 16},
+             {"B": 3, "max_rows": 16}, {"B": 4}]
+    with tune.mode("first"):
+        assert tune.pick("pairs_test", ("a",), cands, rows=1, pairs=1) == cands[0]
+        assert tune.pick("pairs_test", ("b",), cands, rows=1, pairs=3) == cands[1]
+        assert tune.pick("pairs_test", ("c",), cands, rows=1, pairs=9) == cands[2]
+        assert tune.pick("pairs_test", ("d",), cands, rows=1) == cands[2]
+        assert tune.pick("pairs_test", ("e",), cands, rows=40, pairs=1) == cands[3]
+
+
+@pytest.mark.parametrize("tokens,expect", [(1, dict(split_k=4, num_warps=4)), (2, dict(split_k=4, num_warps=4)),
+                                           (4, dict(split_k=2, num_warps=4)), (8, dict(split_k=1, num_warps=8)),
+                                           (16, dict(split_k=1, num_warps=4)), (64, dict(split_k=1, num_warps=4))])
+def test_cuda_moe_table_splits_k_for_a_few_local_pairs(tokens, expect):
+    """The CUDA expert-GEMM table as ``ops.gemm_pick`` reads it for the K3 rank of EP16 (56 of 896 experts,
+    top-16): one to two tokens split K in 4, four in 2, eight take 8 warps unsplit, more the served 4-warp m16 tile
+    (the order bench_moe_decode.py measured on an H100); the same m16 tile everywhere, so the routing's grouping
+    (BLOCK_M) does not change with the split."""
+    from k3rocm.kernels.moe.configs import GEMM_CONFIGS
+
+    pairs = math.ceil(tokens * 16 * 56 / 896)
+    rows = pairs / max(1, min(56, pairs))
+    cfg = tune.pick("moe_gemm_table_test", (tokens,), tune.configs(GEMM_CONFIGS, "cuda"), rows=rows, pairs=pairs)
+    assert (cfg.get("split_k", 1), cfg["num_warps"], cfg["BLOCK_M"], cfg["kind"]) == (
+        expect["split_k"], expect["num_warps"], 16, "dqp")
