@@ -669,6 +669,26 @@ def _takes(fn: Callable, name: str) -> bool:
         return False
 
 
+#: route on a second stream of the device while the main stream runs the MoE block's projections that do not
+#: need the routing (the latent down projection, the shared experts): ``[on]``. The router is a latency-bound
+#: chain (two launches of ~12 us each at any batch size on an H100, 2026-12-07) beside bandwidth-bound GEMMs; the
+#: same kernels run either way, so the results are bit-identical. Only on CUDA / HIP devices; captured graphs
+#: record the fork and join. Set to ``[False]`` for an A/B (``gpu-runs/prof_steps.py``: ``ROUTER_OVERLAP=0``).
+ROUTER_OVERLAP: list = [True]
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(x: torch.Tensor):
+    """The routing stream of ``x``'s device (made once, outside any capture: the first call is an eager warm-up
+    step), or None on the CPU / with :data:`ROUTER_OVERLAP` off."""
+    if not (ROUTER_OVERLAP[0] and x.is_cuda):
+        return None
+    s = _SIDE_STREAMS.get(x.device)
+    if s is None:
+        s = _SIDE_STREAMS[x.device] = torch.cuda.Stream(device=x.device)
+    return s
+
+
 def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Mapping[str, Callable],
               mode: str = "a16w4", reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> torch.Tensor:
     """MoE channel mixer: Stable LatentMoE (K3) or plain MoE (kimi_linear). x ``[T, hidden]`` -> ``[T, hidden]`` fp32.
@@ -686,17 +706,34 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     Fused routing: when the ``moe_router`` implementation takes ``experts`` and the ``moe_experts`` one takes
     ``dispatch`` (the Triton pair), the router also groups the pairs by this rank's experts on the device and
     the experts reuse that grouping (same tensors as grouping them inside ``moe_experts``, so the same result).
+
+    On a GPU the routing runs on a second stream beside the down projection and the shared experts
+    (:data:`ROUTER_OVERLAP`; bit-identical results).
     """
     p = f"layers.{layer}.block_sparse_moe."
     experts = w.experts(layer)
     route = (x, w(p + "gate.weight"), w(p + "gate.e_score_correction_bias"), cfg.num_experts_per_token,
              cfg.moe_renormalize, cfg.routed_scaling_factor)
-    if _takes(ops["moe_router"], "experts") and _takes(ops["moe_experts"], "dispatch"):
-        ids, wts, dispatch = ops["moe_router"](*route, experts=experts)
-        given = {"dispatch": dispatch}
+
+    def routing() -> tuple:
+        if _takes(ops["moe_router"], "experts") and _takes(ops["moe_experts"], "dispatch"):
+            ids, wts, dispatch = ops["moe_router"](*route, experts=experts)
+            return ids, wts, {"dispatch": dispatch}
+        return (*ops["moe_router"](*route), {})
+
+    # Overlap (ROUTER_OVERLAP): the routing on the side stream, forked after everything queued so far (x is
+    # written) and joined before the experts read its outputs. No record_stream is needed: the routing's
+    # outputs, allocated on the side stream, go back to its pool when this block returns, and the side stream
+    # allocates again only after the next fork, which orders it after the main stream's reads of them; x and
+    # the weights are the main stream's, freed only after the join.
+    side = _side_stream(x)
+    if side is not None:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ids, wts, given = routing()
     else:
-        ids, wts = ops["moe_router"](*route)
-        given = {}
+        ids, wts, given = routing()
     latent = cfg.routed_expert_hidden_size is not None
     mode = mode if cfg.experts_quantized else "a16w4"
     # x feeds the latent down projection and the shared experts' gate|up: rounded to the matmul dtype once for
@@ -713,9 +750,14 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     else:
         xin = x
     act = "situ" if cfg.hidden_act == "situ" else "silu"
+    shared = None
+    if side is not None:  # the shared experts while the routing runs, then the join
+        shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
+        main.wait_stream(side)
     y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode,
                                beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta, **given))
-    shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
+    if side is None:
+        shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
     if reduce is not None:
         if shared is not None:
             width = y.shape[1]

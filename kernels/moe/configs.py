@@ -265,10 +265,13 @@ ROUTER_CONFIGS: dict[str, list[Config]] = {
     # So <= 16 tokens a 16-row tile, above that the 64 x 128 tile with 64-wide k-steps (it was last in the table
     # and never served: 33.3 -> 18.2 us at 64 tokens, 93.9 -> 31.2 at 256); the other two stay as autotune
     # candidates only
-    "cuda": [router_config(16, 128, 128, 4, 4, max_rows=16), router_config(64, 128, 64, 4, 3),
-             router_config(16, 64, 128, 4, 3, max_rows=16), router_config(64, 64, 128, 8, 3, max_rows=64),
-             # not yet timed (2026-12-07): more K splits in flight (the 64-token logits were 12.3 us in the K3
-             # rank's step against a ~3 us gate read), deeper pipelines, two token tiles, smaller expert tiles
+    # H100 2026-12-07 (1b5b269, the same sweep, logits + top-k graph-replayed, us at 4 / 64 / 256 tokens):
+    # t16e64k128w4s3 15.9 / — / —, t16e128k128w4s4 18.2 / 30.8 / 90.8, t64e128k64w4s3 17.0 / 17.6 / 30.3; so the
+    # 64-expert tile leads at <= 16 tokens (equal on the H200). None of the six candidates below beat the served
+    # ones (64 tokens 17.6 - 22.5, 256 tokens 30.6 - 59.1): the two launches are latency-bound, not tile-bound
+    "cuda": [router_config(16, 64, 128, 4, 3, max_rows=16), router_config(16, 128, 128, 4, 4, max_rows=16),
+             router_config(64, 128, 64, 4, 3), router_config(64, 64, 128, 8, 3, max_rows=64),
+             # timed slower (above): more K splits in flight, deeper pipelines, two token tiles, smaller expert tiles
              router_config(64, 128, 64, 4, 4, candidate=True), router_config(64, 64, 64, 4, 3, candidate=True),
              router_config(64, 128, 64, 4, 3, programs=528, candidate=True),
              router_config(32, 128, 64, 4, 3, candidate=True), router_config(64, 64, 64, 4, 4, programs=528,

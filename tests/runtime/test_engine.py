@@ -366,6 +366,35 @@ def test_bucket_padded_mixed_steps_give_the_oracle_tokens(tiny, prompts_and_ref)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_engine_gpu_router_overlap_is_bit_identical(tiny, graphs, monkeypatch):
+    """On a GPU the MoE routing runs on a second stream beside the down projection and the shared experts
+    (``layer.ROUTER_OVERLAP``): the same kernels, so the greedy tokens equal those of the one-stream run, eager
+    and through captured graphs (fork and join inside the capture), at batch 1 and 8 with mixed prompt lengths,
+    and the side stream was used."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
+    from k3rocm.model import layer as L
+
+    cfg = tiny[0]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 30, 4, 17, 12, 25, 6, 40)]
+    kw = dict(device="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16, block_size=16, max_model_len=256,
+              max_num_batched_tokens=64, cuda_graphs=graphs)
+    for b in (1, 8):
+        out = {}
+        for overlap in (False, True):
+            monkeypatch.setattr(L, "ROUTER_OVERLAP", [overlap])
+            L._SIDE_STREAMS.clear()
+            e = _engine(tiny, max_batch=b, **kw)
+            out[overlap] = e.generate(prompts[:b], 6)
+            assert bool(L._SIDE_STREAMS) == overlap
+            if graphs:
+                assert e.describe()["cuda_graphs"] == "on", e.graph_error
+        assert out[True] == out[False], f"batch {b}, graphs {graphs}: {out[True]} != {out[False]}"
+
+
+@pytest.mark.gpu
 def test_engine_gpu_mixed_graphs_equal_padded_eager(tiny):
     """On a GPU, auto-selected kernels, bf16: steps carrying prefill chunks replay the piecewise graphs of their
     token bucket and give exactly the greedy tokens of the same steps run eager on the same padded shapes
