@@ -24,7 +24,8 @@ profiled window; use a separate run for them.
 through the Triton skinny GEMM (``k3rocm.kernels.dense``; ``k3rocm.model.common.DENSE_GEMM``) instead of the vendor
 GEMM, to time the engine with it before anything serves it. Its config is the tune mode's pick (serving's default
 mode: the first entry whose row band fits). The switch holds for the whole process.
-``ROUTER_OVERLAP=0``: the MoE routing on the main stream instead of beside the shared experts (A/B).
+``ROUTER_OVERLAP=0``: the MoE routing on the main stream instead of beside the shared experts (A/B);
+``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
 """
 import os, sys, time, json, functools, collections
 import torch
@@ -35,6 +36,11 @@ if os.environ.get("ROUTER_OVERLAP", "1") == "0":  # the MoE routing on the main 
 
     _layer.ROUTER_OVERLAP[:] = [False]
     print("prof_steps: MoE routing on the main stream (ROUTER_OVERLAP=0)", flush=True)
+if os.environ.get("SHARED_ON_SIDE", "1") == "0":  # the shared experts on the main stream, before the join
+    from k3rocm.model import layer as _layer
+
+    _layer.SHARED_ON_SIDE[:] = [False]
+    print("prof_steps: shared experts on the main stream (SHARED_ON_SIDE=0)", flush=True)
 if os.environ.get("DENSE_GEMM", "vendor") == "triton":
     from k3rocm.kernels.dense import skinny_gemm
     from k3rocm.model import common as _common

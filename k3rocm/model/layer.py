@@ -675,6 +675,10 @@ def _takes(fn: Callable, name: str) -> bool:
 #: same kernels run either way, so the results are bit-identical. Only on CUDA / HIP devices; captured graphs
 #: record the fork and join. Set to ``[False]`` for an A/B (``gpu-runs/prof_steps.py``: ``ROUTER_OVERLAP=0``).
 ROUTER_OVERLAP: list = [True]
+#: with :data:`ROUTER_OVERLAP`: the shared experts run on the side stream after the routing (the main stream runs the
+#: down projection, waits for the routing only, runs the routed experts, then joins) ``[True]``, or on the main stream
+#: before the join ``[False]`` (A/B: ``gpu-runs/prof_steps.py`` ``SHARED_ON_SIDE=0``). Bit-identical either way.
+SHARED_ON_SIDE: list = [True]
 _SIDE_STREAMS: dict = {}
 
 
@@ -707,8 +711,8 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     ``dispatch`` (the Triton pair), the router also groups the pairs by this rank's experts on the device and
     the experts reuse that grouping (same tensors as grouping them inside ``moe_experts``, so the same result).
 
-    On a GPU the routing runs on a second stream beside the down projection and the shared experts
-    (:data:`ROUTER_OVERLAP`; bit-identical results).
+    On a GPU the routing, then the shared experts, run on a second stream beside the down projection and the
+    routed experts (:data:`ROUTER_OVERLAP`, :data:`SHARED_ON_SIDE`; bit-identical results).
     """
     p = f"layers.{layer}.block_sparse_moe."
     experts = w.experts(layer)
@@ -721,19 +725,12 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
             return ids, wts, {"dispatch": dispatch}
         return (*ops["moe_router"](*route), {})
 
-    # Overlap (ROUTER_OVERLAP): the routing on the side stream, forked after everything queued so far (x is
-    # written) and joined before the experts read its outputs. No record_stream is needed: the routing's
-    # outputs, allocated on the side stream, go back to its pool when this block returns, and the side stream
-    # allocates again only after the next fork, which orders it after the main stream's reads of them; x and
-    # the weights are the main stream's, freed only after the join.
-    side = _side_stream(x)
-    if side is not None:
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            ids, wts, given = routing()
-    else:
-        ids, wts, given = routing()
+    # Overlap (ROUTER_OVERLAP): the routing (then, SHARED_ON_SIDE, the shared experts) on the side stream, forked
+    # after everything queued so far (x and its bf16 copy xl are written); the main stream waits for the routing
+    # before the experts read it, and for the whole side stream before the shared output is read. No
+    # record_stream is needed: what the side stream allocates goes back to its pool when this block returns, and
+    # it allocates again only after the next fork, which orders it after the main stream's reads; x, xl and the
+    # weights are the main stream's, freed only after the join.
     latent = cfg.routed_expert_hidden_size is not None
     mode = mode if cfg.experts_quantized else "a16w4"
     # x feeds the latent down projection and the shared experts' gate|up: rounded to the matmul dtype once for
@@ -741,7 +738,24 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     sh = p + "shared_experts."
     readers = ([w(p + "routed_expert_down_proj.weight")] if latent else []) + (
         [w(sh + "gate_proj.weight"), w(sh + "up_proj.weight")] if cfg.num_shared_experts else [])
-    xl = matmul_input(x, *readers) if readers else x
+    side = _side_stream(x)
+    shared = None
+    routed = None
+    if side is not None:
+        main = torch.cuda.current_stream(x.device)
+        xl = matmul_input(x, *readers) if readers else x  # before the fork: the side stream may read it
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ids, wts, given = routing()
+            if SHARED_ON_SIDE[0] and cfg.num_shared_experts:
+                # the shared experts after the routing on the side stream; the main stream waits for the routing
+                # only (this event), then for the side stream as a whole before the shared output is read
+                routed = torch.cuda.Event()
+                routed.record(side)
+                shared = dense_mlp(xl, w, sh, cfg, ops)
+    else:
+        ids, wts, given = routing()
+        xl = matmul_input(x, *readers) if readers else x
     if latent:
         # A16W4 experts take bf16 activations: the down projection writes them so (one rounding, as the op's own
         # cast of an fp32 input would make); A8W4 quantises the fp32 product itself
@@ -750,14 +764,18 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     else:
         xin = x
     act = "situ" if cfg.hidden_act == "situ" else "silu"
-    shared = None
-    if side is not None:  # the shared experts while the routing runs, then the join
-        shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
-        main.wait_stream(side)
+    if side is not None:
+        if routed is not None:
+            main.wait_event(routed)
+        else:  # the shared experts on the main stream while the routing runs, then the join
+            shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
+            main.wait_stream(side)
     y = f32(ops["moe_experts"](xin, ids, wts, experts, act=act, mode=mode,
                                beta=cfg.activation_situ_beta, beta_lin=cfg.activation_situ_linear_beta, **given))
     if side is None:
         shared = dense_mlp(xl, w, sh, cfg, ops) if cfg.num_shared_experts else None
+    elif routed is not None:
+        main.wait_stream(side)  # the shared experts' output (and everything the side stream read) is done
     if reduce is not None:
         if shared is not None:
             width = y.shape[1]

@@ -369,9 +369,10 @@ def test_bucket_padded_mixed_steps_give_the_oracle_tokens(tiny, prompts_and_ref)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_engine_gpu_router_overlap_is_bit_identical(tiny, graphs, monkeypatch):
     """On a GPU the MoE routing runs on a second stream beside the down projection and the shared experts
-    (``layer.ROUTER_OVERLAP``): the same kernels, so the greedy tokens equal those of the one-stream run, eager
-    and through captured graphs (fork and join inside the capture), at batch 1 and 8 with mixed prompt lengths,
-    and the side stream was used."""
+    (``layer.ROUTER_OVERLAP``), the shared experts after it on that stream or on the main one
+    (``layer.SHARED_ON_SIDE``): the same kernels, so the greedy tokens equal those of the one-stream run, eager and
+    through captured graphs (fork, event wait and join inside the capture), at batch 1 and 8 with mixed prompt
+    lengths, and the side stream was used."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA or ROCm GPU")
     from k3rocm.model import layer as L
@@ -383,15 +384,16 @@ def test_engine_gpu_router_overlap_is_bit_identical(tiny, graphs, monkeypatch):
               max_num_batched_tokens=64, cuda_graphs=graphs)
     for b in (1, 8):
         out = {}
-        for overlap in (False, True):
+        for overlap, shared_side in ((False, False), (True, False), (True, True)):
             monkeypatch.setattr(L, "ROUTER_OVERLAP", [overlap])
+            monkeypatch.setattr(L, "SHARED_ON_SIDE", [shared_side])
             L._SIDE_STREAMS.clear()
             e = _engine(tiny, max_batch=b, **kw)
-            out[overlap] = e.generate(prompts[:b], 6)
+            out[overlap, shared_side] = e.generate(prompts[:b], 6)
             assert bool(L._SIDE_STREAMS) == overlap
             if graphs:
                 assert e.describe()["cuda_graphs"] == "on", e.graph_error
-        assert out[True] == out[False], f"batch {b}, graphs {graphs}: {out[True]} != {out[False]}"
+        assert out[True, False] == out[False, False] == out[True, True], f"batch {b}, graphs {graphs}: {out}"
 
 
 @pytest.mark.gpu
