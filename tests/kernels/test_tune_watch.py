@@ -193,12 +193,14 @@ def test_pick_max_pairs_serves_only_counts_it_covers():
 
 @pytest.mark.parametrize("tokens,expect", [(1, dict(split_k=4, num_warps=4)), (2, dict(split_k=4, num_warps=4)),
                                            (4, dict(split_k=2, num_warps=4)), (8, dict(split_k=1, num_warps=8)),
-                                           (16, dict(split_k=1, num_warps=4)), (64, dict(split_k=1, num_warps=4))])
+                                           (16, dict(split_k=1, num_warps=4, num_stages=3)),
+                                           (64, dict(split_k=1, num_warps=4, num_stages=3)),
+                                           (256, dict(split_k=1, num_warps=4, num_stages=4))])
 def test_cuda_moe_table_splits_k_for_a_few_local_pairs(tokens, expect):
     """The CUDA expert-GEMM table as ``ops.gemm_pick`` reads it for the K3 rank of EP16 (56 of 896 experts,
-    top-16): one to two tokens split K in 4, four in 2, eight take 8 warps unsplit, more the served 4-warp m16 tile
-    (the order bench_moe_decode.py measured on an H100); the same m16 tile everywhere, so the routing's grouping
-    (BLOCK_M) does not change with the split."""
+    top-16): one to two tokens split K in 4, four in 2, eight take 8 warps unsplit, up to 128 local pairs the 4-warp
+    m16 tile with 3 stages, more the served 4-stage one (the order bench_moe_decode.py measured on an H100); the
+    same m16 tile everywhere, so the routing's grouping (BLOCK_M) does not change with the split."""
     from k3rocm.kernels.moe.configs import GEMM_CONFIGS
 
     pairs = math.ceil(tokens * 16 * 56 / 896)
@@ -206,3 +208,5 @@ def test_cuda_moe_table_splits_k_for_a_few_local_pairs(tokens, expect):
     cfg = tune.pick("moe_gemm_table_test", (tokens,), tune.configs(GEMM_CONFIGS, "cuda"), rows=rows, pairs=pairs)
     assert (cfg.get("split_k", 1), cfg["num_warps"], cfg["BLOCK_M"], cfg["kind"]) == (
         expect["split_k"], expect["num_warps"], 16, "dqp")
+    if "num_stages" in expect:
+        assert cfg["num_stages"] == expect["num_stages"]
