@@ -270,3 +270,20 @@ def test_gemm_pick_counts_the_ranks_share_of_pairs(tk):
     assert tk.ops.gemm_pick(256, 16) == covering(16) != covering(4)
     assert tk.ops.gemm_pick(256, 16, num_experts=64) == covering(4)
     assert tk.ops.gemm_pick(256, 16, num_experts=16) == tk.ops.gemm_pick(256, 16)
+
+
+def test_bench_moe_decode_script_runs(tk, tmp_path):
+    # the few-pair expert benchmark at k3-tiny sizes on a rank's slice: every decode config it runs matches the
+    # served config's output, and the table and JSON are written
+    import json
+
+    bench = script_module("bench_moe_decode")
+    assert bench.main(["--small", "--device", tk.dev, "--tokens", "3", "9", "--ep-ranks", "4",
+                       "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "moe_decode.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [3, 9]
+    for r in rows:
+        rels = {k: v for k, v in r.items() if k.endswith("_rel")}
+        assert rels and not [k for k in r if k.endswith("_error")], r
+        assert max(rels.values()) < 1e-3, rels
+    assert "| 9 |" in (tmp_path / "moe_decode.md").read_text()
