@@ -10,7 +10,8 @@ blocks of the ``BLOCK_M`` the expert GEMM picks at that size). Paths:
   runs (``moe_router(..., experts=)``, the GEMM's ``BLOCK_M`` from ``ops.gemm_pick``).
 
 ``router graphed`` is ``moe_router`` alone (logits + top-k, no grouping) replayed from a graph: ``new graphed``
-minus it is what the grouping costs.
+minus it is what the grouping costs. The JSON also has each router config forced (``cfg_*``) and the fused path
+with its top-k + grouping launch at 1 / 2 / 4 / 8 warps (``warps*``: graph-replayed time, same tensors or not).
 
 Each is timed eagerly (``triton.testing.do_bench``, median after warm-up) and replayed from a CUDA graph
 (``do_bench_cudagraph``: what the serving engine runs). ``same`` says the new path's ids, weights and every
@@ -98,6 +99,16 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
                     lambda c=cfg: moe_router(x, gate, bias, K, scaling=SCALING, config=c), rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a config that fails is a result to report
                 r[f"cfg_{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+    if graphs and dev == "cuda":  # the fused top-k + grouping launch at 1 / 2 / 4 / 8 warps: same tensors, timed
+        for wp in (1, 2, 4, 8):
+            try:
+                got = moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp)
+                r[f"warps{wp}_same"] = torch.equal(got[0], b[0]) and torch.equal(got[1], b[1]) and all(
+                    torch.equal(getattr(got[2], f), getattr(b[2], f)) for f in FIELDS)
+                r[f"warps{wp}_graph_us"] = tt.do_bench_cudagraph(
+                    lambda wp=wp: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp), rep=100) * 1e3
+            except Exception as e:  # noqa: BLE001 - a warp count that fails is a result to report
+                r[f"warps{wp}_error"] = f"{type(e).__name__}: {e}"[:200]
     best_new = min(r["new_us"], r.get("new_graph_us", float("inf")))
     r["speedup"] = r["old_us"] / r["new_us"]
     if T == 64:

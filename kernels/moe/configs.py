@@ -292,3 +292,9 @@ ROUTER_CONFIGS: dict[str, list[Config]] = {
 #: as the launcher specialises it (``kernels.isa.specialize``) 4, 8 and 16 rows are spill-free on gfx950 and
 #: gfx942 (16 rows take all 64 KiB of gfx942's LDS). Not measured on AMD, so 4 stays
 ROUTER_BUCKET_TOKENS: dict[str, int] = {"cuda": 16, "hip": 4, "interpreter": 32}
+
+#: warps of the fused top-k + grouping launch (``router.router_topk_kernel`` with ``DISPATCH``): each of its 16
+#: picks is one max over the 1024 expert lanes, a cross-warp reduction at 8 warps; fewer warps trade those barriers
+#: for more lanes per thread. 8 is what has been measured (the kernel took ~12 us at 1 and at 64 tokens on an H100,
+#: 2026-12-07); ``gpu-runs/bench_route.py`` times 1 / 2 / 4 / 8 (``moe_route(topk_warps=)``) for the next pick
+ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}

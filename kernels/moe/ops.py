@@ -25,7 +25,8 @@ import triton
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
-                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, SCALE_PF_KINDS, SWAP_KINDS, stage_config)
+                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_TOPK_WARPS, SCALE_PF_KINDS,
+                                        SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
@@ -100,7 +101,8 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
               first_expert: int, num_local: int, block_m: int, renormalize: bool = True, scaling: float = 1.0,
-              config=None, bucket_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
+              config=None, bucket_tokens: int | None = None,
+              topk_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
     """Fused routing: :func:`moe_router` and :func:`dispatch_gpu` of its ids in two launches, no host sync.
 
     x ``[T, D]``, gate_weight ``[E, D]``, bias ``[E]`` fp32 or None; the pairs of local experts
@@ -109,15 +111,18 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     what ``moe_router`` then ``dispatch_gpu(ids, first_expert, num_local, block_m)`` return (K3_FACTS §5 step 1;
     grouping stable in the pair index, so deterministic). ``bucket_tokens``: tokens per group of the
     two-level grouping (default ``configs.ROUTER_BUCKET_TOKENS`` of the backend, capped at 16384 lanes / the
-    expert count; a power of two; tests set small groups to cover many). Raises ConfigError on bad shapes /
-    top_k / experts / bucket_tokens.
+    expert count; a power of two; tests set small groups to cover many). ``topk_warps``: warps of the top-k +
+    grouping launch (default ``configs.ROUTER_TOPK_WARPS`` of the backend; benchmarks sweep it; the same
+    results at any count). Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps.
     """
+    if topk_warps is not None and (topk_warps < 1 or topk_warps > 16 or topk_warps & (topk_warps - 1)):
+        raise ConfigError(f"moe_route: topk_warps {topk_warps} must be a power of two in 1..16")
     if not (0 < num_local and 0 <= first_expert and first_expert + num_local <= gate_weight.shape[0]):
         raise ConfigError(f"moe_route: local experts {first_expert}+{num_local} outside 0..{gate_weight.shape[0]}")
     if bucket_tokens is not None and (bucket_tokens < 1 or bucket_tokens & (bucket_tokens - 1)):
         raise ConfigError(f"moe_route: bucket_tokens {bucket_tokens} must be a power of two")
     return _route(x, gate_weight, bias, top_k, renormalize, scaling, config,
-                  (first_expert, num_local, block_m, bucket_tokens))
+                  (first_expert, num_local, block_m, bucket_tokens, topk_warps))
 
 
 # scratch counters per device for the handshakes of the fused dispatch ([0]: groups done, [1 + g]: tokens of
@@ -152,7 +157,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                                  ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
         return ids, wts, None
-    first, num_local, block_m, bucket_tokens = group
+    first, num_local, block_m, bucket_tokens, topk_warps = group
     P = T * top_k
     ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
     d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
@@ -170,7 +175,8 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                              member, rowpos, gcount, _counters(dev, groups), T, int(first), num_local, d.sorted_pair,
                              d.pos, d.counts, d.offsets, d.block_expert, d.block_start, ub, **meta, DISPATCH=True,
                              BLOCK_M=block_m, BLOCK_T=bt, BLOCK_L=block_l, BLOCK_UB=triton.next_power_of_2(ub),
-                             BLOCK_PT=pair_tokens(bt), num_warps=8)
+                             BLOCK_PT=pair_tokens(bt),
+                             num_warps=topk_warps or ROUTER_TOPK_WARPS[current_target().backend])
     return ids, wts, d
 
 

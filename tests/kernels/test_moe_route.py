@@ -287,3 +287,22 @@ def test_bench_moe_decode_script_runs(tk, tmp_path):
         assert rels and not [k for k in r if k.endswith("_error")], r
         assert max(rels.values()) < 1e-3, rels
     assert "| 9 |" in (tmp_path / "moe_decode.md").read_text()
+
+
+@pytest.mark.parametrize("warps", [1, 2, 8])
+def test_route_any_topk_warps_same_tensors(tk, warps):
+    # the fused top-k + grouping launch at another warp count gives the same ids, weights and grouping
+    T, E, D, k = 37, 64, 128, 4
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(warps)).to(tk.dev)
+    gate = torch.randn(E, D, generator=torch.Generator().manual_seed(1)).to(tk.dev) * D ** -0.5
+    bias = torch.rand(E, generator=torch.Generator().manual_seed(2)).to(tk.dev) * 0.01
+    ref = tk.ops.moe_route(x, gate, bias, k, 8, 32, 16, bucket_tokens=4)
+    got = tk.ops.moe_route(x, gate, bias, k, 8, 32, 16, bucket_tokens=4, topk_warps=warps)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    _same_dispatch(ref[2], got[2])
+
+
+def test_route_rejects_bad_topk_warps(tk):
+    x = torch.randn(3, 16).to(tk.dev)
+    with pytest.raises(tk.ops.ConfigError, match="topk_warps 3"):
+        tk.ops.moe_route(x, torch.randn(8, 16).to(tk.dev), None, 2, 0, 8, 16, topk_warps=3)
