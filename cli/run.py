@@ -141,12 +141,14 @@ Examples:
                --checkpoint /models/Kimi-K3
   k3rocm bench --concurrency 4 --num-prompts 20 --warmups 2 --out reports/demo
   k3rocm bench --synthetic --preset k3-prefix-4 --concurrency 64 --input-len 256 --output-len 64 \\
-               --max-num-batched-tokens 1024   # larger steps: more tok/s and shorter TTFT, a longer ITL tail
+               --max-num-batched-tokens 1024   # on a GPU of >= 80 GB (58 GB of random weights); larger
+                                               # steps: more tok/s and shorter TTFT, a longer ITL tail
   k3rocm bench --endpoint http://localhost:8000 --model moonshotai/Kimi-K3 --endpoint-gpus 8 \\
                --concurrency 64 --input-len 1024 --output-len 1024   # hold a vLLM/SGLang deployment to the same load
   k3rocm bench --synthetic --preset k3 --profile mi355x-8 --tp 16 --ep 16 --rank 0 --concurrency 1,64
                                      # one rank of K3 at TP16/EP16 with random weights (no checkpoint):
                                      # step measured here, collectives and TPOT on mi355x-8 projected
+                                     # (~108 GB on one GPU; an 80 GB card: --preset k3-prefix-48)
 
 \b
 Defaults follow InferenceX's random dataset: lengths uniform in [0.8 L, L], num-prompts = 10 x

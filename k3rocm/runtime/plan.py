@@ -694,10 +694,13 @@ def _suggest(cfg: K3Config, profile: Profile, pl: Placement) -> str:
                          context_len=pl.cache.context_len, strict=True, _probe=True)
             except PlanError:
                 continue
-            where = ("this node" if n <= profile.device_count else
-                     f"{-(-n // profile.device_count)} nodes under torchrun; `plan` covers one node of "
-                     f"{profile.device_count}, so plan it with --profile FILE.toml, a copy of "
-                     f"hwprofiles/{profile.name}.toml with count = {n}, and --tp {n} --ep {n}")
+            # one node of the profile as written (a synthetic rank stretches device_count to its layout)
+            node = int((profile.raw.get("device") or {}).get("count") or profile.device_count)
+            src = (profile.name if profile.name.endswith(".toml") else f"hwprofiles/{profile.name}.toml")
+            where = ("this node" if n <= node else
+                     f"{-(-n // node)} nodes under torchrun; `plan` covers one node of "
+                     f"{node}, so plan it with --profile FILE.toml, a copy of "
+                     f"{src} with count = {n}, and --tp {n} --ep {n}")
             # a smaller cache dtype helps only when the weights alone fit and the cache is not fp8 already
             kv = (", fp8 kv cache" if pl.kv_dtype != "fp8" and pl.weights_bytes < pl.usable_bytes else "")
             return (f"try tp={n}/ep={n} ({n} x {profile.device_name}, {p.weights_bytes / GB:.1f} GB/GPU of "

@@ -53,6 +53,9 @@ def test_validate_forward_reads_no_checkpoint(tmp_path, monkeypatch):
     (["bench", "--synthetic", "--checkpoint", "/nonexistent"], "config.json"),
     (["bench", "--synthetic", "--endpoint", "http://127.0.0.1:9"], "drop one"),
     (["validate", "--synthetic", "--profile", "cpu", "--tp", "3", "--level", "forward"], "3"),
+    # a rank outside the layout is named even where the layout does not fit the device either
+    (["bench", "--synthetic", "--preset", "k3", "--profile", "cpu", "--tp", "16", "--ep", "16", "--rank", "99"],
+     "ranks 0..15"),
 ])
 def test_bad_options_are_one_line(tmp_path, args, words):
     r = CliRunner().invoke(cli, args + ["--out", str(tmp_path / "r")], env={"COLUMNS": "200"})
@@ -77,3 +80,24 @@ def test_forward_of_one_full_width_rank_on_the_gpu(tmp_path):
     assert "RANDOM WEIGHTS" in r.output
     rep = json.loads((out / "report.json").read_text())
     assert "RANDOM WEIGHTS" in json.dumps(rep)
+
+
+def test_does_not_fit_hint_counts_nodes_of_the_profile_as_written(tmp_path):
+    """A synthetic layout wider than the profile stretches its device count to the layout; the "try more GPUs" hint
+    still counts nodes of the profile as written (h100-8: tp=32 is 4 nodes of 8), and a profile file is named by
+    its path, not as a shipped hwprofiles/ file."""
+    r = CliRunner().invoke(cli, ["bench", "--synthetic", "--preset", "k3", "--profile", "h100-8", "--tp", "16",
+                                 "--ep", "16", "--out", str(tmp_path / "r")], env={"COLUMNS": "200"})
+    msg = one_error(r)
+    assert r.exit_code != 0 and "does not fit" in msg
+    assert "on 4 nodes under torchrun" in msg and "one node of 8" in msg and "hwprofiles/h100-8.toml" in msg
+    from importlib import resources
+
+    src = (resources.files("k3rocm.hwprofiles") / "h100-8.toml").read_text()
+    f = tmp_path / "h100-16.toml"
+    f.write_text(src.replace("count = 8", "count = 16"))
+    r = CliRunner().invoke(cli, ["plan", "--preset", "k3", "--profile", str(f), "--tp", "16", "--ep", "16"],
+                           env={"COLUMNS": "200"})
+    msg = one_error(r)
+    assert r.exit_code != 0 and "on 2 nodes under torchrun" in msg and f"a copy of {f.resolve()}" in msg
+    assert "hwprofiles//" not in msg and ".toml.toml" not in msg
