@@ -11,7 +11,8 @@ blocks of the ``BLOCK_M`` the expert GEMM picks at that size). Paths:
 
 ``router graphed`` is ``moe_router`` alone (logits + top-k, no grouping) replayed from a graph: ``new graphed``
 minus it is what the grouping costs. The JSON also has each router config forced (``cfg_*``) and the fused path
-with its top-k + grouping launch at 1 / 2 / 4 / 8 warps (``warps*``: graph-replayed time, same tensors or not).
+with its top-k + grouping launch at 1 / 2 / 4 / 8 warps (``warps*``: graph-replayed time, same tensors or not),
+and up to 8 tokens the whole routing in one program at 4 / 8 warps (``small*``, ``configs.ROUTER_SMALL_TOKENS``).
 
 Each is timed eagerly (``triton.testing.do_bench``, median after warm-up) and replayed from a CUDA graph
 (``do_bench_cudagraph``: what the serving engine runs). ``same`` says the new path's ids, weights and every
@@ -109,6 +110,17 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
                     lambda wp=wp: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp), rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a warp count that fails is a result to report
                 r[f"warps{wp}_error"] = f"{type(e).__name__}: {e}"[:200]
+    if graphs and dev == "cuda" and T <= 8:  # the whole routing in one program (router_topk_small_kernel)
+        for wp in (4, 8):
+            try:
+                got = moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp, small_tokens=8)
+                r[f"small{wp}_same"] = torch.equal(got[0], b[0]) and torch.equal(got[1], b[1]) and all(
+                    torch.equal(getattr(got[2], f), getattr(b[2], f)) for f in FIELDS)
+                r[f"small{wp}_graph_us"] = tt.do_bench_cudagraph(
+                    lambda wp=wp: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp,
+                                            small_tokens=8), rep=100) * 1e3
+            except Exception as e:  # noqa: BLE001 - a failure is a result to report
+                r[f"small{wp}_error"] = f"{type(e).__name__}: {e}"[:200]
     best_new = min(r["new_us"], r.get("new_graph_us", float("inf")))
     r["speedup"] = r["old_us"] / r["new_us"]
     if T == 64:
@@ -139,7 +151,7 @@ def markdown(meta, rows) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 64, 512])
     ap.add_argument("--out", default="gpu-runs/results")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replays")
     ap.add_argument("--x-dtype", choices=("fp32", "bf16"), default="fp32",

@@ -298,3 +298,10 @@ ROUTER_BUCKET_TOKENS: dict[str, int] = {"cuda": 16, "hip": 4, "interpreter": 32}
 #: for more lanes per thread. 8 is what has been measured (the kernel took ~12 us at 1 and at 64 tokens on an H100,
 #: 2026-12-07); ``gpu-runs/bench_route.py`` times 1 / 2 / 4 / 8 (``moe_route(topk_warps=)``) for the next pick
 ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}
+
+#: fused routing of at most this many tokens in ONE program (``router.router_topk_small_kernel``: the top-k of every
+#: token in one key tile and the grouping straight from it, no counters, no membership matrix through memory)
+#: instead of the per-token programs and their two-level grouping. 0 (off) on the GPUs until ``bench_route.py``
+#: (``small`` columns) has timed it; on in the interpreter, so the CPU tests hold it to the same tensors. On HIP at
+#: most 4 when turned on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
+ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 0, "hip": 0, "interpreter": 8}

@@ -25,11 +25,12 @@ import triton
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
-                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_TOPK_WARPS, SCALE_PF_KINDS,
+                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS,
+                                        SCALE_PF_KINDS,
                                         SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
-from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel
+from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel, router_topk_small_kernel
 from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4, unpack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting, multiprocessors
@@ -102,7 +103,8 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
               first_expert: int, num_local: int, block_m: int, renormalize: bool = True, scaling: float = 1.0,
               config=None, bucket_tokens: int | None = None,
-              topk_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
+              topk_warps: int | None = None,
+              small_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
     """Fused routing: :func:`moe_router` and :func:`dispatch_gpu` of its ids in two launches, no host sync.
 
     x ``[T, D]``, gate_weight ``[E, D]``, bias ``[E]`` fp32 or None; the pairs of local experts
@@ -113,8 +115,13 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     two-level grouping (default ``configs.ROUTER_BUCKET_TOKENS`` of the backend, capped at 16384 lanes / the
     expert count; a power of two; tests set small groups to cover many). ``topk_warps``: warps of the top-k +
     grouping launch (default ``configs.ROUTER_TOPK_WARPS`` of the backend; benchmarks sweep it; the same
-    results at any count). Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps.
+    results at any count). ``small_tokens``: up to this many tokens the whole routing runs in one program
+    (``router.router_topk_small_kernel``, 8 warps unless ``topk_warps``; default ``configs.ROUTER_SMALL_TOKENS`` of
+    the backend; at most 8; the same tensors). Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps /
+    small_tokens.
     """
+    if small_tokens is not None and not 0 <= small_tokens <= 8:
+        raise ConfigError(f"moe_route: small_tokens {small_tokens} must be in 0..8")
     if topk_warps is not None and (topk_warps < 1 or topk_warps > 16 or topk_warps & (topk_warps - 1)):
         raise ConfigError(f"moe_route: topk_warps {topk_warps} must be a power of two in 1..16")
     if not (0 < num_local and 0 <= first_expert and first_expert + num_local <= gate_weight.shape[0]):
@@ -122,7 +129,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     if bucket_tokens is not None and (bucket_tokens < 1 or bucket_tokens & (bucket_tokens - 1)):
         raise ConfigError(f"moe_route: bucket_tokens {bucket_tokens} must be a power of two")
     return _route(x, gate_weight, bias, top_k, renormalize, scaling, config,
-                  (first_expert, num_local, block_m, bucket_tokens, topk_warps))
+                  (first_expert, num_local, block_m, bucket_tokens, topk_warps, small_tokens))
 
 
 # scratch counters per device for the handshakes of the fused dispatch ([0]: groups done, [1 + g]: tokens of
@@ -157,7 +164,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                                  ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
         return ids, wts, None
-    first, num_local, block_m, bucket_tokens, topk_warps = group
+    first, num_local, block_m, bucket_tokens, topk_warps, small_tokens = group
     P = T * top_k
     ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
     d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
@@ -165,6 +172,14 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                     torch.empty(num_local + 1, dtype=torch.int64, device=dev),
                     torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
                     block_m, E)
+    backend = current_target().backend
+    if T <= (ROUTER_SMALL_TOKENS[backend] if small_tokens is None else small_tokens):
+        router_topk_small_kernel[(1,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling), T,
+                                       int(first), num_local, d.sorted_pair, d.pos, d.counts, d.offsets,
+                                       d.block_expert, d.block_start, ub, **meta, BLOCK_TT=triton.next_power_of_2(T),
+                                       BLOCK_M=block_m, BLOCK_UB=triton.next_power_of_2(ub),
+                                       num_warps=topk_warps or 8)
+        return ids, wts, d
     block_l = triton.next_power_of_2(num_local + 1)
     bt = bucket_tokens or max(1, min(ROUTER_BUCKET_TOKENS[current_target().backend], 16384 // block_l))
     groups = triton.cdiv(T, bt)

@@ -231,6 +231,104 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
                 tl.atomic_xchg(done_ptr, 0, sem="relaxed")
 
 
+@triton.jit
+def router_topk_small_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, stride_pt, scaling, T, first,
+                             num_local, sorted_ptr, pos_ptr, counts_ptr, offsets_ptr, bexp_ptr, bstart_ptr, UB,
+                             SPLITS: tl.constexpr, TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                             BLOCK_E: tl.constexpr, BLOCK_KOUT: tl.constexpr, BLOCK_TT: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_UB: tl.constexpr):
+    """Fused routing of a decode-sized batch in ONE program (``T <= BLOCK_TT`` tokens): the top-k of
+    :func:`router_topk_kernel` for every token at once (a ``[BLOCK_TT, BLOCK_E]`` key tile, each pick one row-wise
+    max), then the grouping by local expert straight from the tile — no membership matrix through memory, no
+    counters, no second phase. The contract of ``DISPATCH`` (and of ``ops.dispatch_gpu``): ids ``[T, TOPK]``, weights,
+    sorted ``[P]`` (local pairs by expert, each expert's in ascending pair index, then the other ranks' pairs in
+    ascending pair index), pos ``[P]`` (-1 off-rank), counts / offsets (int64), the ``UB`` block table.
+
+    Each token's scores, picks and weights are computed as in :func:`router_topk_kernel` (splits summed in order,
+    the same int64 keys, the weights renormalised over a 1-D row), so the tensors are the same. A lane's pick round
+    ``order[t, e]`` gives its slot j: a local pair (t, e) goes to row start(e) + (tokens before t that picked e)."""
+    rt = tl.arange(0, BLOCK_TT)
+    re = tl.arange(0, BLOCK_E)
+    tm = rt < T
+    emask = re < E
+    rows = part_ptr + rt[:, None].to(tl.int64) * stride_pt + re[None, :]
+    m2 = tm[:, None] & emask[None, :]
+    logit = tl.zeros((BLOCK_TT, BLOCK_E), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        logit += tl.load(rows + s * stride_ps, mask=m2, other=0.0)
+    score = tl.sigmoid(logit)
+    if HAS_BIAS:
+        biased = score + tl.load(bias_ptr + re, mask=emask, other=0.0)[None, :]
+    else:
+        biased = score
+    biased = tl.where(m2, biased, float("-inf"))
+    bits = biased.to(tl.int32, bitcast=True)
+    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - re)[None, :].to(tl.int64)
+    rj = tl.arange(0, BLOCK_KOUT)
+    mj = rj < TOPK
+    ids = tl.zeros((BLOCK_TT, BLOCK_KOUT), dtype=tl.int32)
+    order = tl.full((BLOCK_TT, BLOCK_E), -1, tl.int32)
+    for j in range(TOPK):
+        m = tl.max(key, axis=1)
+        idx = BLOCK_E - 1 - (m & 0xFFFFFFFF).to(tl.int32)
+        ids = tl.where(rj[None, :] == j, idx[:, None], ids)
+        hit = re[None, :] == idx[:, None]
+        order = tl.where(hit, j, order)
+        key = tl.where(hit, PICKED, key)
+    pm = tm[:, None] & mj[None, :]
+    lrow = part_ptr + rt[:, None].to(tl.int64) * stride_pt + ids
+    lg = tl.zeros((BLOCK_TT, BLOCK_KOUT), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        lg += tl.load(lrow + s * stride_ps, mask=pm, other=0.0)
+    wts = tl.where(pm, tl.sigmoid(lg), 0.0)
+    pidx = rt[:, None] * TOPK + rj[None, :]
+    tl.store(ids_ptr + pidx, ids, mask=pm)
+    for t in range(0, T):  # per token: the 1-D row and its sum, as the one-program-per-token kernel reduces it
+        w1 = tl.sum(tl.where(rt[:, None] == t, wts, 0.0), axis=0)  # row t (one nonzero term per lane: exact)
+        if RENORM:
+            w1 = w1 / (tl.sum(w1, axis=0) + 1e-20)
+        tl.store(wts_ptr + t * TOPK + rj, w1 * scaling, mask=mj)
+    # grouping: local lanes of the tile (lane e is global expert e, local index e - first)
+    loc = re - first
+    lanes = (loc >= 0) & (loc < num_local) & emask
+    member = ((order >= 0) & tm[:, None] & lanes[None, :]).to(tl.int32)
+    counts = tl.sum(member, axis=0)
+    start = tl.cumsum(counts, 0) - counts  # non-local lanes count 0: the local experts' start rows
+    total = tl.sum(counts, axis=0)
+    tl.store(counts_ptr + loc, counts.to(tl.int64), mask=lanes)
+    tl.store(offsets_ptr + loc, start.to(tl.int64), mask=lanes)
+    tl.store(offsets_ptr + num_local, total.to(tl.int64))
+    row = start[None, :] + tl.cumsum(member, 0) - member  # + tokens before t that picked e
+    pair = rt[:, None] * TOPK + order
+    tl.store(sorted_ptr + row, pair, mask=member != 0)
+    tl.store(pos_ptr + pair, row, mask=member != 0)
+    lid = ids - first
+    off = tl.where(pm & ((lid < 0) | (lid >= num_local)), 1, 0)
+    off_tok = tl.sum(off, axis=1)
+    off_row = tl.cumsum(off, 1) - off + (tl.cumsum(off_tok, 0) - off_tok)[:, None] + total
+    tl.store(sorted_ptr + off_row, pidx, mask=off != 0)
+    tl.store(pos_ptr + pidx, tl.full((BLOCK_TT, BLOCK_KOUT), -1, tl.int32), mask=off != 0)
+    write_block_table(bexp_ptr, bstart_ptr, UB, loc, lanes, counts, start, BLOCK_M, BLOCK_UB)
+
+
+def topk_small_isa_case(tokens: int = 4, warps: int = 8) -> tuple:
+    """``(name, kernel, signature, constexprs, expects_matrix, {backend: options})`` of the one-program routing
+    (:func:`router_topk_small_kernel`) at K3 size (896 experts, top-16, 16 splits) for up to ``tokens`` tokens at
+    ``warps`` warps. Compiled ahead of time (2026-12-07): 4 tokens at 8 warps are spill-free on gfx950 and gfx942
+    (8 tokens spill 16 - 28 VGPRs there at 4 or 8 warps); sm_90 compiles 8 tokens at 4 or 8 warps."""
+    sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
+           "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "T": "i32", "first": "i32", "num_local": "i32",
+           "sorted_ptr": "*i32", "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32",
+           "bstart_ptr": "*i32", "UB": "i32"}
+    consts = {"SPLITS": 16, "TOPK": 16, "HAS_BIAS": True, "RENORM": True, "BLOCK_E": 1024, "BLOCK_KOUT": 16,
+              "BLOCK_TT": tokens, "BLOCK_M": 16, "BLOCK_UB": 256}
+    sig.update({c: "constexpr" for c in consts})
+    sig = specialize(sig, dict(E=896, stride_ps=tokens * 896, stride_pt=896, first=0, num_local=896))
+    return (f"router_topk_small_t{tokens}", router_topk_small_kernel, sig, consts, False,
+            {"hip": {"num_warps": warps}, "cuda": {"num_warps": warps}})
+
+
 def pair_tokens(bucket_tokens: int) -> int:
     """Tokens per tile of the final pair pass of :func:`bucket_pairs` for a group of ``bucket_tokens`` tokens
     (BLOCK_PT): four groups' worth, 1024 pair lanes at top-16 with the CUDA group of 16, 256 with HIP's 4."""

@@ -76,6 +76,33 @@ def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm,
     _same_dispatch(again[2], d)
 
 
+@pytest.mark.parametrize("T,E,k,first,num_local,bias,renorm", [
+    (1, 16, 4, 0, 16, True, True), (2, 64, 8, 16, 32, True, True), (5, 128, 16, 96, 32, False, True),
+    (8, 64, 8, 0, 64, True, False), (3, 32, 16, 0, 32, True, True), (6, 48, 4, 40, 8, True, True)])
+def test_route_one_program_equals_two_level(tk, T, E, k, first, num_local, bias, renorm):
+    # the one-program routing of a decode-sized batch (router_topk_small_kernel) against the per-token programs
+    # and their two-level grouping: the same ids, weights and every dispatch tensor; E = 32 with 32 local experts
+    # fills every lane of the key tile (the offsets' last entry past the lanes)
+    g = torch.Generator().manual_seed(T * 7 + E)
+    D = 64
+    x = torch.randn(T, D, generator=g).to(tk.dev, tk.act_dtype)
+    w = (torch.randn(E, D, generator=g) * 0.1).to(tk.dev, tk.act_dtype)
+    b = (torch.randn(E, generator=g) * 0.01).to(tk.dev) if bias else None
+    bm = 16
+    one = tk.ops.moe_route(x, w, b, k, first, num_local, bm, renormalize=renorm, scaling=2.5, small_tokens=8)
+    two = tk.ops.moe_route(x, w, b, k, first, num_local, bm, renormalize=renorm, scaling=2.5, small_tokens=0)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    _same_dispatch(one[2], two[2])
+    _same_dispatch(one[2], tk.ops.dispatch_gpu(one[0], first, num_local, bm, one_program=True))
+    assert int(one[2].offsets[-1]) == int(((one[0] >= first) & (one[0] < first + num_local)).sum())
+
+
+def test_route_rejects_bad_small_tokens(tk):
+    x = torch.randn(3, 16).to(tk.dev)
+    with pytest.raises(tk.ops.ConfigError, match="small_tokens 9"):
+        tk.ops.moe_route(x, torch.randn(8, 16).to(tk.dev), None, 2, 0, 8, 16, small_tokens=9)
+
+
 def test_route_near_ties_and_no_bias(tk):
     x, w, bias = near_tie_router_inputs(5, 64, 64, 16)
     ids, _, _ = tk.ops.moe_route(x.to(tk.dev, tk.act_dtype), w.to(tk.dev, tk.act_dtype), bias.to(tk.dev), 16,

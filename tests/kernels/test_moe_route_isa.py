@@ -14,12 +14,22 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # pragma: no cover - AOT compile 
 
 from k3rocm.kernels.isa import compile_kernel  # noqa: E402
 from k3rocm.kernels.moe.configs import ROUTER_BUCKET_TOKENS  # noqa: E402
-from k3rocm.kernels.moe.router import topk_isa_case  # noqa: E402
+from k3rocm.kernels.moe.router import topk_isa_case, topk_small_isa_case  # noqa: E402
 
 
 @pytest.mark.parametrize("target", ["gfx950", "gfx942", "sm_90"])
 def test_fused_route_topk_compiles(target):
     backend = "hip" if target.startswith("gfx") else "cuda"
     name, fn, sig, consts, expects, opts = topk_isa_case(True, ROUTER_BUCKET_TOKENS[backend])
+    rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
+    assert rep.ok, f"{name} on {target}: {rep.problems()}"
+
+
+@pytest.mark.parametrize("target,tokens", [("gfx950", 4), ("gfx942", 4), ("sm_90", 8)])
+def test_one_program_route_compiles(target, tokens):
+    # the one-program routing of decode-sized batches: spill-free on AMD at up to 4 tokens (8 warps), compiles for
+    # sm_90 at 8
+    backend = "hip" if target.startswith("gfx") else "cuda"
+    name, fn, sig, consts, expects, opts = topk_small_isa_case(tokens, 8)
     rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
     assert rep.ok, f"{name} on {target}: {rep.problems()}"
