@@ -305,3 +305,15 @@ ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}
 #: (``small`` columns) has timed it; on in the interpreter, so the CPU tests hold it to the same tensors. On HIP at
 #: most 4 when turned on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
 ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 0, "hip": 0, "interpreter": 8}
+
+#: router logits of at most this many tokens (<= 4) on the FMA units (``router.router_logits_gemv_kernel``: each gate
+#: byte read once and multiplied by the few rows) with :data:`ROUTER_GEMV` instead of a 16-row matrix tile that is
+#: mostly padding (the logits took ~12 us at one token on an H100, 2026-12-07, against a ~4 us gate read). 0 (off)
+#: on the GPUs until ``bench_route.py`` (``gemv`` columns) has timed it; on in the interpreter
+ROUTER_GEMV_TOKENS: dict[str, int] = {"cuda": 0, "hip": 0, "interpreter": 4}
+#: the GEMV logits' launch per backend: experts per program, k-step, K splits (aim: ~450 programs), warps, stages
+ROUTER_GEMV: dict[str, Config] = {
+    "cuda": dict(GEMV=True, BLOCK_E=16, BLOCK_K=128, SPLITS=8, num_warps=8, num_stages=3),
+    "hip": dict(GEMV=True, BLOCK_E=16, BLOCK_K=128, SPLITS=8, num_warps=8, num_stages=2),
+    "interpreter": dict(GEMV=True, BLOCK_E=16, BLOCK_K=64, SPLITS=2),
+}
