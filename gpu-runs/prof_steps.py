@@ -26,6 +26,8 @@ GEMM, to time the engine with it before anything serves it. Its config is the tu
 mode: the first entry whose row band fits). The switch holds for the whole process.
 ``ROUTER_OVERLAP=0``: the MoE routing on the main stream instead of beside the shared experts (A/B);
 ``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
+``ROUTER_SMALL=N`` / ``ROUTER_GEMV=N``: the one-program routing up to N tokens / the FMA router logits up to N
+tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS`` / ``ROUTER_GEMV_TOKENS``, off by default).
 """
 import os, sys, time, json, functools, collections
 import torch
@@ -36,6 +38,17 @@ if os.environ.get("ROUTER_OVERLAP", "1") == "0":  # the MoE routing on the main 
 
     _layer.ROUTER_OVERLAP[:] = [False]
     print("prof_steps: MoE routing on the main stream (ROUTER_OVERLAP=0)", flush=True)
+if os.environ.get("ROUTER_SMALL") or os.environ.get("ROUTER_GEMV"):  # the small-batch routing candidates on
+    from k3rocm.kernels.moe import configs as _mc
+    from k3rocm.kernels.target import current_target as _ct
+
+    _b = _ct().backend
+    if os.environ.get("ROUTER_SMALL"):
+        _mc.ROUTER_SMALL_TOKENS[_b] = int(os.environ["ROUTER_SMALL"])
+    if os.environ.get("ROUTER_GEMV"):
+        _mc.ROUTER_GEMV_TOKENS[_b] = int(os.environ["ROUTER_GEMV"])
+    print(f"prof_steps: one-program routing up to {_mc.ROUTER_SMALL_TOKENS[_b]} tokens, FMA logits up to "
+          f"{_mc.ROUTER_GEMV_TOKENS[_b]}", flush=True)
 if os.environ.get("SHARED_ON_SIDE", "1") == "0":  # the shared experts on the main stream, before the join
     from k3rocm.model import layer as _layer
 
