@@ -87,14 +87,12 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
                 r[f"{name}_graph_us"] = tt.do_bench_cudagraph(fn, rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a failed capture is a result to report
                 r[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
-    if graphs and dev == "cuda":  # every router config of the backend's table (candidates too) forced,
-        # graph-replayed: the pick
+    if graphs and dev == "cuda":  # every router config of the backend's table forced, graph-replayed: the pick
         from k3rocm.kernels import tune as _tune
         from k3rocm.kernels.moe.configs import ROUTER_CONFIGS
 
-        for cfg in _tune.configs(ROUTER_CONFIGS, candidates=True):  # the served ones and the untimed candidates
-            name = (f"t{cfg['BLOCK_T']}e{cfg['BLOCK_E']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
-                    f"p{cfg.get('PROGRAMS', 264)}{'c' if cfg.get('candidate') else ''}")
+        for cfg in _tune.configs(ROUTER_CONFIGS):
+            name = f"t{cfg['BLOCK_T']}e{cfg['BLOCK_E']}k{cfg['BLOCK_K']}w{cfg['num_warps']}s{cfg['num_stages']}"
             try:
                 got = moe_router(x, gate, bias, K, scaling=SCALING, config=cfg)
                 r[f"cfg_{name}_same"] = bool(torch.equal(got[0], ids))

@@ -33,9 +33,8 @@ import os, sys, time, json, functools, collections
 import torch
 from torch.profiler import profile, ProfilerActivity
 from k3rocm.runtime import engine as E
+from k3rocm.model import layer as _layer
 if os.environ.get("ROUTER_OVERLAP", "1") == "0":  # the MoE routing on the main stream (A/B of the side stream)
-    from k3rocm.model import layer as _layer
-
     _layer.ROUTER_OVERLAP[:] = [False]
     print("prof_steps: MoE routing on the main stream (ROUTER_OVERLAP=0)", flush=True)
 if os.environ.get("ROUTER_SMALL") or os.environ.get("ROUTER_GEMV"):  # the small-batch routing candidates on
@@ -50,8 +49,6 @@ if os.environ.get("ROUTER_SMALL") or os.environ.get("ROUTER_GEMV"):  # the small
     print(f"prof_steps: one-program routing up to {_mc.ROUTER_SMALL_TOKENS[_b]} tokens, FMA logits up to "
           f"{_mc.ROUTER_GEMV_TOKENS[_b]}", flush=True)
 if os.environ.get("SHARED_ON_SIDE", "1") == "0":  # the shared experts on the main stream, before the join
-    from k3rocm.model import layer as _layer
-
     _layer.SHARED_ON_SIDE[:] = [False]
     print("prof_steps: shared experts on the main stream (SHARED_ON_SIDE=0)", flush=True)
 if os.environ.get("DENSE_GEMM", "vendor") == "triton":

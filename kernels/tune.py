@@ -8,8 +8,9 @@ A config (:data:`Config`) is a plain dict with three kinds of keys:
   at the price of spills the ISA tests count) (all dropped under the interpreter);
 * selection keys, :data:`SELECT_KEYS`: ``max_rows`` (use this config while the shape's row count is at most
   this; default unbounded), ``max_pairs`` (only while the caller's work count — the MoE GEMMs: the rank's
-  expected local (token, expert) pairs — is at most this; a config carrying it is skipped when no count is given) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the
-  MoE GEMMs' K splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``), and
+  expected local (token, expert) pairs — is at most this; a config carrying it is skipped when no count is
+  given) and ``kind`` (which kernel variant runs; the MoE GEMMs), ``split_k`` and ``w2`` (the MoE GEMMs' K
+  splits and the second GEMM's own tile / launch: ``k3rocm.kernels.moe.configs.gemm_config``), and
   ``candidate`` (True: not yet run on a GPU — tested in the interpreter and compiled ahead of time like every
   entry, timed by the kernel benchmarks, but left out of :func:`configs` unless asked, so neither a tuned pick nor
   serving can choose it before a GPU has run it).

@@ -326,10 +326,7 @@ class Session:
         o = self.opts
         if o.tp is None:
             return plan(self.config, profile, ep=o.ep, host_ranks=1)
-        # a rank outside the layout is said before whether the layout fits (world = tp: one process per rank)
-        rank = getattr(o, "rank", None)
-        if rank is not None and o.tp >= 1 and not 0 <= int(rank) < o.tp:
-            raise ConfigError(f"--rank {rank} is not a rank of the TP{o.tp}/EP{o.ep} layout (ranks 0..{o.tp - 1})")
+        check_rank((o.tp, o.ep), self.rank)  # a rank outside the layout is said before whether the layout fits
         # (one process builds one rank: on the cpu backend it has the whole host, not a 1/tp share)
         return plan(self.config, scaled_profile(profile, o.tp, o.ep), tp=o.tp, ep=o.ep, host_ranks=1)
 

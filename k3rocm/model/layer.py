@@ -738,12 +738,12 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
     sh = p + "shared_experts."
     readers = ([w(p + "routed_expert_down_proj.weight")] if latent else []) + (
         [w(sh + "gate_proj.weight"), w(sh + "up_proj.weight")] if cfg.num_shared_experts else [])
+    xl = matmul_input(x, *readers) if readers else x  # before any fork: the side stream may read it
     side = _side_stream(x)
     shared = None
     routed = None
     if side is not None:
         main = torch.cuda.current_stream(x.device)
-        xl = matmul_input(x, *readers) if readers else x  # before the fork: the side stream may read it
         side.wait_stream(main)
         with torch.cuda.stream(side):
             ids, wts, given = routing()
@@ -755,7 +755,6 @@ def moe_block(x: torch.Tensor, w: WeightView, layer: int, cfg: K3Config, ops: Ma
                 shared = dense_mlp(xl, w, sh, cfg, ops)
     else:
         ids, wts, given = routing()
-        xl = matmul_input(x, *readers) if readers else x
     if latent:
         # A16W4 experts take bf16 activations: the down projection writes them so (one rounding, as the op's own
         # cast of an fp32 input would make); A8W4 quantises the fp32 product itself

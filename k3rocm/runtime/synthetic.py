@@ -77,11 +77,13 @@ def e8m0_exponent(fan_in: int, extra: float = 1.0) -> int:
     return 127 + round(math.log2(extra / (E2M1_RMS * math.sqrt(max(fan_in, 1)))))
 
 
-def check_rank(placement: Placement, rank: int) -> None:
-    """Raises ConfigError (one line) when ``rank`` is not a rank of ``placement``."""
-    if not 0 <= int(rank) < placement.world:
-        raise ConfigError(f"--rank {rank} is not a rank of the TP{placement.tp}/EP{placement.ep} layout "
-                          f"(ranks 0..{placement.world - 1})")
+def check_rank(placement: Placement | tuple[int, int], rank: int) -> None:
+    """Raises ConfigError (one line) when ``rank`` is not a rank of ``placement`` — a :class:`Placement`, or the
+    layout ``(tp, ep)`` before it is planned (one process per rank: world = tp)."""
+    tp, ep, world = ((placement.tp, placement.ep, placement.world) if isinstance(placement, Placement)
+                     else (placement[0], placement[1], placement[0]))
+    if not 0 <= int(rank) < world:
+        raise ConfigError(f"--rank {rank} is not a rank of the TP{tp}/EP{ep} layout (ranks 0..{world - 1})")
 
 
 def _fill(name: str, sl: ShardSlice, t: torch.Tensor, gen: torch.Generator, cfg: K3Config) -> None:

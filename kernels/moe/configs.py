@@ -118,16 +118,11 @@ def gemm_name(cfg: Config) -> str:
 
 
 def router_config(block_t: int, block_e: int, block_k: int, num_warps: int, num_stages: int,
-                  max_rows: float = math.inf, programs: int = 264, candidate: bool = False) -> Config:
+                  max_rows: float = math.inf) -> Config:
     """One router-logits launch config: tile tokens x experts x hidden, warps, stages; used while tokens <=
-    ``max_rows``. ``programs``: the grid the K splits aim at (splits = programs // tiles, 1..32, at most one
-    per BLOCK_K step). ``candidate``: benchmarks and tests only, never picked while serving.
-    Returns ``{"BLOCK_T", "BLOCK_E", "BLOCK_K", "PROGRAMS", "num_warps", "num_stages", "max_rows"[, "candidate"]}``."""
-    cfg = dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, PROGRAMS=programs, num_warps=num_warps,
-               num_stages=num_stages, max_rows=max_rows)
-    if candidate:
-        cfg["candidate"] = True
-    return cfg
+    ``max_rows``. Returns ``{"BLOCK_T", "BLOCK_E", "BLOCK_K", "num_warps", "num_stages", "max_rows"}``."""
+    return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+                max_rows=max_rows)
 
 
 GEMM_CONFIGS: dict[str, list[Config]] = {
@@ -270,16 +265,12 @@ ROUTER_CONFIGS: dict[str, list[Config]] = {
     # candidates only
     # H100 2026-12-07 (1b5b269, the same sweep, logits + top-k graph-replayed, us at 4 / 64 / 256 tokens):
     # t16e64k128w4s3 15.9 / — / —, t16e128k128w4s4 18.2 / 30.8 / 90.8, t64e128k64w4s3 17.0 / 17.6 / 30.3; so the
-    # 64-expert tile leads at <= 16 tokens (equal on the H200). None of the six candidates below beat the served
-    # ones (64 tokens 17.6 - 22.5, 256 tokens 30.6 - 59.1): the two launches are latency-bound, not tile-bound
+    # 64-expert tile leads at <= 16 tokens (equal on the H200). Not listed, timed no faster than the served tiles
+    # at 64 / 256 tokens (us; the first 264 programs of K splits, "p528" twice as many): t64e128k64w4s4 18.3 / 30.6,
+    # t64e64k64w4s3 17.6 / 39.5, t64e128k64w4s3p528 17.9 / 36.3, t32e128k64w4s3 22.5 / 59.1, t64e64k64w4s4p528
+    # 21.2 / 42.3, t64e128k32w4s4p528 18.2 / 36.3: the two launches are latency-bound, not tile-bound
     "cuda": [router_config(16, 64, 128, 4, 3, max_rows=16), router_config(16, 128, 128, 4, 4, max_rows=16),
-             router_config(64, 128, 64, 4, 3), router_config(64, 64, 128, 8, 3, max_rows=64),
-             # timed slower (above): more K splits in flight, deeper pipelines, two token tiles, smaller expert tiles
-             router_config(64, 128, 64, 4, 4, candidate=True), router_config(64, 64, 64, 4, 3, candidate=True),
-             router_config(64, 128, 64, 4, 3, programs=528, candidate=True),
-             router_config(32, 128, 64, 4, 3, candidate=True), router_config(64, 64, 64, 4, 4, programs=528,
-                                                                             candidate=True),
-             router_config(64, 128, 32, 4, 4, programs=528, candidate=True)],
+             router_config(64, 128, 64, 4, 3), router_config(64, 64, 128, 8, 3, max_rows=64)],
     # larger tiles do not fit gfx942 as the launcher specialises them (AOT, 2026-12-07): t64e128k64w4s3 spills 30
     # SGPRs, t64e64k128w8s3 64 VGPRs, t16e128k128w4s4 needs 120 KiB of LDS (64 KiB there)
     "hip": [router_config(32, 64, 64, 4, 2)],

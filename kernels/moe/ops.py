@@ -26,9 +26,8 @@ from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
                                         ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_GEMV, ROUTER_GEMV_TOKENS,
-                                        ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS,
-                                        SCALE_PF_KINDS,
-                                        SWAP_KINDS, stage_config)
+                                        ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS, SCALE_PF_KINDS, SWAP_KINDS,
+                                        stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
 from k3rocm.kernels.moe.router import (pair_tokens, router_logits_gemv_kernel, router_logits_kernel, router_topk_kernel,
@@ -45,6 +44,14 @@ def _get(obj: Any, name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------------------
+
+
+def _logit_splits(D: int, block_k: int, want: int) -> tuple[int, int]:
+    """``(K_PER_SPLIT, splits)`` of the router logits over ``D`` hidden columns: at most ``want`` (>= 1) ranges of
+    whole ``block_k`` steps, as even as that allows."""
+    splits = max(1, min(want, triton.cdiv(D, block_k)))
+    k_per = triton.cdiv(triton.cdiv(D, splits), block_k) * block_k
+    return k_per, triton.cdiv(D, k_per)
 
 
 def _router_logits(x, gate_weight, top_k, config):
@@ -69,9 +76,7 @@ def _router_logits(x, gate_weight, top_k, config):
         cfg = config or dict(ROUTER_GEMV[backend])
         if T > 4:
             raise ConfigError(f"moe_router: the GEMV logits serve at most 4 tokens, not {T}; pass a tile config")
-        splits = max(1, min(cfg["SPLITS"], triton.cdiv(D, cfg["BLOCK_K"])))
-        k_per = triton.cdiv(triton.cdiv(D, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-        splits = triton.cdiv(D, k_per)
+        k_per, splits = _logit_splits(D, cfg["BLOCK_K"], cfg["SPLITS"])
         part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
         router_logits_gemv_kernel[(triton.cdiv(E, cfg["BLOCK_E"]), splits)](
             x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
@@ -80,9 +85,7 @@ def _router_logits(x, gate_weight, top_k, config):
     # keyed on the power of two above T (bounded set: no new compile per batch size while serving)
     cfg = config or tune.pick("moe_router", (tune.pow2(T),), tune.configs(ROUTER_CONFIGS), rows=T)
     tiles = triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(E, cfg["BLOCK_E"])
-    splits = max(1, min(32, cfg.get("PROGRAMS", 264) // tiles, triton.cdiv(D, cfg["BLOCK_K"])))
-    k_per = triton.cdiv(triton.cdiv(D, splits), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    splits = triton.cdiv(D, k_per)
+    k_per, splits = _logit_splits(D, cfg["BLOCK_K"], min(32, 264 // tiles))  # ~2 programs per SM of an H100
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(E, cfg["BLOCK_E"]), splits)](
         x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
@@ -135,8 +138,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     grouping launch (default ``configs.ROUTER_TOPK_WARPS`` of the backend; benchmarks sweep it; the same
     results at any count). ``small_tokens``: up to this many tokens the whole routing runs in one program
     (``router.router_topk_small_kernel``, 8 warps unless ``topk_warps``; default ``configs.ROUTER_SMALL_TOKENS`` of
-    the backend; at most 8; the same tensors). Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps /
-    small_tokens.
+    the backend; at most 8; the same tensors). Raises ConfigError on bad shapes / top_k / experts / bucket_tokens /
+    topk_warps / small_tokens.
     """
     if small_tokens is not None and not 0 <= small_tokens <= 8:
         raise ConfigError(f"moe_route: small_tokens {small_tokens} must be in 0..8")
@@ -199,7 +202,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                                        num_warps=topk_warps or 8)
         return ids, wts, d
     block_l = triton.next_power_of_2(num_local + 1)
-    bt = bucket_tokens or max(1, min(ROUTER_BUCKET_TOKENS[current_target().backend], 16384 // block_l))
+    bt = bucket_tokens or max(1, min(ROUTER_BUCKET_TOKENS[backend], 16384 // block_l))
     groups = triton.cdiv(T, bt)
     member = torch.empty(T, num_local, dtype=torch.int32, device=dev)
     rowpos = torch.empty(T, num_local, dtype=torch.int32, device=dev)
@@ -209,7 +212,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                              d.pos, d.counts, d.offsets, d.block_expert, d.block_start, ub, **meta, DISPATCH=True,
                              BLOCK_M=block_m, BLOCK_T=bt, BLOCK_L=block_l, BLOCK_UB=triton.next_power_of_2(ub),
                              BLOCK_PT=pair_tokens(bt),
-                             num_warps=topk_warps or ROUTER_TOPK_WARPS[current_target().backend])
+                             num_warps=topk_warps or ROUTER_TOPK_WARPS[backend])
     return ids, wts, d
 
 
