@@ -15,7 +15,8 @@ relative max difference from the picked config's. Floor: the experts the slice's
 ``--bw`` (default the H100's datasheet 3.35 TB/s).
 
 Usage: ``python gpu-runs/bench_moe_decode.py --tokens 1 2 4 8 16 32 64 --ep-ranks 16 --out DIR`` (moe_decode.json,
-moe_decode.md). ``--small --device cpu`` (TRITON_INTERPRET=1) checks the script at tiny sizes; its timings mean
+moe_decode.md); ``--served-only`` times the served config alone (its first two GEMM launches are the ones step
+``mncu`` of ``gpu_engine.sh`` profiles). ``--small --device cpu`` (TRITON_INTERPRET=1) checks the script at tiny sizes; its timings mean
 nothing.
 """
 
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                     "K3 rank the engine bench runs; 8: one GPU of mi355x-8)")
     ap.add_argument("--bw", type=float, default=3.35e12, help="bytes/s of the floor (default: H100 datasheet)")
     ap.add_argument("--out", default="gpu-runs/results")
+    ap.add_argument("--served-only", action="store_true",
+                    help="time the served config alone (e.g. under Nsight Compute: step mncu of gpu_engine.sh)")
     ap.add_argument("--small", action="store_true", help="smoke run: 64 experts, latent 64, intermediate 64, top-4")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (Triton interpreter, TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         r = dict(tokens=T, local_pairs=pairs, experts_used=used, served=gemm_name(served),
                  floor_us=used * expert_bytes / args.bw * 1e6)
         base = moe_experts(xl, ids, wts, ew, config=served)
-        for cfg in _configs(served):
+        for cfg in ([{k: v for k, v in served.items() if k not in ("max_rows", "candidate")}] if args.served_only
+                    else _configs(served)):
             name = gemm_name(cfg)
             try:
                 d = dispatch_gpu(ids, 0, nl, cfg["BLOCK_M"])

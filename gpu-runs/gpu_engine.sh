@@ -55,6 +55,8 @@
 #          at 1 / 16 / 53 / 64 token rows, graph-replayed (DENSE_ARGS, DENSE_LIMIT s, default 120), into RESULTS_DIR/dense/
 #   apend  tests/kernels/test_attnres.py -k "pending or every_config" (ATTNRES_TESTS replaces the selection,
 #          ATTNRES_LIMIT the 60 s): the decoder's pending prefix add inside AttnRes, every config, on the GPU
+#   mncu   Nsight Compute of the served MoE config's two GEMM launches (w1|w3, w2) on one rank's expert slice
+#          (bench_moe_decode.py --served-only, EP${MNCU_EP:-16}, ${MNCU_TOKENS:-512} tokens), into mncu.log
 #   moe    gpu-runs/bench_moe.py goal table (one K3 layer at 64 / 512 / 8192 tokens and the EP8 slice) with the
 #          per-config sweep and the fp32-oracle check, into RESULTS_DIR/moe/ (MOE_ARGS replaces those arguments,
 #          MOE_LIMIT the 200 s)
@@ -139,6 +141,9 @@ for s in $STEPS; do
     kncu) step kncu "$(lim 150)" ncu --target-processes all --kernel-name "regex:${NCU_KERNEL:-_split_state_kernel}" \
           --launch-skip "${NCU_SKIP:-60}" --launch-count 1 --set full $PY "$HERE/bench_kda.py" \
           ${KNCU_ARGS:---only decode --no-fla --decode "${KNCU_ROWS:-64x96}"} --out "$R/kncu" ;;
+    mncu) step mncu "$(lim 150)" ncu --target-processes all --kernel-name regex:moe_gemm_dq --launch-count 2 \
+          --set full $PY "$HERE/bench_moe_decode.py" --served-only --ep-ranks "${MNCU_EP:-16}" \
+          --tokens "${MNCU_TOKENS:-512}" --out "$R/mncu_${MNCU_TOKENS:-512}" ;;
     mdec) step mdec "$(lim "${MDEC_LIMIT:-200}")" $PY "$HERE/bench_moe_decode.py" ${MDEC_ARGS:---ep-ranks 16} --out "$R/mdec" ;;
     route) step route "$(lim 120)" $PY "$HERE/bench_route.py" ${ROUTE_ARGS:---tokens 1 4 8 64 256} --out "$R/route" ;;
     adec) step adec "$(lim "${ADEC_LIMIT:-90}")" $PY "$HERE/bench_attnres_decode.py" ${ADEC_ARGS:-} ;;
