@@ -233,6 +233,15 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 }
 
 
+#: the grouped GEMMs' block slots (``ops.block_slots``): 0 = one grid row per slot of the block table, sized for the
+#: worst case of every pair of the step landing on this rank's experts (a rank of EP16 at 512 tokens: 568 slots for
+#: ~57 live blocks, so ~90% of the w1|w3 and w2 programs only read a -1 and exit); s > 0 = ``s`` times the live blocks
+#: the rank expects under uniform routing, each program then running the live blocks m, m + slots, ... (one in the
+#: expected case; more only where routing is that much skewed towards this rank): the same bits either way. Off on
+#: the GPUs until timed (``gpu-runs/bench_moe_decode.py``: the ``served`` / ``served-slots`` columns)
+BLOCK_SLOTS: dict[str, float] = {"cuda": 0.0, "hip": 0.0, "interpreter": 0.0}
+
+
 #: (tile_n, tile_k) of the tiled expert weight layout each backend's GEMMs read (``k3rocm.kernels.mx.layout``;
 #: made once at load by ``ops.kernel_layout``). Every config's BLOCK_K is fitted to a divisor of tile_k (all
 #: shipped BLOCK_K already divide it); BLOCK_N is free (a program's rows may span chunks). 128 x 128: a chunk
