@@ -217,3 +217,26 @@ def test_persistent_grid_compiles(target):
             assert len(re.findall(r"cp\.async\.", pers.asm)) == len(re.findall(r"cp\.async\.", plain.asm)) > 0
         else:
             assert pers.ok, f"{pers.name} on {target}: {pers.problems()}"
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
+def test_block_loop_compiles(target):
+    # the grids of block slots (ops.block_slots: programs looping over the block table around the k-loop): the decode
+    # kernel and the scaled one compile with the plain grid's matrix instructions; on sm_90 the decode kernel's k-loop
+    # is pipelined as in the plain grid (as many cp.async copies); on AMD both without spills
+    backend = "cuda" if target == "sm_90" else "hip"
+    base = GEMM_CONFIGS["cuda"][0] if backend == "cuda" else gemm_config(16, 64, 128, 4, 2, kind="dq")
+    tiles = LAYOUT_TILES["cuda"] if backend == "cuda" else (0, 0)
+    for gated in (True, False):
+        plain, loop = (_compile(dq_isa_case(gated, base, backend, tiles, block_loop=b), target) for b in (False, True))
+        assert loop.error is None, loop.error
+        assert loop.matrix_ops == plain.matrix_ops and loop.matrix_ops, loop.matrix_ops
+        if backend == "cuda":
+            assert len(re.findall(r"cp\.async\.", loop.asm)) == len(re.findall(r"cp\.async\.", plain.asm)) > 0
+        else:
+            assert loop.ok, f"{loop.name} on {target}: {loop.problems()}"
+        scaled = GEMM_CONFIGS["hip"][0]
+        sp, sl = (_compile(_gemm_case(gated, False, scaled, backend, block_loop=b), target) for b in (False, True))
+        assert sl.error is None and sl.matrix_ops == sp.matrix_ops and sl.matrix_ops, (sl.error, sl.matrix_ops)
+        if backend == "hip":
+            assert sl.ok, f"{sl.name} on {target}: {sl.problems()}"
