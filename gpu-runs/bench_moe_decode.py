@@ -37,7 +37,7 @@ import triton.testing as tt
 
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_name, moe_experts, moe_router
-from k3rocm.kernels.moe.configs import BLOCK_SLOTS, DQ_KINDS
+from k3rocm.kernels.moe.configs import BLOCK_SLOTS, DQ_KINDS, REDUCE_LAUNCH
 from k3rocm.kernels.moe.ops import block_slots, dispatch_gpu, gemm_pick, kernel_layout
 from k3rocm.kernels.target import current_target
 from k3rocm.validation.evidence import git_sha
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=float, nargs="*", default=[2.0],
                     help="also time the served config on a grid of block slots, each of these slacks "
                          "(configs.BLOCK_SLOTS; column <served>-slots<s>); none: only the backend's default")
+    ap.add_argument("--reduce-ilp", action="store_true",
+                    help="also time the served config with the reduction unrolled (configs.REDUCE_LAUNCH ILP), on the "
+                         "plain grid and on the last --slots grid (columns <served>-ilp, <served>-slots<s>-ilp)")
     ap.add_argument("--served-only", action="store_true",
                     help="time the served config alone (e.g. under Nsight Compute: step mncu of gpu_engine.sh)")
     ap.add_argument("--small", action="store_true", help="smoke run: 64 experts, latent 64, intermediate 64, top-4")
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     expert_bytes = 3 * D * I // 2 + 3 * D * I // 32
     rows = []
     backend = current_target().backend
-    slots0 = BLOCK_SLOTS[backend]
+    slots0, ilp0 = BLOCK_SLOTS[backend], REDUCE_LAUNCH[backend]["ILP"]
     for T in args.tokens:
         xh = torch.randn(T, H, device=dev, generator=g)
         xl = torch.randn(T, D, device=dev, generator=g).bfloat16()
@@ -103,15 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         served = gemm_pick(T * K, nl, num_experts=E)
         r = dict(tokens=T, local_pairs=pairs, experts_used=used, served=gemm_name(served),
                  floor_us=used * expert_bytes / args.bw * 1e6)
-        BLOCK_SLOTS[backend] = 0.0
+        BLOCK_SLOTS[backend], REDUCE_LAUNCH[backend]["ILP"] = 0.0, False
         base = moe_experts(xl, ids, wts, ew, config=served)  # the plain grid's output, the reference of every run
-        BLOCK_SLOTS[backend] = slots0
+        BLOCK_SLOTS[backend], REDUCE_LAUNCH[backend]["ILP"] = slots0, ilp0
         plain = {k: v for k, v in served.items() if k not in ("max_rows", "candidate")}
-        runs = [(c, 0.0) for c in ([plain] if args.served_only else _configs(served))]
-        runs += [(plain, s) for s in args.slots]  # the served config on a grid of block slots (configs.BLOCK_SLOTS)
-        for cfg, slack in runs:
-            name = gemm_name(cfg) + (f"-slots{slack:g}" if slack else "")
+        runs = [(c, 0.0, False) for c in ([plain] if args.served_only else _configs(served))]
+        # the served config on a grid of block slots (configs.BLOCK_SLOTS), then with the unrolled reduction
+        runs += [(plain, s, False) for s in args.slots]
+        if args.reduce_ilp:
+            runs += [(plain, 0.0, True)] + [(plain, s, True) for s in args.slots[-1:]]
+        for cfg, slack, ilp in runs:
+            name = gemm_name(cfg) + (f"-slots{slack:g}" if slack else "") + ("-ilp" if ilp else "")
             BLOCK_SLOTS[backend] = slack
+            REDUCE_LAUNCH[backend]["ILP"] = ilp
             try:
                 # the global expert count, as the engine's fused routing hands it over (block_slots reads it)
                 d = replace(dispatch_gpu(ids, 0, nl, cfg["BLOCK_M"]), num_experts=E)
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
                 BLOCK_SLOTS[backend] = slots0
+                REDUCE_LAUNCH[backend]["ILP"] = ilp0
         times = {k[:-3]: v for k, v in r.items() if k.endswith("_us") and k != "floor_us"}
         if times:
             best = min(times, key=times.get)

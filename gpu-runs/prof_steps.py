@@ -29,7 +29,8 @@ mode: the first entry whose row band fits). The switch holds for the whole proce
 ``ROUTER_SMALL=N`` / ``ROUTER_GEMV=N``: the one-program routing up to N tokens / the FMA router logits up to N
 tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS`` / ``ROUTER_GEMV_TOKENS``, off by default).
 ``MOE_SLOTS=s``: the MoE GEMMs on a grid of ``s`` times the block slots the rank expects (``configs.BLOCK_SLOTS``;
-0 = the plain grid, a slot per pair of the step).
+0 = the plain grid, a slot per pair of the step). ``MOE_REDUCE_ILP=1``: the MoE reduction unrolled
+(``configs.REDUCE_LAUNCH``).
 """
 import os, sys, time, json, functools, collections
 import torch
@@ -56,6 +57,12 @@ if os.environ.get("MOE_SLOTS"):  # the MoE GEMMs on a grid of block slots (kerne
 
     _mc2.BLOCK_SLOTS[_ct2().backend] = float(os.environ["MOE_SLOTS"])
     print(f"prof_steps: MoE GEMM block slots at slack {_mc2.BLOCK_SLOTS[_ct2().backend]}", flush=True)
+if os.environ.get("MOE_REDUCE_ILP") == "1":  # the MoE reduction unrolled (kernels.moe.configs.REDUCE_LAUNCH ILP)
+    from k3rocm.kernels.moe import configs as _mc3
+    from k3rocm.kernels.target import current_target as _ct3
+
+    _mc3.REDUCE_LAUNCH[_ct3().backend]["ILP"] = True
+    print("prof_steps: MoE reduction unrolled (MOE_REDUCE_ILP=1)", flush=True)
 if os.environ.get("SHARED_ON_SIDE", "1") == "0":  # the shared experts on the main stream, before the join
     _layer.SHARED_ON_SIDE[:] = [False]
     print("prof_steps: shared experts on the main stream (SHARED_ON_SIDE=0)", flush=True)

@@ -155,15 +155,22 @@ def isa_cases() -> list[tuple]:
               logits_gemv_isa_case(4)]
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
             "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
-            "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr", "stride_ys": "i32"}
+            "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr", "stride_ys": "i32",
+            "ILP": "constexpr"}
     dsig = specialize(dsig, dict(D=K3_LATENT, stride_y=K3_LATENT, stride_o=K3_LATENT, stride_n=K3_LATENT,
                                  stride_ys=K3_PAIRS * K3_LATENT))
-    cases.append(("reduce_norm", moe_reduce_kernel, dsig, {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 1},
+    cases.append(("reduce_norm", moe_reduce_kernel, dsig,
+                  {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 1, "ILP": False},
                   False, {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
     # split-K: the reduction over 4 w2 partials per pair, and the w1|w3 finishing step (sum + SiTU-GLU)
     cases.append(("reduce_norm_split4", moe_reduce_kernel, dsig,
-                  {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 4}, False,
+                  {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 4, "ILP": False}, False,
                   {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}}))
+    # the unrolled form (configs.REDUCE_LAUNCH ILP: a token's rows in flight at once) at 16 warps, unsplit only (ops
+    # runs split partials on the loop: 64 rows in flight spill 212 VGPRs on gfx950 / gfx942)
+    cases.append(("reduce_norm_ilp", moe_reduce_kernel, dsig,
+                  {"TOPK": 16, "NORM": True, "BLOCK_D": 4096, "SPLITS": 1, "ILP": True}, False,
+                  {"hip": {"num_warps": 16}, "cuda": {"num_warps": 16}}))
     fsig = {"part_ptr": "*fp32", "h_ptr": "*bf16", "offsets_ptr": "*i64", "num_local": "i32", "I": "i32",
             "stride_ps": "i32", "stride_h": "i32", "SPLITS": "constexpr", "ACT": "constexpr", "BETA": "constexpr",
             "BETA_LIN": "constexpr", "BLOCK_R": "constexpr", "BLOCK_I": "constexpr"}

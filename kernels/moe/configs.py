@@ -242,6 +242,15 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 BLOCK_SLOTS: dict[str, float] = {"cuda": 0.0, "hip": 0.0, "interpreter": 0.0}
 
 
+#: the reduction's launch (``gemm.moe_reduce_kernel``, one program per token): ``ILP`` its slots unrolled as masked
+#: loads (all of a token's rows in flight; the same bits), ``num_warps``. The branchy loop is a chain of 16 dependent
+#: index loads per token: 23 us per call at 512 tokens in the K3 rank's mixed step (1 x H100, 2026-12-07), ~5 x its
+#: bytes. Unsplit w2 output only (split-K partials keep the loop at 4 warps: 64 rows in flight spill on AMD). Off on
+#: the GPUs until timed (``gpu-runs/bench_moe_decode.py --reduce-ilp``)
+REDUCE_LAUNCH: dict[str, dict] = {"cuda": dict(ILP=False, num_warps=16), "hip": dict(ILP=False, num_warps=16),
+                                  "interpreter": dict(ILP=False, num_warps=4)}
+
+
 #: (tile_n, tile_k) of the tiled expert weight layout each backend's GEMMs read (``k3rocm.kernels.mx.layout``;
 #: made once at load by ``ops.kernel_layout``). Every config's BLOCK_K is fitted to a divisor of tile_k (all
 #: shipped BLOCK_K already divide it); BLOCK_N is free (a program's rows may span chunks). 128 x 128: a chunk

@@ -265,26 +265,38 @@ def _scaled_item(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_pair_pt
 @triton.jit
 def moe_reduce_kernel(y_ptr, pos_ptr, out_ptr, norm_w_ptr, normed_ptr, D, stride_y, stride_o, stride_n, eps,
                       TOPK: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr = 1,
-                      stride_ys=0):
+                      stride_ys=0, ILP: tl.constexpr = False):
     """out[t] = sum_j y[pos[t*k+j]] (pos < 0: pair not on this rank), slot order; optional fused RMSNorm
     (``normed[t] = rms_norm(out[t]) * w`` in fp32, stored in normed's dtype: the latent tail, K3_FACTS §5 step 4).
     ``SPLITS`` > 1: y holds the split-K partials of the w2 GEMM, ``[SPLITS, P, D]`` fp32 (``stride_ys`` elements
     apart); each pair's partials are added split by split in order inside the slot order (fixed order: no atomics,
-    the same bits every run)."""
+    the same bits every run).
+    ``ILP`` (``configs.REDUCE_LAUNCH``): the slots unrolled with no branch, a pair of another rank read as a masked
+    load of -0.0 (x + -0.0 == x for every x, signed zeros too: the same bits), so a token's loads are all in flight
+    at once instead of a chain of ``TOPK`` dependent index loads and branches."""
     t = tl.program_id(0)
     rd = tl.arange(0, BLOCK_D)
     dmask = rd < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in range(TOPK):
-        p = tl.load(pos_ptr + t * TOPK + j)
-        if p >= 0:
-            if SPLITS == 1:
-                acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + rd, mask=dmask, other=0.0)
-            else:
-                yp = y_ptr + p.to(tl.int64) * stride_y + rd
-                for sp in tl.static_range(SPLITS):  # (pointer steps: SPLITS * stride_ys may pass 2^31)
-                    acc += tl.load(yp, mask=dmask, other=0.0)
-                    yp += stride_ys
+    if ILP:
+        for j in tl.static_range(TOPK):
+            p = tl.load(pos_ptr + t * TOPK + j)
+            yp = y_ptr + tl.maximum(p, 0).to(tl.int64) * stride_y + rd
+            m = dmask & ((rd * 0 + p) >= 0)
+            for sp in tl.static_range(SPLITS):
+                acc += tl.load(yp, mask=m, other=-0.0)
+                yp += stride_ys
+    else:
+        for j in range(TOPK):
+            p = tl.load(pos_ptr + t * TOPK + j)
+            if p >= 0:
+                if SPLITS == 1:
+                    acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + rd, mask=dmask, other=0.0)
+                else:
+                    yp = y_ptr + p.to(tl.int64) * stride_y + rd
+                    for sp in tl.static_range(SPLITS):  # (pointer steps: SPLITS * stride_ys may pass 2^31)
+                        acc += tl.load(yp, mask=dmask, other=0.0)
+                        yp += stride_ys
     tl.store(out_ptr + t.to(tl.int64) * stride_o + rd, acc, mask=dmask)
     if NORM:
         ms = tl.sum(acc * acc, axis=0) / D

@@ -26,6 +26,7 @@ import triton
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (BLOCK_SLOTS, DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
+                                        REDUCE_LAUNCH,
                                         ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_GEMV, ROUTER_GEMV_TOKENS,
                                         ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS, SCALE_PF_KINDS, SWAP_KINDS,
                                         stage_config)
@@ -662,9 +663,11 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     nd = normed if normed is not None else out
 
     def run_reduce():
+        rl = REDUCE_LAUNCH["interpreter" if interp else current_target().backend]
         moe_reduce_kernel[(T,)](y, d.pos, out, nw, nd, D, y.stride(1), out.stride(0), D, float(eps), TOPK=k,
                                 NORM=norm_weight is not None, BLOCK_D=triton.next_power_of_2(D), SPLITS=s2,
-                                stride_ys=y.stride(0), num_warps=4)
+                                stride_ys=y.stride(0), ILP=rl["ILP"] and s2 == 1,
+                                num_warps=rl["num_warps"] if rl["ILP"] and s2 == 1 else 4)
 
     run_w13()
     run_w2()

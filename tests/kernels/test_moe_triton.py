@@ -863,3 +863,24 @@ def test_block_slots_expectation():
     assert block_slots(10, 8192, 56, 896, 16, slack=2.0) == 10
     assert block_slots(16, 16, 56, 896, 16, slack=0.01) == 1
     assert expected_blocks(0, 56, 896, 16) == 0.0
+
+
+@pytest.mark.parametrize("T,E,ranks", [(1, 8, 4), (12, 16, 4), (24, 4, 1)], ids=["one-row-ep4", "ep4-slice", "all-local"])
+def test_reduce_ilp_same_bits(tk, monkeypatch, T, E, ranks):
+    # configs.REDUCE_LAUNCH ILP: the reduction's slots unrolled as masked loads of -0.0 for the pairs of other ranks
+    # (tokens with no local pair among them) gives the loop's bits exactly, signed zeros included, at the 4 / 16
+    # warps it runs with; split-K partials keep the loop (ILP is ignored there)
+    import k3rocm.kernels.moe.configs as C
+
+    x, ids, wts, ew = _case(T, E * ranks, 128, 96, min(4, E), seed=T + E + 41)
+    ewd = _to(_slice(ew, 0, ranks), tk.dev)
+    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
+    backend = "cuda" if GPU else "interpreter"
+    for base in (C.gemm_config(16, 32, 64, 4, 1, kind="dqp"), C.gemm_config(16, 32, 32, 4, 1, kind="dq", split_k=2),
+                 C.gemm_config(16, 32, 64, 4, 1)):
+        monkeypatch.setitem(C.REDUCE_LAUNCH, backend, dict(ILP=False, num_warps=4))
+        want = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=base)
+        for warps in (4, 16):
+            monkeypatch.setitem(C.REDUCE_LAUNCH, backend, dict(ILP=True, num_warps=warps))
+            got = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=base, poison=True)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{C.gemm_name(base)} {warps} warps"
