@@ -607,7 +607,8 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     persist = cfg.get("persist", 0) if dq else 0  # programs per SM of the persistent grid (0: one per item)
     # split boundaries at whole chunks of the backend's layout tile in both layouts (the tiled layout needs them
     # there for its full-width loads; the checkpoint layout takes the same ones so both give the same bits)
-    tile_k = LAYOUT_TILES["interpreter" if interp else current_target().backend][1]
+    backend = "interpreter" if interp else current_target().backend
+    tile_k = LAYOUT_TILES[backend][1]
     kp1, s1 = _split_k(D, bk1, sk, g13[7] or fit_tile_k(tile_k, D))
     part13 = torch.empty(s1, 2, P, inter, dtype=torch.float32, device=dev) if s1 > 1 else h
     if poison and s1 > 1:
@@ -662,12 +663,14 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     nw = norm_weight.contiguous() if norm_weight is not None else out
     nd = normed if normed is not None else out
 
+    # the unrolled reduction on unsplit output only (split partials keep the 4-warp loop: configs.REDUCE_LAUNCH)
+    ilp = REDUCE_LAUNCH[backend]["ILP"] and s2 == 1
+    reduce_warps = REDUCE_LAUNCH[backend]["num_warps"] if ilp else 4
+
     def run_reduce():
-        rl = REDUCE_LAUNCH["interpreter" if interp else current_target().backend]
         moe_reduce_kernel[(T,)](y, d.pos, out, nw, nd, D, y.stride(1), out.stride(0), D, float(eps), TOPK=k,
                                 NORM=norm_weight is not None, BLOCK_D=triton.next_power_of_2(D), SPLITS=s2,
-                                stride_ys=y.stride(0), ILP=rl["ILP"] and s2 == 1,
-                                num_warps=rl["num_warps"] if rl["ILP"] and s2 == 1 else 4)
+                                stride_ys=y.stride(0), ILP=ilp, num_warps=reduce_warps)
 
     run_w13()
     run_w2()
