@@ -13,13 +13,13 @@ list (candidates too) and split-K 2 / 4 / 8 of the served tile, each timed repla
 ``moe_experts`` with the pairs grouped beforehand (as the engine's fused routing hands them over), and its output's
 relative max difference from the picked config's; then the served config on a grid of block slots sized for the
 live blocks the rank expects (``--slots``, ``configs.BLOCK_SLOTS``: the plain grid holds a slot for every pair of
-the step, ~90% of them empty on an EP16 rank at 512 tokens), with its slot count. Floor: the experts the slice's pairs touch, read once at
-``--bw`` (default the H100's datasheet 3.35 TB/s).
+the step, ~90% of them empty on an EP16 rank at 512 tokens), with its slot count. Floor: the experts the slice's
+pairs touch, read once at ``--bw`` (default the H100's datasheet 3.35 TB/s).
 
 Usage: ``python gpu-runs/bench_moe_decode.py --tokens 1 2 4 8 16 32 64 --ep-ranks 16 --out DIR`` (moe_decode.json,
 moe_decode.md); ``--served-only`` times the served config alone (its first two GEMM launches are the ones step
-``mncu`` of ``gpu_engine.sh`` profiles). ``--small --device cpu`` (TRITON_INTERPRET=1) checks the script at tiny sizes; its timings mean
-nothing.
+``mncu`` of ``gpu_engine.sh`` profiles). ``--small --device cpu`` (TRITON_INTERPRET=1) checks the script at tiny
+sizes; its timings mean nothing.
 """
 
 from __future__ import annotations

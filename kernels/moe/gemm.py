@@ -640,7 +640,7 @@ def moe_gemm_dq_kernel(
             item += nprog
             blk = item // per_block
             e = tl.load(block_expert_ptr + blk, mask=blk < UB, other=-1)
-    elif BLOCK_LOOP:  # (its own branch, not the plain one as a one-trip loop: the served plain kernel compiles as before)
+    elif BLOCK_LOOP:  # its own branch, not the plain one as a one-trip loop: the served plain kernel compiles as before
         for blk in range(tl.program_id(0), UB, tl.num_programs(0)):
             e = tl.load(block_expert_ptr + blk)
             if e >= 0:

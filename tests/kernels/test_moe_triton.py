@@ -848,7 +848,8 @@ def test_block_slots_expectation():
     from k3rocm.kernels.moe.ops import block_slots, expected_blocks
 
     g = torch.Generator().manual_seed(0)
-    for T, E, nl, bm in ((512, 896, 56, 16), (64, 896, 56, 16), (1, 896, 56, 16), (8192, 896, 896, 64), (37, 64, 64, 16)):
+    for T, E, nl, bm in ((512, 896, 56, 16), (64, 896, 56, 16), (1, 896, 56, 16), (8192, 896, 896, 64),
+                         (37, 64, 64, 16)):
         want = expected_blocks(T * 16, nl, E if E > nl else None, bm)
         runs = []
         for _ in range(20):
@@ -865,7 +866,8 @@ def test_block_slots_expectation():
     assert expected_blocks(0, 56, 896, 16) == 0.0
 
 
-@pytest.mark.parametrize("T,E,ranks", [(1, 8, 4), (12, 16, 4), (24, 4, 1)], ids=["one-row-ep4", "ep4-slice", "all-local"])
+@pytest.mark.parametrize("T,E,ranks", [(1, 8, 4), (12, 16, 4), (24, 4, 1)],
+                         ids=["one-row-ep4", "ep4-slice", "all-local"])
 def test_reduce_ilp_same_bits(tk, monkeypatch, T, E, ranks):
     # configs.REDUCE_LAUNCH ILP: the reduction's slots unrolled as masked loads of -0.0 for the pairs of other ranks
     # (tokens with no local pair among them) gives the loop's bits exactly, signed zeros included, at the 4 / 16
