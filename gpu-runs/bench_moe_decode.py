@@ -11,10 +11,8 @@ For each token count: random router picks (top-16 of 896, ``moe_router`` on rand
 slice = experts ``0 .. 896 / ep - 1`` in the tiled layout made at load; every decode-path config of the backend's
 list (candidates too) and split-K 2 / 4 / 8 of the served tile, each timed replaying a CUDA graph of
 ``moe_experts`` with the pairs grouped beforehand (as the engine's fused routing hands them over), and its output's
-relative max difference from the picked config's; then the served config on a grid of block slots sized for the
-live blocks the rank expects (``--slots``, ``configs.BLOCK_SLOTS``: the plain grid holds a slot for every pair of
-the step, ~90% of them empty on an EP16 rank at 512 tokens), with its slot count. Floor: the experts the slice's
-pairs touch, read once at ``--bw`` (default the H100's datasheet 3.35 TB/s).
+relative max difference from the picked config's. Floor: the experts the slice's pairs touch, read once at
+``--bw`` (default the H100's datasheet 3.35 TB/s).
 
 Usage: ``python gpu-runs/bench_moe_decode.py --tokens 1 2 4 8 16 32 64 --ep-ranks 16 --out DIR`` (moe_decode.json,
 moe_decode.md); ``--served-only`` times the served config alone (its first two GEMM launches are the ones step
@@ -29,7 +27,6 @@ import json
 import math
 import os
 import time
-from dataclasses import replace
 
 import torch
 import triton
@@ -37,8 +34,8 @@ import triton.testing as tt
 
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe import GEMM_CONFIGS, gemm_name, moe_experts, moe_router
-from k3rocm.kernels.moe.configs import BLOCK_SLOTS, DQ_KINDS, REDUCE_LAUNCH
-from k3rocm.kernels.moe.ops import block_slots, dispatch_gpu, gemm_pick, kernel_layout
+from k3rocm.kernels.moe.configs import DQ_KINDS, REDUCE_LAUNCH
+from k3rocm.kernels.moe.ops import dispatch_gpu, gemm_pick, kernel_layout
 from k3rocm.kernels.target import current_target
 from k3rocm.validation.evidence import git_sha
 
@@ -67,12 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     "K3 rank the engine bench runs; 8: one GPU of mi355x-8)")
     ap.add_argument("--bw", type=float, default=3.35e12, help="bytes/s of the floor (default: H100 datasheet)")
     ap.add_argument("--out", default="gpu-runs/results")
-    ap.add_argument("--slots", type=float, nargs="*", default=[2.0],
-                    help="also time the served config on a grid of block slots, each of these slacks "
-                         "(configs.BLOCK_SLOTS; column <served>-slots<s>); none: only the backend's default")
     ap.add_argument("--reduce-ilp", action="store_true",
-                    help="also time the served config with the reduction unrolled (configs.REDUCE_LAUNCH ILP), on the "
-                         "plain grid and on the last --slots grid (columns <served>-ilp, <served>-slots<s>-ilp)")
+                    help="also time the served config with the reduction in the backend's other form (configs."
+                         "REDUCE_LAUNCH ILP: column <served>-ilp when the backend loops, <served>-loop when it unrolls)")
     ap.add_argument("--served-only", action="store_true",
                     help="time the served config alone (e.g. under Nsight Compute: step mncu of gpu_engine.sh)")
     ap.add_argument("--small", action="store_true", help="smoke run: 64 experts, latent 64, intermediate 64, top-4")
@@ -95,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     expert_bytes = 3 * D * I // 2 + 3 * D * I // 32
     rows = []
     backend = current_target().backend
-    slots0, ilp0 = BLOCK_SLOTS[backend], REDUCE_LAUNCH[backend]["ILP"]
+    ilp0 = REDUCE_LAUNCH[backend]["ILP"]
     for T in args.tokens:
         xh = torch.randn(T, H, device=dev, generator=g)
         xl = torch.randn(T, D, device=dev, generator=g).bfloat16()
@@ -106,23 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         served = gemm_pick(T * K, nl, num_experts=E)
         r = dict(tokens=T, local_pairs=pairs, experts_used=used, served=gemm_name(served),
                  floor_us=used * expert_bytes / args.bw * 1e6)
-        BLOCK_SLOTS[backend], REDUCE_LAUNCH[backend]["ILP"] = 0.0, False
-        base = moe_experts(xl, ids, wts, ew, config=served)  # the plain grid's output, the reference of every run
-        BLOCK_SLOTS[backend], REDUCE_LAUNCH[backend]["ILP"] = slots0, ilp0
+        base = moe_experts(xl, ids, wts, ew, config=served)  # the served config's output, the reference of every run
         plain = {k: v for k, v in served.items() if k not in ("max_rows", "candidate")}
-        runs = [(c, 0.0, False) for c in ([plain] if args.served_only else _configs(served))]
-        # the served config on a grid of block slots (configs.BLOCK_SLOTS), then with the unrolled reduction
-        runs += [(plain, s, False) for s in args.slots]
-        if args.reduce_ilp:
-            runs += [(plain, 0.0, True)] + [(plain, s, True) for s in args.slots[-1:]]
-        for cfg, slack, ilp in runs:
-            name = gemm_name(cfg) + (f"-slots{slack:g}" if slack else "") + ("-ilp" if ilp else "")
-            BLOCK_SLOTS[backend] = slack
+        runs = [(c, ilp0) for c in ([plain] if args.served_only else _configs(served))]
+        if args.reduce_ilp:  # the reduction's other form, same bits
+            runs.append((plain, not ilp0))
+        for cfg, ilp in runs:
+            name = gemm_name(cfg) + ("" if ilp == ilp0 else ("-ilp" if ilp else "-loop"))
             REDUCE_LAUNCH[backend]["ILP"] = ilp
             try:
-                # the global expert count, as the engine's fused routing hands it over (block_slots reads it)
-                d = replace(dispatch_gpu(ids, 0, nl, cfg["BLOCK_M"]), num_experts=E)
-                r[f"{name}_slots"] = block_slots(d.block_expert.numel(), T * K, nl, E, cfg["BLOCK_M"])
+                d = dispatch_gpu(ids, 0, nl, cfg["BLOCK_M"])
                 out = moe_experts(xl, ids, wts, ew, config=cfg, dispatch=d)
                 r[f"{name}_rel"] = ((out - base).abs().max() / base.abs().max().clamp_min(1e-30)).item()
                 if dev == "cuda":
@@ -131,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - a config that fails is a result to report
                 r[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
-                BLOCK_SLOTS[backend] = slots0
                 REDUCE_LAUNCH[backend]["ILP"] = ilp0
         times = {k[:-3]: v for k, v in r.items() if k.endswith("_us") and k != "floor_us"}
         if times:

@@ -28,9 +28,8 @@ mode: the first entry whose row band fits). The switch holds for the whole proce
 ``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
 ``ROUTER_SMALL=N`` / ``ROUTER_GEMV=N``: the one-program routing up to N tokens / the FMA router logits up to N
 tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS`` / ``ROUTER_GEMV_TOKENS``, off by default).
-``MOE_SLOTS=s``: the MoE GEMMs on a grid of ``s`` times the block slots the rank expects (``configs.BLOCK_SLOTS``;
-0 = the plain grid, a slot per pair of the step). ``MOE_REDUCE_ILP=1``: the MoE reduction unrolled
-(``configs.REDUCE_LAUNCH``).
+``MOE_REDUCE_ILP=0|1``: the MoE reduction looped / unrolled (``configs.REDUCE_LAUNCH``; unrolled is served on
+CUDA).
 """
 import os, sys, time, json, functools, collections
 import torch
@@ -51,18 +50,12 @@ if os.environ.get("ROUTER_SMALL") or os.environ.get("ROUTER_GEMV"):  # the small
         _mc.ROUTER_GEMV_TOKENS[_b] = int(os.environ["ROUTER_GEMV"])
     print(f"prof_steps: one-program routing up to {_mc.ROUTER_SMALL_TOKENS[_b]} tokens, FMA logits up to "
           f"{_mc.ROUTER_GEMV_TOKENS[_b]}", flush=True)
-if os.environ.get("MOE_SLOTS"):  # the MoE GEMMs on a grid of block slots (kernels.moe.configs.BLOCK_SLOTS slack)
-    from k3rocm.kernels.moe import configs as _mc2
-    from k3rocm.kernels.target import current_target as _ct2
-
-    _mc2.BLOCK_SLOTS[_ct2().backend] = float(os.environ["MOE_SLOTS"])
-    print(f"prof_steps: MoE GEMM block slots at slack {_mc2.BLOCK_SLOTS[_ct2().backend]}", flush=True)
-if os.environ.get("MOE_REDUCE_ILP") == "1":  # the MoE reduction unrolled (kernels.moe.configs.REDUCE_LAUNCH ILP)
+if os.environ.get("MOE_REDUCE_ILP") in ("0", "1"):  # the MoE reduction looped / unrolled (configs.REDUCE_LAUNCH ILP)
     from k3rocm.kernels.moe import configs as _mc3
     from k3rocm.kernels.target import current_target as _ct3
 
-    _mc3.REDUCE_LAUNCH[_ct3().backend]["ILP"] = True
-    print("prof_steps: MoE reduction unrolled (MOE_REDUCE_ILP=1)", flush=True)
+    _mc3.REDUCE_LAUNCH[_ct3().backend]["ILP"] = os.environ["MOE_REDUCE_ILP"] == "1"
+    print(f"prof_steps: MoE reduction {'unrolled' if _mc3.REDUCE_LAUNCH[_ct3().backend]['ILP'] else 'looped'}", flush=True)
 if os.environ.get("SHARED_ON_SIDE", "1") == "0":  # the shared experts on the main stream, before the join
     _layer.SHARED_ON_SIDE[:] = [False]
     print("prof_steps: shared experts on the main stream (SHARED_ON_SIDE=0)", flush=True)

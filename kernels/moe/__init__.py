@@ -42,8 +42,7 @@ TRITON_IMPLS = (
 )
 
 
-def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0),
-               block_loop: bool = False) -> tuple:
+def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0)) -> tuple:
     full = cfg
     cfg = stage_config(cfg, gated)
     sig = {
@@ -53,17 +52,16 @@ def _gemm_case(gated: bool, a8: bool, cfg: tune.Config, backend: str, tiles: tup
         "sorted_pair_ptr": "*i32", "pair_weight_ptr": "*fp32", "block_expert_ptr": "*i32", "block_start_ptr": "*i32",
         "offsets_ptr": "*i64", "N": "i32", "K": "i32", "HALF_N": "i32",
         "stride_am": "i32", "stride_asm": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i64",
-        "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32", "UB": "i32",
+        "stride_wsn": "i32", "stride_om": "i32", "stride_osm": "i32",
     }
     consts = {"TOPK": 16, "GATED": gated, "A8": a8, "ACT_FMT": "e4m3" if a8 else "bf16", "ACT": "situ",
               "BETA": 4.0, "BETA_LIN": 25.0, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
-              "TILE_N": tiles[0], "TILE_K": tiles[1], "BLOCK_LOOP": block_loop}
+              "TILE_N": tiles[0], "TILE_K": tiles[1]}
     for c in consts:
         sig[c] = "constexpr"
     sig = specialize(sig, k3_gemm_ints(gated, tiles, scaled_a8=a8))
     opts = isa_options(cfg, backend)
     lay = f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else ""
-    lay += ",block-loop" if block_loop else ""
     name = f"gemm_{'w13' if gated else 'w2'}_{'a8w4' if a8 else 'a16w4'}[{gemm_name(full)}{lay}]"
     return name, moe_gemm_kernel, sig, consts, True, opts
 
@@ -84,11 +82,6 @@ def isa_cases() -> list[tuple]:
                 name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, a8, cfg, "hip")
                 cuda_opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
                 cases.append((name, fn, sig, consts, expects, {"hip": hip_opts, "cuda": cuda_opts}))
-        # the first HIP tile with its programs looping over the block table (ops.block_slots), A16W4
-        cfg = GEMM_CONFIGS["hip"][0]
-        name, fn, sig, consts, expects, hip_opts = _gemm_case(gated, False, cfg, "hip", block_loop=True)
-        cases.append((name, fn, sig, consts, expects,
-                      {"hip": hip_opts, "cuda": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}}))
     # the A16W4 decode-path GEMM (the CUDA list's decode kinds; the HIP tables serve tl.dot_scaled, so its CUDA
     # tiles, with their inline-PTX bf16x2 multiplies, are compiled for sm_90 only) in its one-multiply variant
     # (every K3 layer) and the general one; plus the AMD portability case of the source: the tile and the layout
@@ -105,9 +98,6 @@ def isa_cases() -> list[tuple]:
         name, fn, sig, consts, expects, cuda_opts = dq_isa_case(gated, served, "cuda", LAYOUT_TILES["cuda"],
                                                                 bits=LAYOUT_BITS["cuda"])
         cases.append((name, fn, sig, consts, expects, {"hip": None, "cuda": cuda_opts}))
-        # the same with its programs looping over the block table (ops.block_slots)
-        case = dq_isa_case(gated, served, "cuda", LAYOUT_TILES["cuda"], bits=LAYOUT_BITS["cuda"], block_loop=True)
-        cases.append((*case[:5], {"hip": None, "cuda": case[5]}))
         # the same on the mma element order (the activations to the matrix unit as loaded)
         case = dq_isa_case(gated, served, "cuda", LAYOUT_TILES["cuda"], bits=LAYOUT_BITS["cuda"], order=1)
         cases.append((*case[:5], {"hip": None, "cuda": case[5]}))

@@ -233,15 +233,6 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 }
 
 
-#: the grouped GEMMs' block slots (``ops.block_slots``): 0 = one grid row per slot of the block table, sized for the
-#: worst case of every pair of the step landing on this rank's experts (a rank of EP16 at 512 tokens: 568 slots for
-#: ~57 live blocks, so ~90% of the w1|w3 and w2 programs only read a -1 and exit); s > 0 = ``s`` times the live blocks
-#: the rank expects under uniform routing, each program then running the live blocks m, m + slots, ... (one in the
-#: expected case; more only where routing is that much skewed towards this rank): the same bits either way. Off on
-#: the GPUs until timed (``gpu-runs/bench_moe_decode.py``: the ``served`` / ``served-slots`` columns)
-BLOCK_SLOTS: dict[str, float] = {"cuda": 0.0, "hip": 0.0, "interpreter": 0.0}
-
-
 #: the reduction's launch (``gemm.moe_reduce_kernel``, one program per token): ``ILP`` its slots unrolled as masked
 #: loads (all of a token's rows in flight; the same bits), ``num_warps``. The branchy loop is a chain of 16 dependent
 #: index loads per token: 23 us per call at 512 tokens in the K3 rank's mixed step (1 x H100, 2026-12-07), ~5 x its

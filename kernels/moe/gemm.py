@@ -153,46 +153,21 @@ def moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr,
     sorted_pair_ptr, pair_weight_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
     N, K, HALF_N,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, UB,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     TOPK: tl.constexpr, GATED: tl.constexpr, A8: tl.constexpr, ACT_FMT: tl.constexpr, ACT: tl.constexpr,
     BETA: tl.constexpr, BETA_LIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, BLOCK_LOOP: tl.constexpr = False,
+    TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0,
 ):
     """Program (m block, n tile). ``block_expert[m]`` = local expert (-1: no work), ``block_start[m]`` = first
     sorted row; rows end at ``offsets[e+1]``. ``N`` is the output width (I for w13, D for w2).
     ``TILE_N``/``TILE_K``: 0 = checkpoint layout; else ``w_ptr`` and ``ws_ptr`` are the same tiled buffer
-    (``k3rocm.kernels.mx.layout``; ``BLOCK_K`` divides ``TILE_K``; ``stride_we`` = bytes per expert).
-    ``BLOCK_LOOP`` (``ops.block_slots``): the grid holds fewer block slots than the table's ``UB``; program m runs
-    the blocks m, m + programs, ... that are live (one in the expected case), each exactly as the plain grid's
-    program of that block (the same bits)."""
+    (``k3rocm.kernels.mx.layout``; ``BLOCK_K`` divides ``TILE_K``; ``stride_we`` = bytes per expert)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if BLOCK_LOOP:
-        for blk in range(pid_m, UB, tl.num_programs(0)):
-            e = tl.load(block_expert_ptr + blk)
-            if e >= 0:
-                _scaled_item(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_pair_ptr, pair_weight_ptr,
-                             block_start_ptr, offsets_ptr, N, K, HALF_N, stride_am, stride_asm, stride_we, stride_wn,
-                             stride_wse, stride_wsn, stride_om, stride_osm, e, blk, pid_n, TOPK, GATED, A8, ACT_FMT,
-                             ACT, BETA, BETA_LIN, BLOCK_M, BLOCK_N, BLOCK_K, TILE_N, TILE_K)
-    else:
-        e = tl.load(block_expert_ptr + pid_m)
-        if e >= 0:
-            _scaled_item(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_pair_ptr, pair_weight_ptr,
-                         block_start_ptr, offsets_ptr, N, K, HALF_N, stride_am, stride_asm, stride_we, stride_wn,
-                         stride_wse, stride_wsn, stride_om, stride_osm, e, pid_m, pid_n, TOPK, GATED, A8, ACT_FMT,
-                         ACT, BETA, BETA_LIN, BLOCK_M, BLOCK_N, BLOCK_K, TILE_N, TILE_K)
-
-
-@triton.jit
-def _scaled_item(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, sorted_pair_ptr, pair_weight_ptr, block_start_ptr,
-                 offsets_ptr, N, K, HALF_N, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
-                 stride_om, stride_osm, e, pid_m, pid_n,
-                 TOPK: tl.constexpr, GATED: tl.constexpr, A8: tl.constexpr, ACT_FMT: tl.constexpr, ACT: tl.constexpr,
-                 BETA: tl.constexpr, BETA_LIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr):
-    """One (M block ``pid_m`` of local expert ``e`` >= 0, n tile ``pid_n``) item of :func:`moe_gemm_kernel`."""
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
     rows, rmask, arow, offs_n, nmask = _tile_rows(sorted_pair_ptr, block_start_ptr, offsets_ptr, e, pid_m, pid_n, N,
                                                   TOPK, GATED, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -583,7 +558,7 @@ def moe_gemm_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
     F32: tl.constexpr, TILE_N: tl.constexpr = 0, TILE_K: tl.constexpr = 0, FUSED_SCALE: tl.constexpr = False,
     PTX: tl.constexpr = False, SCALE_PF: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, BITS: tl.constexpr = 0,
-    KORDER: tl.constexpr = 0, PERSIST: tl.constexpr = 0, BLOCK_LOOP: tl.constexpr = False,
+    KORDER: tl.constexpr = 0, PERSIST: tl.constexpr = 0,
 ):
     """A16W4 grouped GEMM, decode path: same grid, block table and epilogues as :func:`moe_gemm_kernel`
     (bf16 activations only; no A8 mode). ``SWAP`` (config kind ``"dq"``): the product is computed transposed,
@@ -619,11 +594,7 @@ def moe_gemm_dq_kernel(
     rows), and stops at its first item of an empty block: the block table holds its live blocks first, then -1
     (``ops.GpuDispatch``), so no item after that one is live. Empty blocks cost no program and the next item's
     loads issue in the same program. Each item computes exactly what the program of the same (block, n tile,
-    split) computes in the plain grid: the same bits. ``UB``: the block table's length (used only here and by
-    ``BLOCK_LOOP``). ``BLOCK_LOOP`` (``ops.block_slots``; plain grid only): the grid's first axis holds fewer block
-    slots than ``UB`` (sized for the live blocks a rank expects, not for every pair landing on it); program
-    ``(m, n, s)`` runs the live blocks m, m + programs, ... (one in the expected case), each exactly as the plain
-    grid's program of that block: the same bits."""
+    split) computes in the plain grid: the same bits. ``UB``: the block table's length (used only here)."""
     if PERSIST:
         n_tiles = tl.cdiv(N, BLOCK_N)
         per_block = n_tiles * SPLIT_K
@@ -640,15 +611,6 @@ def moe_gemm_dq_kernel(
             item += nprog
             blk = item // per_block
             e = tl.load(block_expert_ptr + blk, mask=blk < UB, other=-1)
-    elif BLOCK_LOOP:  # its own branch, not the plain one as a one-trip loop: the served plain kernel compiles as before
-        for blk in range(tl.program_id(0), UB, tl.num_programs(0)):
-            e = tl.load(block_expert_ptr + blk)
-            if e >= 0:
-                _dq_item(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_pair_ptr, pair_weight_ptr, block_start_ptr, offsets_ptr,
-                         N, K, HALF_N, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, K_PER,
-                         stride_os, e, blk, tl.program_id(1), tl.program_id(2) if SPLIT_K > 1 else 0, TOPK, GATED,
-                         ACT, BETA, BETA_LIN, BLOCK_M, BLOCK_N, BLOCK_K, SWAP, F32, TILE_N, TILE_K, FUSED_SCALE, PTX,
-                         SCALE_PF, SPLIT_K, BITS, KORDER)
     else:
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
@@ -699,12 +661,11 @@ def isa_options(cfg: tune.Config, backend: str) -> dict:
 
 
 def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, int] = (0, 0),
-                fused_scale: bool = True, bits: int = 0, order: int = 0, block_loop: bool = False) -> tuple:
+                fused_scale: bool = True, bits: int = 0, order: int = 0) -> tuple:
     """``(name, fn, signature, constexprs, expects_matrix, options)`` of the decode-path GEMM for
     ``k3rocm.kernels.isa.compile_kernel`` (K3 sizes: top-16, SiTU); ``tiles``: (TILE_N, TILE_K) of the tiled
     weight layout, (0, 0) = checkpoint layout; ``fused_scale``: the variant for scale bytes <= 128 (what every
-    K3 layer runs) or the general one; ``block_loop``: the variant whose programs loop over the block table
-    (``ops.block_slots``). w2 (not ``gated``) takes the config's w2 overrides (``configs.stage_config``)."""
+    K3 layer runs) or the general one. w2 (not ``gated``) takes the config's w2 overrides (``configs.stage_config``)."""
     full = cfg
     cfg = stage_config(cfg, gated)
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16" if gated else "*fp32",
@@ -717,14 +678,14 @@ def dq_isa_case(gated: bool, cfg: tune.Config, backend: str, tiles: tuple[int, i
               "SWAP": cfg["kind"] in SWAP_KINDS, "F32": False, "TILE_N": tiles[0], "TILE_K": tiles[1],
               "FUSED_SCALE": fused_scale, "PTX": backend == "cuda", "SCALE_PF": SCALE_PF_KINDS.get(cfg["kind"], 0),
               "SPLIT_K": cfg.get("split_k", 1), "BITS": bits, "KORDER": order,
-              "PERSIST": cfg.get("persist", 0), "BLOCK_LOOP": block_loop}
+              "PERSIST": cfg.get("persist", 0)}
     for c in consts:
         sig[c] = "constexpr"
     sig = specialize(sig, k3_gemm_ints(gated, tiles, cfg.get("split_k", 1)))
     opts = isa_options(cfg, backend)
     lay = (f",tiled{tiles[0]}x{tiles[1]}" if tiles[0] else "") + (",planar" if bits else "") + (
         ",mma-order" if order else "") + (
-        "" if fused_scale else ",general-scale") + (",block-loop" if block_loop else "")
+        "" if fused_scale else ",general-scale")
     return (f"gemm_dq_{'w13' if gated else 'w2'}_a16w4[{gemm_name(full)}{lay}]", moe_gemm_dq_kernel, sig, consts, True,
             opts)
 

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from dataclasses import dataclass, replace
@@ -25,7 +24,7 @@ import triton
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
-from k3rocm.kernels.moe.configs import (BLOCK_SLOTS, DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
+from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
                                         REDUCE_LAUNCH,
                                         ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_GEMV, ROUTER_GEMV_TOKENS,
                                         ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS, SCALE_PF_KINDS, SWAP_KINDS,
@@ -314,52 +313,14 @@ def _act_format(dtype: torch.dtype) -> str:
     raise ConfigError(f"moe_experts: activation dtype {dtype} unsupported by the A16W4 kernel; pass bf16 or fp16")
 
 
-def _dq_grid(ub: int, n_tiles: int, splits: int, persist: int, dev: torch.device,
-             slots: int | None = None) -> tuple[int, ...]:
-    """Grid of ``gemm.moe_gemm_dq_kernel``: ``(slots, n_tiles, splits)`` (``slots`` default ``ub``: one program per
-    work item), when ``persist`` is 0; else ``(programs,)`` for its persistent form, ``persist`` programs per SM / CU
-    of ``dev`` (per "SM" of one under the interpreter, so the tests walk many items per program) and never more than
-    the items."""
+def _dq_grid(ub: int, n_tiles: int, splits: int, persist: int, dev: torch.device) -> tuple[int, ...]:
+    """Grid of ``gemm.moe_gemm_dq_kernel``: ``(ub, n_tiles, splits)``, one program per work item, when ``persist`` is
+    0; else ``(programs,)`` for its persistent form, ``persist`` programs per SM / CU of ``dev`` (per "SM" of one
+    under the interpreter, so the tests walk many items per program) and never more than the items."""
     if not persist:
-        return (ub if slots is None else slots, n_tiles, splits)
+        return (ub, n_tiles, splits)
     sms = 1 if interpreting() else multiprocessors(dev)
     return (max(1, min(persist * sms, ub * n_tiles * splits)),)
-
-
-@functools.lru_cache(maxsize=1024)
-def expected_blocks(pairs: int, num_local: int, num_experts: int | None, block_m: int) -> float:
-    """Live M blocks of ``block_m`` rows a rank expects when ``pairs`` (token, expert) pairs (all ranks') are
-    routed uniformly over ``num_experts`` experts (None: all ``num_local`` are local): ``num_local * E[ceil(c /
-    block_m)]`` with a local expert's row count ``c ~ Poisson(pairs / num_experts)`` (top-k picks distinct experts,
-    so uniform routing gives each expert ``pairs / num_experts`` on average). Host arithmetic, cached per shape."""
-    total = num_experts if num_experts and num_experts > num_local else num_local
-    lam = pairs / max(1, total)
-    if lam <= 0:
-        return 0.0
-    # sum over c of P(c) ceil(c / block_m), c up to lam + 12 sd + block_m (the tail beyond is < 1e-20)
-    hi = int(lam + 12 * math.sqrt(lam) + block_m + 1)
-    p = math.exp(-lam)  # P(c = 0)
-    if p == 0.0:  # a huge mean: ceil(c / block_m) ~ c / block_m + 1/2
-        return num_local * (lam / block_m + 0.5)
-    e = 0.0
-    for c in range(1, hi):
-        p *= lam / c
-        e += p * -(-c // block_m)
-    return num_local * e
-
-
-def block_slots(ub: int, pairs: int, num_local: int, num_experts: int | None, block_m: int,
-                slack: float | None = None) -> int:
-    """Block slots (grid rows) of the grouped GEMMs for a block table of ``ub`` slots: ``ub`` when ``slack`` (default
-    ``configs.BLOCK_SLOTS`` of the backend) is 0, else ``ceil(slack * expected_blocks(...))``, between 1 and ``ub``
-    (a graph replays one grid, so the cap comes from the shape, never from the step's counts). With fewer slots
-    than ``ub`` the kernels loop over the table (``BLOCK_LOOP``): every live block still runs, in a program of its
-    own unless the step routes more than ``slack`` times its expected share to this rank."""
-    if slack is None:
-        slack = BLOCK_SLOTS["interpreter" if interpreting() else current_target().backend]
-    if slack <= 0:
-        return ub
-    return max(1, min(ub, math.ceil(slack * expected_blocks(pairs, num_local, num_experts, block_m))))
 
 
 def _split_k(K: int, block_k: int, split_k: int, tile_k: int = 0) -> tuple[int, int]:
@@ -553,10 +514,6 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
     else:
         d = dispatch
     ub = d.block_expert.numel()
-    # grid rows: the live blocks the rank expects (with slack), not every slot (configs.BLOCK_SLOTS; persistent
-    # configs walk the table their own way)
-    slots = ub if cfg.get("persist") else block_slots(ub, P, E_loc, d.num_experts, cfg["BLOCK_M"])
-    loop = slots < ub
     wflat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     # h: [P, I] per sorted pair (bf16, or fp8 + scales)
     if a8:
@@ -616,24 +573,23 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     def run_w13():
         if dq:
-            moe_gemm_dq_kernel[_dq_grid(ub, triton.cdiv(inter, cfg["BLOCK_N"]), s1, persist, dev, slots)](
+            moe_gemm_dq_kernel[_dq_grid(ub, triton.cdiv(inter, cfg["BLOCK_N"]), s1, persist, dev)](
                 a, g13[0], g13[1], part13, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 inter, D, inter, a.stride(0), *g13[2:6], inter if s1 > 1 else h.stride(0), kp1, 2 * P * inter, ub,
                 TOPK=k, GATED=True, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, SWAP=swap, F32=interp,
                 TILE_N=g13[6], TILE_K=g13[7], FUSED_SCALE=fs13, PTX=ptx, SCALE_PF=spf, SPLIT_K=s1, BITS=bits13,
-                KORDER=order13, PERSIST=int(persist > 0), BLOCK_LOOP=loop, **opts)
+                KORDER=order13, PERSIST=int(persist > 0), **opts)
             if s1 > 1:
                 moe_glu_finish_kernel[(triton.cdiv(P, 16), triton.cdiv(inter, 256))](
                     part13, h, d.offsets, E_loc, inter, 2 * P * inter, h.stride(0), SPLITS=s1, ACT=act,
                     BETA=float(beta), BETA_LIN=float(beta_lin), BLOCK_R=16, BLOCK_I=256, num_warps=4)
             return
-        moe_gemm_kernel[(slots, triton.cdiv(inter, cfg["BLOCK_N"]))](
+        moe_gemm_kernel[(ub, triton.cdiv(inter, cfg["BLOCK_N"]))](
             a, a_s, g13[0], g13[1], h, hs, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-            inter, D, inter, a.stride(0), a_s.stride(0), *g13[2:6], h.stride(0), hs.stride(0), ub,
+            inter, D, inter, a.stride(0), a_s.stride(0), *g13[2:6], h.stride(0), hs.stride(0),
             TOPK=k, GATED=True, A8=a8, ACT_FMT=fmt, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, TILE_N=g13[6], TILE_K=g13[7],
-            BLOCK_LOOP=loop, **opts)
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk1, TILE_N=g13[6], TILE_K=g13[7], **opts)
     # w2's own n-tile and launch options where the config overrides them (configs.stage_config); BLOCK_M, BLOCK_K,
     # kind and split are shared
     cfg2 = stage_config(cfg, False)
@@ -646,20 +602,20 @@ def _experts_impl(x, topk_ids, topk_weights, experts, act, mode, beta, beta_lin,
 
     def run_w2():
         if dq:
-            moe_gemm_dq_kernel[_dq_grid(ub, triton.cdiv(D, cfg2["BLOCK_N"]), s2, persist, dev, slots)](
+            moe_gemm_dq_kernel[_dq_grid(ub, triton.cdiv(D, cfg2["BLOCK_N"]), s2, persist, dev)](
                 h, g2[0], g2[1], y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
                 D, inter, 0, h.stride(0), *g2[2:6], y.stride(1), kp2, y.stride(0), ub,
                 TOPK=k, GATED=False, ACT=act, BETA=float(beta), BETA_LIN=float(beta_lin),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=bk2, SWAP=swap, F32=interp,
                 TILE_N=g2[6], TILE_K=g2[7], FUSED_SCALE=fs2, PTX=ptx, SCALE_PF=spf, SPLIT_K=s2, BITS=bits2,
-                KORDER=order2, PERSIST=int(persist > 0), BLOCK_LOOP=loop, **opts2)
+                KORDER=order2, PERSIST=int(persist > 0), **opts2)
             return
-        moe_gemm_kernel[(slots, triton.cdiv(D, cfg2["BLOCK_N"]))](
+        moe_gemm_kernel[(ub, triton.cdiv(D, cfg2["BLOCK_N"]))](
             h, hs, g2[0], g2[1], y, y, d.sorted_pair, wflat, d.block_expert, d.block_start, d.offsets,
-            D, inter, 0, h.stride(0), hs.stride(0), *g2[2:6], y.stride(1), y.stride(1), ub,
+            D, inter, 0, h.stride(0), hs.stride(0), *g2[2:6], y.stride(1), y.stride(1),
             TOPK=k, GATED=False, A8=a8, ACT_FMT="e4m3" if a8 else "bf16", ACT=act, BETA=float(beta),
             BETA_LIN=float(beta_lin), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=bk2,
-            TILE_N=g2[6], TILE_K=g2[7], BLOCK_LOOP=loop, **opts2)
+            TILE_N=g2[6], TILE_K=g2[7], **opts2)
     nw = norm_weight.contiguous() if norm_weight is not None else out
     nd = normed if normed is not None else out
 

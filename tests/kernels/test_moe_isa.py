@@ -224,21 +224,3 @@ def test_persistent_grid_compiles(target):
     for gated in (True, False):
         plain, pers = (_compile(dq_isa_case(gated, dict(base, persist=p), backend, tiles), target) for p in (0, 2))
         _assert_like_plain(pers, plain, backend, target)
-
-
-@pytest.mark.parametrize("target", ["sm_90", "gfx950", "gfx942"])
-def test_block_loop_compiles(target):
-    # the grids of block slots (ops.block_slots: programs looping over the block table around the k-loop): the decode
-    # kernel and the scaled one compile with the plain grid's matrix instructions; on sm_90 the decode kernel's k-loop
-    # is pipelined as in the plain grid (as many cp.async copies); on AMD both without spills
-    backend = "cuda" if target == "sm_90" else "hip"
-    base = GEMM_CONFIGS["cuda"][0] if backend == "cuda" else gemm_config(16, 64, 128, 4, 2, kind="dq")
-    tiles = LAYOUT_TILES["cuda"] if backend == "cuda" else (0, 0)
-    for gated in (True, False):
-        plain, loop = (_compile(dq_isa_case(gated, base, backend, tiles, block_loop=b), target) for b in (False, True))
-        _assert_like_plain(loop, plain, backend, target)
-        scaled = GEMM_CONFIGS["hip"][0]
-        sp, sl = (_compile(_gemm_case(gated, False, scaled, backend, block_loop=b), target) for b in (False, True))
-        assert sl.error is None and sl.matrix_ops == sp.matrix_ops and sl.matrix_ops, (sl.error, sl.matrix_ops)
-        if backend == "hip":
-            assert sl.ok, f"{sl.name} on {target}: {sl.problems()}"

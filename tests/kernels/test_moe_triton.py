@@ -806,66 +806,6 @@ def test_weights_use_kernel_layout(tk, tiny_ckpt):
     assert torch.equal(expert_dense_weights(half, 0)[0], dense[1][0])
 
 
-@pytest.mark.parametrize("T,E,D,inter,ranks", [(1, 8, 128, 96, 4), (12, 16, 64, 96, 4), (24, 4, 128, 64, 1)],
-                         ids=["one-row-ep4", "ep4-slice", "rows-past-tile"])
-@pytest.mark.parametrize("slack", [0.01, 1.0, 2.0])
-def test_block_slots_bit_identical(tk, monkeypatch, T, E, D, inter, ranks, slack):
-    # configs.BLOCK_SLOTS: a grid of fewer block slots than the table (sized for the live blocks a rank expects),
-    # its programs looping over the table. Every live block still runs, each exactly as the plain grid's program
-    # of that block: the same bits, for both kernels (the decode path and the scaled one), split-K and w2 on its
-    # own n-tile included. slack 0.01: one slot, so a program walks every live block; 1: about the expected live
-    # blocks (the random picks overflow them on some seeds); 2: the served default's shape. The EP cases pass the
-    # global expert count (as the fused routing's dispatch does), so the expectation is this rank's share.
-    import k3rocm.kernels.moe.configs as C
-    from dataclasses import replace as _replace
-    from k3rocm.kernels.moe.ops import block_slots, dispatch_gpu
-
-    x, ids, wts, ew = _case(T, E * ranks, D, inter, min(4, E), seed=T + E + 29)
-    ewd = _to(_slice(ew, 0, ranks), tk.dev)
-    args = (x.to(tk.dev), ids.to(tk.dev), wts.to(tk.dev))
-    for base in (C.gemm_config(16, 32, 64, 4, 1, kind="dqp"), C.gemm_config(16, 32, 32, 4, 1, kind="dq", split_k=2),
-                 C.gemm_config(16, 32, 64, 4, 1, kind="dqw", w2=dict(BLOCK_N=64)), C.gemm_config(16, 32, 64, 4, 1)):
-        d = _replace(dispatch_gpu(args[1], 0, E, base["BLOCK_M"]), num_experts=E * ranks)
-        ub = d.block_expert.numel()
-        monkeypatch.setitem(C.BLOCK_SLOTS, "interpreter", 0.0)
-        monkeypatch.setitem(C.BLOCK_SLOTS, "cuda", 0.0)
-        want = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=base, dispatch=d)
-        monkeypatch.setitem(C.BLOCK_SLOTS, "interpreter", slack)
-        monkeypatch.setitem(C.BLOCK_SLOTS, "cuda", slack)
-        slots = block_slots(ub, T * ids.shape[1], E, E * ranks, base["BLOCK_M"])
-        assert 1 <= slots <= ub
-        if slack < 1:
-            assert slots == 1 < ub or ub == 1  # the loop runs
-        got = tk.moe.moe_experts(*args, ewd, mode="a16w4", config=base, dispatch=d, poison=True)
-        name = f"{C.gemm_name(base)} slack {slack} ({slots} of {ub} slots)"
-        assert torch.isfinite(want).all() and torch.equal(got, want), f"{name}: differs from the plain grid"
-
-
-def test_block_slots_expectation():
-    # ops.expected_blocks: num_local * E[ceil(c / block_m)], c ~ Poisson(pairs / experts), against a Monte Carlo of
-    # uniform routing; block_slots: ub when off, capped at ub, at least 1
-    import math
-    from k3rocm.kernels.moe.ops import block_slots, expected_blocks
-
-    g = torch.Generator().manual_seed(0)
-    for T, E, nl, bm in ((512, 896, 56, 16), (64, 896, 56, 16), (1, 896, 56, 16), (8192, 896, 896, 64),
-                         (37, 64, 64, 16)):
-        want = expected_blocks(T * 16, nl, E if E > nl else None, bm)
-        runs = []
-        for _ in range(20):
-            ids = torch.stack([torch.randperm(E, generator=g)[:16] for _ in range(T)]) if T <= 512 else \
-                torch.randint(0, E, (T, 16), generator=g)  # (with repeats above 512 tokens: the mean is the same)
-            c = torch.bincount(ids.reshape(-1), minlength=E)[:nl]
-            runs.append(float(((c + bm - 1) // bm).sum()))
-        mc = sum(runs) / len(runs)
-        assert abs(want - mc) <= 0.05 * mc + 1.5, (T, E, nl, bm, want, mc)
-    assert block_slots(568, 8192, 56, 896, 16, slack=0.0) == 568
-    assert block_slots(568, 8192, 56, 896, 16, slack=2.0) == math.ceil(2 * expected_blocks(8192, 56, 896, 16)) < 568
-    assert block_slots(10, 8192, 56, 896, 16, slack=2.0) == 10
-    assert block_slots(16, 16, 56, 896, 16, slack=0.01) == 1
-    assert expected_blocks(0, 56, 896, 16) == 0.0
-
-
 @pytest.mark.parametrize("T,E,ranks", [(1, 8, 4), (12, 16, 4), (24, 4, 1)],
                          ids=["one-row-ep4", "ep4-slice", "all-local"])
 def test_reduce_ilp_same_bits(tk, monkeypatch, T, E, ranks):
