@@ -27,7 +27,7 @@ mode: the first entry whose row band fits). The switch holds for the whole proce
 ``ROUTER_OVERLAP=0``: the MoE routing on the main stream instead of beside the shared experts (A/B);
 ``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
 ``ROUTER_SMALL=N`` / ``ROUTER_GEMV=N``: the one-program routing up to N tokens / the FMA router logits up to N
-tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS`` / ``ROUTER_GEMV_TOKENS``, off by default).
+tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS``, 1 on CUDA / ``ROUTER_GEMV_TOKENS``, off; N=0 turns either off).
 ``MOE_REDUCE_ILP=0|1``: the MoE reduction looped / unrolled (``configs.REDUCE_LAUNCH``; unrolled is served on
 CUDA).
 """

@@ -236,9 +236,10 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 #: the reduction's launch (``gemm.moe_reduce_kernel``, one program per token): ``ILP`` its slots unrolled as masked
 #: loads (all of a token's rows in flight; the same bits), ``num_warps``. The branchy loop is a chain of 16 dependent
 #: index loads per token: 23 us per call at 512 tokens in the K3 rank's mixed step (1 x H100, 2026-12-07), ~5 x its
-#: bytes. Unsplit w2 output only (split-K partials keep the loop at 4 warps: 64 rows in flight spill on AMD). Off on
-#: the GPUs until timed (``gpu-runs/bench_moe_decode.py --reduce-ilp``)
-REDUCE_LAUNCH: dict[str, dict] = {"cuda": dict(ILP=False, num_warps=16), "hip": dict(ILP=False, num_warps=16),
+#: bytes. Unsplit w2 output only (split-K partials keep the loop at 4 warps: 64 rows in flight spill on AMD). Served
+#: on CUDA: the EP16 slice's experts 0.6 - 3.0 us faster per call at 1 / 8 / 64 / 256 / 512 tokens (1 x H100,
+#: 2026-12-07 16:00 UTC, ``gpu-runs/bench_moe_decode.py --reduce-ilp``); off on HIP until timed there
+REDUCE_LAUNCH: dict[str, dict] = {"cuda": dict(ILP=True, num_warps=16), "hip": dict(ILP=False, num_warps=16),
                                   "interpreter": dict(ILP=False, num_warps=4)}
 
 
@@ -301,10 +302,12 @@ ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}
 
 #: fused routing of at most this many tokens in ONE program (``router.router_topk_small_kernel``: the top-k of every
 #: token in one key tile and the grouping straight from it, no counters, no membership matrix through memory)
-#: instead of the per-token programs and their two-level grouping. 0 (off) on the GPUs until ``bench_route.py``
-#: (``small`` columns) has timed it; on in the interpreter, so the CPU tests hold it to the same tensors. On HIP at
-#: most 4 when turned on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
-ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 0, "hip": 0, "interpreter": 8}
+#: instead of the per-token programs and their two-level grouping. On CUDA one token (the c1 decode step): 17.1 us
+#: per layer graph-replayed against 19.7 for the per-token programs, but 29.6 - 31.9 against 21.9 at 4 tokens and
+#: 48.0 against 22.4 at 8 (1 x H100, 2026-12-07 16:02 UTC, ``bench_route.py`` ``small`` columns). Off on HIP until
+#: timed there; on in the interpreter, so the CPU tests hold it to the same tensors. On HIP at most 4 when turned
+#: on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
+ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 8}
 
 #: router logits of at most this many tokens (<= 4) on the FMA units (``router.router_logits_gemv_kernel``: each gate
 #: byte read once and multiplied by the few rows) with :data:`ROUTER_GEMV` instead of a 16-row matrix tile that is
