@@ -12,9 +12,7 @@ blocks of the ``BLOCK_M`` the expert GEMM picks at that size). Paths:
 ``router graphed`` is ``moe_router`` alone (logits + top-k, no grouping) replayed from a graph: ``new graphed``
 minus it is what the grouping costs. The JSON also has each router config forced (``cfg_*``) and the fused path
 with its top-k + grouping launch at 1 / 2 / 4 / 8 warps (``warps*``: graph-replayed time, same tensors or not),
-and up to 8 tokens the whole routing in one program at 4 / 8 warps (``small*``, ``configs.ROUTER_SMALL_TOKENS``);
-up to 4 tokens the logits on the FMA units (``gemv``, ``configs.ROUTER_GEMV_TOKENS``), alone and with the
-one-program routing (``gemv_small``): their ids against the default path's (the logits' bits may differ).
+and up to 8 tokens the whole routing in one program at 4 / 8 warps (``small*``, ``configs.ROUTER_SMALL_TOKENS``).
 
 Each is timed eagerly (``triton.testing.do_bench``, median after warm-up) and replayed from a CUDA graph
 (``do_bench_cudagraph``: what the serving engine runs). ``same`` says the new path's ids, weights and every
@@ -110,19 +108,6 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
                     lambda wp=wp: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp), rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a warp count that fails is a result to report
                 r[f"warps{wp}_error"] = f"{type(e).__name__}: {e}"[:200]
-    if graphs and dev == "cuda" and T <= 4:  # the logits of a few tokens on the FMA units (router_logits_gemv_kernel)
-        from k3rocm.kernels.moe.configs import ROUTER_GEMV
-
-        gemv = dict(ROUTER_GEMV["cuda"])
-        for name, extra in (("gemv", {}), ("gemv_small", {"small_tokens": 8})):
-            try:
-                got = moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, config=gemv, **extra)
-                r[f"{name}_same_ids"] = torch.equal(got[0], b[0])
-                r[f"{name}_graph_us"] = tt.do_bench_cudagraph(
-                    lambda extra=extra: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, config=gemv, **extra),
-                    rep=100) * 1e3
-            except Exception as e:  # noqa: BLE001 - a failure is a result to report
-                r[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
     if graphs and dev == "cuda" and T <= 8:  # the whole routing in one program (router_topk_small_kernel)
         for wp in (4, 8):
             try:

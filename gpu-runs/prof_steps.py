@@ -26,8 +26,8 @@ GEMM, to time the engine with it before anything serves it. Its config is the tu
 mode: the first entry whose row band fits). The switch holds for the whole process.
 ``ROUTER_OVERLAP=0``: the MoE routing on the main stream instead of beside the shared experts (A/B);
 ``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
-``ROUTER_SMALL=N`` / ``ROUTER_GEMV=N``: the one-program routing up to N tokens / the FMA router logits up to N
-tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS``, 1 on CUDA / ``ROUTER_GEMV_TOKENS``, off; N=0 turns either off).
+``ROUTER_SMALL=N``: the one-program routing up to N tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS``, 1 on CUDA;
+N=0 turns it off).
 ``MOE_REDUCE_ILP=0|1``: the MoE reduction looped / unrolled (``configs.REDUCE_LAUNCH``; unrolled is served on
 CUDA).
 """
@@ -39,17 +39,13 @@ from k3rocm.model import layer as _layer
 if os.environ.get("ROUTER_OVERLAP", "1") == "0":  # the MoE routing on the main stream (A/B of the side stream)
     _layer.ROUTER_OVERLAP[:] = [False]
     print("prof_steps: MoE routing on the main stream (ROUTER_OVERLAP=0)", flush=True)
-if os.environ.get("ROUTER_SMALL") or os.environ.get("ROUTER_GEMV"):  # the small-batch routing candidates on
+if os.environ.get("ROUTER_SMALL"):  # the one-program routing of small batches on / off
     from k3rocm.kernels.moe import configs as _mc
     from k3rocm.kernels.target import current_target as _ct
 
     _b = _ct().backend
-    if os.environ.get("ROUTER_SMALL"):
-        _mc.ROUTER_SMALL_TOKENS[_b] = int(os.environ["ROUTER_SMALL"])
-    if os.environ.get("ROUTER_GEMV"):
-        _mc.ROUTER_GEMV_TOKENS[_b] = int(os.environ["ROUTER_GEMV"])
-    print(f"prof_steps: one-program routing up to {_mc.ROUTER_SMALL_TOKENS[_b]} tokens, FMA logits up to "
-          f"{_mc.ROUTER_GEMV_TOKENS[_b]}", flush=True)
+    _mc.ROUTER_SMALL_TOKENS[_b] = int(os.environ["ROUTER_SMALL"])
+    print(f"prof_steps: one-program routing up to {_mc.ROUTER_SMALL_TOKENS[_b]} tokens", flush=True)
 if os.environ.get("MOE_REDUCE_ILP") in ("0", "1"):  # the MoE reduction looped / unrolled (configs.REDUCE_LAUNCH ILP)
     from k3rocm.kernels.moe import configs as _mc3
     from k3rocm.kernels.target import current_target as _ct3

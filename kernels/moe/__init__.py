@@ -20,7 +20,7 @@ from .gemm import (K3_LATENT, K3_PAIRS, dq_isa_case, isa_options, k3_gemm_ints, 
 from .mlp import glu
 from .mlp import isa_case as _glu_isa_case
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
-from .router import logits_gemv_isa_case, router_logits_kernel, topk_isa_case, topk_small_isa_case
+from .router import router_logits_kernel, topk_isa_case, topk_small_isa_case
 
 __all__ = ["moe_router", "moe_experts", "glu", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
            "gemm_config", "gemm_name", "router_config", "stage_config", "isa_cases", "TRITON_IMPLS"]
@@ -141,8 +141,7 @@ def isa_cases() -> list[tuple]:
                   {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": True,
                    "SPLIT_X": 0}, False,
                   {"hip": {"num_warps": 4, "num_stages": 2}, "cuda": {"num_warps": 4, "num_stages": 2}}))
-    cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"]), topk_small_isa_case(4, 8),
-              logits_gemv_isa_case(4)]
+    cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"]), topk_small_isa_case(4, 8)]
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
             "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
             "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr", "stride_ys": "i32",

@@ -237,7 +237,7 @@ GEMM_CONFIGS: dict[str, list[Config]] = {
 #: loads (all of a token's rows in flight; the same bits), ``num_warps``. The branchy loop is a chain of 16 dependent
 #: index loads per token: 23 us per call at 512 tokens in the K3 rank's mixed step (1 x H100, 2026-12-07), ~5 x its
 #: bytes. Unsplit w2 output only (split-K partials keep the loop at 4 warps: 64 rows in flight spill on AMD). Served
-#: on CUDA: the EP16 slice's experts 0.6 - 3.0 us faster per call at 1 / 8 / 64 / 256 / 512 tokens (1 x H100,
+#: on CUDA: the EP16 slice's experts 0.6 - 3.0 us faster per call at 8 / 64 / 256 / 512 tokens (1 x H100,
 #: 2026-12-07 16:00 UTC, ``gpu-runs/bench_moe_decode.py --reduce-ilp``); off on HIP until timed there
 REDUCE_LAUNCH: dict[str, dict] = {"cuda": dict(ILP=True, num_warps=16), "hip": dict(ILP=False, num_warps=16),
                                   "interpreter": dict(ILP=False, num_warps=4)}
@@ -308,15 +308,3 @@ ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}
 #: timed there; on in the interpreter, so the CPU tests hold it to the same tensors. On HIP at most 4 when turned
 #: on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
 ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 8}
-
-#: router logits of at most this many tokens (<= 4) on the FMA units (``router.router_logits_gemv_kernel``: each gate
-#: byte read once and multiplied by the few rows) with :data:`ROUTER_GEMV` instead of a 16-row matrix tile that is
-#: mostly padding (the logits took ~12 us at one token on an H100, 2026-12-07, against a ~4 us gate read). 0 (off)
-#: on the GPUs until ``bench_route.py`` (``gemv`` columns) has timed it; on in the interpreter
-ROUTER_GEMV_TOKENS: dict[str, int] = {"cuda": 0, "hip": 0, "interpreter": 4}
-#: the GEMV logits' launch per backend: experts per program, k-step, K splits (aim: ~450 programs), warps, stages
-ROUTER_GEMV: dict[str, Config] = {
-    "cuda": dict(GEMV=True, BLOCK_E=16, BLOCK_K=128, SPLITS=8, num_warps=8, num_stages=3),
-    "hip": dict(GEMV=True, BLOCK_E=16, BLOCK_K=128, SPLITS=8, num_warps=8, num_stages=2),
-    "interpreter": dict(GEMV=True, BLOCK_E=16, BLOCK_K=64, SPLITS=2),
-}

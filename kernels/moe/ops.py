@@ -26,13 +26,11 @@ from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
                                         REDUCE_LAUNCH,
-                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_GEMV, ROUTER_GEMV_TOKENS,
-                                        ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS, SCALE_PF_KINDS, SWAP_KINDS,
-                                        stage_config)
+                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS,
+                                        SCALE_PF_KINDS, SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
-from k3rocm.kernels.moe.router import (pair_tokens, router_logits_gemv_kernel, router_logits_kernel, router_topk_kernel,
-                                       router_topk_small_kernel)
+from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel, router_topk_small_kernel
 from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4, unpack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting, multiprocessors
@@ -72,17 +70,6 @@ def _router_logits(x, gate_weight, top_k, config):
     gate_weight = gate_weight.contiguous()
     if T == 0:
         return x, None, 0
-    backend = current_target().backend
-    if config.get("GEMV") if config else T <= ROUTER_GEMV_TOKENS[backend]:  # a few rows: FMA, no matrix tile
-        cfg = config or dict(ROUTER_GEMV[backend])
-        if T > 4:
-            raise ConfigError(f"moe_router: the GEMV logits serve at most 4 tokens, not {T}; pass a tile config")
-        k_per, splits = _logit_splits(D, cfg["BLOCK_K"], cfg["SPLITS"])
-        part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-        router_logits_gemv_kernel[(triton.cdiv(E, cfg["BLOCK_E"]), splits)](
-            x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
-            BLOCK_T=triton.next_power_of_2(T), BLOCK_E=cfg["BLOCK_E"], BLOCK_K=cfg["BLOCK_K"], **tune.split(cfg)[1])
-        return x, part, splits
     # keyed on the power of two above T (bounded set: no new compile per batch size while serving)
     cfg = config or tune.pick("moe_router", (tune.pow2(T),), tune.configs(ROUTER_CONFIGS), rows=T)
     tiles = triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(E, cfg["BLOCK_E"])
@@ -105,9 +92,7 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | 
     the gate never widened; emulated in fp32 under the interpreter, whose bf16 ``tl.dot`` is not trustworthy);
     both fp32 (the validation path: IEEE products, never TF32); other mixes widen both to fp32.
     Returns ``(ids [T, k] int32, weights [T, k] fp32)``. Two launches (logits, top-k). ``config``: one
-    ``ROUTER_CONFIGS`` tile, or the backend's ``ROUTER_GEMV`` entry (the logits of at most 4 tokens on the FMA units,
-    ``router.router_logits_gemv_kernel``; the default up to ``ROUTER_GEMV_TOKENS`` tokens, off on the GPUs until
-    timed); default: the tile picked for the token count.
+    ``ROUTER_CONFIGS`` tile; default: the tile picked for the token count.
 
     ``experts`` (the layer's packed ``ExpertWeights``, as :func:`moe_experts` takes them): fused routing —
     returns ``(ids, weights, GpuDispatch)`` from :func:`moe_route`, the pairs grouped for these local experts

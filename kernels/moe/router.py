@@ -81,37 +81,6 @@ def router_logits_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_PER_SPLIT, stride_x,
     tl.store(p_ptrs, acc, mask=tmask[:, None] & emask[None, :])
 
 
-@triton.jit
-def router_logits_gemv_kernel(x_ptr, w_ptr, part_ptr, T, E, D, K_PER_SPLIT, stride_x, stride_w, stride_ps, stride_pt,
-                              BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Router logits of a few tokens (``T <= BLOCK_T``, at most 4) without the matrix unit: grid (expert tiles, K
-    splits), each program's partial ``[BLOCK_T, BLOCK_E]`` = the fp32 products of x and the gate (any float
-    dtypes, widened in registers) summed over its k range, in a fixed order, to ``part [S, T, E]`` as
-    :func:`router_logits_kernel` writes it. With one to four real rows a 16-row matrix tile is mostly padding and
-    the fp32 input costs three bf16 products per step there; here each gate byte is read once and multiplied by the
-    few rows on the FMA units. fp32 math up to summation order, as the matrix path (its products are exact, these
-    rounded once each)."""
-    pid_e = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rt = tl.arange(0, BLOCK_T)
-    re = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    rk = tl.arange(0, BLOCK_K)
-    tmask = rt < T
-    emask = re < E
-    k_lo = pid_s * K_PER_SPLIT
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-        kk = k_lo + k0 + rk
-        kmask = kk < D
-        x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + kk[None, :], mask=tmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + kk[None, :], mask=emask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    p_ptrs = part_ptr + pid_s * stride_ps + rt[:, None].to(tl.int64) * stride_pt + re[None, :]
-    tl.store(p_ptrs, acc, mask=tmask[:, None] & emask[None, :])
-
-
 # int64 key of a (biased score, expert) lane: the fp32 bits made order-preserving as a signed int (negative
 # floats: flip the 31 low bits) in the high word, BLOCK_E - 1 - id in the low word; the max key is the
 # highest score and, among bitwise-equal scores, the lowest id. Chosen lanes drop to PICKED.
@@ -341,18 +310,6 @@ def router_topk_small_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps,
     tl.store(sorted_ptr + off_row, pidx, mask=off != 0)
     tl.store(pos_ptr + pidx, tl.full((BLOCK_TT, BLOCK_KOUT), -1, tl.int32), mask=off != 0)
     write_block_table(bexp_ptr, bstart_ptr, UB, loc, lanes, counts, start, BLOCK_M, BLOCK_UB)
-
-
-def logits_gemv_isa_case(tokens: int = 4, block_e: int = 16, block_k: int = 128, warps: int = 8) -> tuple:
-    """The ISA case of :func:`router_logits_gemv_kernel` at K3 size (gate 896 x 7168 bf16, fp32 x, 8 splits of 896)."""
-    sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "D": "i32",
-           "K_PER_SPLIT": "i32", "stride_x": "i32", "stride_w": "i32", "stride_ps": "i32", "stride_pt": "i32",
-           "BLOCK_T": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
-    sig = specialize(sig, dict(E=896, D=7168, K_PER_SPLIT=896, stride_x=7168, stride_w=7168, stride_ps=tokens * 896,
-                               stride_pt=896))
-    return (f"router_logits_gemv_t{tokens}", router_logits_gemv_kernel, sig,
-            {"BLOCK_T": tokens, "BLOCK_E": block_e, "BLOCK_K": block_k}, False,
-            {"hip": {"num_warps": warps, "num_stages": 2}, "cuda": {"num_warps": warps, "num_stages": 3}})
 
 
 def topk_small_isa_case(tokens: int = 4, warps: int = 8) -> tuple:
