@@ -11,7 +11,9 @@
    leaves the directory, except, in a Hugging Face cache snapshot ``<repo>/snapshots/<rev>/``, a symlink
    into the same repo's ``<repo>/blobs/`` - the way the hub cache stores every download);
 5. every shard header parses: 8-byte little-endian length within the file, JSON object, known dtypes,
-   ``data_offsets`` matching shape x dtype size, not overlapping, and the file long enough to hold them;
+   ``data_offsets`` matching shape x dtype size, and the offsets, sorted, tiling the data region exactly as the
+   safetensors format requires (and ``safetensors.safe_open`` enforces): the first starts at 0, each begins where
+   the previous ends (no overlap, no gap), the last ends at the end of the file (no trailing bytes);
 6. the index and the headers agree (an index entry the shard lacks, a tensor in two shards, a shard
    tensor the index does not list);
 7. the tensor set is exactly ``layout.iter_specs(config)`` with the right dtypes and shapes (vision tensors
@@ -159,6 +161,10 @@ def read_shard_header(path: Path) -> tuple[dict, int, int]:
     return hdr, 8 + n, size
 
 
+#: what to do about a shard whose header does not describe its bytes
+_REWRITE = "re-download the shard (or write it again)"
+
+
 def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
     hdr, base, size = read_shard_header(path)
     out: dict[str, TensorEntry] = {}
@@ -178,7 +184,9 @@ def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
                 n *= d
         except KeyError:
             if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in sizes:
-                raise CheckpointError(f"{path}: tensor {name} has unknown dtype {info['dtype']!r}") from None
+                raise CheckpointError(f"{path}: tensor {name} has unknown dtype {info['dtype']!r}; the header is "
+                                      f"corrupt or the shard was converted to a dtype k3rocm does not read - "
+                                      f"{_REWRITE}") from None
             raise CheckpointError(f"{path}: header entry for {name} lacks dtype/shape/data_offsets; "
                                   "re-download the shard") from None
         except (TypeError, ValueError):
@@ -186,16 +194,29 @@ def _shard_entries(path: Path, shard: str) -> dict[str, TensorEntry]:
                                   "re-download the shard") from None
         if type(a) is not int or type(b) is not int or not 0 <= a <= b or b - a != n:
             raise CheckpointError(f"{path}: tensor {name} data_offsets [{a}, {b}] do not match shape "
-                                  f"{list(shape)} x {dtype}; the header is corrupt")
+                                  f"{list(shape)} x {dtype}; the header is corrupt - {_REWRITE}")
         if base + b > size:
             raise CheckpointError(f"{path}: tensor {name} ends at byte {base + b} but the file has {size} "
                                   "bytes; the shard is truncated - re-download it")
         out[name] = TensorEntry(shard, dtype, shape, base + a, base + b)
         spans.append((a, b, name))
+    # the safetensors format: the offsets, sorted (start, end), tile the data region exactly - what
+    # safetensors.safe_open refuses ("invalid offset for tensor", "incomplete metadata, file not fully covered")
     spans.sort()
-    for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:]):
-        if a1 < b0 and b1 > a1:
-            raise CheckpointError(f"{path}: tensors {n0} and {n1} overlap in the file; the header is corrupt")
+    end, prev = 0, None
+    for a, b, name in spans:
+        if a < end:
+            raise CheckpointError(f"{path}: tensors {prev} and {name} overlap in the file; the header is corrupt - "
+                                  f"{_REWRITE}")
+        if a > end:
+            after = f"tensor {prev} ends at data offset {end}" if prev else "the data region starts at offset 0"
+            raise CheckpointError(f"{path}: {a - end} bytes before tensor {name} (at data offset {a}) belong to no "
+                                  f"tensor ({after}); the header is corrupt - {_REWRITE}")
+        end, prev = b, name
+    if base + end != size:
+        last = f"the last tensor, {prev}, ends at byte {base + end}" if prev else "the header lists no tensor"
+        raise CheckpointError(f"{path}: the file's last {size - base - end} bytes belong to no tensor ({last} of "
+                              f"{size}); the shard is damaged - {_REWRITE}")
     return out
 
 

@@ -293,6 +293,115 @@ def test_corrupt_data_offsets(ck):
     _refused(ck, CheckpointError, _full(ck, S1), A_LOG, "data_offsets")
 
 
+def test_unknown_dtype_and_overlap_say_what_to_do(ck):
+    b = (ck / S1).read_bytes()
+    n = int.from_bytes(b[:8], "little")
+    hdr = json.loads(b[8:8 + n])
+
+    def write(h):
+        js = json.dumps(h, separators=(",", ":")).encode()
+        assert len(js) <= n
+        (ck / S1).write_bytes(b[:8] + js + b" " * (n - len(js)) + b[8 + n:])
+
+    write({**hdr, A_LOG: {**hdr[A_LOG], "dtype": "F4"}})
+    _refused(ck, CheckpointError, _full(ck, S1), A_LOG, "unknown dtype 'F4'", "re-download the shard")
+    first, second = sorted((k for k in hdr if k != "__metadata__"), key=lambda k: hdr[k]["data_offsets"])[:2]
+    a0, _ = hdr[first]["data_offsets"]
+    a1, b1 = hdr[second]["data_offsets"]
+    write({**hdr, second: {**hdr[second], "data_offsets": [a1 - 2, b1 - 2]}})  # starts inside the first
+    _refused(ck, CheckpointError, _full(ck, S1), "overlap", "header is corrupt", "re-download the shard")
+
+
+# The safetensors format: the tensors' data_offsets, sorted, tile the data region exactly. safe_open (the oracle)
+# refuses trailing bytes and gaps; so must we, with one line naming the shard (and the tensor after a gap).
+def _safe_open_refuses(path: Path, needle: str) -> None:
+    from safetensors import safe_open
+
+    with pytest.raises(Exception) as ei:
+        with safe_open(str(path), "pt"):
+            pass
+    assert needle in str(ei.value), ei.value
+
+
+def _cli_refuses(ck: Path, tmp_path: Path, *needles: str) -> None:
+    """``checkpoint inspect``, ``load`` and ``validate`` all exit 2 with one line (they exited 0)."""
+    for args in (["checkpoint", "inspect", "--checkpoint", str(ck)],
+                 ["load", "--checkpoint", str(ck), "--out", str(tmp_path / "r-load")],
+                 ["validate", "--level", "load", "--checkpoint", str(ck), "--out", str(tmp_path / "r-val")]):
+        r = _cli(*args)
+        err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("k3rocm: ")]
+        assert r.exit_code == 2 and len(err) == 1 and err[0].startswith("error: "), (args, r.exit_code, r.stderr)
+        assert "Traceback" not in r.output + r.stderr
+        for nd in needles:
+            assert nd in err[0], (args, nd, err[0])
+
+
+def test_bytes_appended_after_the_last_tensor(ck, tmp_path):
+    _rewrite_shard(ck, S1, lambda t: None)  # a shard as safetensors.torch.save_file writes it
+    assert len(open_checkpoint(ck)) == 1492
+    with open(ck / S1, "ab") as f:
+        f.write(os.urandom(4096))
+    _safe_open_refuses(ck / S1, "incomplete metadata, file not fully covered")
+    msg = _refused(ck, CheckpointError, _full(ck, S1), "last 4096 bytes belong to no tensor", "re-download the shard")
+    assert "\n" not in msg
+    _cli_refuses(ck, tmp_path, _full(ck, S1), "4096 bytes", "re-download")
+
+
+def _shift_after(path: Path, k: int, gap: int) -> str:
+    """Move the data of the ``k``-th tensor (by offset) and every later one ``gap`` bytes on, leaving a gap of
+    ``gap`` zero bytes before it; the header is rewritten to match. Returns that tensor's name."""
+    b = path.read_bytes()
+    n = int.from_bytes(b[:8], "little")
+    hdr = json.loads(b[8:8 + n])
+    data = b[8 + n:]
+    names = sorted((x for x in hdr if x != "__metadata__"), key=lambda x: hdr[x]["data_offsets"])
+    at = hdr[names[k]]["data_offsets"][0]
+    for x in names[k:]:
+        hdr[x]["data_offsets"] = [o + gap for o in hdr[x]["data_offsets"]]
+    js = json.dumps(hdr, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    path.write_bytes(len(js).to_bytes(8, "little") + js + data[:at] + bytes(gap) + data[at:])
+    return names[k]
+
+
+def test_gap_between_two_tensors(ck, tmp_path):
+    _rewrite_shard(ck, S2, lambda t: None)
+    after = _shift_after(ck / S2, 5, 64)
+    _safe_open_refuses(ck / S2, f"invalid offset for tensor `{after}`")
+    _refused(ck, CheckpointError, _full(ck, S2), f"64 bytes before tensor {after}", "belong to no tensor",
+             "header is corrupt", "re-download the shard")
+    _cli_refuses(ck, tmp_path, _full(ck, S2), after, "re-download")
+
+
+@pytest.mark.parametrize("damage, oracle, needles", [
+    ("gap_first", "invalid offset for tensor `a`", ("8 bytes before tensor a", "data region starts at offset 0")),
+    ("gap_middle", "invalid offset for tensor `b`", ("16 bytes before tensor b", "tensor a ends at data offset 16")),
+    ("trailing", "file not fully covered", ("last 3 bytes belong to no tensor", "tensor, b, ends at byte")),
+    ("no_tensor_trailing", "file not fully covered", ("last 5 bytes belong to no tensor", "lists no tensor")),
+])
+def test_shard_coverage_matches_safe_open(tmp_path, damage, oracle, needles):
+    """A small save_file shard, damaged: the reader refuses exactly what safe_open refuses."""
+    from k3rocm.checkpoint.reader import _shard_entries
+
+    p = tmp_path / "one.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.zeros(2, 3)} if damage != "no_tensor_trailing" else {}, str(p))
+    assert damage == "no_tensor_trailing" or set(_shard_entries(p, p.name)) == {"a", "b"}  # undamaged: accepted
+    if damage == "gap_first":
+        _shift_after(p, 0, 8)
+    elif damage == "gap_middle":
+        _shift_after(p, 1, 16)
+    else:
+        with open(p, "ab") as f:
+            f.write(b"\x00" * (3 if damage == "trailing" else 5))
+    _safe_open_refuses(p, oracle)
+    with pytest.raises(CheckpointError) as ei:
+        _shard_entries(p, p.name)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: ") and "\n" not in msg and msg.endswith("re-download the shard (or write it again)")
+    for nd in needles:
+        assert nd in msg, (nd, msg)
+
+
 # ---------------------------------------------------------------------- Hugging Face cache layout
 REV = "0123456789abcdef0123456789abcdef01234567"
 
