@@ -62,6 +62,17 @@ class Interrupted(K3Error):
     exit_code = 130
 
 
+def size_text(nbytes: float) -> str:
+    """A byte count for a message, in the largest decimal unit it reaches, one decimal: ``6_475_776`` ->
+    ``"6.5 MB"``, ``2048`` -> ``"2.0 KB"``, ``17.2e9`` -> ``"17.2 GB"``, ``512`` -> ``"512 bytes"``. A small
+    size never shows as ``"0.0 GB"``. Raises nothing."""
+    b = float(nbytes)
+    for unit, f in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= f:
+            return f"{b / f:,.1f} {unit}"
+    return f"{int(b)} bytes"
+
+
 #: errno names whose cause is the machine, not what the user typed: no space, quota, I/O, read-only medium.
 _ENV_ERRNOS = ("ENOSPC", "EDQUOT", "EIO", "EROFS", "ENOMEM", "EMFILE", "ENFILE", "ESTALE", "ENXIO")
 

@@ -19,13 +19,15 @@ from pathlib import Path
 
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.checkpoint.verify import make_manifest, verify_manifest
-from k3rocm.checkpoint.writer import write_checkpoint
+from k3rocm.checkpoint.writer import checkpoint_nbytes, require_free_space, write_checkpoint
 from k3rocm.config import preset
-from k3rocm.errors import CheckpointError, K3Error
+from k3rocm.errors import CheckpointError, HardwareError, K3Error
 
 DEFAULT_NAME = "k3-tiny-v1"
 DEFAULT_SEED = 0
 CACHE_ENV = "K3ROCM_CACHE"
+#: room kept for k3rocm-manifest.json (about 120 bytes a file) in the free-space check
+_MANIFEST_BYTES = 4096
 
 
 def cache_root() -> Path:
@@ -60,6 +62,8 @@ def default_checkpoint() -> Path:
         the checkpoint directory (validated).
     Raises:
         CheckpointError: the cache directory cannot be written (the message names it).
+        HardwareError: the cache's disk has too little free space (checked before anything is written), or it
+            runs out or fails while writing; the message names the cache directory and ``$K3ROCM_CACHE``.
     """
     root = cache_root()
     final = root / DEFAULT_NAME
@@ -68,6 +72,11 @@ def default_checkpoint() -> Path:
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root}: the k3rocm cache must be a directory, and this is a file; set {CACHE_ENV} to a "
                               "writable directory")
+    cfg = preset("k3-tiny")
+    # the user named no preset and no --out: name the cache, not the private build directory inside it
+    room = f"free space there or set {CACHE_ENV} to a directory on a disk with room"
+    require_free_space(checkpoint_nbytes(cfg) + _MANIFEST_BYTES, root,
+                       f"{root}: the default k3-tiny checkpoint (written once into the k3rocm cache)", room)
     try:
         root.mkdir(parents=True, exist_ok=True)
         build = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.build-", dir=root))
@@ -75,8 +84,14 @@ def default_checkpoint() -> Path:
         raise CheckpointError(f"{root}: cannot create the k3rocm cache ({e.strerror or e}); set {CACHE_ENV} to a "
                               "writable directory") from None
     try:
-        ck = write_checkpoint(preset("k3-tiny"), build / "checkpoint", seed=DEFAULT_SEED)
-        make_manifest(ck)
+        try:
+            ck = write_checkpoint(cfg, build / "checkpoint", seed=DEFAULT_SEED)
+            make_manifest(ck)
+        except HardwareError as e:  # no space / I/O error met while writing: the build directory is removed below
+            cause = e.__context__  # the OSError the writer turned into this line
+            why = cause.strerror if isinstance(cause, OSError) and cause.strerror else "not enough free space"
+            raise HardwareError(f"{root}: writing the default k3-tiny checkpoint into the k3rocm cache failed "
+                                f"({why}); {room}") from None
         if final.exists() and not _usable(final):
             # a stale or broken copy: move it aside (atomic) and delete it
             stale = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}.stale-", dir=root))

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from k3rocm.errors import CheckpointError
+from k3rocm.errors import CheckpointError, HardwareError, os_error
 
 MANIFEST_NAME = "k3rocm-manifest.json"
 MANIFEST_FORMAT = "k3rocm-manifest/1"
@@ -52,6 +52,7 @@ def make_manifest(path: str | Path, progress: Progress | None = None) -> Path:
         the manifest's path.
     Raises:
         CheckpointError: not a directory, or it cannot be read / written.
+        HardwareError: no space, quota or an I/O error while reading or writing (exit 3).
     """
     root = Path(path)
     if not root.is_dir():
@@ -80,7 +81,9 @@ def make_manifest(path: str | Path, progress: Progress | None = None) -> Path:
                 pass
             raise
     except OSError as e:
-        raise CheckpointError(f"{root}: cannot write {MANIFEST_NAME} ({e}); check permissions") from None
+        # no space, quota, I/O error: the environment's (exit 3, as README's exit codes say); any other: bad input
+        cls = HardwareError if isinstance(os_error(e), HardwareError) else CheckpointError
+        raise cls(f"{root}: cannot write {MANIFEST_NAME} ({e}); check free space and permissions") from None
     return dst
 
 

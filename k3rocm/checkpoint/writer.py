@@ -34,7 +34,7 @@ from k3rocm import mx
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.layout import TensorSpec
 from k3rocm.config import K3Config
-from k3rocm.errors import CheckpointError, ConfigError
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError, os_error, size_text
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -235,7 +235,10 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     Returns:
         ``out_dir`` as a Path.
     Raises:
-        CheckpointError: ``out_dir`` exists and is not an empty directory, or the disk write fails.
+        CheckpointError: ``out_dir`` exists and is not an empty directory, or the disk write fails (a path
+            problem: no permission, a directory where a file goes).
+        HardwareError: the disk has too little free space (checked before anything is written), or it runs out,
+            fails or is read-only while writing (exit 3, as every "no space" error).
         ConfigError: bad ``num_shards`` or ``expert_init``.
     """
     if expert_init not in EXPERT_INITS:
@@ -250,16 +253,9 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     shards = plan_shards(cfg, num_shards)
     n = len(shards)
     total = sum(s.nbytes for sh in shards for s in sh)
-    probe = out.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        free = None
-    if free is not None and total > free:
-        raise CheckpointError(f"{out}: {cfg.name} needs {total / 1e9:,.1f} GB but {probe} has "
-                              f"{free / 1e9:,.1f} GB free; choose another disk or a smaller preset")
+    require_free_space(_written_bytes(cfg, shards), out.parent, f"{out}: {cfg.name}",
+                       "free space there or write it to another disk"
+                       + ("" if cfg.name == "k3-tiny" else ", or choose a smaller preset"))
     created = [q for q in out.parents if not q.exists()]  # deepest first: removed again if the write fails
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -299,13 +295,56 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
-        raise CheckpointError(f"{out}: writing the checkpoint failed ({e}); check free space and permissions") \
-            from None
+        # no space, quota, I/O error, read-only medium: the environment's (exit 3); any other: the path's (exit 2)
+        cls = HardwareError if isinstance(os_error(e), HardwareError) else CheckpointError
+        raise cls(f"{out}: writing the checkpoint failed ({e.strerror or e}); nothing was kept - check free space "
+                  "and permissions") from None
     except BaseException:  # Ctrl-C / SIGTERM included: the partial files and the parents made for them go
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
         raise
     return out
+
+
+def require_free_space(need: int, where: str | Path, what: str, hint: str) -> None:
+    """Refuse up front to write ``need`` bytes under ``where`` when its file system has less free space.
+
+    ``where`` need not exist yet: its nearest existing ancestor is measured, and named in the message. Sizes are
+    shown with :func:`k3rocm.errors.size_text` (exact byte counts when the two would read the same). Nothing is
+    checked when the free space cannot be read.
+
+    Args:
+        need: bytes about to be written.
+        where: the directory they go to.
+        what: what needs them; starts the line (e.g. ``"/data/ck: k3-tiny"``).
+        hint: what to do; ends the line.
+    Raises:
+        HardwareError: too little free space (exit 3, as a "no space" error met while writing).
+    """
+    probe = Path(where)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if need > free:
+        a, b = size_text(need), size_text(free)
+        if a == b:
+            a, b = f"{need:,} bytes", f"{free:,} bytes"
+        raise HardwareError(f"{what} needs {a} but {probe} has {b} free; {hint}")
+
+
+def checkpoint_nbytes(cfg: K3Config, num_shards: int | None = None) -> int:
+    """Bytes :func:`write_checkpoint` writes for ``cfg``: tensor data, shard headers, config.json and the index."""
+    return _written_bytes(cfg, plan_shards(cfg, num_shards))
+
+
+def _written_bytes(cfg: K3Config, shards: list[list[TensorSpec]]) -> int:
+    """:func:`checkpoint_nbytes` of a planned split (the index's size estimated: one line per tensor)."""
+    index = sum(len(s.name) + len(shard_name(1, len(shards))) + 12 for sh in shards for s in sh) + 64
+    return (sum(s.nbytes for sh in shards for s in sh) + sum(len(shard_header(sh)) for sh in shards)
+            + len(json.dumps(cfg.to_dict(), indent=2)) + index)
 
 
 def _remove_empty(dirs: list[Path]) -> None:
@@ -320,4 +359,5 @@ def _remove_empty(dirs: list[Path]) -> None:
 
 
 __all__ = ["write_checkpoint", "plan_shards", "shard_header", "shard_name", "default_num_shards",
-           "random_tensor", "random_expert_weight", "INDEX_NAME", "CONFIG_NAME"]
+           "random_tensor", "random_expert_weight", "require_free_space", "checkpoint_nbytes", "INDEX_NAME",
+           "CONFIG_NAME"]

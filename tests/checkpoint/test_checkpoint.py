@@ -21,7 +21,7 @@ from k3rocm.checkpoint import embedded, layout, writer
 from k3rocm.checkpoint.reader import INDEX_NAME, open_checkpoint, read_shard_header
 from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
 from k3rocm.config import preset
-from k3rocm.errors import CheckpointError, ConfigError
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError
 from k3rocm.model.weights import ExpertWeights, Weights, load_weights
 
 
@@ -102,8 +102,9 @@ def test_writer_refuses_nonempty_target_and_leaves_nothing_on_failure(tiny_cfg, 
         return real(spec, seed, heads)
 
     monkeypatch.setattr(writer, "random_tensor", boom)
-    with pytest.raises(CheckpointError, match="No space left"):
+    with pytest.raises(HardwareError, match="No space left") as ei:  # the environment's: exit 3 (README)
         writer.write_checkpoint(tiny_cfg, tmp_path / "out")
+    assert ei.value.exit_code == 3 and ".tmp-" not in str(ei.value)  # names out, not the removed temporary dir
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # no out/, no temp dir
 
 

@@ -587,14 +587,76 @@ def test_unreachable_endpoint_is_exit_3_one_line(cache, tmp_path):
     assert "cannot connect" in line and not (tmp_path / "r" / "report.json").exists()
 
 
-def test_checkpoint_make_refuses_what_the_disk_cannot_hold(tmp_path, monkeypatch):
+def _tiny_disk(monkeypatch, free: int) -> None:
+    """``shutil.disk_usage`` (what the up-front space checks read) reports ``free`` bytes free everywhere."""
     import shutil as sh
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))  # 1 MB free
-    line = one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", tmp_path / "ck"], code=2))
-    assert "GB free" in line and not (tmp_path / "ck").exists() and not list(tmp_path.glob(".ck.tmp-*"))
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**12, 10**12 - free, free))
+
+
+def test_checkpoint_make_refuses_what_the_disk_cannot_hold(tmp_path, monkeypatch):
+    """Too little space is the environment's (exit 3, README's exit codes), checked before anything is written,
+    with sizes that show the numbers (it said "k3-tiny needs 0.0 GB but ... has 0.0 GB free", exit 2)."""
+    _tiny_disk(monkeypatch, 10**6)  # 1 MB free
+    line = one_line_error(run(["checkpoint", "make", "--preset", "k3-tiny", "--out", tmp_path / "ck"], code=3))
+    assert re.fullmatch(rf"error: {re.escape(str(tmp_path / 'ck'))}: k3-tiny needs \d+\.\d MB but "
+                        rf"{re.escape(str(tmp_path))} has 1\.0 MB free; free space there or write it to another disk",
+                        line), line
+    assert "0.0 GB" not in line and "preset" not in line  # k3-tiny is the smallest: no "smaller preset"
+    assert not (tmp_path / "ck").exists() and not list(tmp_path.glob(".ck.tmp-*"))
+    line = one_line_error(run(["checkpoint", "make", "--preset", "k3-prefix-1", "--out", tmp_path / "ck"], code=3))
+    assert "k3-prefix-1 needs" in line and line.endswith("or choose a smaller preset"), line
+
+
+def test_embedded_checkpoint_on_a_full_disk_names_the_cache(tmp_path, monkeypatch):
+    """No --checkpoint, a cache on a tiny disk: the line names the cache and K3ROCM_CACHE, not the private build
+    directory inside it nor a preset the user never gave; exit 3; nothing is created."""
+    cache = tmp_path / "small" / "c"
+    monkeypatch.setenv("K3ROCM_CACHE", str(cache))
+    _tiny_disk(monkeypatch, 2048)
+    line = one_line_error(run(["load", "--out", tmp_path / "r"], code=3))
+    assert re.fullmatch(rf"error: {re.escape(str(cache))}: the default k3-tiny checkpoint \(written once into the "
+                        rf"k3rocm cache\) needs \d+\.\d MB but {re.escape(str(tmp_path))} has 2\.0 KB free; free "
+                        rf"space there or set K3ROCM_CACHE to a directory on a disk with room", line), line
+    assert ".build-" not in line and "preset" not in line
+    assert not (tmp_path / "small").exists() and not (tmp_path / "r" / "report.json").exists()
+
+
+def test_embedded_checkpoint_running_out_of_space_while_writing(tmp_path, monkeypatch):
+    """The disk fills up while the embedded k3-tiny is written: exit 3, the cache named, nothing left behind."""
+    import errno
+
+    from k3rocm.checkpoint import writer
+
+    def full(t):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("K3ROCM_CACHE", str(cache))
+    monkeypatch.setattr(writer, "_bytes_of", full)
+    line = one_line_error(run(["checkpoint", "inspect"], code=3))
+    assert line == (f"error: {cache}: writing the default k3-tiny checkpoint into the k3rocm cache failed (No space "
+                    "left on device); free space there or set K3ROCM_CACHE to a directory on a disk with room"), line
+    assert list(cache.iterdir()) == []  # the build directory went
+
+
+def test_size_text_shows_small_sizes():
+    from k3rocm.errors import size_text
+
+    assert [size_text(n) for n in (0, 999, 2048, 6_475_776, 17.2e9, 3.5e12)] == [
+        "0 bytes", "999 bytes", "2.0 KB", "6.5 MB", "17.2 GB", "3.5 TB"]
+
+
+def test_space_check_sizes_that_would_read_the_same_show_bytes(tmp_path, monkeypatch):
+    from k3rocm.checkpoint.writer import require_free_space
+    from k3rocm.errors import HardwareError
+
+    _tiny_disk(monkeypatch, 1_000_000)
+    with pytest.raises(HardwareError, match=r"^x needs 1,040,000 bytes but .* has 1,000,000 bytes free; do y$"):
+        require_free_space(1_040_000, tmp_path / "a" / "b", "x", "do y")
+    require_free_space(1_000_000, tmp_path, "x", "do y")  # fits exactly: nothing raised
 
 
 def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(golden_ckpt, tmp_path):
