@@ -117,12 +117,23 @@ def validate_cmd(level, golden, min_fraction, synthetic, preset, tp, ep, rank, c
     if min_fraction is not None:
         if not 0 < min_fraction <= 1:
             raise ConfigError(f"--min-fraction {min_fraction} must be in (0, 1] (a fraction of the roofline, e.g. 0.5)")
+        if synthetic:  # said before --level: the level that would check it is refused with --synthetic as well
+            raise ConfigError("--min-fraction with --synthetic: the fraction is judged in the performance tier, which "
+                              "runs only after the correctness tier passes, and random weights have no correct "
+                              "answer; drop --min-fraction (`k3rocm bench --synthetic` reports the fraction of the "
+                              "roofline unjudged)")
         if level != "performance":
             raise ConfigError(f"--min-fraction is checked in the performance tier, which --level {level} does not "
                               "reach; add --level performance, or drop --min-fraction")
-    if synthetic and level in ("correctness", "performance"):
-        raise ConfigError(f"--level {level} with --synthetic: random weights have no correct answer to compare "
+    if synthetic and level == "correctness":
+        raise ConfigError("--level correctness with --synthetic: random weights have no correct answer to compare "
                           "with; use --level forward, or `k3rocm bench --synthetic` for timings")
+    if synthetic and level == "performance":
+        # run_tiers runs every tier up to --level and stops at the first that does not pass: performance comes
+        # after correctness, which random weights cannot pass
+        raise ConfigError("--level performance with --synthetic: the performance tier runs only after the "
+                          "correctness tier passes, and random weights have no correct answer to pass it with; use "
+                          "`k3rocm bench --synthetic` for timings, or --level forward")
     s = make_session(checkpoint, profile, out, kernels, seed, debug, golden=golden, synthetic=synthetic,
                      preset=preset, tp=tp, ep=ep, rank=rank, min_fraction=min_fraction)
     s.preflight()

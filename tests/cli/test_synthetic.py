@@ -64,6 +64,23 @@ def test_bad_options_are_one_line(tmp_path, args, words):
     assert not (tmp_path / "r").exists()
 
 
+def test_min_fraction_and_performance_with_synthetic_agree(tmp_path):
+    """--min-fraction cannot be honoured with --synthetic at any level, so its refusal says so instead of suggesting
+    --level performance (which is refused next); that refusal gives the performance tier's own reason (it runs
+    only after correctness passes), not the correctness tier's."""
+    for args in (["--min-fraction", "0.5"], ["--min-fraction", "0.5", "--level", "performance"]):
+        r = CliRunner().invoke(cli, ["validate", "--synthetic", *args, "--out", str(tmp_path / "r")],
+                               env={"COLUMNS": "200"})
+        line = one_error(r)
+        assert r.exit_code == 2 and "--min-fraction with --synthetic" in line and "drop --min-fraction" in line, line
+        assert "add --level performance" not in line
+    r = CliRunner().invoke(cli, ["validate", "--synthetic", "--level", "performance", "--out", str(tmp_path / "r")],
+                           env={"COLUMNS": "200"})
+    line = one_error(r)
+    assert "runs only after the correctness tier passes" in line and "bench --synthetic" in line, line
+    assert not (tmp_path / "r").exists()
+
+
 def test_help_names_synthetic():
     for cmd in ("validate", "bench"):
         out = run([cmd, "--help"]).output
