@@ -326,7 +326,9 @@ class Session:
         o = self.opts
         if o.tp is None:
             return plan(self.config, profile, ep=o.ep, host_ranks=1)
-        check_rank((o.tp, o.ep), self.rank)  # a rank outside the layout is said before whether the layout fits
+        # a rank outside the layout is said before whether the layout fits; without --ep the layout's EP is --tp's
+        # (scaled_profile's default, which plan() then takes)
+        check_rank((o.tp, o.tp if o.ep is None else o.ep), self.rank)
         # (one process builds one rank: on the cpu backend it has the whole host, not a 1/tp share)
         return plan(self.config, scaled_profile(profile, o.tp, o.ep), tp=o.tp, ep=o.ep, host_ranks=1)
 

@@ -79,11 +79,13 @@ def e8m0_exponent(fan_in: int, extra: float = 1.0) -> int:
 
 def check_rank(placement: Placement | tuple[int, int], rank: int) -> None:
     """Raises ConfigError (one line) when ``rank`` is not a rank of ``placement`` — a :class:`Placement`, or the
-    layout ``(tp, ep)`` before it is planned (one process per rank: world = tp)."""
+    layout ``(tp, ep)`` before it is planned (one process per rank: world = tp; ``ep`` None: not named, the line
+    says ``TP<tp>`` alone)."""
     tp, ep, world = ((placement.tp, placement.ep, placement.world) if isinstance(placement, Placement)
                      else (placement[0], placement[1], placement[0]))
     if not 0 <= int(rank) < world:
-        raise ConfigError(f"--rank {rank} is not a rank of the TP{tp}/EP{ep} layout (ranks 0..{world - 1})")
+        layout = f"TP{tp}" if ep is None else f"TP{tp}/EP{ep}"
+        raise ConfigError(f"--rank {rank} is not a rank of the {layout} layout (ranks 0..{world - 1})")
 
 
 def _fill(name: str, sl: ShardSlice, t: torch.Tensor, gen: torch.Generator, cfg: K3Config) -> None:

@@ -16,7 +16,8 @@ from k3rocm.profiles import load_profile
 from k3rocm.runtime.dist import ProjectedGroup, TPGroup
 from k3rocm.runtime.load import load
 from k3rocm.runtime.plan import plan, scaled_profile
-from k3rocm.runtime.synthetic import collective_projection, e8m0_exponent, synthetic_weights, tpot_projection
+from k3rocm.runtime.synthetic import (check_rank, collective_projection, e8m0_exponent, synthetic_weights,
+                                      tpot_projection)
 
 torch.set_num_threads(1)
 
@@ -112,3 +113,11 @@ def test_experts_are_made_as_one_buffer_per_layer(tiny_cfg):
     assert len(ptr) == 1
     ew = w.experts(i)  # the engine's stacks: w1 rows then w3 rows, as made
     assert torch.equal(ew.w13_packed[1, :w.get(f"{p}1.w1.weight_packed").shape[0]], w.get(f"{p}1.w1.weight_packed"))
+
+
+def test_check_rank_names_the_layout_without_a_none():
+    with pytest.raises(ConfigError, match=r"^--rank 4 is not a rank of the TP4/EP2 layout \(ranks 0\.\.3\)$"):
+        check_rank((4, 2), 4)
+    with pytest.raises(ConfigError, match=r"^--rank 4 is not a rank of the TP4 layout \(ranks 0\.\.3\)$"):
+        check_rank((4, None), 4)  # an EP not known yet is left out, never printed as None
+    check_rank((4, None), 3)
