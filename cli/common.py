@@ -141,8 +141,8 @@ def seed_option(f, hidden: bool = False):
 
 def common_options(f=None, *, kernels: bool = True):
     """``--checkpoint --profile --out --kernels --seed --debug`` (applied bottom-up). ``kernels=False`` (``load``,
-    which runs no kernels and generates no inputs) keeps ``--kernels`` and ``--seed`` out of ``--help``; a
-    ``--kernels`` given anyway is refused in one line. Use as ``@common_options`` or ``@common_options(kernels=False)``."""
+    which runs no kernels and generates no inputs) keeps ``--kernels`` and ``--seed`` out of ``--help``; ``load``
+    refuses either in one line when given anyway. Use as ``@common_options`` or ``@common_options(kernels=False)``."""
     def apply(f):
         for opt in (debug_option, functools.partial(seed_option, hidden=not kernels),
                     functools.partial(kernels_option, hidden=not kernels), out_option,

@@ -35,6 +35,10 @@ def load_cmd(checkpoint, profile, out, kernels, seed, debug):
     if kernels != "auto":
         raise ConfigError(f"--kernels {kernels!r} has no effect on load (it streams and checks weights and runs no "
                           "kernels); drop --kernels, or give it to validate / bench")
+    if click.get_current_context().get_parameter_source("seed") != click.core.ParameterSource.DEFAULT:
+        # any value given, 0 included: load generates no inputs and makes no weights, so no seed changes it
+        raise ConfigError(f"--seed {seed} has no effect on load (it streams and checks the checkpoint's weights and "
+                          "generates nothing); drop --seed, or give it to validate / bench")
     s = make_session(checkpoint, profile, out, kernels, seed, debug)
     s.preflight()
     # the layout and per-rank bytes, before anything loads

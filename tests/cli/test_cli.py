@@ -898,3 +898,13 @@ def test_a_seed_out_of_range_is_refused_in_one_line(tmp_path):
         assert seed == "abc" or "0 .. 2^63 - 1" in err[0], err[0]
         assert not out.exists()
     assert "--seed" not in run(["load", "--help"]).output
+
+
+@pytest.mark.parametrize("seed", ["5", "0"])
+def test_load_refuses_a_seed_it_would_ignore(tmp_path, seed):
+    """load generates nothing, so a --seed (any value, the default's included) is refused in one line, as
+    --kernels is, instead of being accepted and ignored; nothing is written."""
+    line = one_line_error(run(["load", "--seed", seed, "--out", tmp_path / "r"], code=2))
+    assert line.startswith(f"error: --seed {seed} has no effect on load") and "drop --seed" in line, line
+    assert not (tmp_path / "r").exists()
+
