@@ -419,23 +419,75 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------- persistence
-def atomic_write(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory + ``os.replace`` (atomic)."""
+def _fill(f, text: str) -> None:
+    """Write ``text`` into the open temporary file ``f`` and push it to the disk (where no space shows up)."""
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_temp(path: str | Path, text: str) -> Path:
+    """Write ``text`` to a new temporary file beside ``path`` (``.<name>.*.tmp``, mode 0644, synced) and return
+    its path; ``path`` itself is not touched. On any failure the temporary file is removed and the error raised."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            _fill(f, text)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is meant to be read by others (CI, web)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def _unlink(p) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory + ``os.replace`` (atomic)."""
+    tmp = write_temp(path, text)
+    try:
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
+        raise
+
+
+def atomic_write_set(files: dict[Path, str]) -> None:
+    """Write several files as one set: each ``text`` to a temporary file beside its path first, and only when all
+    of them are written, rename each into place (``os.replace``, in the order given).
+
+    A failure while writing (no space, an I/O error, an interrupt) removes the temporaries written so far and
+    leaves every path as it was: no file of the set is replaced (the error gets ``target``, the path whose file was
+    being written). A rename cannot run out of space; should one fail anyway, the temporaries not yet renamed are removed and the error is raised with ``replaced`` (the paths
+    already replaced, in order) set on it.
+    """
+    tmps: list[tuple[Path, Path]] = []
+    try:
+        for path, text in files.items():
+            tmps.append((Path(path), write_temp(path, text)))
+    except BaseException as e:
+        for _, tmp in tmps:
+            _unlink(tmp)
+        if isinstance(e, OSError):
+            e.target = Path(path)  # type: ignore[attr-defined]  # the file being written (the OS error may name none)
+        raise
+    replaced: list[Path] = []
+    try:
+        for path, tmp in tmps:
+            os.replace(tmp, path)
+            replaced.append(path)
+    except BaseException as e:
+        for _, tmp in tmps[len(replaced):]:
+            _unlink(tmp)
+        if isinstance(e, OSError):
+            e.replaced = replaced  # type: ignore[attr-defined]
         raise
 
 

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from k3rocm.errors import K3Error, Terminated, os_error
-from k3rocm.validation.evidence import (LEVELS, Report, Stage, atomic_write, keep_previous, load_report,
+from k3rocm.validation.evidence import (LEVELS, Report, Stage, atomic_write_set, keep_previous, load_report,
                                         replaced_passing_stages, report_lock)
 
 LEVEL_COLORS = {"measured": "#1a7f37", "measured-fallback": "#9a6700", "projected": "#0969da",
@@ -433,12 +433,13 @@ def render_html(rep: Report) -> str:
 
 
 def write_report(rep: Report, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, then report.md and report.html, into ``out_dir``, each atomically; returns their paths.
+    """Write report.json, report.md and report.html into ``out_dir`` as one set; returns their paths.
 
     All three are rendered from the same document before anything is written (a renderer failing writes
-    nothing). report.json goes first: it is the record, and the merge base of the next command. When
-    report.md or report.html then cannot be written, the stale one of an earlier run is removed, so no format
-    on disk disagrees with report.json, and the OS error is raised as one line naming what was kept.
+    nothing), then written to temporary files beside them, and only when all three are on disk renamed into
+    place (:func:`~k3rocm.validation.evidence.atomic_write_set`, report.json first: it is the record, and the
+    merge base of the next command). A failure while writing (no space, an I/O error) removes the temporaries
+    and leaves the previous report as it was, all three files, so no format on disk disagrees with another.
 
     Raises:
         K3Error: an OS error (exit 3 for no space / I/O, exit 2 otherwise, see :func:`k3rocm.errors.os_error`).
@@ -447,28 +448,18 @@ def write_report(rep: Report, out_dir: str | Path) -> dict[str, Path]:
     paths = {"json": out / "report.json", "md": out / "report.md", "html": out / "report.html"}
     texts = {"json": render_json(rep), "md": render_markdown(rep), "html": render_html(rep)}
     try:
-        atomic_write(paths["json"], texts["json"])
+        atomic_write_set({paths[k]: texts[k] for k in ("json", "md", "html")})
     except OSError as e:
-        raise os_error(e, f"writing {paths['json']} (nothing of this run was saved)") from None
-    for k in ("md", "html"):
-        try:
-            atomic_write(paths[k], texts[k])
-        except OSError as e:
-            for j in ("md", "html"):  # an earlier run's file left in place would disagree with report.json
-                if paths[j].is_file() and not _written(paths[j], texts[j]):
-                    try:
-                        paths[j].unlink()
-                    except OSError:
-                        pass
-            raise os_error(e, f"writing {paths[k]} ({paths['json']} holds this run's results)") from None
+        done = getattr(e, "replaced", None)
+        if done:  # a rename failed after others (no space cannot cause it): say which files hold this run
+            raise os_error(e, f"renaming the report into {out} ({', '.join(p.name for p in done)} "
+                              f"{'holds' if len(done) == 1 else 'hold'} this run's results, the others the previous "
+                              "run's)") from None
+        target = getattr(e, "target", None)
+        what = f"writing {target}" if target is not None else f"writing the report into {out}"
+        kept = "the previous report there is unchanged" if paths["json"].exists() else "no report was written"
+        raise os_error(e, f"{what} (nothing of this run was saved; {kept})") from None
     return paths
-
-
-def _written(path: Path, text: str) -> bool:
-    try:
-        return path.read_text(encoding="utf-8") == text
-    except OSError:
-        return False
 
 
 class DeferSignals:

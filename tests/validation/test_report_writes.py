@@ -1,9 +1,10 @@
-"""Writing reports safely: one writer at a time per --out, report.json first, OS errors as one line."""
+"""Writing reports safely: one writer at a time per --out, the three files as one set, OS errors as one line."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.cli.common import handle_errors
 from k3rocm.errors import CheckpointError, ConfigError, HardwareError, os_error
-from k3rocm.validation import render
+from k3rocm.validation import evidence
 from k3rocm.validation.evidence import Stage, info
 from k3rocm.validation.render import update_report
 from k3rocm.validation.session import require_dir_for_output
@@ -84,41 +85,70 @@ def _stage() -> Stage:
     return st
 
 
-def _failing_write(suffix: str, code: int = errno.ENOSPC):
-    real = render.atomic_write
-
-    def write(path, text):
-        if str(path).endswith(suffix):
-            raise OSError(code, "No space left on device", str(path))
-        return real(path, text)
-    return write
+#: how each report file's text starts (render_json / render_markdown / render_html)
+_STARTS = {"json": "{", "md": "# k3rocm report", "html": "<!DOCTYPE html>"}
 
 
-def test_no_space_for_markdown_keeps_report_json_and_no_stale_format(tmp_path, monkeypatch):
-    (tmp_path / "report.html").write_text("an earlier run's page")
-    (tmp_path / "report.md").write_text("an earlier run's summary")
-    monkeypatch.setattr(render, "atomic_write", _failing_write(".md"))
+def _failing_fill(monkeypatch, kind: str, code: int = errno.ENOSPC) -> None:
+    """The disk fills up while report.<kind> is written: part of its text reaches its temporary file, then the
+    write raises ``OSError(code)`` (the other files are written whole)."""
+    real = evidence._fill
+
+    def fill(f, text):
+        if text.startswith(_STARTS[kind]):
+            f.write(text[:64])
+            raise OSError(code, os.strerror(code))
+        return real(f, text)
+    monkeypatch.setattr(evidence, "_fill", fill)
+
+
+def _previous_report(out) -> dict:
+    """A good report of an earlier run in ``out``; returns each file's bytes."""
+    st = Stage("forward")
+    st.add(info("forward", "earlier", 1))
+    update_report(out, {"command": "k3rocm validate"}, [st])
+    return {n: (out / n).read_bytes() for n in ("report.json", "report.md", "report.html")}
+
+
+@pytest.mark.parametrize("kind", ["json", "md", "html"])
+def test_no_space_for_any_report_file_leaves_the_previous_report_whole(tmp_path, monkeypatch, kind):
+    """The three files are one set: the disk filling up while any of them is written (report.html is the last)
+    replaces none of them, the previous run's three files stay byte for byte, no temporary file is left, and the
+    line says exit 3, what was being written and that the previous report is unchanged."""
+    before = _previous_report(tmp_path)
+    _failing_fill(monkeypatch, kind)
     with pytest.raises(HardwareError) as ei:
         update_report(tmp_path, {"command": "k3rocm load"}, [_stage()])
-    assert ei.value.exit_code == 3 and "\n" not in str(ei.value)
-    assert "report.json holds this run's results" in str(ei.value)
-    doc = json.loads((tmp_path / "report.json").read_text())
-    assert doc["stages"]["load"]["evidence"][0]["value"] == 123
-    assert not (tmp_path / "report.md").exists() and not (tmp_path / "report.html").exists()
+    msg = str(ei.value)
+    assert ei.value.exit_code == 3 and "\n" not in msg
+    assert f"writing {tmp_path / ('report.' + kind)}" in msg and "No space left on device" in msg, msg
+    assert "nothing of this run was saved; the previous report there is unchanged" in msg, msg
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "report.json", "report.md"]
 
 
-def test_no_space_for_html_keeps_json_and_the_matching_markdown(tmp_path, monkeypatch):
-    monkeypatch.setattr(render, "atomic_write", _failing_write(".html"))
-    with pytest.raises(HardwareError):
+def test_no_space_in_an_empty_out_writes_no_report_file(tmp_path, monkeypatch):
+    _failing_fill(monkeypatch, "html")
+    with pytest.raises(HardwareError, match="nothing of this run was saved; no report was written"):
         update_report(tmp_path, {"command": "k3rocm load"}, [_stage()])
-    assert (tmp_path / "report.json").is_file() and "bytes" in (tmp_path / "report.md").read_text()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_no_space_for_report_json_says_nothing_was_saved(tmp_path, monkeypatch):
-    monkeypatch.setattr(render, "atomic_write", _failing_write(".json"))
-    with pytest.raises(HardwareError, match="nothing of this run was saved"):
+def test_a_failed_rename_says_which_files_hold_this_run(tmp_path, monkeypatch):
+    """A rename cannot run out of space, but should one fail after report.json was replaced, the line says which
+    file holds this run's results, and no temporary file is left."""
+    _previous_report(tmp_path)
+    real = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("report.md"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(src, dst)
+    monkeypatch.setattr(evidence.os, "replace", replace)
+    with pytest.raises(HardwareError, match=r"report\.json holds this run's results, the others the previous run's"):
         update_report(tmp_path, {"command": "k3rocm load"}, [_stage()])
-    assert not any(tmp_path.glob("report.*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "report.json", "report.md"]
+    assert "bytes" in (tmp_path / "report.json").read_text() and "bytes" not in (tmp_path / "report.md").read_text()
 
 
 def test_report_json_that_is_a_directory_is_refused_before_anything_runs(tmp_path):
