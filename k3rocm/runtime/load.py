@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -469,7 +470,8 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
             if tuple(t.shape) != sl.local_shape or t.dtype != tdt:
                 probs.append(f"rank {r}: {name} is {tuple(t.shape)} {t.dtype}, planned {sl.local_shape} {tdt}")
                 continue
-            src = index.read(name)[sl.index()]
+            whole = index.read(name)
+            src = whole[sl.index()]
             if t.device.type != "cpu":  # checksum both on the device: a plain torch copy of the reader's bytes
                 src = src.to(t.device)
             if checksum(t) != checksum(src):
@@ -477,8 +479,10 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
                              f"({index.entries[name].shard} bytes {index.entries[name].start}..{index.entries[name].end})")
                 continue
             if t.is_floating_point() and t.numel():
-                bad = int((~torch.isfinite(t)).sum())
-                if bad:  # landed exactly as stored, but the checkpoint itself holds NaN/Inf weights
+                if not bool(torch.isfinite(t).all()):  # landed exactly as stored, but the checkpoint holds NaN/Inf
+                    # counted over the checkpoint's whole tensor, not this rank's slice: every rank holding a bad
+                    # slice (a replicated tensor: every rank) states the same fact, which merge_rank_problems joins
+                    bad = int((~torch.isfinite(whole)).sum())
                     probs.append(f"rank {r}: {name} holds {bad:,} NaN/Inf values in the checkpoint "
                                  f"({index.entries[name].shard}); the file is corrupt: re-download or re-make it")
                     continue
@@ -486,7 +490,59 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
         extra = names - set(planned)
         for name in sorted(extra)[:5]:
             probs.append(f"rank {r}: {name} was loaded but is not in the plan")
-    return ok, probs
+    return ok, merge_rank_problems(probs)
+
+
+_RANK_PREFIX = re.compile(r"ranks? ([\d, -]+): (.*)", re.S)
+
+
+def _rank_list(text: str) -> list[int]:
+    """``"0, 2-4"`` -> ``[0, 2, 3, 4]`` (the form :func:`_ranks_text` writes)."""
+    out = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1]`` -> ``"ranks 0-1"``, ``[0, 2, 3, 4]`` -> ``"ranks 0, 2-4"``, ``[3]`` -> ``"rank 3"``."""
+    rs = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for r in rs:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    body = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{'rank' if len(rs) == 1 else 'ranks'} {body}"
+
+
+def rank_line(rank: int, line: str) -> str:
+    """``line`` as a problem of ``rank``: ``"rank R: line"``, unless it names its rank(s) already. Raises nothing."""
+    return line if _RANK_PREFIX.fullmatch(line) else f"rank {rank}: {line}"
+
+
+def merge_rank_problems(problems: Iterable[str]) -> list[str]:
+    """One line per distinct problem. Lines ``"rank N: <text>"`` that differ only in their rank (the copies of a
+    replicated tensor, each rank reporting the same bad checkpoint tensor) become one ``"ranks 0-1: <text>"``, at
+    the place of the first; a line already merged (``"ranks 0-1: ..."``) joins too, so merging twice changes
+    nothing. A line with no rank prefix is kept as it is (once). Raises nothing."""
+    order: list[str] = []
+    ranks: dict[str, list[int]] = {}
+    for line in problems:
+        m = _RANK_PREFIX.fullmatch(line)
+        rs, text = [], line
+        if m:
+            try:
+                rs, text = _rank_list(m.group(1)), m.group(2)
+            except ValueError:  # "rank 1-: ..." is no prefix of ours: the line stays whole
+                pass
+        if text not in ranks:
+            order.append(text)
+            ranks[text] = []
+        ranks[text].extend(rs)
+    return [f"{_ranks_text(ranks[t])}: {t}" if ranks[t] else t for t in order]
 
 
 def assemble(cfg: K3Config, placement: Placement, rank_weights: dict[int, Weights]) -> Weights:

@@ -60,7 +60,7 @@ from k3rocm.model.probe import forward_layers, perturbed_logits
 from k3rocm.runtime.dist import (DistContext, TPGroup, WorkerFailed, _stop, _watch_parent, free_port, init,
                                  under_torchrun)
 from k3rocm.runtime.engine import Engine, StepBatch
-from k3rocm.runtime.load import load
+from k3rocm.runtime.load import load, merge_rank_problems, rank_line
 from k3rocm.runtime.plan import plan
 
 __all__ = ["RankSpec", "Cluster", "RankWorker", "RemoteModel", "follow", "SPMD"]
@@ -240,7 +240,8 @@ def _describe(name: str, args: list) -> str:
 
 def merge_load_reports(reports: list[dict]) -> dict:
     """One :class:`LoadReport` (as a dict) from every rank's: per-rank figures side by side, counts summed,
-    problems prefixed with their rank; the raw-read figures are rank 0's."""
+    problems once each with the rank(s) that found them (:func:`~k3rocm.runtime.load.merge_rank_problems`); the
+    raw-read figures are rank 0's."""
     out = dict(reports[0])
     out["ranks"] = sorted(r for rep in reports for r in rep["ranks"])
     for k in ("tensors_planned", "tensors_loaded", "tensors_verified"):
@@ -253,8 +254,10 @@ def merge_load_reports(reports: list[dict]) -> dict:
     out["total_seconds"] = max(float(rep["total_seconds"]) for rep in reports)
     out["verify_seconds"] = max(float(rep["verify_seconds"]) for rep in reports)
     out["aggregate_gbps"] = sum(float(rep["aggregate_gbps"]) for rep in reports)
-    out["problems"] = [p if len(reports) == 1 else f"rank {i}: {p}" for i, rep in enumerate(reports)
-                       for p in rep["problems"]]
+    # each rank's lines name their rank already ("rank 1: ..."): not prefixed again; the same problem on several ranks
+    # (a replicated tensor of the checkpoint) is one line naming them all, so one bad tensor is one problem
+    out["problems"] = list(reports[0]["problems"]) if len(reports) == 1 else merge_rank_problems(
+        rank_line(i, p) for i, rep in enumerate(reports) for p in rep["problems"])
     if out.get("raw_read_gbps"):
         out["load_vs_raw"] = out["aggregate_gbps"] / out["raw_read_gbps"]
     return out

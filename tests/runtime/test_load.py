@@ -204,6 +204,42 @@ def test_nan_weights_in_the_checkpoint_are_caught(tiny_cfg, tmp_path):
     assert len(probs) == 1 and name in probs[0] and n_ok == pl.ranks[0].num_tensors - 1, probs
 
 
+def test_one_bad_replicated_tensor_is_one_problem_naming_every_rank(tiny_cfg, tmp_path):
+    """A NaN in a tensor every rank holds whole (a norm, replicated at TP2) is one problem naming both ranks, with
+    one rank prefix and the checkpoint tensor's count (it was one line per rank: load.problems = 2 for one
+    tensor); a NaN in a split tensor is found by the rank that holds it."""
+    from k3rocm.checkpoint.writer import write_checkpoint
+    ck = write_checkpoint(tiny_cfg, tmp_path / "ck", seed=1)
+    idx = open_checkpoint(ck)
+    norm = "language_model.model.layers.0.input_layernorm.weight"
+    split = "language_model.model.embed_tokens.weight"
+    for name in (norm, split):
+        with open(ck / idx.entries[name].shard, "r+b") as f:  # 0xFFFF: one bf16 NaN at the tensor's first value
+            f.seek(idx.entries[name].start)
+            f.write(b"\xff\xff")
+    idx = open_checkpoint(ck)
+    pl = plan(idx.config, load_profile("cpu"), tp=2, ep=2)
+    assert pl.ranks[0].tensors[norm].local_shape == pl.ranks[1].tensors[norm].local_shape  # replicated
+    res = load(idx, pl, measure_raw=False, verify=False)
+    _, probs = verify_loaded(idx, pl, res.rank_weights)
+    bad_norm = [p for p in probs if norm in p]
+    assert len(bad_norm) == 1 and bad_norm[0].startswith(f"ranks 0-1: {norm} holds 1 NaN/Inf"), probs
+    bad_split = [p for p in probs if split in p]
+    assert pl.ranks[0].tensors[split].start == 0 and pl.ranks[1].tensors[split].start > 0  # rows split: rank 0's
+    assert len(bad_split) == 1 and bad_split[0].startswith(f"rank 0: {split} holds 1 NaN/Inf"), probs
+    assert len(probs) == 2
+
+
+def test_merge_rank_problems():
+    from k3rocm.runtime.load import merge_rank_problems, rank_line
+
+    lines = ["rank 0: x bad", "rank 1: y bad", "rank 1: x bad", "rank 3: x bad", "no rank here"]
+    merged = merge_rank_problems(lines)
+    assert merged == ["ranks 0-1, 3: x bad", "rank 1: y bad", "no rank here"]
+    assert merge_rank_problems(merged + ["rank 2: x bad"]) == ["ranks 0-3: x bad", "rank 1: y bad", "no rank here"]
+    assert rank_line(2, "rank 0: x") == "rank 0: x" and rank_line(2, "x") == "rank 2: x"
+
+
 def test_raw_read_bypasses_the_page_cache_or_says_it_could_not(tmp_path, monkeypatch):
     import os
 

@@ -148,3 +148,20 @@ def test_merge_load_reports_keeps_every_rank():
     assert m["bytes_loaded"] == {0: 10, 1: 20} and m["tensors_planned"] == 6
     assert m["problems"] == ["rank 1: x differs"] and m["total_seconds"] == 2.0
     assert m["aggregate_gbps"] == 2.0 and m["load_vs_raw"] == pytest.approx(1.0)  # ranks load side by side
+
+
+def test_merge_load_reports_prefixes_a_rank_once_and_counts_a_shared_problem_once():
+    """Each rank's problems name their rank already: the merge adds no second prefix ("rank 0: rank 0: ...") and
+    a problem both ranks report (a replicated tensor of the checkpoint) is one problem naming both."""
+    a = {"ranks": [0], "tensors_planned": 3, "tensors_loaded": 3, "tensors_verified": 2, "bytes_planned": {"0": 10},
+         "bytes_loaded": {"0": 10}, "device_bytes_used": {"0": 10}, "seconds": {"0": 1.0}, "gbps": {"0": 1.0},
+         "total_seconds": 1.0, "verify_seconds": 0.1, "aggregate_gbps": 1.0, "raw_read_gbps": 2.0,
+         "problems": ["rank 0: w holds 1 NaN/Inf values in the checkpoint (s); the file is corrupt"]}
+    b = dict(a, ranks=[1], bytes_planned={"1": 10}, bytes_loaded={"1": 10}, device_bytes_used={"1": 10},
+             seconds={"1": 1.0}, gbps={"1": 1.0},
+             problems=["rank 1: w holds 1 NaN/Inf values in the checkpoint (s); the file is corrupt",
+                       "rank 1: v checksum differs from the source bytes"])
+    m = merge_load_reports([a, b])
+    assert m["problems"] == ["ranks 0-1: w holds 1 NaN/Inf values in the checkpoint (s); the file is corrupt",
+                             "rank 1: v checksum differs from the source bytes"]
+    assert merge_load_reports([a])["problems"] == a["problems"]
