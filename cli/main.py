@@ -143,9 +143,11 @@ def main(argv=None) -> None:
     except click.exceptions.Abort:
         click.echo("error: interrupted", err=True)
         sys.exit(130)
-    except click.exceptions.NoArgsIsHelpError as e:  # a bare group: its help is the answer
-        click.echo(e.ctx.get_help() if e.ctx else e.format_message())
-        sys.exit(0)
+    except click.exceptions.NoArgsIsHelpError as e:
+        # a group with no command (`k3rocm`, `k3rocm checkpoint`): a usage error, as click itself treats it: the
+        # help on stderr, exit 2, so a script that forgot its command does not pass
+        click.echo(e.ctx.get_help() if e.ctx else e.format_message(), err=True)
+        sys.exit(2)
     except click.UsageError as e:
         cmd = e.ctx.command_path if e.ctx else "k3rocm"
         if cmd == "k3rocm":  # an option's missing value is raised before the subcommand has a context

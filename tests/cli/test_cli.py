@@ -552,6 +552,16 @@ def test_golden_and_kernels_are_checked_before_any_tier(cache, tmp_path):
     assert not (tmp_path / "r" / "report.json").exists()
 
 
+def test_no_command_is_a_usage_error():
+    """`k3rocm` (or a group such as `k3rocm checkpoint`) with no command prints the help on stderr and exits 2, as
+    click does: a script that forgot its command must not pass."""
+    for args in ([], ["checkpoint"]):
+        r = subprocess.run([sys.executable, "-c", "from k3rocm.cli.main import main; main()", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stdout == "", (args, r.returncode, r.stdout[-300:])
+        assert r.stderr.startswith(f"Usage: k3rocm{' ' + args[0] if args else ''} [OPTIONS] COMMAND"), r.stderr[:300]
+
+
 def test_usage_errors_are_one_line_through_the_console_script(tmp_path):
     """The installed entry point turns click's usage errors into one `error:` line, exit 2."""
     import subprocess
@@ -565,8 +575,8 @@ def test_usage_errors_are_one_line_through_the_console_script(tmp_path):
         r = script(*args)
         err = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and "--help" in err[0], r.stderr
-    r = script("kernels")
-    assert r.returncode == 0 and "isa" in r.stdout
+    r = script("kernels")  # a group without its command: the help (on stderr), a usage error as click has it
+    assert r.returncode == 2 and "isa" in r.stderr and r.stdout == ""
     # an option's missing value points to the subcommand's help, as every other usage error does (it named
     # `k3rocm --help`: click raises it before the subcommand has a context)
     for args, want in ((["load", "--checkpoint"], "`k3rocm load --help`"),
@@ -907,4 +917,3 @@ def test_load_refuses_a_seed_it_would_ignore(tmp_path, seed):
     line = one_line_error(run(["load", "--seed", seed, "--out", tmp_path / "r"], code=2))
     assert line.startswith(f"error: --seed {seed} has no effect on load") and "drop --seed" in line, line
     assert not (tmp_path / "r").exists()
-
