@@ -11,7 +11,8 @@ import click
 from rich.table import Table
 
 from k3rocm.checkpoint import layout
-from k3rocm.checkpoint.verify import MANIFEST_NAME, make_manifest, manifest_extras, shard_fingerprints, verify_manifest
+from k3rocm.checkpoint.verify import (MANIFEST_NAME, make_manifest, manifest_extras, read_manifest, shard_fingerprints,
+                                     verify_manifest)
 from k3rocm.cli.common import Progress, checkpoint_session, console, debug_option, fail, handle_errors, kept
 from k3rocm.config import PRESETS, preset as make_preset
 from k3rocm.errors import CheckpointError, ConfigError, Terminated, unresolved_link
@@ -173,8 +174,15 @@ def verify_cmd(checkpoint, write_manifest, force, debug):
                 raise CheckpointError(f"{d}: {len(res)} file(s) differ from the existing {MANIFEST_NAME}, first: "
                                       f"{res[0]}; not replacing it (the files may be corrupt): re-download them, or "
                                       "pass --force if they changed on purpose")
+        unreadable = False
+        if had and force:  # the previous one is replaced unchecked; say so when it could not even be read
+            try:
+                read_manifest(d)
+            except CheckpointError:
+                unreadable = True
         mf = make_manifest(d)
         click.echo(f"wrote {mf}" + (" (replacing the previous manifest" + (
+            ", which could not be read: --force)" if unreadable else
             ", which the files no longer matched: --force)" if force else ", which the files matched)")
             if had else ""))
         return

@@ -100,9 +100,11 @@ def read_manifest(path: str | Path) -> dict[str, dict]:
     except FileNotFoundError:
         raise CheckpointError(f"{mf}: no manifest; create one first with k3rocm.checkpoint.verify.make_manifest") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mf}: unreadable manifest ({e}); re-create it") from None
+        raise CheckpointError(f"{mf}: unreadable manifest ({e}); re-create it with `k3rocm checkpoint verify "
+                              f"--checkpoint {Path(path)} --write-manifest --force` on a trusted copy") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("files"), dict):
-        raise CheckpointError(f"{mf}: not a {MANIFEST_FORMAT} manifest; re-create it")
+        raise CheckpointError(f"{mf}: not a {MANIFEST_FORMAT} manifest; re-create it with `k3rocm checkpoint verify "
+                              f"--checkpoint {Path(path)} --write-manifest --force` on a trusted copy")
     return doc["files"]
 
 

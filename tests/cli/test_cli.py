@@ -377,8 +377,14 @@ def test_a_broken_manifest_stops_before_anything_is_printed(golden_ckpt, tmp_pat
     (d / "k3rocm-manifest.json").write_text(text)
     r = run(["load", "--checkpoint", d, "--out", tmp_path / "r"], code=2)
     line = one_line_error(r)
-    assert "k3rocm-manifest.json" in line and "re-create it" in line, line
+    assert "k3rocm-manifest.json" in line, line
+    # names the command that re-creates it (--force: the broken one cannot be checked against the files)
+    assert line.endswith(f"re-create it with `k3rocm checkpoint verify --checkpoint {d} --write-manifest --force` on "
+                         "a trusted copy"), line
     assert "plan:" not in r.output and not (tmp_path / "r").exists()
+    out = run(["checkpoint", "verify", "--checkpoint", d, "--write-manifest", "--force"]).output
+    assert "which could not be read: --force" in out
+    assert "every file k3rocm-manifest.json lists matches it" in run(["checkpoint", "verify", "--checkpoint", d]).output
 
 
 @pytest.mark.parametrize("args,what", [
