@@ -44,16 +44,16 @@ def profiles_cmd(as_json, debug):
         click.echo(json.dumps([p.to_dict() for p in profs], indent=2))
         return
     t = Table(title="hardware profiles (figures per device)")
-    for col in ("name", "device", "arch", "GPUs", "HBM GiB", "TB/s", "bf16 TF", "mxfp4 TF", "tp/ep", "figures"):
+    for col in ("name", "device", "arch", "GPUs", "HBM GB", "TB/s", "bf16 TF", "mxfp4 TF", "tp/ep", "figures"):
         t.add_column(col)
     for p in profs:
         bf, fp4 = p.peak_flops.get("bf16"), p.peak_flops.get("mxfp4")
-        t.add_row(p.name, p.device_name, p.arch, str(p.device_count), f"{p.memory_bytes / 2**30:.0f}",
+        t.add_row(p.name, p.device_name, p.arch, str(p.device_count), f"{p.memory_bytes / GB:.1f}",
                   f"{p.hbm_bandwidth / 1e12:.2f}", _tflops(bf), _tflops(fp4) if fp4 else "none", f"{p.tp}/{p.ep}",
                   _figure_sources(p))
     console().print(t)
-    console().print("each figure's source is in the profile's TOML (hwprofiles/<name>.toml) and in `profiles --json`",
-                    highlight=False)
+    console().print("each figure's source is in the profile's TOML (hwprofiles/<name>.toml) and in `profiles --json`; "
+                    "HBM GB = 10^9 bytes (288 GiB = 309.2 GB), the unit of plan, env and load", highlight=False)
 
 
 def _tflops(flops: float | None) -> str:

@@ -131,6 +131,16 @@ def test_profiles_env_and_kernels_list():
     one_line_error(run(["kernels", "list", "--kernels", "bogus"], code=2))
 
 
+def test_profiles_and_plan_show_hbm_in_the_same_unit():
+    """288 GiB per MI355X: `profiles` once showed "HBM GiB 288" where `plan` shows "309.2 GB"; both say GB now."""
+    table = run(["profiles"]).output
+    assert "HBM GB" in table and "HBM GiB" not in table
+    mi = next(line for line in table.splitlines() if line.strip("│ ").startswith("mi355x-8"))
+    assert "309.2" in mi.split("│")[5], mi  # the HBM column (name, device, arch, GPUs, HBM)
+    plan_out = run(["plan", "--preset", "k3", "--profile", "mi355x-8"]).output
+    assert "309.2 GB" in plan_out
+
+
 @pytest.mark.skipif(not no_gpu(), reason="checks the CPU-only answer")
 def test_env_profile_mismatch_is_exit_3():
     line = one_line_error(run(["env", "--profile", "mi355x-8"], code=3))
