@@ -170,11 +170,15 @@ def render_markdown(rep: Report) -> str:
                 lines.append(f"| {f} | {u} | " + " | ".join(fmt_value(vals[c], u) if c in vals else ""
                                                            for c in sconcs) + " |")
             lines.append("")
-        plots = [(k, v) for k, v in (s.series or {}).items() if has_points(v)]
+        specs = [(k, v) for k, v in (s.series or {}).items() if has_points(v)]
+        plots = [(k, v) for k, v in specs if not single_concurrency(v)]
         if plots:
             lines += ["Plots (drawn in report.html), with the level of their series:", ""]
             lines += [f"- {k} ({v.get('title', k)}): {plot_level_text(v)}" for k, v in plots]
             lines.append("")
+        lone = [v for _, v in specs if single_concurrency(v)]
+        if lone:
+            lines += [one_concurrency_note(lone), ""]
         concs, prow = point_table(s)
         if concs:
             lv = point_levels(s)
@@ -242,6 +246,27 @@ def has_points(spec: dict) -> bool:
     return any(len(v or ()) for v in (spec.get("y") or {}).values())
 
 
+def single_concurrency(spec: dict) -> bool:
+    """Whether ``spec`` is a chart against concurrency (x = concurrency, or points labelled ``c=N``) holding fewer
+    than two concurrency levels: one bar or one point, which shows no trend; the report writes
+    :func:`one_concurrency_note` in its place (the numbers are in the per-point table)."""
+    if spec.get("xlabel") == "concurrency":
+        n = len({str(v) for v in spec.get("x") or []})
+    else:
+        labs = [str(v) for v in spec.get("labels") or []]
+        if not labs or not all(v.startswith("c=") for v in labs):
+            return False
+        n = len(set(labs))
+    return n < 2
+
+
+def one_concurrency_note(specs: list[dict]) -> str:
+    """The sentence that stands for the charts of :func:`single_concurrency` (one run's concurrency)."""
+    titles = "; ".join(re.sub(r"\s*\(.*\)", "", str(v.get("title") or "chart")) for v in specs)
+    return (f"Not drawn ({titles}): these charts need two or more concurrency levels (e.g. --concurrency 1,8,64); "
+            "this run measured one, whose numbers are in the per-point table.")
+
+
 def _series_svg(name: str, spec: dict) -> str | None:
     """One line/bar plot from a series spec ``{"x", "y": {label: values}, "xlabel", "ylabel", "log", "kind",
     "levels": {label: level}}`` (``kind``: ``"line"``, ``"bar"`` side by side, or ``"stacked"``: one bar per x with
@@ -299,8 +324,8 @@ def _series_svg(name: str, spec: dict) -> str | None:
     ax.set_xlabel(spec.get("xlabel", ""))
     ax.set_ylabel(spec.get("ylabel", ""))
     ax.grid(alpha=0.3)
-    if len(labels) > 1:
-        ax.legend(fontsize=8)
+    if len(labels) > 1:  # outside the axes, to the right (savefig's bbox_inches="tight" widens the figure)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     try:
         return _svg(fig)
     finally:
@@ -385,10 +410,14 @@ def render_html(rep: Report) -> str:
             out.append(f"<p><code>{e(s.command)}</code> · {s.seconds:.2f} s · started {e(s.started)}</p>")
         if s.error:
             out.append(f"<p class=\"fail\">error: {e(s.error)}</p>")
-        plots = [(p, v) for p, v in ((_series_svg(k, v), v) for k, v in (s.series or {}).items()) if p]
+        specs = [(k, v) for k, v in (s.series or {}).items() if has_points(v)]
+        plots = [(p, v) for p, v in ((_series_svg(k, v), v) for k, v in specs if not single_concurrency(v)) if p]
         if plots:  # each plot with its level under it, as every table row carries one
             out.append("<div class=\"plots\">" + "".join(f"<div>{p}{_plot_caption(v)}</div>" for p, v in plots)
                        + "</div>")
+        lone = [v for _, v in specs if single_concurrency(v)]
+        if lone:  # one bar / one point says nothing: a sentence in their place
+            out.append(f"<p class=\"note\">{e(one_concurrency_note(lone))}</p>")
         others, sconcs, srows = stage_settings(s)
         if others or sconcs:
             out.append(f"<p>{e(SETTINGS_TITLE)}:</p>")

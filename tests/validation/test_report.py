@@ -461,3 +461,64 @@ def test_point_table_rows_keep_each_points_order_and_unit():
                                        "breakdown.mixed.KDA", "roofline.fraction"]
     assert dict((f, u) for f, u, _ in rows)["breakdown.mixed.wall_ms"] == "ms"
     assert rows[2][2] == {1: "not formed", 2: 9.0}
+
+
+def _bench_stage(concs: list[int]) -> Stage:
+    """A bench stage with the series the performance tier writes (tiers/performance.py bench_rows), at ``concs``."""
+    st = Stage("bench", started="2026-11-30T00:00:00Z", seconds=1.0, command="k3rocm bench")
+    for c in concs:
+        st.add(info("bench", f"c{c}.output_throughput", 10.0 * c, "tok/s"))
+    n = len(concs)
+    st.series["latency"] = {"title": "latency percentiles vs concurrency", "kind": "bar", "x": concs,
+                            "xlabel": "concurrency", "ylabel": "ms", "log": True,
+                            "y": {"median TTFT": [1.0] * n, "p99 TTFT": [2.0] * n}}
+    st.series["throughput"] = {"title": "throughput vs concurrency", "kind": "bar", "x": concs,
+                               "xlabel": "concurrency", "ylabel": "tok/s", "y": {"output_throughput": [5.0] * n}}
+    st.series["tradeoff"] = {"title": "throughput per GPU vs speed per user (labels: concurrency)", "kind": "line",
+                             "x": [100.0 / c for c in concs], "xlabel": "tok/s/user", "ylabel": "output tok/s/GPU",
+                             "y": {"output tok/s/GPU": [10.0 * c for c in concs]}, "labels": [f"c={c}" for c in concs]}
+    bars = [f"c{c} {k}" for c in concs for k in ("decode", "mixed")]
+    st.series["breakdown"] = {"title": "where a step goes", "kind": "stacked", "x": bars, "xlabel": "step",
+                              "ylabel": "ms", "y": {f: [1.0] * len(bars) for f in ("MLA", "MoE", "KDA", "other")}}
+    return st
+
+
+def test_one_concurrency_writes_a_sentence_instead_of_the_vs_concurrency_charts():
+    """One concurrency: a chart against concurrency is one bar or one point, which shows nothing; the report writes
+    one sentence in its place (HTML and Markdown) and keeps the step breakdown, which still says something."""
+    rep = Report()
+    rep.merge_run(_repro(), [_bench_stage([8])])
+    page = render_html(rep)
+    assert page.count("<svg") == 1  # the breakdown only
+    assert "throughput vs concurrency" not in page.split("<p class=\"note\">")[0]
+    note = re.findall(r'<p class="note">(.*?)</p>', page)
+    assert len(note) == 1 and "two or more concurrency levels" in note[0] and "--concurrency 1,8,64" in note[0]
+    assert "latency percentiles vs concurrency" in note[0] and "speed per user" in note[0]
+    md = render_markdown(rep)
+    assert "two or more concurrency levels (e.g. --concurrency 1,8,64)" in md
+    assert "- breakdown (where a step goes)" in md and "- latency (" not in md and "- tradeoff (" not in md
+    rep = Report()
+    rep.merge_run(_repro(), [_bench_stage([1, 8])])  # two points: every chart is drawn, no sentence
+    page = render_html(rep)
+    assert page.count("<svg") == 4 and "two or more concurrency levels" not in page
+    assert "two or more concurrency levels" not in render_markdown(rep)
+
+
+def test_a_legend_sits_outside_the_axes(monkeypatch):
+    """The step breakdown's legend used to cover its "mixed" bar: every legend is drawn right of the axes."""
+    import k3rocm.validation.render as render
+
+    boxes = []
+    real = render._svg
+
+    def spy(fig):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        leg = ax.get_legend()
+        boxes.append((ax.get_window_extent(), leg.get_window_extent() if leg else None))
+        return real(fig)
+    monkeypatch.setattr(render, "_svg", spy)
+    spec = _bench_stage([1, 8]).series["breakdown"]
+    assert "<svg" in render._series_svg("breakdown", spec)
+    (axes, legend), = boxes
+    assert legend is not None and legend.x0 >= axes.x1  # wholly to the right: no bar is covered
