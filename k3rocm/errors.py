@@ -77,6 +77,12 @@ def size_text(nbytes: float) -> str:
 _ENV_ERRNOS = ("ENOSPC", "EDQUOT", "EIO", "EROFS", "ENOMEM", "EMFILE", "ENFILE", "ESTALE", "ENXIO")
 
 
+def environment_error(e: OSError) -> bool:
+    """Whether ``e`` is the machine's fault, not the input's: no space, quota, I/O, a read-only or vanished medium,
+    out of memory or file handles (:data:`_ENV_ERRNOS`; exit 3 where it ends a command). Raises nothing."""
+    return errno.errorcode.get(e.errno or 0, "") in _ENV_ERRNOS
+
+
 def os_error(e: OSError, what: str = "") -> K3Error:
     """The one-line :class:`K3Error` of an :class:`OSError`, with the exit code of its class (DESIGN.md §7).
 
@@ -91,7 +97,7 @@ def os_error(e: OSError, what: str = "") -> K3Error:
     hint = "free space (or choose another --out) and run again" if name in ("ENOSPC", "EDQUOT") else (
         "check the path and run again")
     line = f"{what + ': ' if what else ''}{where}{reason}" + (f" [{name}]" if name else "") + f"; {hint}"
-    cls = HardwareError if name in _ENV_ERRNOS else ConfigError
+    cls = HardwareError if environment_error(e) else ConfigError
     return cls(line)
 
 

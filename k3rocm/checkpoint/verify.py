@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from k3rocm.errors import CheckpointError, HardwareError, os_error
+from k3rocm.errors import CheckpointError, HardwareError, environment_error
 
 MANIFEST_NAME = "k3rocm-manifest.json"
 MANIFEST_FORMAT = "k3rocm-manifest/1"
@@ -82,7 +82,7 @@ def make_manifest(path: str | Path, progress: Progress | None = None) -> Path:
             raise
     except OSError as e:
         # no space, quota, I/O error: the environment's (exit 3, as README's exit codes say); any other: bad input
-        cls = HardwareError if isinstance(os_error(e), HardwareError) else CheckpointError
+        cls = HardwareError if environment_error(e) else CheckpointError
         raise cls(f"{root}: cannot write {MANIFEST_NAME} ({e}); check free space and permissions") from None
     return dst
 

@@ -34,7 +34,7 @@ from k3rocm import mx
 from k3rocm.checkpoint import layout
 from k3rocm.checkpoint.layout import TensorSpec
 from k3rocm.config import K3Config
-from k3rocm.errors import CheckpointError, ConfigError, HardwareError, os_error, size_text
+from k3rocm.errors import CheckpointError, ConfigError, HardwareError, environment_error, size_text
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -296,7 +296,7 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0, num_shar
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
         # no space, quota, I/O error, read-only medium: the environment's (exit 3); any other: the path's (exit 2)
-        cls = HardwareError if isinstance(os_error(e), HardwareError) else CheckpointError
+        cls = HardwareError if environment_error(e) else CheckpointError
         raise cls(f"{out}: writing the checkpoint failed ({e.strerror or e}); nothing was kept - check free space "
                   "and permissions") from None
     except BaseException:  # Ctrl-C / SIGTERM included: the partial files and the parents made for them go
