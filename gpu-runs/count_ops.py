@@ -182,7 +182,12 @@ def build_engine(args):
         from k3rocm.runtime.synthetic import synthetic_weights
 
         cfg = preset(args.preset)
-        pl = plan(cfg, load_profile(args.profile), tp=args.tp, ep=args.ep, strict=False)
+        from k3rocm.runtime.plan import scaled_profile
+
+        prof = load_profile(args.profile)
+        if args.tp and args.tp > prof.device_count:  # one rank of a layout wider than one node, as bench does
+            prof = scaled_profile(prof, args.tp, args.ep)
+        pl = plan(cfg, prof, tp=args.tp, ep=args.ep, strict=False)
         w = synthetic_weights(cfg, pl, args.rank, device=args.device, seed=0)
         par = ProjectedGroup(pl, args.rank, args.device) if pl.world > 1 else None
         return cfg, _interp_ops(Engine(cfg, w, par=par, **kw), interp)

@@ -20,6 +20,8 @@
 #          step kind in prof/kernels_1.txt
 #   prof1  the same at concurrency 1 (4 prompts): the one-row decode step kernel by kernel, steps 8..27 (prof1/)
 #   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
+#   skew   gpu-runs/route_skew.py on the K3 rank (K3_PRESET): how evenly the engine's router spreads a 64-prompt
+#          prefill and 3 decode steps over the experts, per MoE layer, against uniform routing (skew.json)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
 #   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MOE_TESTS: a
 #          pytest -k expression)
@@ -118,6 +120,9 @@ for s in $STEPS; do
           "$HERE/prof_steps.py" bench $RANK --concurrency 1 --num-prompts 4 --out "$R/k3_prof1" ;;
     cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
+    skew) step skew "$(lim "${SKEW_LIMIT:-150}")" $PY "$HERE/route_skew.py" --device cuda --kernels triton --synthetic \
+          --preset "${K3_PRESET:-k3}" --profile mi355x-8 --tp 16 --ep 16 --batch 64 --prompt-len 128 --steps 3 \
+          --json "$R/skew.json" ;;
     etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
     mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim 160)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ${MOE_TESTS:+-k "$MOE_TESTS"} ;;

@@ -66,6 +66,11 @@ class Parallel:
         """Sum of ``t`` over the ranks (``name``: which collective, for the per-step byte count)."""
         return t
 
+    def embed_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of token ids ``[T]`` int64 from this rank's rows ``table [V_local, hidden]``:
+        ``[T, hidden]`` fp32. One rank holds every row."""
+        return f32(table[ids])
+
     def agree_min(self, values: list[int]) -> list[int]:
         """The element-wise minimum of ``values`` over the ranks (e.g. cache slots every rank can hold)."""
         return [int(v) for v in values]
@@ -157,16 +162,9 @@ class Decoder:
     def embed(self, ids: torch.Tensor, batch: Batch | None, record: bool = False) -> LayerState:
         """Token ids ``[T]`` int64 (on the weights' device) -> the starting :class:`LayerState`.
 
-        Vocabulary-parallel: a rank looks up the ids in its rows (zeros elsewhere), then the parallel
-        context sums the rows."""
-        table = self.w("embed_tokens.weight")
-        p = self.par
-        if p.vocab_start is None:
-            x = f32(table[ids])
-        else:
-            mine = (ids >= p.vocab_start) & (ids < p.vocab_stop)
-            local = torch.where(mine, ids - p.vocab_start, torch.zeros_like(ids))
-            x = p.reduce(f32(table[local]) * mine.unsqueeze(1), "embed")
+        Vocabulary-parallel: the parallel context looks the ids up in this rank's rows (zeros elsewhere) and sums
+        the rows over the ranks (:meth:`Parallel.embed_rows`)."""
+        x = self.par.embed_rows(self.w("embed_tokens.weight"), ids)
         if self.attn_res:
             return LayerState(batch, res=AttnResState([], x), record=record)
         return LayerState(batch, hidden=x, record=record)

@@ -47,6 +47,7 @@ import torch.distributed as tdist
 
 from k3rocm.checkpoint.layout import PREFIX
 from k3rocm.errors import HardwareError, K3Error
+from k3rocm.model.common import f32
 from k3rocm.model.decoder import Parallel
 
 __all__ = ["DistContext", "WorkerFailed", "default_backend", "init", "launch", "run_under_torchrun",
@@ -226,6 +227,13 @@ class TPGroup(Parallel):
         t = t.contiguous()
         return self._timed(name, t.numel() * t.element_size(), lambda: all_reduce(t, self.ctx))
 
+    def embed_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel embedding: ids in ``vocab_start .. vocab_stop - 1`` look up this rank's rows, every
+        other id a zero row, and one ``all_reduce`` ("embed") sums the ranks' rows: ``[T, hidden]`` fp32."""
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_stop)
+        local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
+        return self.reduce(f32(table[local]) * mine.unsqueeze(1), "embed")
+
     def agree_min(self, values: list[int]) -> list[int]:
         t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.ctx.device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MIN, group=self.ctx.group)
@@ -284,6 +292,20 @@ class ProjectedGroup(TPGroup):
 
     def agree_min(self, values: list[int]) -> list[int]:
         return [int(v) for v in values]
+
+    def embed_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding as one rank alone can stand it in: ids held here look up their own rows, every other id
+        the **stand-in** row ``id mod V_local`` of this rank's slice; the ``all_reduce`` is counted as in
+        :class:`TPGroup`. Without the stand-in, ``(tp - 1) / tp`` of a random prompt's tokens would enter the
+        layers as zero rows (no other rank adds theirs), and a zero row scores every expert ``sigmoid(0)``: the
+        tie sends it to experts ``0 .. k-1``, piling the prefill's pairs onto rank 0's experts (measured on
+        k3-prefix-3 at TP16 with the zero rows: 9.8 x the uniform share of pairs; ``gpu-runs/route_skew.py``).
+        ``[T, hidden]`` fp32, every row of the embedding's magnitude."""
+        if self.vocab_start is None:
+            return self.reduce(f32(table[ids]), "embed")
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_stop)
+        local = torch.where(mine, ids - self.vocab_start, ids % table.shape[0])
+        return self.reduce(f32(table[local]), "embed")
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         self._row("logits", local)

@@ -121,3 +121,43 @@ def test_check_rank_names_the_layout_without_a_none():
     with pytest.raises(ConfigError, match=r"^--rank 4 is not a rank of the TP4 layout \(ranks 0\.\.3\)$"):
         check_rank((4, None), 4)  # an EP not known yet is left out, never printed as None
     check_rank((4, None), 3)
+
+
+def test_projected_embedding_has_no_zero_rows(tiny_cfg):
+    """A rank run alone stands in a row of its own slice for every id another rank holds: no zero rows (a zero
+    row ties every router score and goes to experts 0..k-1), own ids exactly their rows, the reduce counted."""
+    pl = plan(tiny_cfg, load_profile("cpu"), tp=4, ep=4)
+    grp = ProjectedGroup(pl, 2)
+    V = tiny_cfg.vocab_size
+    table = torch.randn(grp.vocab_stop - grp.vocab_start, tiny_cfg.hidden_size, dtype=torch.bfloat16,
+                        generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, V, (64,), generator=torch.Generator().manual_seed(6))
+    ids[:2] = torch.tensor([grp.vocab_start, grp.vocab_stop - 1])
+    x = grp.embed_rows(table, ids)
+    assert x.dtype == torch.float32 and x.shape == (64, tiny_cfg.hidden_size)
+    assert bool((x.abs().sum(-1) > 0).all())
+    mine = (ids >= grp.vocab_start) & (ids < grp.vocab_stop)
+    assert 0 < int(mine.sum()) < 64
+    assert torch.equal(x[mine], table[ids[mine] - grp.vocab_start].float())
+    assert torch.equal(x[~mine], table[ids[~mine] % table.shape[0]].float())
+    snap = grp.stats.snapshot()
+    assert snap["embed"]["calls"] == 1 and snap["embed"]["bytes"] == 64 * tiny_cfg.hidden_size * 4
+
+
+def test_real_group_embedding_masks_other_ranks_rows(tiny_cfg, monkeypatch):
+    """The real group zeroes the rows of ids another rank holds before its all_reduce sums them."""
+    import k3rocm.runtime.dist as dist
+
+    pl = plan(tiny_cfg, load_profile("cpu"), tp=2, ep=2)
+    grp = ProjectedGroup(pl, 1)
+    seen = {}
+
+    def fake_all_reduce(t, ctx):
+        seen["t"] = t.clone()
+        return t
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    table = torch.randn(grp.vocab_stop - grp.vocab_start, tiny_cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([0, grp.vocab_start, grp.vocab_stop - 1, 1])
+    x = dist.TPGroup.embed_rows(grp, table, ids)
+    assert torch.equal(x, seen["t"])
+    assert bool((x[[0, 3]] == 0).all()) and torch.equal(x[1], table[0]) and torch.equal(x[2], table[-1])
