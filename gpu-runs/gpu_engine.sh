@@ -23,7 +23,8 @@
 #   skew   gpu-runs/route_skew.py on the K3 rank (K3_PRESET): how evenly the engine's router spreads a 64-prompt
 #          prefill and 3 decode steps over the experts, per MoE layer, against uniform routing (skew.json)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
-#   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MOE_TESTS: a
+#   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MTEST_LIMIT s, default
+#          160 (the whole pair needs more on a cold machine); MOE_TESTS: a
 #          pytest -k expression)
 #   ktest  the KDA GPU tests selected by KDA_TESTS (a pytest -k expression; default: the per-config, tuned-default
 #          and fp32-split tests), figures into RESULTS_DIR/kda_gpu.jsonl
@@ -124,7 +125,7 @@ for s in $STEPS; do
           --preset "${K3_PRESET:-k3}" --profile mi355x-8 --tp 16 --ep 16 --batch 64 --prompt-len 128 --steps 3 \
           --json "$R/skew.json" ;;
     etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
-    mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim 160)" $PY -m pytest -q -p no:cacheprovider \
+    mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim "${MTEST_LIMIT:-160}")" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ${MOE_TESTS:+-k "$MOE_TESTS"} ;;
     ktest) KDA_GPU_LOG="$R/kda_gpu.jsonl" step ktest "$(lim 170)" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_kda_gpu.py -k "${KDA_TESTS:-every_config or tuned_default or split}" ;;
@@ -155,7 +156,7 @@ for s in $STEPS; do
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1 mdec)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 skew prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1 mdec)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,
