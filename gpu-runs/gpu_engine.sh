@@ -19,7 +19,8 @@
 #          widest decode steps; K3_PROF_AFTER / K3_PROF_N move and size the window): device time per kernel per
 #          step kind in prof/kernels_1.txt
 #   prof1  the same at concurrency 1 (4 prompts): the one-row decode step kernel by kernel, steps 8..27 (prof1/)
-#   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function)
+#   cprof  the K3 rank with cProfile of two chunk steps of the bench's warm-up requests (host time per function;
+#          CPROF_AFTER / CPROF_N move and size the window, e.g. 75 / 3 for mixed steps of the measured requests)
 #   skew   gpu-runs/route_skew.py on the K3 rank (K3_PRESET): how evenly the engine's router spreads a 64-prompt
 #          prefill and 3 decode steps over the experts, per MoE layer, against uniform routing (skew.json)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
@@ -119,7 +120,7 @@ for s in $STEPS; do
           $RANK --out "$R/k3_prof" ;;
     prof1) PROF_OUT=$R/prof1 PROF_AFTER=${K3_PROF_AFTER:-8} PROF_N=${K3_PROF_N:-20} step prof1 "$(lim 150)" $PY \
           "$HERE/prof_steps.py" bench $RANK --concurrency 1 --num-prompts 4 --out "$R/k3_prof1" ;;
-    cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=1 PROF_N=2 step cprof "$(lim 140)" $PY \
+    cprof) PROF_MODE=cprofile PROF_OUT=$R/cprof PROF_AFTER=${CPROF_AFTER:-1} PROF_N=${CPROF_N:-2} step cprof "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_cprof" ;;
     skew) step skew "$(lim "${SKEW_LIMIT:-150}")" $PY "$HERE/route_skew.py" --device cuda --kernels triton --synthetic \
           --preset "${K3_PRESET:-k3}" --profile mi355x-8 --tp 16 --ep 16 --batch 64 --prompt-len 128 --steps 3 \
