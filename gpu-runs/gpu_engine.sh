@@ -23,6 +23,8 @@
 #          CPROF_AFTER / CPROF_N move and size the window, e.g. 75 / 3 for mixed steps of the measured requests)
 #   skew   gpu-runs/route_skew.py on the K3 rank (K3_PRESET): how evenly the engine's router spreads a 64-prompt
 #          prefill and 3 decode steps over the experts, per MoE layer, against uniform routing (skew.json)
+#   syncs  the K3 rank with every host-device synchronising call of steps CPROF_AFTER.. (default 75, 3 steps: mixed
+#          steps of the measured requests) counted by call site (syncs/syncs_<i>.txt)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
 #   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MTEST_LIMIT s, default
 #          160 (the whole pair needs more on a cold machine); MOE_TESTS: a
@@ -125,6 +127,8 @@ for s in $STEPS; do
     skew) step skew "$(lim "${SKEW_LIMIT:-150}")" $PY "$HERE/route_skew.py" --device cuda --kernels triton --synthetic \
           --preset "${K3_PRESET:-k3}" --profile mi355x-8 --tp 16 --ep 16 --batch 64 --prompt-len 128 --steps 3 \
           --json "$R/skew.json" ;;
+    syncs) PROF_MODE=syncs PROF_OUT=$R/syncs PROF_AFTER=${CPROF_AFTER:-75} PROF_N=${CPROF_N:-3} step syncs "$(lim 140)" $PY \
+          "$HERE/prof_steps.py" bench $RANK --out "$R/k3_syncs" ;;
     etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
     mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim "${MTEST_LIMIT:-160}")" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ${MOE_TESTS:+-k "$MOE_TESTS"} ;;
@@ -157,7 +161,7 @@ for s in $STEPS; do
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \
           --out "$R/moe" ;;
-    *) echo "unknown step $s (p4 k3 skew prof cprof etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1 mdec)" >&2 ;;
+    *) echo "unknown step $s (p4 k3 skew prof cprof syncs etest mtest ktest kda ksweep attn mla mltest atest apend kchk kdec ncu kncu moe dense p4t p4a adec k3a route prof1 mdec)" >&2 ;;
   esac
 done
 # The machine hands back only so many files: unless PACK=0, everything but the step logs goes into one archive,

@@ -7,6 +7,9 @@ end) are profiled:
 * default: ``torch.profiler`` (CUDA activity, graph replays included) per step; device time per kernel is
   summed per step kind (decode-only / carrying prefill) into ``$PROF_OUT/kernels_<n>.txt`` (ms per step,
   calls per step, µs per call);
+* ``PROF_MODE=syncs``: each step under ``torch.cuda.set_sync_debug_mode("warn")``: every call that makes the host
+  wait for the device, counted by message and k3rocm call site, in ``$PROF_OUT/syncs_<i>.txt`` (the step's one
+  expected sync is the sampled tokens' ``tolist``);
 * ``PROF_MODE=cprofile``: ``cProfile`` of each step, host functions by own and cumulative time, in
   ``$PROF_OUT/cprof_<i>.txt`` (profiling inflates the host time ~2x; the shares are the evidence).
 
@@ -94,6 +97,37 @@ def step(self, *a, **k):
         if state["warm"]:
             s = self.step_log[-1]
             LOG.write(json.dumps({"i": i, "nd": s.num_decode, "pre": s.num_prefill_tokens, "graph": s.graph, "ms": round(s.seconds*1e3, 3) if hasattr(s, "seconds") else None, "wall_ms": round((time.perf_counter()-t)*1e3, 3)}) + "\n")
+        return r
+    if os.environ.get("PROF_MODE") == "syncs":
+        import warnings, traceback
+        seen = collections.Counter()
+        show = warnings.showwarning
+
+        def note(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                fr = [f"{os.path.relpath(f.filename, os.path.dirname(os.path.dirname(E.__file__)))}:{f.lineno} {f.name}"
+                      for f in traceback.extract_stack()[:-2] if "k3rocm" in f.filename or "kernels" in f.filename]
+                seen[(str(message).split(".")[0][:90], " <- ".join(reversed(fr[-5:])))] += 1
+            else:
+                show(message, category, filename, lineno, file, line)
+        sync(); t = time.perf_counter()
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = note
+                r = st(self, *a, **k)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = show
+        sync()
+        s = self.step_log[-1]
+        with open(os.path.join(OUTD, f"syncs_{i}.txt"), "w") as f:
+            f.write(f"== step {i} nd={s.num_decode} pre={s.num_prefill_tokens} graph={s.graph} wall "
+                    f"{(time.perf_counter() - t) * 1e3:.1f} ms: {sum(seen.values())} synchronising calls\n")
+            for (msg, where), c in seen.most_common():
+                f.write(f"{c:6d}  {msg}  {where}\n")
         return r
     if os.environ.get("PROF_MODE") == "cprofile":
         import cProfile, pstats, io
