@@ -48,6 +48,8 @@ _FIXED_FIELDS: tuple[tuple[str, tuple, str], ...] = (
     ("mla_use_nope", (True,), "gated NoPE MLA"),
     ("latent_moe_use_norm", (True,), "the latent RMSNorm of Stable LatentMoE"),
     ("rope_scaling", (None,), "no RoPE scaling"),
+    ("num_nextn_predict_layers", (0,), "no multi-token-prediction layers: their tensors would be neither planned, "
+                                       "loaded nor run"),
 )
 
 

@@ -305,6 +305,7 @@ _BAD_FIELDS = [
     (_T + ("mla_use_nope",), False, "text_config.mla_use_nope"),
     (_T + ("latent_moe_use_norm",), False, "text_config.latent_moe_use_norm"),
     (_T + ("rope_scaling",), {"type": "yarn", "factor": 4.0}, "text_config.rope_scaling"),
+    (_T + ("num_nextn_predict_layers",), 1, "text_config.num_nextn_predict_layers"),
     (_L + ("use_full_rank_gate",), False, "text_config.linear_attn_config.use_full_rank_gate"),
     (_Q + ("quant_method",), "gptq", "text_config.quantization_config.quant_method"),
     (_Q + ("config_groups", "group_0", "weights", "num_bits"), 8,
