@@ -98,7 +98,8 @@ def read_manifest(path: str | Path) -> dict[str, dict]:
     try:
         doc = json.loads(mf.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{mf}: no manifest; create one first with k3rocm.checkpoint.verify.make_manifest") from None
+        raise CheckpointError(f"{mf}: no manifest; create one first with `k3rocm checkpoint verify --checkpoint "
+                              f"{Path(path)} --write-manifest` on a trusted copy") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mf}: unreadable manifest ({e}); re-create it with `k3rocm checkpoint verify "
                               f"--checkpoint {Path(path)} --write-manifest --force` on a trusted copy") from None

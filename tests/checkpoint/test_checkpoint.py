@@ -244,7 +244,8 @@ def test_manifest_roundtrip_and_mismatches(tiny_ckpt, tmp_path):
     assert any(ln.startswith("model-00002-of-000002.safetensors: size") for ln in lines)
     assert "config.json: missing" in lines
     assert manifest_extras(d) == ["notes.txt"]  # a file added beside the checkpoint is extra, not corruption
-    with pytest.raises(CheckpointError, match="no manifest"):
+    with pytest.raises(CheckpointError, match="no manifest; create one first with `k3rocm checkpoint verify "
+                                              "--checkpoint .* --write-manifest`"):
         verify_manifest(tiny_ckpt)
 
 
