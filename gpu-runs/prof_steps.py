@@ -8,8 +8,9 @@ end) are profiled:
   summed per step kind (decode-only / carrying prefill) into ``$PROF_OUT/kernels_<n>.txt`` (ms per step,
   calls per step, µs per call);
 * ``PROF_MODE=syncs``: each step under ``torch.cuda.set_sync_debug_mode("warn")``: every call that makes the host
-  wait for the device, counted by message and k3rocm call site, in ``$PROF_OUT/syncs_<i>.txt`` (the step's one
-  expected sync is the sampled tokens' ``tolist``);
+  wait for the device, counted by message and k3rocm call site, with the caching allocator's retries and device
+  allocations of the step, in ``$PROF_OUT/syncs_<i>.txt`` (the step's one expected sync is the sampled tokens'
+  ``tolist``);
 * ``PROF_MODE=cprofile``: ``cProfile`` of each step, host functions by own and cumulative time, in
   ``$PROF_OUT/cprof_<i>.txt`` (profiling inflates the host time ~2x; the shares are the evidence).
 
@@ -110,6 +111,8 @@ def step(self, *a, **k):
                 seen[(str(message).split(".")[0][:90], " <- ".join(reversed(fr[-5:])))] += 1
             else:
                 show(message, category, filename, lineno, file, line)
+        mem_keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+        mem0 = torch.cuda.memory_stats()
         sync(); t = time.perf_counter()
         warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
@@ -123,9 +126,14 @@ def step(self, *a, **k):
             warnings.showwarning = show
         sync()
         s = self.step_log[-1]
+        mem1 = torch.cuda.memory_stats()
+        # the caching allocator's own waits: a retry frees the cached blocks (cudaFree drains the device), and
+        # every cudaMalloc / cudaFree of the step is one the cache did not serve
+        mem = ", ".join(f"{k} +{mem1.get(k, 0) - mem0.get(k, 0)}" for k in mem_keys)
         with open(os.path.join(OUTD, f"syncs_{i}.txt"), "w") as f:
             f.write(f"== step {i} nd={s.num_decode} pre={s.num_prefill_tokens} graph={s.graph} wall "
-                    f"{(time.perf_counter() - t) * 1e3:.1f} ms: {sum(seen.values())} synchronising calls\n")
+                    f"{(time.perf_counter() - t) * 1e3:.1f} ms: {sum(seen.values())} synchronising calls; "
+                    f"allocator: {mem}\n")
             for (msg, where), c in seen.most_common():
                 f.write(f"{c:6d}  {msg}  {where}\n")
         return r
