@@ -44,3 +44,29 @@ def test_config_from_a_checkpoint_reads_only_its_config(tiny_ckpt, tiny_cfg, tmp
     s.preflight()
     assert s.config.config_hash() == tiny_cfg.config_hash()
     assert "synthetic" in str(s.checkpoint_dir) and not s.is_official
+
+
+def test_synthetic_load_tier_claims_only_what_it_checked(tiny_ckpt, tmp_path):
+    """A --synthetic load reads no file: its load stage has no index, manifest, read-checksum or read-rate row (even
+    beside a checkpoint directory with a manifest), says what was made and checked instead, and names the one rank."""
+    from k3rocm.checkpoint.verify import make_manifest
+    from k3rocm.validation.tiers.load import tier_load
+
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, ck)
+    make_manifest(ck)
+    s = Session(Options(out=str(tmp_path / "r"), profile="cpu", synthetic=True, checkpoint=str(ck), tp=2, ep=2,
+                        rank=1))
+    s.preflight()
+    stage = Stage(tier="load")
+    tier_load(s, stage)
+    rows = {e.name: e for e in stage.evidence}
+    for name in ("index.open", "index.tensors", "manifest.sha256", "load.raw_read_gbps", "load.load_vs_raw"):
+        assert name not in rows, name
+    assert rows["weights.source"].value == "synthetic" and "rank 1 of TP2/EP2" in rows["weights.source"].detail
+    assert "rank 1 of 2" in rows["load.seconds"].detail
+    assert "no checksum" in rows["load.tensors_verified"].detail and rows["load.tensors_verified"].passed
+    assert "random source" in rows["kernel_layout.layers_differing"].detail
+    assert all(e.passed is not False for e in stage.evidence)

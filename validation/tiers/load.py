@@ -17,7 +17,13 @@ from k3rocm.validation.session import Session
 
 
 def tier_load(session: Session, stage: Stage, progress: Callable | None = None) -> None:
-    """Did every byte land where the plan said? Index complete, headers valid, scales sane, bytes, GB/s."""
+    """Did every byte land where the plan said? Index complete, headers valid, scales sane, bytes, GB/s.
+
+    ``--synthetic``: nothing is read, so the checkpoint rows (index, manifest, read checksums, raw read rate) are
+    left out and the rows that remain say what was checked instead: the made tensors' shapes, dtypes and
+    finiteness, and the kernel layout's read-back against them."""
+    if session.synthetic:
+        return _synthetic_rows(session, stage, progress)
     with Timer() as t:
         idx = session.index
     secs = session.index_open_seconds  # the build's own time: the pre-flight check usually built it already
@@ -98,6 +104,38 @@ def tier_load(session: Session, stage: Stage, progress: Callable | None = None) 
         _kernel_layout_rows(stage, session, lv)
 
 
+def _synthetic_rows(session: Session, stage: Stage, progress: Callable | None) -> None:
+    """The load tier of a ``--synthetic`` run: the rank's random tensors made on the device and checked against
+    the plan (no file is read, so no index, manifest, checksum or read-rate row)."""
+    plc = session.placement
+    rank = session.rank
+    stage.add(info("load", "weights.source", "synthetic", level="measured-fallback",
+                   detail=f"random weights of rank {rank} of TP{plc.tp}/EP{plc.ep} made on the device from the config "
+                          f"{session.config.name}: no checkpoint index, shard, manifest or scale file is read, so "
+                          "none is checked"))
+    _placement_rows(stage, plc, "load")
+    with Timer() as tl:
+        rep = session.load(progress=progress).report
+    lv = session.measured_level
+    r = rep.to_dict()
+    stage.add(info("load", "load.seconds", round(tl.seconds, 3), "s", level=lv,
+                   detail=f"rank {rank} of {r['world']} made on {r['device']} (random fill and the checks below)"),
+              check("load", "load.problems", len(r["problems"]), eq=0, level=lv,
+                    detail=listed(r["problems"]) or "none"),
+              check("load", "load.tensors_loaded", int(r["tensors_loaded"]), eq=int(r["tensors_planned"]), level=lv,
+                    detail="tensors made vs the tensors the plan names for this rank"),
+              check("load", "load.tensors_verified", int(r["tensors_verified"]), eq=int(r["tensors_planned"]),
+                    level=lv, detail="made tensors with the planned local shape and dtype (floating ones finite); "
+                                     "random values: no checksum against a source"))
+    planned, used = _per_rank(r["bytes_planned"]), _per_rank(r["bytes_loaded"])
+    for k in sorted(set(planned) | set(used), key=lambda k: (len(k), k)):
+        stage.add(check("load", f"bytes[rank {k}]", used.get(k, 0), eq=planned.get(k, 0), unit="B", level=lv,
+                        detail="bytes made vs planned for this rank"))
+    stage.add(info("load", "load.bytes", sum(used.values()), "B", level=lv))
+    if not r["problems"]:
+        _kernel_layout_rows(stage, session, lv)
+
+
 def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
     """Every loaded MoE layer's MXFP4 experts repacked on their device into the grouped GEMM's tiled layout
     (``k3rocm.kernels.mx.layout``, the tiles of the device's backend; CUDA's on the CPU) and read back byte for
@@ -134,7 +172,8 @@ def _kernel_layout_rows(stage: Stage, session: Session, lv) -> None:
     stage.add(check("load", "kernel_layout.layers_differing", len(bad), eq=0, level=lv,
                     detail=(f"{layers} MoE layer(s) repacked into the {tn}x{tk} tiled MXFP4 layout "
                             f"({BIT_LAYOUTS[bits]} value bits) and read back: "
-                            "every value and scale byte equals the checkpoint's" if not bad
+                            "every value and scale byte equals the "
+                            + ("random source tensors'" if session.synthetic else "checkpoint's") if not bad
                             else listed(bad))),
               info("load", "kernel_layout.repack_seconds", round(seconds, 4), "s", level=lv,
                    detail="device time of the repack, all loaded MoE layers (the check not included)"),
