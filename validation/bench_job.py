@@ -8,7 +8,8 @@ plan's cache cannot hold (:func:`check_capacity`) or an endpoint that cannot be 
 
 Defaults follow InferenceX's random dataset (:mod:`k3rocm.bench.loadgen`): lengths uniform in ``[0.8 L, L]``,
 prompts = 10 x concurrency, warm-ups = 2 x concurrency. Without lengths or concurrency: 1024/1024 tokens at
-concurrency 64 for a real checkpoint (>= 1 GB) on a GPU profile or an endpoint; 64/16 at concurrency 4 otherwise.
+concurrency 64 for a real checkpoint (>= 1 GB) on a GPU profile run on a GPU, or an endpoint; 64/16 at concurrency 4
+otherwise (the engine on the CPU, whatever the profile).
 """
 
 from __future__ import annotations
@@ -260,13 +261,16 @@ def endpoint_gpus(endpoint_gpus: int | None, profile: str | None) -> tuple[int, 
 
 def resolve_points(session: Session, bench: BenchOptions) -> BenchPoints:
     """The concurrencies and lengths of the run, defaults resolved (see the module docstring): the large ones for
-    an endpoint or a checkpoint of at least 1 GB on a GPU profile, else the small ones.
+    an endpoint or a checkpoint of at least 1 GB on a GPU profile run on a GPU, else the small ones (a small
+    checkpoint, or the engine on the CPU whatever the profile).
 
     Raises:
         ConfigError: ``--num-prompts`` below the default concurrency (:func:`check_prompts_cover`), or
             ``--max-num-batched-tokens`` below it.
     """
-    big = bench.endpoint is not None or (session.profile.backend != "cpu"
+    # "on the CPU" is where the engine runs: a GPU profile named on a CPU machine (a projection) still steps on
+    # the CPU, where a 1024/1024 load at concurrency 64 would take hours
+    big = bench.endpoint is not None or (session.profile.backend != "cpu" and session.device != "cpu"
                                          and layout.counts(session.config)["bytes"] >= 1e9)
     cs = bench.concurrency if bench.concurrency is not None else [64 if big else 4]
     if bench.concurrency is None:  # the default concurrency is known only now (preflight leaves no directory behind)

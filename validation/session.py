@@ -320,17 +320,22 @@ class Session:
             return plan(self.config, self.profile)
         return self._memo("placement", build)
 
-    def _layout_plan(self, profile):
-        """``--synthetic``: the ``--tp/--ep`` layout on ``profile``'s device kind, with as many devices as it has
-        ranks (PlanError when the config does not split so or a rank does not fit one device)."""
+    def _layout_plan(self, profile, tp: int | None = None, ep: int | None = None):
+        """``--synthetic``: the ``--tp/--ep`` layout (or ``tp`` / ``ep`` given here) on ``profile``'s device kind,
+        with as many devices as it has ranks (PlanError when the config does not split so or a rank does not fit
+        one device). Without a tp, the profile's own layout as ``plan`` picks it; without an ep, ``plan``'s rule:
+        the profile's where it divides tp, else tp."""
         o = self.opts
-        if o.tp is None:
-            return plan(self.config, profile, ep=o.ep, host_ranks=1)
-        # a rank outside the layout is said before whether the layout fits; without --ep the layout's EP is --tp's
-        # (scaled_profile's default, which plan() then takes)
-        check_rank((o.tp, o.tp if o.ep is None else o.ep), self.rank)
+        tp = o.tp if tp is None else tp
+        ep = o.ep if ep is None else ep
+        if tp is None:
+            return plan(self.config, profile, ep=ep, host_ranks=1)
+        if ep is None:
+            ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
+        # a rank outside the layout is said before whether the layout fits
+        check_rank((tp, ep), self.rank)
         # (one process builds one rank: on the cpu backend it has the whole host, not a 1/tp share)
-        return plan(self.config, scaled_profile(profile, o.tp, o.ep), tp=o.tp, ep=o.ep, host_ranks=1)
+        return plan(self.config, scaled_profile(profile, tp, ep), tp=tp, ep=ep, host_ranks=1)
 
     @property
     def run_placement(self):
@@ -338,7 +343,10 @@ class Session:
         else a plan for the hardware detected here (a fallback run measures on what is present)."""
         def build():
             if self.synthetic:  # the same layout on the hardware measured here (its step floor)
-                return self._layout_plan(self.run_profile) if not self.hardware_matches else self.placement
+                if self.hardware_matches:
+                    return self.placement
+                pl = self.placement  # the profile's layout (its tp / ep when --tp / --ep are not given)
+                return self._layout_plan(self.run_profile, tp=pl.tp, ep=pl.ep)
             if self.hardware_matches:
                 return self.placement
             return plan(self.config, self.run_profile)

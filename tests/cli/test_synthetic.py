@@ -121,8 +121,9 @@ def test_does_not_fit_hint_counts_nodes_of_the_profile_as_written(tmp_path):
 
 
 def test_a_rank_outside_a_layout_without_ep_names_the_effective_ep(tmp_path):
-    """--tp 2 without --ep: the layout is TP2/EP2 (EP defaults to --tp), never "EPNone"."""
+    """--tp 2 without --ep: the EP is plan's default (the profile's where it divides --tp: the cpu profile's 1),
+    the same layout `plan --tp 2` shows, and never "EPNone"."""
     r = CliRunner().invoke(cli, ["bench", "--synthetic", "--tp", "2", "--rank", "5", "--out", str(tmp_path / "r")],
                            env={"COLUMNS": "200"})
     line = one_error(r)
-    assert r.exit_code == 2 and line == "error: --rank 5 is not a rank of the TP2/EP2 layout (ranks 0..1)", line
+    assert r.exit_code == 2 and line == "error: --rank 5 is not a rank of the TP2/EP1 layout (ranks 0..1)", line

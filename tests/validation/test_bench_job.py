@@ -92,3 +92,13 @@ def test_a_sweep_the_host_memory_cannot_hold_is_refused_before_anything_runs(mon
     check_host_memory(BenchOptions(num_prompts=10, warmups=0), big, available=24 * gb)  # few requests: fits
     monkeypatch.setattr(BJ, "host_memory_available", lambda: None)
     check_host_memory(BenchOptions(), big)  # memory unknown (no /proc/meminfo): no check
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the engine would step on the GPU here")
+def test_a_gpu_profile_named_on_the_cpu_keeps_the_small_defaults(tmp_path):
+    """--synthetic --profile mi355x-8 on a CPU machine: the engine steps on the CPU, so the defaults are the small
+    ones (a 1 GB+ model at 1024/1024 x 64 would run for hours there), as the bench help says."""
+    s = Session(Options(out=str(tmp_path / "r"), profile="mi355x-8", synthetic=True, preset="k3-prefix-1"))
+    assert s.device == "cpu" and s.profile.backend != "cpu"
+    pts = resolve_points(s, BenchOptions())
+    assert (pts.concurrencies, pts.input_len, pts.output_len) == ([4], 64, 16)

@@ -70,3 +70,17 @@ def test_synthetic_load_tier_claims_only_what_it_checked(tiny_ckpt, tmp_path):
     assert "no checksum" in rows["load.tensors_verified"].detail and rows["load.tensors_verified"].passed
     assert "random source" in rows["kernel_layout.layers_differing"].detail
     assert all(e.passed is not False for e in stage.evidence)
+
+
+def test_synthetic_without_tp_runs_the_profiles_layout(tmp_path):
+    """--synthetic --profile P without --tp on other hardware: the rank run here is one of P's layout (as planned
+    for P), not the whole model at TP1 with this machine's layout; --tp without --ep takes plan's EP rule."""
+    s = Session(Options(out=str(tmp_path / "r"), profile="mi355x-8", synthetic=True, preset="k3-tiny"))
+    s.preflight()
+    assert not s.hardware_matches
+    tp, ep = s.placement.tp, s.placement.ep
+    assert tp > 1  # k3-tiny splits 4 ways on the 8-GPU profile (plan reduces tp to what its heads allow)
+    assert (s.run_placement.tp, s.run_placement.ep) == (tp, ep) and s.world == tp
+    s2 = Session(Options(out=str(tmp_path / "r2"), profile="cpu", synthetic=True, preset="k3-tiny", tp=2))
+    s2.preflight()
+    assert (s2.placement.tp, s2.placement.ep) == (2, 1) == (s2.run_placement.tp, s2.run_placement.ep)
