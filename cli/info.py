@@ -12,11 +12,11 @@ from k3rocm.cli.common import (checkpoint_option, checkpoint_session, console, d
                                profile_option)
 from k3rocm.checkpoint import layout
 from k3rocm.config import PRESETS, preset as make_preset
-from k3rocm.envtraps import TRAPS, match_traps, read_env_file, server_options, settings_text
+from k3rocm.envtraps import ENVIRONMENT, SERVER_ARGS, check_traps, read_env_file, server_options, settings_text
 from k3rocm.errors import ConfigError, HardwareError, PlanError
 from k3rocm.hw import detect
 from k3rocm.profiles import list_profiles, load_profile, match_profile
-from k3rocm.runtime.plan import plan
+from k3rocm.runtime.plan import NO_MLA_BOUND, plan
 
 GB = 1e9
 
@@ -96,7 +96,8 @@ Examples:
                    "environment traps of K3 on ROCm instead of describing this machine; exit 3 on a match.")
 @click.option("--server-args", default=None, metavar="CMD",
               help="The server's command line (vllm serve ... / python -m sglang.launch_server ...), checked with "
-                   "--deployment-env (or alone) for the traps that server options set.")
+                   "--deployment-env (or alone) for the traps that server options set. Alone, the environment-variable "
+                   "traps are reported unchecked (no environment is read, not even this process's).")
 @click.option("--platform", type=click.Choice(["rocm", "cuda"]), default=None,
               help="Platform of the checked deployment (with --deployment-env / --server-args; default rocm).")
 @debug_option
@@ -201,7 +202,7 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
     else:
         console().print(f"model {cfg.name}: {size['params']:,} parameters ({human_bytes(size['bytes'])}), "
                         f"{size['params_activated']:,} active per token ({human_bytes(size['bytes_activated'])}: "
-                        "the trunk and the top-k experts' share)", highlight=False)
+                        f"{ACTIVE_DEFINITION})", highlight=False)
         print_plan(pl, cfg.name, prof.name)
     if not pl.fits:
         raise PlanError(pl.problem or f"{cfg.name} does not fit {prof.name}")
@@ -210,30 +211,44 @@ def plan_cmd(checkpoint, preset, profile, tp, ep, kv_dtype, context_len, as_json
 def _check_deployment(env_file: str | None, server_args: str | None, platform: str, as_json: bool) -> None:
     """``env --deployment-env``: every known trap (:data:`k3rocm.envtraps.TRAPS`) against a deployment's settings.
 
+    Only the sources given are read: the environment file (never this process's own environment) and the server
+    command line. A trap whose variables come from a source not given is reported unchecked, not clear.
+
     Raises:
         HardwareError: a trap matched (exit 3; the line names it, the reason and the fix).
         ConfigError: an unreadable environment file or command line.
     """
     settings = read_env_file(env_file) if env_file is not None else {}
+    given = [ENVIRONMENT] if env_file is not None else []
     if server_args is not None:
         settings.update(server_options(server_args))
-    hits = match_traps(settings, platform)
+        given.append(SERVER_ARGS)
+    results = check_traps(settings, platform, given)
+    hits = [r.trap for r in results if r.status == "match"]
+    checked = [r for r in results if r.status in ("match", "clear")]
+    unchecked = [r for r in results if r.status == "unchecked"]
     if as_json:
-        click.echo(json.dumps({"platform": platform, "checked": [t.name for t in TRAPS],
+        click.echo(json.dumps({"platform": platform, "given": given,
+                               "checked": [r.trap.name for r in checked],
+                               "unchecked": [{"name": r.trap.name, "reason": r.settings} for r in unchecked],
+                               "not_applicable": [r.trap.name for r in results if r.status == "n/a"],
                                "matched": [{**asdict(t), "settings": settings_text(t, settings)} for t in hits]},
                               indent=2, default=str))
     else:
-        t = Table(title=f"known environment traps of K3 on {platform} ({len(TRAPS)} checked)")
+        t = Table(title=f"known environment traps of K3 on {platform} ({len(checked)} of {len(results)} checked)")
         for col in ("trap", "result", "settings", "source"):
             t.add_column(col)
-        for trap in TRAPS:
-            hit = trap in hits
-            t.add_row(trap.name, "[red]MATCH[/]" if hit else ("clear" if trap.platform in ("any", platform)
-                                                             else f"n/a ({trap.platform})"),
-                      settings_text(trap, settings), trap.source)
+        shown = {"match": "[red]MATCH[/]", "clear": "clear", "unchecked": "unchecked"}
+        for r in results:
+            t.add_row(r.trap.name, shown.get(r.status, f"n/a ({r.trap.platform})"), r.settings, r.trap.source)
         console().print(t)
         for trap in hits:
             console().print(f"  [red]TRAP[/] {trap.name}: {trap.condition}: {trap.consequence}; fix: {trap.fix}",
+                            highlight=False)
+        if unchecked:
+            why = "; ".join(dict.fromkeys(r.settings for r in unchecked))
+            console().print(f"note: {len(unchecked)} trap(s) not checked ({', '.join(r.trap.name for r in unchecked)})"
+                            f": {why}; their settings were not seen, so they are neither clear nor matched",
                             highlight=False)
     if hits:
         h = hits[0]
@@ -246,15 +261,28 @@ def _shown(v, absent: str) -> str:
     return absent if v is None or str(v).strip() in ("", "None") else str(v)
 
 
+#: what "active per token" counts, parameters and bytes alike (the header line of ``plan`` says it)
+ACTIVE_DEFINITION = "the trunk without the input embedding table, plus the top-k routed experts"
+
+
+def _is_input_embedding(spec) -> bool:
+    """The input embedding table, which ``layout.counts``' ``params_activated`` leaves out (a token reads one row)."""
+    return spec.name.endswith("embed_tokens.weight")
+
+
 def model_size(cfg) -> dict:
     """Total and per-token active parameters and bytes of ``cfg`` (:func:`k3rocm.checkpoint.layout.counts`).
 
-    ``bytes_activated`` = trunk bytes + expert bytes x top_k / num_experts (every expert of a layer has the same
-    shapes, so the routed experts' share of the expert bytes is exact); bytes as stored in the checkpoint."""
+    Both active figures have one definition (:data:`ACTIVE_DEFINITION`): every trunk tensor but the input
+    embedding table (lm_head counted), plus the top-k routed experts of each MoE layer. ``params_activated`` is
+    ``layout.counts``'; ``bytes_activated`` = trunk bytes - input embedding bytes + expert bytes x top_k /
+    num_experts (every expert of a layer has the same shapes, so the routed experts' share of the expert bytes is
+    exact); bytes as stored in the checkpoint (bf16 trunk, packed MXFP4 experts + E8M0 scales)."""
     c = layout.counts(cfg)
     k, e = cfg.num_experts_per_token, max(cfg.num_experts, 1)
+    embed = sum(s.nbytes for s in layout.model_specs(cfg) if _is_input_embedding(s))
     return {"params": c["params"], "params_activated": c["params_activated"], "bytes": c["bytes"],
-            "bytes_activated": c["bytes_trunk"] + c["bytes_expert"] * k // e}
+            "bytes_activated": c["bytes_trunk"] - embed + c["bytes_expert"] * k // e}
 
 
 def print_plan(pl, model_name: str, profile_name: str) -> None:
@@ -268,7 +296,8 @@ def print_plan(pl, model_name: str, profile_name: str) -> None:
     for col in ("item", "per GPU", "detail"):
         t.add_column(col)
     for r in pl.summary():
-        t.add_row(r["item"], f"{r['count']:,}" if "count" in r else human_bytes(r["bytes"]), r["detail"])
+        shown = (human_bytes(r["bytes"]) if "count" not in r else "n/a" if r["count"] is None else f"{r['count']:,}")
+        t.add_row(r["item"], shown, r["detail"])
     c.print(t)
     rt = Table(title="per-rank weight bytes")
     rt.add_column("rank")
@@ -281,8 +310,9 @@ def print_plan(pl, model_name: str, profile_name: str) -> None:
                    f"{r.weights_bytes / GB:.3f}", str(getattr(r, "num_tensors", "")))
     c.print(rt)
     st = pl.roofline.decode(1, 1024)
+    tokens = f"({NO_MLA_BOUND})" if pl.cache.max_tokens is None else f"{pl.cache.max_tokens:,} tokens"
     c.print(f"fits: {'[green]yes[/]' if pl.fits else '[red]NO[/]'}; cache capacity "
-            f"{pl.cache.max_tokens:,} tokens / {pl.cache.max_sequences:,} sequences of "
+            f"{tokens} / {pl.cache.max_sequences:,} sequences of "
             f"{pl.cache.context_len:,}; decode floor batch 1 @1k context {st['floor_s'] * 1e3:.3g} ms "
             f"({st['bound']}-bound, projected)")
     for n in pl.notes:

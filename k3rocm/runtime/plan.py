@@ -275,6 +275,10 @@ def _layer_slices(cfg: K3Config, lay: _Layout, rank: int, i: int) -> dict[str, S
     return out
 
 
+#: what the plan says of the token capacity of a config without MLA layers (``CacheCapacity.max_tokens`` None)
+NO_MLA_BOUND = "no MLA layers: not bounded by the MLA cache"
+
+
 @dataclass
 class CacheCapacity:
     """What the per-GPU budget holds after weights and reserves.
@@ -284,7 +288,9 @@ class CacheCapacity:
         kv_dtype: MLA latent cache dtype.
         mla_bytes_per_token: per rank, all MLA layers (replicated across TP ranks).
         kda_state_bytes_per_seq: per rank, all KDA layers (recurrent fp32 state + fp32 conv state).
-        max_tokens: cached tokens if the whole budget held MLA cache (no KDA state counted).
+        max_tokens: cached tokens if the whole budget held MLA cache (no KDA state counted); ``None`` when the
+            config has no MLA layer (``mla_bytes_per_token == 0``): the tokens are then not bounded by the MLA
+            cache, only ``max_sequences`` (KDA states) bounds the budget.
         context_len: tokens per sequence assumed for ``max_sequences``.
         max_sequences: concurrent sequences of ``context_len`` tokens the budget holds.
     """
@@ -293,7 +299,7 @@ class CacheCapacity:
     kv_dtype: str
     mla_bytes_per_token: int
     kda_state_bytes_per_seq: int
-    max_tokens: int
+    max_tokens: int | None
     context_len: int
     max_sequences: int
 
@@ -358,7 +364,10 @@ class Placement:
                 + c.context_len * c.mla_bytes_per_token + c.kda_state_bytes_per_seq)
 
     def summary(self) -> list[dict]:
-        """Rows for a table: ``{"item", "bytes", "GB", "detail"}`` — per-GPU parts, reserves, budget, cache."""
+        """Rows for a table: ``{"item", "bytes", "GB", "detail"}`` — per-GPU parts, reserves, budget, cache.
+
+        A row whose figure is a count also has ``"count"``; ``"count": None`` is a count that does not apply (the
+        token capacity of a config without MLA layers, :data:`NO_MLA_BOUND`)."""
         def row(item, b, detail="", count=None):
             r = {"item": item, "bytes": int(b), "GB": round(b / GB, 3), "detail": detail}
             if count is not None:
@@ -382,10 +391,14 @@ class Placement:
         rows.append(row("activation reserve", self.activation_reserve_bytes, f"{self.max_tokens} tokens per step"))
         c = self.cache
         rows.append(row("cache budget per GPU", c.budget_bytes, "fits" if self.fits else f"DOES NOT FIT: {self.problem}"))
-        rows.append(row("MLA cache per token", c.mla_bytes_per_token, f"{c.kv_dtype}, replicated per TP rank"))
+        rows.append(row("MLA cache per token", c.mla_bytes_per_token,
+                        f"{c.kv_dtype}, replicated per TP rank" if c.mla_bytes_per_token else "no MLA layers"))
         rows.append(row("KDA state per sequence", c.kda_state_bytes_per_seq, "fp32 recurrent + conv state, this rank"))
-        rows.append(row("cache capacity (tokens)", c.max_tokens * c.mla_bytes_per_token,
-                        f"{c.max_tokens:,} tokens if all budget were MLA cache", count=c.max_tokens))
+        if c.max_tokens is None:  # no MLA layer: no token bound from the cache ("count" None: shown as n/a)
+            rows.append({**row("cache capacity (tokens)", 0, NO_MLA_BOUND), "count": None})
+        else:
+            rows.append(row("cache capacity (tokens)", c.max_tokens * c.mla_bytes_per_token,
+                            f"{c.max_tokens:,} tokens if all budget were MLA cache", count=c.max_tokens))
         rows.append(row("concurrent sequences", c.max_sequences * (c.context_len * c.mla_bytes_per_token
                                                                     + c.kda_state_bytes_per_seq),
                         f"{c.max_sequences:,} sequences of {c.context_len:,} tokens", count=c.max_sequences))
@@ -649,7 +662,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     per_seq = context_len * mla_tok + kda_seq
     cache = CacheCapacity(budget_bytes=int(budget), kv_dtype=kv_dtype, mla_bytes_per_token=mla_tok,
                           kda_state_bytes_per_seq=kda_seq,
-                          max_tokens=max(0, budget // mla_tok) if mla_tok else 0, context_len=context_len,
+                          max_tokens=max(0, budget // mla_tok) if mla_tok else None, context_len=context_len,
                           max_sequences=max(0, budget // per_seq) if per_seq else 0)
     fits = budget >= per_seq
     pl = Placement(config_name=cfg.name, profile_name=profile.name, tp=tp, ep=ep, world=tp, kv_dtype=kv_dtype,

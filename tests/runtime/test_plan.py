@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import replace
@@ -345,3 +346,66 @@ def test_cpu_share_of_the_host_is_per_process_here():
         plan(cfg, cpu, tp=4, ep=4, host_ranks=5)
     gpu = load_profile("mi355x-8")  # GPU profiles: one device per rank, host_ranks has no say
     assert plan(cfg, gpu, tp=8, ep=8, host_ranks=1).usable_bytes == plan(cfg, gpu, tp=8, ep=8).usable_bytes
+
+
+@pytest.mark.parametrize("name", ["k3-prefix-1", "k3-prefix-2", "k3-prefix-3"])
+def test_a_prefix_without_mla_layers_has_no_token_bound(name):
+    """The k3-prefix-N presets have only KDA layers: `plan` once said "MLA cache per token 0 B", "cache capacity
+    0 tokens" beside 322,754 sequences and ``"max_tokens": 0``. No MLA layer means no token bound from the MLA
+    cache: None in the Placement and null in the JSON, a phrase in the table and the fits line."""
+    cfg = preset(name)
+    assert cfg.num_mla_layers == 0
+    p = plan(cfg, load_profile("mi355x-8"))
+    assert p.cache.mla_bytes_per_token == 0 and p.cache.max_tokens is None and p.cache.max_sequences > 0
+    assert p.to_dict()["cache"]["max_tokens"] is None
+    row = next(r for r in p.summary() if r["item"] == "cache capacity (tokens)")
+    phrase = "no MLA layers: not bounded by the MLA cache"
+    assert row["count"] is None and row["detail"] == phrase
+    r = CliRunner().invoke(cli, ["plan", "--preset", name, "--profile", "mi355x-8", "--json"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert '"max_tokens": null' in r.output
+    d = json.loads(r.output)
+    assert d["cache"]["max_tokens"] is None and d["cache"]["max_sequences"] == p.cache.max_sequences
+    out = " ".join(CliRunner().invoke(cli, ["plan", "--preset", name, "--profile", "mi355x-8"],
+                                      env={"COLUMNS": "200"}).output.split())
+    assert f"cache capacity (tokens) │ n/a │ {phrase}" in out, out
+    assert f"fits: yes; cache capacity ({phrase}) / {p.cache.max_sequences:,} sequences" in out, out
+    assert " 0 tokens" not in out and "MLA cache per token │ 0 B │ no MLA layers" in out, out
+
+
+def test_a_config_with_mla_layers_keeps_its_token_bound(k3, mi355):
+    assert isinstance(mi355.cache.max_tokens, int) and mi355.cache.max_tokens == mi355.cache.budget_bytes // 27648
+    d = json.loads(CliRunner().invoke(cli, ["plan", "--preset", "k3", "--profile", "mi355x-8", "--json"],
+                                      env={"COLUMNS": "200"}).output)
+    assert d["cache"]["max_tokens"] == mi355.cache.max_tokens
+    out = " ".join(CliRunner().invoke(cli, ["plan", "--preset", "k3", "--profile", "mi355x-8"],
+                                      env={"COLUMNS": "200"}).output.split())
+    assert f"cache capacity {mi355.cache.max_tokens:,} tokens / {mi355.cache.max_sequences:,} sequences" in out
+
+
+@pytest.mark.parametrize("name", ["k3-prefix-1", "k3-prefix-2", "k3"])
+def test_active_bytes_share_the_active_parameter_count_definition(name):
+    """`plan` once printed k3-prefix-1 as "3,519,278,336 parameters (7.039 GB), 2,344,873,216 active per token
+    (7.039 GB ...)": the count left out the input embedding, the bytes (all the trunk's) did not. Both leave it
+    out now: the inactive parameters and bytes differ by the embedding table plus the unrouted experts."""
+    from k3rocm.cli.info import human_bytes, model_size
+
+    cfg = preset(name)
+    c, s = layout.counts(cfg), model_size(cfg)
+    embed = [sp for sp in layout.model_specs(cfg) if sp.name.endswith("embed_tokens.weight")]
+    embed_params, embed_bytes = sum(sp.params for sp in embed), sum(sp.nbytes for sp in embed)
+    k, e = cfg.num_experts_per_token, max(cfg.num_experts, 1)
+    assert s["params_activated"] < s["params"] and s["bytes_activated"] < s["bytes"]
+    # the same tensors counted: the trunk less the input embedding, plus the top-k share of the experts
+    assert s["params_activated"] == c["params"] - c["params_expert"] - embed_params + c["params_expert"] * k // e
+    assert s["bytes_activated"] == c["bytes_trunk"] - embed_bytes + c["bytes_expert"] * k // e
+    if not cfg.num_moe_layers:  # no experts: what is not active is the bf16 embedding table alone
+        assert s["params"] - s["params_activated"] == embed_params
+        assert s["bytes"] - s["bytes_activated"] == embed_bytes == 2 * embed_params
+    if name == "k3":
+        # ~104 B active parameters: ~55.6 B bf16 trunk (~111 GB) + ~48.6 B MXFP4 expert parameters (~26 GB)
+        assert s["params_activated"] == 104_189_614_848
+        assert 135e9 < s["bytes_activated"] < 139e9 and s["bytes_activated"] < 2 * s["params_activated"]
+    out = CliRunner().invoke(cli, ["plan", "--preset", name, "--profile", "mi355x-8"], env={"COLUMNS": "200"}).output
+    assert (f"{s['params_activated']:,} active per token ({human_bytes(s['bytes_activated'])}: the trunk without "
+            "the input embedding table") in " ".join(out.split()), out

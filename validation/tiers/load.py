@@ -12,6 +12,7 @@ from k3rocm.checkpoint.verify import MANIFEST_NAME, manifest_extras, verify_mani
 from k3rocm.errors import CheckpointError, ConfigError
 from k3rocm.kernels.moe.configs import LAYOUT_BITS, LAYOUT_TILES
 from k3rocm.kernels.mx.layout import BIT_LAYOUTS, check_repack, repack_mxfp4
+from k3rocm.runtime.plan import NO_MLA_BOUND
 from k3rocm.validation.evidence import Stage, Timer, check, info, listed
 from k3rocm.validation.session import Session
 
@@ -214,5 +215,7 @@ def _placement_rows(stage: Stage, plc, tier: str) -> None:
         stage.add(info(tier, "plan.note", n, level="projected", detail=where))
     cache = d.get("cache") or {}
     for k in ("max_tokens", "max_sequences", "context_len"):
-        if k in cache:
+        if k in cache and cache[k] is None and k == "max_tokens":  # no MLA layer: no token bound from its cache
+            stage.add(info(tier, "plan.cache.max_tokens", "n/a", level="projected", detail=f"{where}: {NO_MLA_BOUND}"))
+        elif k in cache:
             stage.add(info(tier, f"plan.cache.{k}", cache[k], level="projected", detail=where))
