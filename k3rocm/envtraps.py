@@ -4,7 +4,9 @@
 or server options) it reads, the condition as clauses over them, the consequence, the fix and the source.
 :func:`match_traps` evaluates it over an environment (``os.environ``, or a deployment's environment file and
 server command line) on a platform (``rocm``, ``cuda``, ``cpu``). The ``env`` validation tier fails on a match;
-``k3rocm env --deployment-env FILE`` checks a vLLM or SGLang node's settings on their own.
+``k3rocm env --deployment-env FILE`` checks a vLLM or SGLang node's settings on their own. :func:`check_traps` is
+the per-trap verdict for settings read from some sources only: a trap whose variables come from a source not given
+(no environment file, no server command line) is ``"unchecked"``, never ``"clear"``.
 
 Clause kinds (``(variable or tuple of variables, kind)``; a tuple means any one of them):
 
@@ -105,6 +107,61 @@ def match_traps(settings: dict[str, str], platform: str, traps: tuple[Trap, ...]
     return [t for t in traps if t.platform in ("any", platform) and all(_holds(settings, v, k) for v, k in t.when)]
 
 
+ENVIRONMENT = "environment"
+SERVER_ARGS = "server args"
+#: why a trap whose variables come from a source that was not given is not checked
+NOT_GIVEN = {ENVIRONMENT: "no environment given (--deployment-env FILE)",
+             SERVER_ARGS: "no server command line given (--server-args CMD)"}
+
+
+def variable_source(name: str) -> str:
+    """Where a trap variable is set: :data:`SERVER_ARGS` for a server option (``--name``), else
+    :data:`ENVIRONMENT` (an environment variable)."""
+    return SERVER_ARGS if name.startswith("-") else ENVIRONMENT
+
+
+def trap_sources(trap: Trap) -> tuple[str, ...]:
+    """The sources (:data:`ENVIRONMENT`, :data:`SERVER_ARGS`) ``trap``'s variables come from, in first-use order."""
+    return tuple(dict.fromkeys(variable_source(v) for v in trap.variables))
+
+
+@dataclass(frozen=True)
+class TrapResult:
+    """One trap checked (or not) against a deployment's settings.
+
+    Attributes:
+        trap: the trap.
+        status: ``"match"`` (its condition holds), ``"clear"`` (checked, it does not), ``"n/a"`` (another
+            platform's trap) or ``"unchecked"`` (a source its variables come from was not given: an unseen
+            variable is not an unset one).
+        settings: the values its variables had (:func:`settings_text`), or, where a source was not given, why they
+            were not seen.
+    """
+
+    trap: Trap
+    status: str
+    settings: str
+
+
+def check_traps(settings: dict[str, str], platform: str, given, traps: tuple[Trap, ...] = TRAPS) -> list[TrapResult]:
+    """Every trap of ``traps`` against ``settings`` on ``platform``, where ``given`` names the sources
+    (:data:`ENVIRONMENT`, :data:`SERVER_ARGS`) that ``settings`` holds: a trap reading a source not given is
+    ``"unchecked"`` — never ``"clear"`` (its variables were not seen) and never a match."""
+    given = set(given)
+    out = []
+    for t in traps:
+        missing = [s for s in trap_sources(t) if s not in given]
+        text = "; ".join(NOT_GIVEN[s] for s in missing) if missing else settings_text(t, settings)
+        if t.platform not in ("any", platform):
+            status = "n/a"
+        elif missing:
+            status = "unchecked"
+        else:
+            status = "match" if match_traps(settings, platform, (t,)) else "clear"
+        out.append(TrapResult(t, status, text))
+    return out
+
+
 def read_env_file(path: str | Path) -> dict[str, str]:
     """A deployment's environment: ``KEY=VALUE`` lines (a docker ``--env-file``, ``env`` output, a shell file with
     ``export``; ``#`` comments and blank lines skipped, one level of quotes removed) or NUL-separated entries
@@ -166,4 +223,5 @@ def server_options(command: str) -> dict[str, str]:
     return out
 
 
-__all__ = ["Trap", "TRAPS", "match_traps", "settings_text", "read_env_file", "server_options"]
+__all__ = ["Trap", "TRAPS", "match_traps", "settings_text", "read_env_file", "server_options", "ENVIRONMENT",
+           "SERVER_ARGS", "NOT_GIVEN", "variable_source", "trap_sources", "TrapResult", "check_traps"]

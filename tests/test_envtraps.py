@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from k3rocm.envtraps import TRAPS, match_traps, read_env_file, server_options
@@ -68,3 +70,51 @@ def test_the_env_tier_fails_on_a_trap_with_reason_and_fix():
     clear = Stage("env")
     trap_rows(clear, {}, "rocm")
     assert clear.status == "passed" and [e.name for e in clear.evidence] == ["traps"]
+
+
+def test_a_trap_whose_source_was_not_given_is_unchecked_not_clear():
+    """Only server args given: the environment-variable traps were not seen, so they are not "clear" (and vice
+    versa for an environment file alone)."""
+    from k3rocm.envtraps import ENVIRONMENT, SERVER_ARGS, check_traps
+    opts = server_options("vllm serve x --kda-prefill-backend flashkda")
+    by = {r.trap.name: r for r in check_traps(opts, "rocm", [SERVER_ARGS])}
+    assert by["a8w4_layout_flags"].status == by["a8w4_decode_bound"].status == "unchecked"
+    assert "no environment given" in by["a8w4_layout_flags"].settings and "unset" not in by["a8w4_layout_flags"].settings
+    assert by["kda_cuda_backend_on_rocm"].status == "match"
+    by = {r.trap.name: r for r in check_traps({"AITER_SITUV2_A8W4": "1"}, "rocm", [ENVIRONMENT])}
+    assert by["kda_cuda_backend_on_rocm"].status == "unchecked" and by["a8w4_layout_flags"].status == "match"
+    by = {r.trap.name: r.status for r in check_traps({}, "rocm", [ENVIRONMENT, SERVER_ARGS])}
+    assert set(by.values()) == {"clear"}
+    assert {r.status for r in check_traps(opts, "cuda", [SERVER_ARGS])} == {"n/a"}
+
+
+def _env(args, code):
+    from click.testing import CliRunner
+    from k3rocm.cli.main import cli
+    r = CliRunner().invoke(cli, ["env", *map(str, args)], env={"COLUMNS": "200"})
+    assert r.exit_code == code, (args, r.exit_code, r.output, r.exception)
+    return r.output
+
+
+def test_env_with_only_server_args_does_not_call_environment_traps_clear(monkeypatch):
+    # even with a trap set in this process's environment: the command reads no environment but the file given
+    monkeypatch.setenv("AITER_SITUV2_A8W4", "1")
+    out = _env(["--server-args", "vllm serve x --kda-prefill-backend flashkda"], 3)
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in out.splitlines() if ln.startswith("│")}
+    assert rows == {"a8w4_layout_flags": "unchecked", "a8w4_decode_bound": "unchecked",
+                    "kda_cuda_backend_on_rocm": "MATCH"}
+    assert "clear" not in out.split("note:")[0] and "(1 of 3 checked)" in out and "AITER_SITUV2_A8W4 unset" not in out
+    assert "2 trap(s) not checked" in out
+    data = json.loads(_env(["--server-args", "vllm serve x", "--json"], 0))
+    assert data["checked"] == ["kda_cuda_backend_on_rocm"] and data["matched"] == []
+    assert [u["name"] for u in data["unchecked"]] == ["a8w4_layout_flags", "a8w4_decode_bound"]
+
+
+def test_env_on_another_platform_counts_no_na_row_as_checked(tmp_path):
+    out = _env(["--server-args", "vllm serve x --kda-prefill-backend flashkda", "--platform", "cuda"], 0)
+    assert "(0 of 3 checked)" in out and "(3 checked)" not in out and out.count("n/a (rocm)") == 3
+    f = tmp_path / "node.env"
+    f.write_text("AITER_SITUV2_A8W4=1\nVLLM_ROCM_USE_AITER_MOE_SITUV2_A8W4=1\nAITER_BF16_FP8_MOE_BOUND=0\n")
+    out = _env(["--deployment-env", f], 0)
+    assert "(2 of 3 checked)" in out and "1 trap(s) not checked (kda_cuda_backend_on_rocm)" in out
+    assert "(3 of 3 checked)" in _env(["--deployment-env", f, "--server-args", "vllm serve m"], 0)
