@@ -482,6 +482,15 @@ class Session:
         except K3Error as e:
             stage.add(info(tier, "synthetic.target_plan", "does not fit", level="projected",
                            detail=f"{self.config.name} on {self.profile.name}: {e}"))
+        if target is not None:  # the layout the projected TPOT rows are of (it can differ from the rank's)
+            stage.add(info(tier, "synthetic.target_layout", f"TP{target.tp}/EP{target.ep}", level="projected",
+                           detail=f"the projected TPOT rows are of {self.config.name} on {self.profile.name} at its "
+                                  f"own layout; the rank run here is of TP{pl.tp}/EP{pl.ep}"))
+        if pl.world > 1 and link <= 0:
+            stage.add(info(tier, "synthetic.collectives_ms_per_step", "not projected", level="projected",
+                           detail=f"{self.profile.name} has no link bandwidth (link.kind none), so the collectives "
+                                  f"of TP{pl.tp}/EP{pl.ep} are counted but their time is not projected; pass "
+                                  "--profile of a multi-GPU target"))
         for res in results:
             c, tpot = res.get("concurrency"), res.get("median_tpot_ms")
             if not c or not tpot:

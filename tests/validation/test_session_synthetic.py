@@ -84,3 +84,17 @@ def test_synthetic_without_tp_runs_the_profiles_layout(tmp_path):
     s2 = Session(Options(out=str(tmp_path / "r2"), profile="cpu", synthetic=True, preset="k3-tiny", tp=2))
     s2.preflight()
     assert (s2.placement.tp, s2.placement.ep) == (2, 1) == (s2.run_placement.tp, s2.run_placement.ep)
+
+
+def test_synthetic_rows_name_the_target_layout_and_an_unprojected_link(tmp_path):
+    """On a profile without link bandwidth the collectives of a multi-rank layout are said to be unprojected (not
+    left out silently), and the layout the projected TPOT rows are of is its own row."""
+    s = Session(Options(out=str(tmp_path / "r"), profile="cpu", synthetic=True, preset="k3-tiny", tp=2, ep=2))
+    s.preflight()
+    stage = Stage(tier="bench")
+    s.synthetic_rows(stage, [{"concurrency": 2, "median_tpot_ms": 10.0, "input_len": 4, "output_len": 2}], "bench")
+    rows = {e.name: e for e in stage.evidence}
+    assert rows["synthetic.collectives_ms_per_step"].value == "not projected"
+    assert "no link bandwidth" in rows["synthetic.collectives_ms_per_step"].detail
+    assert rows["synthetic.target_layout"].value == "TP1/EP1" and "TP2/EP2" in rows["synthetic.target_layout"].detail
+    assert "c2.synthetic.collectives_ms_per_step" not in rows

@@ -182,6 +182,11 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         roof = r.get("roofline") or {}
         if roof.get("total_floor_s"):
             ceil = r.get("roofline_ceilings", {})
+            # a fraction above 1 says the steps beat the floor: the ceilings are not this machine's (e.g. the cpu
+            # profile's assumed bandwidth), so the row must say so rather than read as a normal result
+            above = (f"; above 1: the measured steps beat this floor, so {ceil.get('profile')}'s ceilings are below "
+                     "what this machine does (assumed figures or another machine's), and the fraction is no "
+                     "measure of efficiency here")
             stage.add(info(tier, f"{tag}.roofline.floor_s", round(float(roof["total_floor_s"]), 6), "s",
                            level="projected",
                            detail=f"sum over measured engine steps of max(bytes/bandwidth, FLOPs/peak); "
@@ -191,13 +196,15 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                       # a ratio whose numerator is a projection is as strong as the projection
                       info(tier, f"{tag}.roofline.fraction", round(float(roof.get("fraction", 0)), 6), "",
                            level="projected",
-                           detail="projected floor / measured time (1.0 = at the roofline), all steps"))
+                           detail="projected floor / measured time (1.0 = at the roofline), all steps"
+                                  + (above if float(roof.get("fraction", 0)) > 1 else "")))
             dec = roof.get("decode_only") or {}
             if dec.get("steps"):
                 stage.add(info(tier, f"{tag}.roofline.decode_fraction", round(float(dec["fraction"]), 6), "",
                                level="projected", detail=f"the same over the {dec['steps']} steps that carried no prefill "
                                                 f"tokens (pure decode steps; median step "
-                                                f"{float(dec['median_fraction']):.3f})"))
+                                                f"{float(dec['median_fraction']):.3f})"
+                                                + (above if float(dec["fraction"]) > 1 else "")))
         mf = getattr(getattr(session, "opts", None), "min_fraction", None)
         if mf is not None:  # validate --min-fraction: speed judged, against a projected floor
             if roof.get("total_floor_s"):
@@ -283,9 +290,9 @@ def _collective_rows(session: Session, stage: Stage, tier: str, tag: str, r: dic
     where collectives run on the host (gloo), else projected from the profile's link bandwidth (ring: each rank
     moves ``2 (w-1)/w`` of the bytes) against the measured median step."""
     coll = r.get("collectives") or {}
-    if not coll:
-        return
     w = session.world
+    if not coll or w <= 1:  # one rank (a --synthetic TP1 run counts its reduces for a projection): nothing moves
+        return
     link = float(getattr(session.run_profile, "link_bandwidth", 0) or 0)
     for name, c in coll.items():
         op = COLLECTIVE_OPS.get(name, name)
