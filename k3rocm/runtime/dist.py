@@ -229,7 +229,10 @@ class TPGroup(Parallel):
 
     def embed_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding: ids in ``vocab_start .. vocab_stop - 1`` look up this rank's rows, every
-        other id a zero row, and one ``all_reduce`` ("embed") sums the ranks' rows: ``[T, hidden]`` fp32."""
+        other id a zero row, and one ``all_reduce`` ("embed") sums the ranks' rows: ``[T, hidden]`` fp32. A
+        replicated embedding (no vocabulary slice) is looked up whole, with no collective."""
+        if self.vocab_start is None:
+            return super().embed_rows(table, ids)
         mine = (ids >= self.vocab_start) & (ids < self.vocab_stop)
         local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
         return self.reduce(f32(table[local]) * mine.unsqueeze(1), "embed")
@@ -301,8 +304,8 @@ class ProjectedGroup(TPGroup):
         tie sends it to experts ``0 .. k-1``, piling the prefill's pairs onto rank 0's experts (measured on
         k3-prefix-3 at TP16 with the zero rows: 9.8 x the uniform share of pairs; ``gpu-runs/route_skew.py``).
         ``[T, hidden]`` fp32, every row of the embedding's magnitude."""
-        if self.vocab_start is None:
-            return self.reduce(f32(table[ids]), "embed")
+        if self.vocab_start is None:  # replicated: every row is here, nothing to stand in or count
+            return super().embed_rows(table, ids)
         mine = (ids >= self.vocab_start) & (ids < self.vocab_stop)
         local = torch.where(mine, ids - self.vocab_start, ids % table.shape[0])
         return self.reduce(f32(table[local]), "embed")

@@ -161,3 +161,15 @@ def test_real_group_embedding_masks_other_ranks_rows(tiny_cfg, monkeypatch):
     x = dist.TPGroup.embed_rows(grp, table, ids)
     assert torch.equal(x, seen["t"])
     assert bool((x[[0, 3]] == 0).all()) and torch.equal(x[1], table[0]) and torch.equal(x[2], table[-1])
+
+
+def test_replicated_embedding_is_looked_up_without_a_collective(tiny_cfg):
+    """At TP1 the embedding is not vocabulary-split: the rows are the table's own and no "embed" reduce is counted
+    (as before the embedding moved into the parallel context)."""
+    pl = plan(tiny_cfg, load_profile("cpu"), tp=1, ep=1)
+    grp = ProjectedGroup(pl, 0)
+    assert grp.vocab_start is None
+    table = torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, tiny_cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(grp.embed_rows(table, ids), table[ids])
+    assert "embed" not in grp.stats.snapshot()
