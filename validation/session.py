@@ -44,7 +44,7 @@ from k3rocm.model.model import K3Model
 from k3rocm.runtime.dist import ProjectedGroup, under_torchrun
 from k3rocm.runtime.engine import Engine
 from k3rocm.runtime.load import LoadReport, LoadResult, load_checkpoint
-from k3rocm.runtime.plan import plan, scaled_profile
+from k3rocm.runtime.plan import default_ep, plan, scaled_profile
 from k3rocm.runtime.synthetic import (RANDOM_WEIGHTS_NOTE, SyntheticIndex, check_rank, collective_projection,
                                       synthetic_weights, tpot_projection)
 from k3rocm.runtime.serve import Cluster, RankSpec, RemoteModel
@@ -331,7 +331,7 @@ class Session:
         if tp is None:
             return plan(self.config, profile, ep=ep, host_ranks=1)
         if ep is None:
-            ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
+            ep = default_ep(profile, tp)
         # a rank outside the layout is said before whether the layout fits
         check_rank((tp, ep), self.rank)
         # (one process builds one rank: on the cpu backend it has the whole host, not a 1/tp share)

@@ -421,6 +421,12 @@ class Placement:
 
 
 # ------------------------------------------------------------------------------------------ planning
+def default_ep(profile: Profile, tp: int) -> int:
+    """The expert-parallel degree of a ``tp``-rank layout when none is given: the profile's where it divides
+    ``tp``, else ``tp`` (every rank its own expert slice)."""
+    return profile.ep if profile.ep and tp % profile.ep == 0 else tp
+
+
 def _check_layout(cfg: K3Config, profile: Profile, tp: int, ep: int, hint: bool = True) -> None:
     where = f"{cfg.name} on {profile.name}"
     if tp < 1:
@@ -614,7 +620,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         want = profile.tp  # cpu profiles too: [parallel] tp gloo processes on the host
         first_err = None
         for cand in range(want, 0, -1):  # the largest layout the config splits by, at most the profile's
-            cand_ep = ep if ep is not None else (profile.ep if profile.ep and cand % profile.ep == 0 else cand)
+            cand_ep = ep if ep is not None else default_ep(profile, cand)
             try:
                 _check_layout(cfg, profile, cand, cand_ep, hint=not _probe)
             except PlanError as e:
@@ -627,7 +633,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
         if tp is None:
             raise first_err  # type: ignore[misc]
     if ep is None:
-        ep = profile.ep if profile.ep and tp % profile.ep == 0 else tp
+        ep = default_ep(profile, tp)
         try:
             _check_layout(cfg, profile, tp, ep, hint=not _probe)
         except PlanError as e:

@@ -215,7 +215,7 @@ def _placement_rows(stage: Stage, plc, tier: str) -> None:
         stage.add(info(tier, "plan.note", n, level="projected", detail=where))
     cache = d.get("cache") or {}
     for k in ("max_tokens", "max_sequences", "context_len"):
-        if k in cache and cache[k] is None and k == "max_tokens":  # no MLA layer: no token bound from its cache
+        if k == "max_tokens" and k in cache and cache[k] is None:  # no MLA layer: no token bound from its cache
             stage.add(info(tier, "plan.cache.max_tokens", "n/a", level="projected", detail=f"{where}: {NO_MLA_BOUND}"))
         elif k in cache:
             stage.add(info(tier, f"plan.cache.{k}", cache[k], level="projected", detail=where))
