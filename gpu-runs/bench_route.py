@@ -48,7 +48,7 @@ FIELDS = ("sorted_pair", "pos", "counts", "offsets", "block_expert", "block_star
 
 
 
-def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
+def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32", num_local: int | None = None) -> dict:
     """One token count: times in microseconds, equality of the two paths, the goal at 64 tokens."""
     eager = (lambda f: tt.do_bench(f, warmup=25, rep=100)) if dev == "cuda" else wall_ms
     g = torch.Generator(device=dev).manual_seed(T)
@@ -60,23 +60,24 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
     if dev != "cuda":  # the interpreter's bf16 tl.dot is not trustworthy: the router's fp32 path
         x, gate = x.float(), gate.float()
     r0 = dict(x_dtype=str(x.dtype).replace("torch.", ""))
-    bm = gemm_pick(T * K, E)["BLOCK_M"]  # the BLOCK_M the expert GEMM runs (and the model routes for)
+    L = num_local or E  # local experts 0 .. L-1 (a rank of EP E/L)
+    bm = gemm_pick(T * K, L, num_experts=E)["BLOCK_M"]  # the BLOCK_M the expert GEMM runs (and the model routes for)
 
     def old():
         ids, w = moe_router(x, gate, bias, K, scaling=SCALING)
-        return ids, w, dispatch_gpu(ids, 0, E, bm)
+        return ids, w, dispatch_gpu(ids, 0, L, bm)
 
-    def new():
-        return moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING)
+    def new(**kw):
+        return moe_route(x, gate, bias, K, 0, L, bm, scaling=SCALING, **kw)
 
     a, b = old(), new()
     same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(
         torch.equal(getattr(a[2], f), getattr(b[2], f)) for f in FIELDS)
     ids = a[0]
-    r = dict(tokens=T, block_m=bm, same=same, **r0,
+    r = dict(tokens=T, block_m=bm, local_experts=L, same=same, **r0,
              floor_us=E * H * x.element_size() / COPY_BW * 1e6,
              old_router_us=eager(lambda: moe_router(x, gate, bias, K, scaling=SCALING)) * 1e3,
-             old_dispatch_us=eager(lambda: dispatch_gpu(ids, 0, E, bm)) * 1e3,
+             old_dispatch_us=eager(lambda: dispatch_gpu(ids, 0, L, bm)) * 1e3,
              old_us=eager(old) * 1e3, new_us=eager(new) * 1e3)
     if graphs and dev == "cuda":
         router = lambda: moe_router(x, gate, bias, K, scaling=SCALING)  # noqa: E731
@@ -85,6 +86,44 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
                 r[f"{name}_graph_us"] = tt.do_bench_cudagraph(fn, rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a failed capture is a result to report
                 r[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+    if graphs and dev == "cuda":  # the parts: logits alone; each grouping; the logits' program target
+        from k3rocm.kernels.moe import ops as _ops
+        from k3rocm.kernels.moe.configs import ROUTER_LOGIT_PROGRAMS
+
+        def same_as_b(got):
+            return torch.equal(got[0], b[0]) and torch.equal(got[1], b[1]) and all(
+                torch.equal(getattr(got[2], f), getattr(b[2], f)) for f in FIELDS)
+
+        try:
+            r["logits_graph_us"] = tt.do_bench_cudagraph(lambda: _ops._router_logits(x, gate, K, None), rep=100) * 1e3
+        except Exception as e:  # noqa: BLE001
+            r["logits_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+        for grouping in ("fused", "experts"):
+            try:
+                r[f"grouping_{grouping}_same"] = same_as_b(new(grouping=grouping))
+                r[f"grouping_{grouping}_graph_us"] = tt.do_bench_cudagraph(
+                    lambda gr=grouping: new(grouping=gr), rep=100) * 1e3
+            except Exception as e:  # noqa: BLE001
+                r[f"grouping_{grouping}_error"] = f"{type(e).__name__}: {e}"[:200]
+        backend = current_target().backend
+        served = ROUTER_LOGIT_PROGRAMS[backend]
+        try:
+            for n in (66, 132, 264, 528):
+                ROUTER_LOGIT_PROGRAMS[backend] = n
+                for grouping in ("fused", "experts"):
+                    try:
+                        r[f"programs{n}_{grouping}_same"] = same_as_b(new(grouping=grouping))
+                        r[f"programs{n}_{grouping}_graph_us"] = tt.do_bench_cudagraph(
+                            lambda gr=grouping: new(grouping=gr), rep=100) * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        r[f"programs{n}_{grouping}_error"] = f"{type(e).__name__}: {e}"[:200]
+                try:
+                    r[f"programs{n}_logits_graph_us"] = tt.do_bench_cudagraph(
+                        lambda: _ops._router_logits(x, gate, K, None), rep=100) * 1e3
+                except Exception as e:  # noqa: BLE001
+                    r[f"programs{n}_logits_error"] = f"{type(e).__name__}: {e}"[:200]
+        finally:
+            ROUTER_LOGIT_PROGRAMS[backend] = served
     if graphs and dev == "cuda":  # every router config of the backend's table forced, graph-replayed: the pick
         from k3rocm.kernels import tune as _tune
         from k3rocm.kernels.moe.configs import ROUTER_CONFIGS
@@ -101,22 +140,21 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32") -> dict:
     if graphs and dev == "cuda":  # the fused top-k + grouping launch at 1 / 2 / 4 / 8 warps: same tensors, timed
         for wp in (1, 2, 4, 8):
             try:
-                got = moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp)
+                got = new(topk_warps=wp)
                 r[f"warps{wp}_same"] = torch.equal(got[0], b[0]) and torch.equal(got[1], b[1]) and all(
                     torch.equal(getattr(got[2], f), getattr(b[2], f)) for f in FIELDS)
                 r[f"warps{wp}_graph_us"] = tt.do_bench_cudagraph(
-                    lambda wp=wp: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp), rep=100) * 1e3
+                    lambda wp=wp: new(topk_warps=wp), rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a warp count that fails is a result to report
                 r[f"warps{wp}_error"] = f"{type(e).__name__}: {e}"[:200]
     if graphs and dev == "cuda" and T <= 8:  # the whole routing in one program (router_topk_small_kernel)
         for wp in (4, 8):
             try:
-                got = moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp, small_tokens=8)
+                got = new(topk_warps=wp, small_tokens=8)
                 r[f"small{wp}_same"] = torch.equal(got[0], b[0]) and torch.equal(got[1], b[1]) and all(
                     torch.equal(getattr(got[2], f), getattr(b[2], f)) for f in FIELDS)
                 r[f"small{wp}_graph_us"] = tt.do_bench_cudagraph(
-                    lambda wp=wp: moe_route(x, gate, bias, K, 0, E, bm, scaling=SCALING, topk_warps=wp,
-                                            small_tokens=8), rep=100) * 1e3
+                    lambda wp=wp: new(topk_warps=wp, small_tokens=8), rep=100) * 1e3
             except Exception as e:  # noqa: BLE001 - a failure is a result to report
                 r[f"small{wp}_error"] = f"{type(e).__name__}: {e}"[:200]
     best_new = min(r["new_us"], r.get("new_graph_us", float("inf")))
@@ -144,6 +182,19 @@ def markdown(meta, rows) -> str:
                    f"{f(r['old_us'])} | {f(r.get('old_graph_us'))} | {f(r['new_us'])} | {f(r.get('new_graph_us'))} | "
                    f"{f(r.get('router_graph_us'))} | "
                    f"{r['speedup']:.2f}× | {f(r['floor_us'])} | {'yes' if r['same'] else 'NO'} | {goal} |")
+    out += ["", "### The parts, graph-replayed, µs (grouping: fused = inside the top-k launch, experts = a launch of one "
+            "program per local expert; programs N: the logits' program target)", "",
+            "| local experts | tokens | logits | fused | experts | " + " | ".join(
+                f"{n}: logits / fused / experts" for n in (66, 132, 264, 528)) + " | all same |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sames = [v for k, v in r.items() if k.endswith("_same") and (k.startswith("grouping") or
+                                                                     k.startswith("programs"))]
+        out.append(f"| {r.get('local_experts')} | {r['tokens']} | {f(r.get('logits_graph_us'))} | "
+                   f"{f(r.get('grouping_fused_graph_us'))} | {f(r.get('grouping_experts_graph_us'))} | " + " | ".join(
+                       f"{f(r.get(f'programs{n}_logits_graph_us'))} / {f(r.get(f'programs{n}_fused_graph_us'))} / "
+                       f"{f(r.get(f'programs{n}_experts_graph_us'))}" for n in (66, 132, 264, 528)) +
+                   f" | {'yes' if all(sames) else 'NO'} |")
     return "\n".join(out) + "\n"
 
 
@@ -156,14 +207,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="router input: fp32 (what the engine passes: fp32 activations, split into bf16 parts in "
                          "the kernel) or bf16")
     ap.add_argument("--small", action="store_true", help="smoke run: 64 experts, hidden 128, top-4")
+    ap.add_argument("--local", type=int, nargs="+", default=[0],
+                    help="local experts of the grouping, from expert 0 (0: all, EP1; 56: a K3 rank of EP16); one "
+                         "row set per value")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (Triton interpreter, TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
     E, H, K = (64, 128, 4) if args.small else (E_K3, H_K3, K_K3)
     rows = []
-    for T in args.tokens:
-        r = bench_row(T, E, H, K, args.device, not args.no_graphs, args.x_dtype)
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+    for L in args.local:
+        for T in args.tokens:
+            r = bench_row(T, E, H, K, args.device, not args.no_graphs, args.x_dtype, min(L, E) or None)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",
                 torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), backend=current_target().backend,

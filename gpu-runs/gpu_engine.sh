@@ -156,7 +156,7 @@ for s in $STEPS; do
           --set full $PY "$HERE/bench_moe_decode.py" --served-only --ep-ranks "${MNCU_EP:-16}" \
           --tokens "${MNCU_TOKENS:-512}" --out "$R/mncu_${MNCU_TOKENS:-512}" ;;
     mdec) step mdec "$(lim "${MDEC_LIMIT:-200}")" $PY "$HERE/bench_moe_decode.py" ${MDEC_ARGS:---ep-ranks 16} --out "$R/mdec" ;;
-    route) step route "$(lim 120)" $PY "$HERE/bench_route.py" ${ROUTE_ARGS:---tokens 1 4 8 64 256} --out "$R/route" ;;
+    route) step route "$(lim "${ROUTE_LIMIT:-120}")" $PY "$HERE/bench_route.py" ${ROUTE_ARGS:---tokens 1 4 8 64 256} --out "$R/route" ;;
     adec) step adec "$(lim "${ADEC_LIMIT:-90}")" $PY "$HERE/bench_attnres_decode.py" ${ADEC_ARGS:-} ;;
     dense) step dense "$(lim "${DENSE_LIMIT:-120}")" $PY "$HERE/bench_dense.py" ${DENSE_ARGS:-} --out "$R/dense" ;;
     moe) step moe "$(lim "${MOE_LIMIT:-200}")" $PY "$HERE/bench_moe.py" ${MOE_ARGS:---tokens 64 512 8192 --check} \

@@ -307,4 +307,17 @@ ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}
 #: 48.0 against 22.4 at 8 (1 x H100, 2026-12-07 16:02 UTC, ``bench_route.py`` ``small`` columns). Off on HIP until
 #: timed there; on in the interpreter, so the CPU tests hold it to the same tensors. On HIP at most 4 when turned
 #: on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
+#: how the fused routing groups the pairs by local expert (``ops.moe_route(grouping=)``): ``"fused"``, inside the
+#: top-k launch (its last program per token group ranks the group, the last group places every pair: a chain of
+#: programs each waiting on the one before, ~8 us of the 26 us at 64 tokens on an H100, 2026-12-07), or
+#: ``"experts"``, a third launch of one program per local expert (``router.group_pairs_kernel``), none waiting.
+#: Both give the same tensors; ``gpu-runs/bench_route.py`` times both (``grouping_*`` columns)
+ROUTER_GROUPING: dict[str, str] = {"cuda": "fused", "hip": "fused", "interpreter": "fused"}
+
+#: programs the router logits aim for (token tiles x expert tiles x K splits, at most 32 splits): the splits'
+#: fp32 partials ``[S, T, E]`` are what the top-k launch sums per token, so fewer programs read the gate with less
+#: parallelism but leave fewer partials (6.4 MB at 64 tokens and 264 programs). 264 (two per SM of an H100) is what
+#: has been served; ``gpu-runs/bench_route.py`` times 66 / 132 / 264 / 528 (``programs*`` columns)
+ROUTER_LOGIT_PROGRAMS: dict[str, int] = {"cuda": 264, "hip": 264, "interpreter": 264}
+
 ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 8}

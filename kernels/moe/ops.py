@@ -26,11 +26,14 @@ from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
                                         REDUCE_LAUNCH,
-                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_SMALL_TOKENS, ROUTER_TOPK_WARPS,
+                                        ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_GROUPING, ROUTER_LOGIT_PROGRAMS,
+                                        ROUTER_SMALL_TOKENS,
+                                        ROUTER_TOPK_WARPS,
                                         SCALE_PF_KINDS, SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
                                      moe_reduce_kernel)
-from k3rocm.kernels.moe.router import pair_tokens, router_logits_kernel, router_topk_kernel, router_topk_small_kernel
+from k3rocm.kernels.moe.router import (group_block_p, group_pairs_kernel, pair_tokens, router_logits_kernel,
+                                      router_topk_kernel, router_topk_small_kernel)
 from k3rocm.kernels.mx.layout import TiledMxfp4, check_repack, fit_tile_k, repack_mxfp4, unpack_mxfp4
 from k3rocm.kernels.mx.quant import quantize_mxfp8_rows
 from k3rocm.kernels.target import current_target, interpreting, multiprocessors
@@ -73,7 +76,8 @@ def _router_logits(x, gate_weight, top_k, config):
     # keyed on the power of two above T (bounded set: no new compile per batch size while serving)
     cfg = config or tune.pick("moe_router", (tune.pow2(T),), tune.configs(ROUTER_CONFIGS), rows=T)
     tiles = triton.cdiv(T, cfg["BLOCK_T"]) * triton.cdiv(E, cfg["BLOCK_E"])
-    k_per, splits = _logit_splits(D, cfg["BLOCK_K"], min(32, 264 // tiles))  # ~2 programs per SM of an H100
+    want = ROUTER_LOGIT_PROGRAMS[current_target().backend] // tiles  # ~2 programs per SM of an H100
+    k_per, splits = _logit_splits(D, cfg["BLOCK_K"], max(1, min(32, want)))
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
     router_logits_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(E, cfg["BLOCK_E"]), splits)](
         x, gate_weight, part, T, E, D, k_per, x.stride(0), gate_weight.stride(0), part.stride(0), part.stride(1),
@@ -111,7 +115,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
               first_expert: int, num_local: int, block_m: int, renormalize: bool = True, scaling: float = 1.0,
               config=None, bucket_tokens: int | None = None,
               topk_warps: int | None = None,
-              small_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
+              small_tokens: int | None = None,
+              grouping: str | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
     """Fused routing: :func:`moe_router` and :func:`dispatch_gpu` of its ids in two launches, no host sync.
 
     x ``[T, D]``, gate_weight ``[E, D]``, bias ``[E]`` fp32 or None; the pairs of local experts
@@ -124,9 +129,13 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     grouping launch (default ``configs.ROUTER_TOPK_WARPS`` of the backend; benchmarks sweep it; the same
     results at any count). ``small_tokens``: up to this many tokens the whole routing runs in one program
     (``router.router_topk_small_kernel``, 8 warps unless ``topk_warps``; default ``configs.ROUTER_SMALL_TOKENS`` of
-    the backend; at most 8; the same tensors). Raises ConfigError on bad shapes / top_k / experts / bucket_tokens /
-    topk_warps / small_tokens.
+    the backend; at most 8; the same tensors). ``grouping``: ``"fused"`` (the top-k launch groups the pairs, its
+    last programs in turn) or ``"experts"`` (a third launch, ``router.group_pairs_kernel``: one program per local
+    expert, none waiting on another); default ``configs.ROUTER_GROUPING`` of the backend; the same tensors.
+    Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps / small_tokens / grouping.
     """
+    if grouping is not None and grouping not in ("fused", "experts"):
+        raise ConfigError(f"moe_route: grouping {grouping!r} must be 'fused' or 'experts'")
     if small_tokens is not None and not 0 <= small_tokens <= 8:
         raise ConfigError(f"moe_route: small_tokens {small_tokens} must be in 0..8")
     if topk_warps is not None and (topk_warps < 1 or topk_warps > 16 or topk_warps & (topk_warps - 1)):
@@ -136,7 +145,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     if bucket_tokens is not None and (bucket_tokens < 1 or bucket_tokens & (bucket_tokens - 1)):
         raise ConfigError(f"moe_route: bucket_tokens {bucket_tokens} must be a power of two")
     return _route(x, gate_weight, bias, top_k, renormalize, scaling, config,
-                  (first_expert, num_local, block_m, bucket_tokens, topk_warps, small_tokens))
+                  (first_expert, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping))
 
 
 # scratch counters per device for the handshakes of the fused dispatch ([0]: groups done, [1 + g]: tokens of
@@ -171,7 +180,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                                  ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
         return ids, wts, None
-    first, num_local, block_m, bucket_tokens, topk_warps, small_tokens = group
+    first, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping = group
     P = T * top_k
     ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
     d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
@@ -186,6 +195,12 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                                        d.block_expert, d.block_start, ub, **meta, BLOCK_TT=triton.next_power_of_2(T),
                                        BLOCK_M=block_m, BLOCK_UB=triton.next_power_of_2(ub),
                                        num_warps=topk_warps or 8)
+        return ids, wts, d
+    if (grouping or ROUTER_GROUPING[backend]) == "experts":
+        router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
+                                 ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta,
+                                 num_warps=topk_warps or 4)  # as moe_router launches it
+        _group_pairs(ids, first, num_local, d)
         return ids, wts, d
     block_l = triton.next_power_of_2(num_local + 1)
     bt = bucket_tokens or max(1, min(ROUTER_BUCKET_TOKENS[backend], 16384 // block_l))
@@ -226,6 +241,16 @@ class GpuDispatch:
     num_experts: int | None = None  # global experts the pairs were routed over (None: all local)
 
 
+def _group_pairs(ids: torch.Tensor, first: int, num_local: int, d: GpuDispatch) -> None:
+    """``router.group_pairs_kernel`` of the int32 ids ``[T, k]`` (or ``[P]``) into the allocated dispatch ``d``."""
+    P = ids.numel()
+    ub = d.block_expert.numel()
+    group_pairs_kernel[(num_local + 1,)](ids, int(first), num_local, P, d.sorted_pair, d.pos, d.counts, d.offsets,
+                                         d.block_expert, d.block_start, ub, BLOCK_M=d.block_m,
+                                         BLOCK_P=group_block_p(P), BLOCK_E=triton.next_power_of_2(num_local + 2),
+                                         BLOCK_J=16, num_warps=4)
+
+
 # decode-sized dispatch runs as one Triton program (one launch instead of ~35 small torch ops, whose launch
 # overhead, not their work, made the 0.85 ms measured at 64 tokens on the H200); larger P uses torch's sort
 ONE_PROGRAM_MAX_PAIRS = 8192
@@ -233,16 +258,26 @@ ONE_PROGRAM_MAX_EXPERTS = 4094
 
 
 def dispatch_gpu(topk_ids: torch.Tensor, first_expert: int, num_local: int, block_m: int,
-                 one_program: bool | None = None) -> GpuDispatch:
+                 one_program: bool | None = None, per_expert: bool = False) -> GpuDispatch:
     """Group pairs by local expert (ids ``first_expert .. first_expert+num_local-1``; others dropped).
 
     Same grouping as ``k3rocm.model.moe.dispatch`` (stable: ascending pair index within a group).
     ``one_program``: None = ``moe_dispatch_kernel`` (one launch) when P <= ``ONE_PROGRAM_MAX_PAIRS`` and
     num_local <= ``ONE_PROGRAM_MAX_EXPERTS``, else the torch path (radix sort); True / False force one (tests).
-    Both give identical tensors.
+    ``per_expert``: ``router.group_pairs_kernel`` instead (one program per local expert; what ``moe_route`` runs
+    with ``grouping="experts"``). All give identical tensors.
     """
     dev = topk_ids.device
     P = topk_ids.numel()
+    if per_expert and P > 0:
+        ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
+        d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
+                        torch.empty(num_local, dtype=torch.int64, device=dev),
+                        torch.empty(num_local + 1, dtype=torch.int64, device=dev),
+                        torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
+                        block_m)
+        _group_pairs(topk_ids.reshape(-1).to(torch.int32).contiguous(), first_expert, num_local, d)
+        return d
     if one_program is None:
         one_program = 0 < P <= ONE_PROGRAM_MAX_PAIRS and num_local <= ONE_PROGRAM_MAX_EXPERTS
     if one_program and P > 0:

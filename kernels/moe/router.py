@@ -354,3 +354,92 @@ def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
     warps = 8 if dispatch else 4
     return (f"router_topk{f'_dispatch_t{bucket_tokens}' if dispatch else ''}", router_topk_kernel, sig, consts, False,
             {"hip": {"num_warps": warps}, "cuda": {"num_warps": warps}})
+
+
+@triton.jit
+def group_pairs_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, counts_ptr, offsets_ptr, bexp_ptr,
+                       bstart_ptr, UB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_J: tl.constexpr):
+    """The grouping of ``ops.dispatch_gpu`` with one program per key instead of one program for all: program
+    ``e`` (grid ``num_local + 1``) places the pairs of local expert ``e``; program ``num_local`` the pairs of the
+    other ranks (sorted after all local pairs) and the empty tail of the block table.
+
+    ids ``[P]`` int32 global expert ids (flat t*k+j). Every program counts all keys (``tl.histogram`` per tile of
+    BLOCK_P pairs; key = id - first, other ranks' pairs key ``num_local``, lanes past P the spare bin
+    ``BLOCK_E - 1``, so BLOCK_E >= num_local + 2), takes its start row (exclusive prefix of the counts) and its
+    first M block (exclusive prefix of ``ceil(count / BLOCK_M)``), then walks the pairs in ascending index: a pair
+    of its key goes to row start + (earlier pairs of the key), an exclusive ``tl.cumsum`` of the key's mask. So
+    the rows are the stable counting sort of ``moe_dispatch_kernel`` and the torch path, with no counter, no
+    scratch and no program waiting on another: every program's work is two passes over the P ids (4 KB at 64
+    tokens x top-16). Writes sorted ``[P]``, pos ``[P]`` (-1 off-rank), counts ``[num_local]`` / offsets
+    ``[num_local + 1]`` int64, block_expert / block_start ``[UB]`` int32 (blocks past the last: -1 / 0); BLOCK_J
+    block-table slots are written per step."""
+    e = tl.program_id(0)
+    re = tl.arange(0, BLOCK_E)
+    rq = tl.arange(0, BLOCK_P)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        rp = p0 + rq
+        m = rp < P
+        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
+        key = tl.where((key >= 0) & (key < num_local), key, num_local)
+        key = tl.where(m, key, BLOCK_E - 1)
+        counts += tl.histogram(key, BLOCK_E)
+    counts = tl.where(re <= num_local, counts, 0)
+    start = tl.cumsum(counts, 0) - counts
+    blocks = tl.where(re < num_local, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_block = tl.cumsum(blocks, 0) - blocks
+    mine = re == e
+    my_start = tl.sum(tl.where(mine, start, 0), axis=0)
+    my_count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    my_block = tl.sum(tl.where(mine, first_block, 0), axis=0)
+    local = e < num_local
+    run = my_start
+    for p0 in range(0, P, BLOCK_P):
+        rp = p0 + rq
+        m = rp < P
+        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
+        key = tl.where((key >= 0) & (key < num_local), key, num_local)
+        hit = (key == e) & m
+        h = hit.to(tl.int32)
+        row = run + tl.cumsum(h, 0) - h
+        tl.store(sorted_ptr + row, rp, mask=hit)
+        tl.store(pos_ptr + rp, tl.where(local, row, -1), mask=hit)
+        run += tl.sum(h, axis=0)
+    rj = tl.arange(0, BLOCK_J)
+    if local:
+        tl.store(counts_ptr + e, my_count.to(tl.int64))
+        tl.store(offsets_ptr + e, my_start.to(tl.int64))
+        nb = (my_count + BLOCK_M - 1) // BLOCK_M
+        for j0 in range(0, nb, BLOCK_J):
+            j = j0 + rj
+            mb = (j < nb) & (my_block + j < UB)
+            tl.store(bexp_ptr + my_block + j, tl.full((BLOCK_J,), 0, tl.int32) + e, mask=mb)
+            tl.store(bstart_ptr + my_block + j, my_start + j * BLOCK_M, mask=mb)
+    else:
+        tl.store(offsets_ptr + num_local, my_start.to(tl.int64))  # all local pairs
+        used = tl.sum(blocks, axis=0)
+        for j0 in range(used, UB, BLOCK_J):
+            j = j0 + rj
+            tl.store(bexp_ptr + j, tl.full((BLOCK_J,), -1, tl.int32), mask=j < UB)
+            tl.store(bstart_ptr + j, tl.zeros((BLOCK_J,), dtype=tl.int32), mask=j < UB)
+
+
+def group_isa_case(num_local: int = 56, pairs: int = 1024) -> tuple:
+    """``(name, kernel, signature, constexprs, expects_matrix, {backend: options})`` of the per-expert grouping
+    (:func:`group_pairs_kernel`) as ``ops`` launches it for ``num_local`` local experts and ``pairs`` pairs (64
+    tokens x top-16 on a K3 rank of EP16 by default)."""
+    sig = {"ids_ptr": "*i32", "first": "i32", "num_local": "i32", "P": "i32", "sorted_ptr": "*i32",
+           "pos_ptr": "*i32", "counts_ptr": "*i64", "offsets_ptr": "*i64", "bexp_ptr": "*i32", "bstart_ptr": "*i32",
+           "UB": "i32"}
+    consts = {"BLOCK_M": 16, "BLOCK_P": group_block_p(pairs), "BLOCK_E": triton.next_power_of_2(num_local + 2),
+              "BLOCK_J": 16}
+    sig.update({c: "constexpr" for c in consts})
+    sig = specialize(sig, dict(num_local=num_local))
+    return (f"group_pairs_l{num_local}", group_pairs_kernel, sig, consts, False,
+            {"hip": {"num_warps": 4}, "cuda": {"num_warps": 4}})
+
+
+def group_block_p(pairs: int) -> int:
+    """Pairs per tile of :func:`group_pairs_kernel`: all of them up to 1024 (64 tokens at top-16), else 1024."""
+    return min(1024, triton.next_power_of_2(max(1, pairs)))

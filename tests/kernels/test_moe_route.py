@@ -51,13 +51,15 @@ def _same_dispatch(a, b):
     (40, 64, 64, 8, 0, 64, 16, None),
     # groups of 2 and 4 tokens: many groups, several tiles of group counts and of pairs in the last program
     (37, 64, 64, 8, 16, 32, 16, 2), (29, 32, 64, 16, 0, 32, 16, 4)])
-def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm, bt):
+@pytest.mark.parametrize("grouping", ["fused", "experts"])
+def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm, bt, grouping):
     g = torch.Generator().manual_seed(T + E)
     x = torch.randn(T, D, generator=g).bfloat16()
     w = (torch.randn(E, D, generator=g) * 0.1).bfloat16()
     bias = torch.randn(E, generator=g) * 0.01
     xd, wd, bd = x.to(tk.dev, tk.act_dtype), w.to(tk.dev, tk.act_dtype), bias.to(tk.dev)
-    ids, wts, d = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt)
+    ids, wts, d = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt,
+                                   grouping=grouping)
     rid, rw = M.moe_router(x, w, bias, k, scaling=2.5)
     assert (ids.cpu() == rid).all()
     torch.testing.assert_close(wts.cpu(), rw, rtol=1e-5, atol=1e-6)
@@ -71,9 +73,50 @@ def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm,
     n = int(d.offsets[-1])
     assert torch.equal(d.sorted_pair[:n].cpu().long(), ref.sorted_pair.long())
     # repeatable: the handshake counter is back at zero, and the result is bitwise the same
-    again = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt)
+    again = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt,
+                             grouping=grouping)
     assert torch.equal(again[0], ids) and torch.equal(again[1], wts)
     _same_dispatch(again[2], d)
+
+
+@pytest.mark.parametrize("case", ["random", "multi_tile", "one_hot_expert", "all_off_rank", "one_local", "tail"])
+def test_group_pairs_per_expert_equals_torch_dispatch(tk, case):
+    # the per-expert grouping (router.group_pairs_kernel) on crafted ids against the torch path (radix sort) and
+    # the one-program counting sort: more than one 1024-pair tile, one expert with more than 16 M blocks (several
+    # block-table steps), no local pair at all, a single local expert, ids only in the last local expert
+    g = torch.Generator().manual_seed(len(case))
+    E, k, bm = 64, 8, 16
+    T, first, num_local = 40, 8, 32
+    if case == "multi_tile":
+        T = 200  # 1600 pairs: two tiles
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if case == "one_hot_expert":
+        T = 300
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        ids[:, 0] = first + 3  # 300 pairs of one expert: 19 blocks of 16 rows
+        ids[:, 1:] = torch.where(ids[:, 1:] == first + 3, first + 40 % E, ids[:, 1:])
+    elif case == "all_off_rank":
+        ids = torch.randint(first + num_local, E, (T, k), generator=g)
+    elif case == "one_local":
+        num_local = 1
+    elif case == "tail":
+        ids = torch.where(torch.rand(T, k, generator=g) < 0.3, torch.full((T, k), first + num_local - 1), ids)
+    ids = ids.to(torch.int32).to(tk.dev)
+    got = tk.ops.dispatch_gpu(ids, first, num_local, bm, per_expert=True)
+    radix = tk.ops.dispatch_gpu(ids, first, num_local, bm, one_program=False)
+    for f in FIELDS[:-1]:  # the torch path leaves other block starts for empty (-1) blocks
+        assert torch.equal(getattr(got, f), getattr(radix, f)), f
+    live = got.block_expert >= 0
+    assert torch.equal(got.block_start[live], radix.block_start[live])
+    assert (got.block_start[~live] == 0).all()
+    if ids.numel() <= tk.ops.ONE_PROGRAM_MAX_PAIRS:
+        _same_dispatch(got, tk.ops.dispatch_gpu(ids, first, num_local, bm, one_program=True))
+
+
+def test_route_rejects_bad_grouping(tk):
+    x = torch.randn(4, 16).to(tk.dev)
+    with pytest.raises(tk.ops.ConfigError, match="grouping 'bogus'"):
+        tk.ops.moe_route(x, torch.randn(8, 16).to(tk.dev), None, 2, 0, 8, 16, grouping="bogus")
 
 
 @pytest.mark.parametrize("T,E,k,first,num_local,bias,renorm", [
