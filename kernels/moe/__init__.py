@@ -20,7 +20,7 @@ from .gemm import (K3_LATENT, K3_PAIRS, dq_isa_case, isa_options, k3_gemm_ints, 
 from .mlp import glu
 from .mlp import isa_case as _glu_isa_case
 from .ops import dispatch_gpu, latent_moe, moe_experts, moe_router
-from .router import router_logits_kernel, topk_isa_case, topk_small_isa_case
+from .router import group_isa_case, router_logits_kernel, topk_isa_case, topk_small_isa_case
 
 __all__ = ["moe_router", "moe_experts", "glu", "dispatch_gpu", "latent_moe", "GEMM_CONFIGS", "ROUTER_CONFIGS",
            "gemm_config", "gemm_name", "router_config", "stage_config", "isa_cases", "TRITON_IMPLS"]
@@ -71,7 +71,7 @@ def isa_cases() -> list[tuple]:
     and last HIP configs (spill-free on gfx950/gfx942; the same tiles compile for sm_90), the router logits
     GEMM (bf16 serving path; fp32 IEEE validation path), the A16W4 decode-path GEMM with the first and last
     CUDA tiles (sm_90 only: ``None`` options for HIP) and one AMD portability tile of it (gfx only), the
-    one-program dispatch, the top-k kernel (alone and with the fused dispatch) and the reduce kernel (no matrix work).
+    one-program dispatch, the top-k kernel (alone and with the fused dispatch), the per-expert grouping and the reduce kernel (no matrix work).
     Every CUDA config is compiled for sm_90 by tests/kernels/test_moe_isa.py.
     """
     cases = []
@@ -141,7 +141,8 @@ def isa_cases() -> list[tuple]:
                   {"BLOCK_T": rc["BLOCK_T"], "BLOCK_E": rc["BLOCK_E"], "BLOCK_K": rc["BLOCK_K"], "IEEE": True,
                    "SPLIT_X": 0}, False,
                   {"hip": {"num_warps": 4, "num_stages": 2}, "cuda": {"num_warps": 4, "num_stages": 2}}))
-    cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"]), topk_small_isa_case(4, 8)]
+    cases += [topk_isa_case(False), topk_isa_case(True, ROUTER_BUCKET_TOKENS["hip"]), topk_small_isa_case(4, 8),
+              group_isa_case(56), group_isa_case(896)]
     dsig = {"y_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*fp32", "norm_w_ptr": "*bf16", "normed_ptr": "*bf16",
             "D": "i32", "stride_y": "i32", "stride_o": "i32", "stride_n": "i32", "eps": "fp32",
             "TOPK": "constexpr", "NORM": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr", "stride_ys": "i32",

@@ -14,7 +14,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # pragma: no cover - AOT compile 
 
 from k3rocm.kernels.isa import compile_kernel  # noqa: E402
 from k3rocm.kernels.moe.configs import ROUTER_BUCKET_TOKENS  # noqa: E402
-from k3rocm.kernels.moe.router import topk_isa_case, topk_small_isa_case  # noqa: E402
+from k3rocm.kernels.moe.router import group_isa_case, topk_isa_case, topk_small_isa_case  # noqa: E402
 
 
 @pytest.mark.parametrize("target", ["gfx950", "gfx942", "sm_90"])
@@ -31,5 +31,15 @@ def test_one_program_route_compiles(target, tokens):
     # sm_90 at 8
     backend = "hip" if target.startswith("gfx") else "cuda"
     name, fn, sig, consts, expects, opts = topk_small_isa_case(tokens, 8)
+    rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
+    assert rep.ok, f"{name} on {target}: {rep.problems()}"
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942", "sm_90"])
+@pytest.mark.parametrize("num_local", [56, 896])
+def test_per_expert_grouping_compiles(target, num_local):
+    # the per-expert grouping launch (ROUTER_GROUPING "experts") for a K3 rank of EP16 and for all 896 experts
+    backend = "hip" if target.startswith("gfx") else "cuda"
+    name, fn, sig, consts, expects, opts = group_isa_case(num_local)
     rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
     assert rep.ok, f"{name} on {target}: {rep.problems()}"
