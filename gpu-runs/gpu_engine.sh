@@ -25,6 +25,7 @@
 #          prefill and 3 decode steps over the experts, per MoE layer, against uniform routing (skew.json)
 #   syncs  the K3 rank with every host-device synchronising call of steps CPROF_AFTER.. (default 75, 3 steps: mixed
 #          steps of the measured requests) counted by call site (syncs/syncs_<i>.txt)
+#   rtest  the routing tests compiled (tests/kernels/test_moe_route.py; ROUTE_TESTS: a pytest -k expression)
 #   etest  pytest -m gpu tests/runtime/test_engine.py (graph vs eager, padded rows, 0 compiles at random lengths)
 #   mtest  the MoE kernels' GPU tests (tests/kernels/test_moe_gpu.py, test_moe_triton.py compiled; MTEST_LIMIT s, default
 #          160 (the whole pair needs more on a cold machine); MOE_TESTS: a
@@ -129,6 +130,8 @@ for s in $STEPS; do
           --json "$R/skew.json" ;;
     syncs) PROF_MODE=syncs PROF_OUT=$R/syncs PROF_AFTER=${CPROF_AFTER:-75} PROF_N=${CPROF_N:-3} step syncs "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_syncs" ;;
+    rtest) step rtest "$(lim "${RTEST_LIMIT:-120}")" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route.py \
+          ${ROUTE_TESTS:+-k "$ROUTE_TESTS"} ;;
     etest) step etest "$(lim 150)" $PY -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_engine.py ;;
     mtest) K3ROCM_MOE_GPU_LOG="$R/moe_gpu.jsonl" step mtest "$(lim "${MTEST_LIMIT:-160}")" $PY -m pytest -q -p no:cacheprovider \
           tests/kernels/test_moe_gpu.py tests/kernels/test_moe_triton.py ${MOE_TESTS:+-k "$MOE_TESTS"} ;;
