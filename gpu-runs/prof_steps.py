@@ -97,7 +97,7 @@ def step(self, *a, **k):
         t = time.perf_counter(); r = st(self, *a, **k)
         if state["warm"]:
             s = self.step_log[-1]
-            LOG.write(json.dumps({"i": i, "nd": s.num_decode, "pre": s.num_prefill_tokens, "graph": s.graph, "ms": round(s.seconds*1e3, 3) if hasattr(s, "seconds") else None, "wall_ms": round((time.perf_counter()-t)*1e3, 3)}) + "\n")
+            LOG.write(json.dumps({"i": i, "nd": s.num_decode, "pre": s.num_prefill_tokens, "graph": s.graph, "ms": round(s.seconds*1e3, 3) if hasattr(s, "seconds") else None, "wall_ms": round((time.perf_counter()-t)*1e3, 3), "issue_ms": round(s.issue_seconds*1e3, 3) if getattr(s, "issue_seconds", None) is not None else None}) + "\n")
         return r
     if os.environ.get("PROF_MODE") == "syncs":
         import warnings, traceback

@@ -88,6 +88,10 @@ class StepStats:
     graph: bool
     prefill_sizes: tuple[int, ...] = ()
     comm: tuple[tuple[str, int, int, float], ...] = ()  # (collective, calls, bytes, host seconds) this step
+    # host seconds from the step's start to its one synchronisation (planning, launches, the eager chunk halves);
+    # ``seconds - issue_seconds`` is what the host then waited for the device. Near ``seconds``: the host bounds the
+    # step (the device idles between launches); well below: the device does
+    issue_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,7 @@ class Engine:
         self.channel: Any = None  # rank 0 of a layout: sends each StepBatch to the other ranks
         self.record_logits = bool(record_logits)
         self.last_comm: tuple = ()
+        self._issued: float | None = None  # perf_counter when the step reached its synchronisation (StepStats)
         self.last_logits: torch.Tensor | None = None
         self.step_log: list[StepStats] = []
         self.profiler: Any = None  # a k3rocm.runtime.breakdown.StepProfiler while a profiled step runs (eager)
@@ -609,6 +614,7 @@ class Engine:
             tokens, logits = out
         if self.profiler is not None:
             self.profiler.sync()
+        self._issued = time.perf_counter()
         toks = tokens.tolist() if tokens is not None else []  # the step's one host synchronisation
         if self.record_logits:
             self.last_logits = self.par.gather_vocab(logits).float().cpu()
@@ -622,6 +628,7 @@ class Engine:
         """Plan and run one step; returns the tokens sampled in it (greedy). On rank 0 of a layout the step's
         description is first sent to the other ranks (``self.channel``, see :mod:`k3rocm.runtime.serve`)."""
         t0 = time.perf_counter()
+        self._issued = None
         plan, sb = self.plan_step()
         if sb is None:
             return []
@@ -641,7 +648,8 @@ class Engine:
         self.step_log.append(StepStats(len(decs), sum(s.num_tokens for s in pres),
                                        tuple(s.start + 1 for s in decs),
                                        tuple(s.start + s.num_tokens for s in pres), now - t0, used_graph,
-                                       tuple(s.num_tokens for s in pres), self.last_comm))
+                                       tuple(s.num_tokens for s in pres), self.last_comm,
+                                       None if self._issued is None else self._issued - t0))
         return [TokenEvent(s.seq_id, sampled[s.seq_id], s.seq_id in done, s.finish_reason, now) for s in sample_seqs]
 
     # ------------------------------------------------------------------ warm-up

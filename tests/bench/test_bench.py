@@ -141,7 +141,21 @@ def test_roofline_k3_decode_and_prefill():
     assert f["fraction"] > 0.5
     assert f["with_prefill"]["steps"] == 1 and f["with_prefill"]["fraction"] == pytest.approx(1.0)
     assert fraction_of_roofline(r, [P])["decode_only"] == {"steps": 0, "floor_s": 0, "measured_s": 0,
-                                                           "fraction": 0.0, "median_fraction": 0.0}
+                                                           "fraction": 0.0, "median_fraction": 0.0,
+                                                           "issue_share": None}
+    assert f["decode_only"]["issue_share"] is None  # no step logged its host time
+
+    class Si(S):  # the same decode step, its host at the synchronisation after a quarter of its time
+        issue_seconds = S.seconds / 4
+
+    class Pi(P):  # the mixed step, host-bound: the host reached the synchronisation at 90% of the step
+        issue_seconds = 0.9 * P.seconds
+
+    f = fraction_of_roofline(r, [Si, Pi, S])
+    assert f["per_step"][0]["issue_s"] == pytest.approx(S.seconds / 4) and f["per_step"][2]["issue_s"] is None
+    # shares over the steps that logged it only (S did not): not diluted by a step without the figure
+    assert f["decode_only"]["issue_share"] == pytest.approx(0.25)
+    assert f["with_prefill"]["issue_share"] == pytest.approx(0.9)
     with pytest.raises(ConfigError):
         StepRoofline.from_config(k3, 0, 1)
 

@@ -62,6 +62,8 @@ def test_engine_matches_oracle_concurrent(tiny, prompts_and_ref):
     assert any(len(s.prefill_contexts) and max(s.prefill_contexts) > min(s.prefill_sizes) for s in log
                if s.prefill_sizes)  # a chunk continued a cached prompt (13 tokens > budget 8)
     assert all(s.num_decode + s.num_prefill_tokens <= 8 for s in log)
+    # every step logs when its host reached the synchronisation: inside the step, after planning began
+    assert all(s.issue_seconds is not None and 0 < s.issue_seconds <= s.seconds for s in log)
     assert eng.mla.num_free_blocks == eng.mla.num_blocks and eng.kda.num_free == eng.kda.num_slots
     d = eng.describe()
     assert d["ops"]["mla_decode"] == "torch" and d["cuda_graphs"].startswith("off") and d["dtype"] == "float32"

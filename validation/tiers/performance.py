@@ -205,6 +205,13 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                                 f"tokens (pure decode steps; median step "
                                                 f"{float(dec['median_fraction']):.3f})"
                                                 + (above if float(dec["fraction"]) > 1 else "")))
+            for key, label in (("decode_only", "decode-only steps"), ("with_prefill", "steps with prefill chunks")):
+                share = (roof.get(key) or {}).get("issue_share")
+                if share is not None:
+                    stage.add(info(tier, f"{tag}.host_issue_share.{key}", round(float(share), 4), "", level=lv,
+                                   detail=f"{label}: host time from each step's start to its one synchronisation "
+                                          "(planning, launches, eager chunk halves) over the step's time; near 1 "
+                                          "the host bounds the step and the device waits on it"))
         mf = getattr(getattr(session, "opts", None), "min_fraction", None)
         if mf is not None:  # validate --min-fraction: speed judged, against a projected floor
             if roof.get("total_floor_s"):
