@@ -15,6 +15,8 @@
 #          prof_steps.py), into RESULTS_DIR/p4t
 #   k3     the same at the official depth as rank 0 of TP16/EP16 on --profile mi355x-8, concurrency 64 (K3_LIMIT s,
 #          default 140)
+#   k3g    k3 with the routing's per-expert grouping launch (ROUTER_GROUPING=experts of prof_steps.py), into
+#          RESULTS_DIR/k3g
 #   prof   the K3 rank again with torch.profiler over steps 75..114 after warm-up (the last chunk steps and the
 #          widest decode steps; K3_PROF_AFTER / K3_PROF_N move and size the window): device time per kernel per
 #          step kind in prof/kernels_1.txt
@@ -117,6 +119,8 @@ for s in $STEPS; do
           --synthetic --preset k3-prefix-4 --tp 1 --ep 1 --concurrency 1,8,64 $A --warmups 8 --out "$R/p4" ;;
     k3a) DENSE_GEMM=auto PROF_OUT=$R/k3a_steps PROF_AFTER=1000000 PROF_N=0 step k3a "$(lim "${K3_LIMIT:-140}")" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3a" ;;
+    k3g) ROUTER_GROUPING=experts PROF_OUT=$R/k3g_steps PROF_AFTER=1000000 PROF_N=0 step k3g "$(lim "${K3_LIMIT:-140}")" \
+          $PY "$HERE/prof_steps.py" bench $RANK --out "$R/k3g" ;;
     k3) PROF_OUT=$R/k3_steps PROF_AFTER=1000000 PROF_N=0 step k3 "$(lim "${K3_LIMIT:-140}")" $PY "$HERE/prof_steps.py" bench \
           $RANK --out "$R/k3" ;;
     prof) PROF_OUT=$R/prof PROF_AFTER=${K3_PROF_AFTER:-75} PROF_N=${K3_PROF_N:-40} step prof "$(lim 180)" $PY "$HERE/prof_steps.py" bench \

@@ -32,6 +32,7 @@ mode: the first entry whose row band fits). The switch holds for the whole proce
 ``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
 ``ROUTER_SMALL=N``: the one-program routing up to N tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS``, 1 on CUDA;
 N=0 turns it off).
+``ROUTER_GROUPING=fused|experts``: how the fused routing groups the pairs (``kernels.moe.configs.ROUTER_GROUPING``).
 ``MOE_REDUCE_ILP=0|1``: the MoE reduction looped / unrolled (``configs.REDUCE_LAUNCH``; unrolled is served on
 CUDA).
 """
@@ -50,6 +51,14 @@ if os.environ.get("ROUTER_SMALL"):  # the one-program routing of small batches o
     _b = _ct().backend
     _mc.ROUTER_SMALL_TOKENS[_b] = int(os.environ["ROUTER_SMALL"])
     print(f"prof_steps: one-program routing up to {_mc.ROUTER_SMALL_TOKENS[_b]} tokens", flush=True)
+if os.environ.get("ROUTER_GROUPING"):  # the routing's grouping inside the top-k launch or one program per expert
+    from k3rocm.kernels.moe import configs as _mc4
+    from k3rocm.kernels.target import current_target as _ct4
+
+    if os.environ["ROUTER_GROUPING"] not in ("fused", "experts"):
+        sys.exit(f"prof_steps: ROUTER_GROUPING={os.environ['ROUTER_GROUPING']!r} is not 'fused' or 'experts'")
+    _mc4.ROUTER_GROUPING[_ct4().backend] = os.environ["ROUTER_GROUPING"]
+    print(f"prof_steps: routing grouping {os.environ['ROUTER_GROUPING']}", flush=True)
 if os.environ.get("MOE_REDUCE_ILP") in ("0", "1"):  # the MoE reduction looped / unrolled (configs.REDUCE_LAUNCH ILP)
     from k3rocm.kernels.moe import configs as _mc3
     from k3rocm.kernels.target import current_target as _ct3
