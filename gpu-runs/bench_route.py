@@ -105,6 +105,11 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32", num_local: i
                     lambda gr=grouping: new(grouping=gr), rep=100) * 1e3
             except Exception as e:  # noqa: BLE001
                 r[f"grouping_{grouping}_error"] = f"{type(e).__name__}: {e}"[:200]
+        try:  # the per-expert grouping after a top-k that picks by tl.topk (a partial sort), not 16 max rounds
+            r["sort_same"] = same_as_b(new(grouping="experts", topk_sort=True))
+            r["sort_graph_us"] = tt.do_bench_cudagraph(lambda: new(grouping="experts", topk_sort=True), rep=100) * 1e3
+        except Exception as e:  # noqa: BLE001
+            r["sort_error"] = f"{type(e).__name__}: {e}"[:200]
         backend = current_target().backend
         served = ROUTER_LOGIT_PROGRAMS[backend]
         try:
@@ -184,14 +189,14 @@ def markdown(meta, rows) -> str:
                    f"{r['speedup']:.2f}× | {f(r['floor_us'])} | {'yes' if r['same'] else 'NO'} | {goal} |")
     out += ["", "### The parts, graph-replayed, µs (grouping: fused = inside the top-k launch, experts = a launch of one "
             "program per local expert; programs N: the logits' program target)", "",
-            "| local experts | tokens | logits | fused | experts | " + " | ".join(
+            "| local experts | tokens | logits | fused | experts | experts + tl.topk | " + " | ".join(
                 f"{n}: logits / fused / experts" for n in (66, 132, 264, 528)) + " | all same |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        sames = [v for k, v in r.items() if k.endswith("_same") and (k.startswith("grouping") or
-                                                                     k.startswith("programs"))]
+        sames = [v for k, v in r.items() if k.endswith("_same") and (k.startswith("grouping") or k == "sort_same")]
         out.append(f"| {r.get('local_experts')} | {r['tokens']} | {f(r.get('logits_graph_us'))} | "
-                   f"{f(r.get('grouping_fused_graph_us'))} | {f(r.get('grouping_experts_graph_us'))} | " + " | ".join(
+                   f"{f(r.get('grouping_fused_graph_us'))} | {f(r.get('grouping_experts_graph_us'))} | "
+                   f"{f(r.get('sort_graph_us'))} | " + " | ".join(
                        f"{f(r.get(f'programs{n}_logits_graph_us'))} / {f(r.get(f'programs{n}_fused_graph_us'))} / "
                        f"{f(r.get(f'programs{n}_experts_graph_us'))}" for n in (66, 132, 264, 528)) +
                    f" | {'yes' if all(sames) else 'NO'} |")

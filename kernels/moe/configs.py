@@ -320,4 +320,9 @@ ROUTER_GROUPING: dict[str, str] = {"cuda": "fused", "hip": "fused", "interpreter
 #: has been served; ``gpu-runs/bench_route.py`` times 66 / 132 / 264 / 528 (``programs*`` columns)
 ROUTER_LOGIT_PROGRAMS: dict[str, int] = {"cuda": 264, "hip": 264, "interpreter": 264}
 
+#: the top-k launch of the ``"experts"`` grouping picks by one ``tl.topk`` (a partial bitonic sort of the 1024
+#: keys) instead of 16 rounds of a max over them, each a cross-warp reduction (~8 us of the 18 us router at 64
+#: tokens on an H100, 2026-12-07). Same picks; off until timed (``bench_route.py`` ``sort_*`` columns)
+ROUTER_TOPK_SORT: dict[str, bool] = {"cuda": False, "hip": False, "interpreter": False}
+
 ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 8}

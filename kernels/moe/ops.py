@@ -27,7 +27,7 @@ from k3rocm.kernels import tune
 from k3rocm.kernels.moe.configs import (DQ_KINDS, GEMM_CONFIGS, LAYOUT_BITS, LAYOUT_ORDER, LAYOUT_TILES,
                                         REDUCE_LAUNCH,
                                         ROUTER_BUCKET_TOKENS, ROUTER_CONFIGS, ROUTER_GROUPING, ROUTER_LOGIT_PROGRAMS,
-                                        ROUTER_SMALL_TOKENS,
+                                        ROUTER_SMALL_TOKENS, ROUTER_TOPK_SORT,
                                         ROUTER_TOPK_WARPS,
                                         SCALE_PF_KINDS, SWAP_KINDS, stage_config)
 from k3rocm.kernels.moe.gemm import (moe_dispatch_kernel, moe_gemm_dq_kernel, moe_gemm_kernel, moe_glu_finish_kernel,
@@ -116,7 +116,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
               config=None, bucket_tokens: int | None = None,
               topk_warps: int | None = None,
               small_tokens: int | None = None,
-              grouping: str | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
+              grouping: str | None = None,
+              topk_sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, GpuDispatch]:
     """Fused routing: :func:`moe_router` and :func:`dispatch_gpu` of its ids in two launches, no host sync.
 
     x ``[T, D]``, gate_weight ``[E, D]``, bias ``[E]`` fp32 or None; the pairs of local experts
@@ -132,6 +133,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     the backend; at most 8; the same tensors). ``grouping``: ``"fused"`` (the top-k launch groups the pairs, its
     last programs in turn) or ``"experts"`` (a third launch, ``router.group_pairs_kernel``: one program per local
     expert, none waiting on another); default ``configs.ROUTER_GROUPING`` of the backend; the same tensors.
+    ``topk_sort``: with ``"experts"`` grouping, the picks by one ``tl.topk`` instead of 16 max rounds (default
+    ``configs.ROUTER_TOPK_SORT`` of the backend; off where this Triton has no ``tl.topk``; the same tensors).
     Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps / small_tokens / grouping.
     """
     if grouping is not None and grouping not in ("fused", "experts"):
@@ -145,7 +148,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     if bucket_tokens is not None and (bucket_tokens < 1 or bucket_tokens & (bucket_tokens - 1)):
         raise ConfigError(f"moe_route: bucket_tokens {bucket_tokens} must be a power of two")
     return _route(x, gate_weight, bias, top_k, renormalize, scaling, config,
-                  (first_expert, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping))
+                  (first_expert, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping, topk_sort))
 
 
 # scratch counters per device for the handshakes of the fused dispatch ([0]: groups done, [1 + g]: tokens of
@@ -160,6 +163,14 @@ def _counters(dev: torch.device, groups: int) -> torch.Tensor:
     if not held or held[-1].numel() < 1 + groups:
         held.append(torch.zeros(max(4096, triton.next_power_of_2(1 + groups)), dtype=torch.int32, device=dev))
     return held[-1]
+
+
+def _topk_sort(flag: bool | None, backend: str) -> bool:
+    """Whether the top-k launch picks by ``tl.topk``: ``flag`` (default ``ROUTER_TOPK_SORT`` of the backend), and
+    only where this Triton has ``tl.topk``."""
+    import triton.language as tl
+
+    return bool(ROUTER_TOPK_SORT[backend] if flag is None else flag) and hasattr(tl, "topk")
 
 
 def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
@@ -180,7 +191,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                                  ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
         return ids, wts, None
-    first, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping = group
+    first, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping, topk_sort = group
     P = T * top_k
     ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
     d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
@@ -199,6 +210,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
     if (grouping or ROUTER_GROUPING[backend]) == "experts":
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                                  ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta,
+                                 SORT=_topk_sort(topk_sort, backend),
                                  num_warps=topk_warps or 4)  # as moe_router launches it
         _group_pairs(ids, first, num_local, d)
         return ids, wts, d

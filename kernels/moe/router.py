@@ -166,9 +166,12 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
                        SPLITS: tl.constexpr, TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_KOUT: tl.constexpr, DISPATCH: tl.constexpr = False,
                        BLOCK_M: tl.constexpr = 16, BLOCK_T: tl.constexpr = 16, BLOCK_L: tl.constexpr = 16,
-                       BLOCK_UB: tl.constexpr = 16, BLOCK_PT: tl.constexpr = 16):
+                       BLOCK_UB: tl.constexpr = 16, BLOCK_PT: tl.constexpr = 16, SORT: tl.constexpr = False):
     """One program per token: logits = sum of the SPLITS partials (fixed order), sigmoid, biased top-TOPK
     (lowest id among equal biased scores), weights = unbiased scores [renormalised] x scaling.
+
+    ``SORT`` (without ``DISPATCH``, where ``tl.topk`` exists): the picks by one ``tl.topk`` of the keys instead of
+    TOPK max rounds; the keys are unique (expert id in the low word), so the picks and their order are the same.
 
     ``DISPATCH``: also the membership row of the token ``[T, num_local]`` int32; the last program of each
     group of BLOCK_T tokens runs :func:`group_ranks` for its group, and the last group to finish runs
@@ -193,12 +196,16 @@ def router_topk_kernel(part_ptr, bias_ptr, ids_ptr, wts_ptr, E, stride_ps, strid
     key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - re).to(tl.int64)
     rj = tl.arange(0, BLOCK_KOUT)
     mj = rj < TOPK
-    ids = tl.zeros((BLOCK_KOUT,), dtype=tl.int32)
-    for j in range(TOPK):
-        m = tl.max(key, axis=0)
-        idx = BLOCK_E - 1 - (m & 0xFFFFFFFF).to(tl.int32)
-        ids = tl.where(rj == j, idx, ids)
-        key = tl.where(re == idx, PICKED, key)
+    if SORT:  # tl.topk (a partial bitonic sort) of the unique keys: the same picks in the same order, no rounds
+        top = tl.topk(key, BLOCK_KOUT)
+        ids = BLOCK_E - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+    else:
+        ids = tl.zeros((BLOCK_KOUT,), dtype=tl.int32)
+        for j in range(TOPK):
+            m = tl.max(key, axis=0)
+            idx = BLOCK_E - 1 - (m & 0xFFFFFFFF).to(tl.int32)
+            ids = tl.where(rj == j, idx, ids)
+            key = tl.where(re == idx, PICKED, key)
     # the picked logits again, summed in the same order (bitwise the same fp32 values)
     lg = tl.zeros((BLOCK_KOUT,), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
@@ -335,11 +342,12 @@ def pair_tokens(bucket_tokens: int) -> int:
     return 4 * bucket_tokens
 
 
-def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
+def topk_isa_case(dispatch: bool, bucket_tokens: int = 4, sort: bool = False) -> tuple:
     """``(name, kernel, signature, constexprs, expects_matrix, {backend: options})`` of the top-k launch at K3
     size (896 experts, top-16, 8 splits) as ``ops`` makes it; ``dispatch``: the fused-routing variant that
     groups up to 512 tokens (8192 pairs, 16-row blocks) in tiles of ``bucket_tokens`` tokens, as
-    ``ops.moe_route`` launches it (``configs.ROUTER_BUCKET_TOKENS``)."""
+    ``ops.moe_route`` launches it (``configs.ROUTER_BUCKET_TOKENS``); ``sort``: the picks by ``tl.topk`` (``SORT``,
+    without ``dispatch``)."""
     sig = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32", "E": "i32",
            "stride_ps": "i32", "stride_pt": "i32", "scaling": "fp32", "member_ptr": "*i32", "rowpos_ptr": "*i32",
            "gcount_ptr": "*i32", "done_ptr": "*i32", "T": "i32", "first": "i32", "num_local": "i32", "sorted_ptr": "*i32",
@@ -347,12 +355,13 @@ def topk_isa_case(dispatch: bool, bucket_tokens: int = 4) -> tuple:
            "bstart_ptr": "*i32", "UB": "i32"}
     consts = {"SPLITS": 8, "TOPK": 16, "HAS_BIAS": True, "RENORM": True, "BLOCK_E": 1024, "BLOCK_KOUT": 16,
               "DISPATCH": dispatch, "BLOCK_M": 16, "BLOCK_T": bucket_tokens, "BLOCK_L": 1024, "BLOCK_UB": 2048,
-              "BLOCK_PT": pair_tokens(bucket_tokens)}
+              "BLOCK_PT": pair_tokens(bucket_tokens), "SORT": sort}
     sig.update({c: "constexpr" for c in consts})
     # K3's 896 experts, all local from expert 0, partials of 64 tokens (the token and block counts vary)
     sig = specialize(sig, dict(E=896, stride_ps=64 * 896, stride_pt=896, first=0, num_local=896))
     warps = 8 if dispatch else 4
-    return (f"router_topk{f'_dispatch_t{bucket_tokens}' if dispatch else ''}", router_topk_kernel, sig, consts, False,
+    return (f"router_topk{f'_dispatch_t{bucket_tokens}' if dispatch else ''}{'_sort' if sort else ''}",
+            router_topk_kernel, sig, consts, False,
             {"hip": {"num_warps": warps}, "cuda": {"num_warps": warps}})
 
 

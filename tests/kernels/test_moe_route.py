@@ -51,15 +51,19 @@ def _same_dispatch(a, b):
     (40, 64, 64, 8, 0, 64, 16, None),
     # groups of 2 and 4 tokens: many groups, several tiles of group counts and of pairs in the last program
     (37, 64, 64, 8, 16, 32, 16, 2), (29, 32, 64, 16, 0, 32, 16, 4)])
-@pytest.mark.parametrize("grouping", ["fused", "experts"])
+@pytest.mark.parametrize("grouping", ["fused", "experts", "experts_sort"])
 def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm, bt, grouping):
+    # experts_sort: the per-expert grouping after a top-k launch that picks by tl.topk (where Triton has it)
+    grouping, sort = grouping.split("_")[0], grouping.endswith("sort")
+    if sort and not tk.ops._topk_sort(True, "interpreter"):
+        pytest.skip("this Triton has no tl.topk")
     g = torch.Generator().manual_seed(T + E)
     x = torch.randn(T, D, generator=g).bfloat16()
     w = (torch.randn(E, D, generator=g) * 0.1).bfloat16()
     bias = torch.randn(E, generator=g) * 0.01
     xd, wd, bd = x.to(tk.dev, tk.act_dtype), w.to(tk.dev, tk.act_dtype), bias.to(tk.dev)
     ids, wts, d = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt,
-                                   grouping=grouping)
+                                   grouping=grouping, topk_sort=sort)
     rid, rw = M.moe_router(x, w, bias, k, scaling=2.5)
     assert (ids.cpu() == rid).all()
     torch.testing.assert_close(wts.cpu(), rw, rtol=1e-5, atol=1e-6)
@@ -74,7 +78,7 @@ def test_route_equals_router_then_dispatch(tk, T, E, D, k, first, num_local, bm,
     assert torch.equal(d.sorted_pair[:n].cpu().long(), ref.sorted_pair.long())
     # repeatable: the handshake counter is back at zero, and the result is bitwise the same
     again = tk.ops.moe_route(xd, wd, bd, k, first, num_local, bm, scaling=2.5, bucket_tokens=bt,
-                             grouping=grouping)
+                             grouping=grouping, topk_sort=sort)
     assert torch.equal(again[0], ids) and torch.equal(again[1], wts)
     _same_dispatch(again[2], d)
 

@@ -43,3 +43,16 @@ def test_per_expert_grouping_compiles(target, num_local):
     name, fn, sig, consts, expects, opts = group_isa_case(num_local)
     rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
     assert rep.ok, f"{name} on {target}: {rep.problems()}"
+
+
+@pytest.mark.parametrize("target", ["gfx950", "gfx942", "sm_90"])
+def test_topk_by_sort_compiles(target):
+    # the top-k launch picking by tl.topk (configs.ROUTER_TOPK_SORT), where this Triton has it
+    import triton.language as tl
+
+    if not hasattr(tl, "topk"):
+        pytest.skip("this Triton has no tl.topk")
+    backend = "hip" if target.startswith("gfx") else "cuda"
+    name, fn, sig, consts, expects, opts = topk_isa_case(False, sort=True)
+    rep = compile_kernel(fn, sig, consts, target, name=name, options=opts[backend], expects_matrix=expects)
+    assert rep.ok, f"{name} on {target}: {rep.problems()}"
