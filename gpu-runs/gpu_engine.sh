@@ -25,6 +25,8 @@
 #          CPROF_AFTER / CPROF_N move and size the window, e.g. 75 / 3 for mixed steps of the measured requests)
 #   skew   gpu-runs/route_skew.py on the K3 rank (K3_PRESET): how evenly the engine's router spreads a 64-prompt
 #          prefill and 3 decode steps over the experts, per MoE layer, against uniform routing (skew.json)
+#   host   the K3 rank with the host time of steps CPROF_AFTER.. (default 75, 3 steps) split into graph-piece replays and
+#          eager chunk halves, no profiler (host/host.jsonl)
 #   syncs  the K3 rank with every host-device synchronising call of steps CPROF_AFTER.. (default 75, 3 steps: mixed
 #          steps of the measured requests) counted by call site (syncs/syncs_<i>.txt)
 #   rtest  the routing tests compiled (tests/kernels/test_moe_route.py; ROUTE_TESTS: a pytest -k expression)
@@ -132,6 +134,8 @@ for s in $STEPS; do
     skew) step skew "$(lim "${SKEW_LIMIT:-150}")" $PY "$HERE/route_skew.py" --device cuda --kernels triton --synthetic \
           --preset "${K3_PRESET:-k3}" --profile mi355x-8 --tp 16 --ep 16 --batch 64 --prompt-len 128 --steps 3 \
           --json "$R/skew.json" ;;
+    host) PROF_MODE=host PROF_OUT=$R/host PROF_AFTER=${CPROF_AFTER:-75} PROF_N=${CPROF_N:-3} step host "$(lim "${K3_LIMIT:-140}")" $PY \
+          "$HERE/prof_steps.py" bench $RANK --out "$R/k3_host" ;;
     syncs) PROF_MODE=syncs PROF_OUT=$R/syncs PROF_AFTER=${CPROF_AFTER:-75} PROF_N=${CPROF_N:-3} step syncs "$(lim 140)" $PY \
           "$HERE/prof_steps.py" bench $RANK --out "$R/k3_syncs" ;;
     rtest) step rtest "$(lim "${RTEST_LIMIT:-120}")" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route.py \

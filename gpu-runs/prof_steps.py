@@ -11,6 +11,10 @@ end) are profiled:
   wait for the device, counted by message and k3rocm call site, with the caching allocator's retries and device
   allocations of the step, in ``$PROF_OUT/syncs_<i>.txt`` (the step's one expected sync is the sampled tokens'
   ``tolist``);
+* ``PROF_MODE=host``: each step's host time split without a profiler (``time.perf_counter`` around every graph
+  piece's ``replay`` and every eager chunk half, ``Engine._fill_chunks``): sums, counts and the longest single
+  call, in ``$PROF_OUT/host.jsonl`` (a replay that takes long on the host is the launch queue pushing back: the
+  device is behind; chunk halves that take long are Python and launch cost);
 * ``PROF_MODE=cprofile``: ``cProfile`` of each step, host functions by own and cumulative time, in
   ``$PROF_OUT/cprof_<i>.txt`` (profiling inflates the host time ~2x; the shares are the evidence).
 
@@ -145,6 +149,37 @@ def step(self, *a, **k):
                     f"allocator: {mem}\n")
             for (msg, where), c in seen.most_common():
                 f.write(f"{c:6d}  {msg}  {where}\n")
+        return r
+    if os.environ.get("PROF_MODE") == "host":
+        acc = collections.defaultdict(lambda: [0.0, 0, 0.0])  # seconds, calls, longest call
+
+        def timed(name, fn):
+            def run(*a_, **k_):
+                t_ = time.perf_counter()
+                try:
+                    return fn(*a_, **k_)
+                finally:
+                    d_ = time.perf_counter() - t_
+                    c_ = acc[name]; c_[0] += d_; c_[1] += 1; c_[2] = max(c_[2], d_)
+            return run
+        fill, rep = E.Engine._fill_chunks, torch.cuda.CUDAGraph.replay
+        E.Engine._fill_chunks = timed("chunk_halves", fill)
+        torch.cuda.CUDAGraph.replay = timed("graph_replays", rep)
+        sync(); t = time.perf_counter()
+        try:
+            r = st(self, *a, **k)
+        finally:
+            E.Engine._fill_chunks, torch.cuda.CUDAGraph.replay = fill, rep
+        issued = getattr(self.step_log[-1], "issue_seconds", None)
+        sync()
+        s = self.step_log[-1]
+        rec = {"i": i, "nd": s.num_decode, "pre": s.num_prefill_tokens, "graph": s.graph,
+               "wall_ms": round((time.perf_counter() - t) * 1e3, 3),
+               "issue_ms": None if issued is None else round(issued * 1e3, 3)}
+        for name, (sec, calls, top) in acc.items():
+            rec[name] = {"ms": round(sec * 1e3, 3), "calls": calls, "longest_ms": round(top * 1e3, 3)}
+        with open(os.path.join(OUTD, "host.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
         return r
     if os.environ.get("PROF_MODE") == "cprofile":
         import cProfile, pstats, io
