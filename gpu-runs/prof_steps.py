@@ -36,7 +36,8 @@ mode: the first entry whose row band fits). The switch holds for the whole proce
 ``SHARED_ON_SIDE=0``: the routing alone on the side stream, the shared experts on the main one.
 ``ROUTER_SMALL=N``: the one-program routing up to N tokens (``kernels.moe.configs.ROUTER_SMALL_TOKENS``, 1 on CUDA;
 N=0 turns it off).
-``ROUTER_GROUPING=fused|experts``: how the fused routing groups the pairs (``kernels.moe.configs.ROUTER_GROUPING``).
+``ROUTER_GROUPING=fused|experts``: how the fused routing groups the pairs, whatever the rank's expert count
+(``kernels.moe.configs.ROUTER_GROUPING``: the per-expert launch up to 128 local experts on CUDA).
 ``MOE_REDUCE_ILP=0|1``: the MoE reduction looped / unrolled (``configs.REDUCE_LAUNCH``; unrolled is served on
 CUDA).
 """
@@ -61,7 +62,7 @@ if os.environ.get("ROUTER_GROUPING"):  # the routing's grouping inside the top-k
 
     if os.environ["ROUTER_GROUPING"] not in ("fused", "experts"):
         sys.exit(f"prof_steps: ROUTER_GROUPING={os.environ['ROUTER_GROUPING']!r} is not 'fused' or 'experts'")
-    _mc4.ROUTER_GROUPING[_ct4().backend] = os.environ["ROUTER_GROUPING"]
+    _mc4.ROUTER_GROUPING[_ct4().backend] = 1 << 30 if os.environ["ROUTER_GROUPING"] == "experts" else 0
     print(f"prof_steps: routing grouping {os.environ['ROUTER_GROUPING']}", flush=True)
 if os.environ.get("MOE_REDUCE_ILP") in ("0", "1"):  # the MoE reduction looped / unrolled (configs.REDUCE_LAUNCH ILP)
     from k3rocm.kernels.moe import configs as _mc3

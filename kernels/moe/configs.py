@@ -309,10 +309,14 @@ ROUTER_TOPK_WARPS: dict[str, int] = {"cuda": 8, "hip": 8, "interpreter": 8}
 #: on: 8 tokens spill on gfx950 / gfx942 (``router.topk_small_isa_case``)
 #: how the fused routing groups the pairs by local expert (``ops.moe_route(grouping=)``): ``"fused"``, inside the
 #: top-k launch (its last program per token group ranks the group, the last group places every pair: a chain of
-#: programs each waiting on the one before, ~8 us of the 26 us at 64 tokens on an H100, 2026-12-07), or
-#: ``"experts"``, a third launch of one program per local expert (``router.group_pairs_kernel``), none waiting.
-#: Both give the same tensors; ``gpu-runs/bench_route.py`` times both (``grouping_*`` columns)
-ROUTER_GROUPING: dict[str, str] = {"cuda": "fused", "hip": "fused", "interpreter": "fused"}
+#: programs each waiting on the one before), or ``"experts"``, a third launch of one program per local expert
+#: (``router.group_pairs_kernel``), none waiting. Both give the same tensors. The value is the most local experts
+#: the ``"experts"`` grouping serves (0: never): each of its programs counts every pair over all local experts, so
+#: it wins on a rank's slice and loses on all 896. H100, 2026-12-07 (``bench_route.py``, logits + top-k + grouping
+#: graph-replayed, us at 4 / 64 / 256 tokens): 56 local experts (a K3 rank of EP16) fused 20.6 / 23.0 / 43.4,
+#: experts 18.1 / 21.6 / 38.5; all 896 local fused 21.5 / 25.5 / 57.0, experts 36.9 / 45.9 / 122.7. Not measured
+#: on AMD: off there
+ROUTER_GROUPING: dict[str, int] = {"cuda": 128, "hip": 0, "interpreter": 0}
 
 #: programs the router logits aim for (token tiles x expert tiles x K splits, at most 32 splits): the splits'
 #: fp32 partials ``[S, T, E]`` are what the top-k launch sums per token, so fewer programs read the gate with less
@@ -322,7 +326,8 @@ ROUTER_LOGIT_PROGRAMS: dict[str, int] = {"cuda": 264, "hip": 264, "interpreter":
 
 #: the top-k launch of the ``"experts"`` grouping picks by one ``tl.topk`` (a partial bitonic sort of the 1024
 #: keys) instead of 16 rounds of a max over them, each a cross-warp reduction (~8 us of the 18 us router at 64
-#: tokens on an H100, 2026-12-07). Same picks; off until timed (``bench_route.py`` ``sort_*`` columns)
+#: tokens on an H100, 2026-12-07). Same picks. H100, 2026-12-07, with the per-expert grouping on 56 local experts:
+#: 17.5 / 21.6 / 39.6 us at 4 / 64 / 256 tokens against 18.1 / 21.6 / 38.5 for the max rounds: not served
 ROUTER_TOPK_SORT: dict[str, bool] = {"cuda": False, "hip": False, "interpreter": False}
 
 ROUTER_SMALL_TOKENS: dict[str, int] = {"cuda": 1, "hip": 0, "interpreter": 8}

@@ -132,7 +132,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | N
     (``router.router_topk_small_kernel``, 8 warps unless ``topk_warps``; default ``configs.ROUTER_SMALL_TOKENS`` of
     the backend; at most 8; the same tensors). ``grouping``: ``"fused"`` (the top-k launch groups the pairs, its
     last programs in turn) or ``"experts"`` (a third launch, ``router.group_pairs_kernel``: one program per local
-    expert, none waiting on another); default ``configs.ROUTER_GROUPING`` of the backend; the same tensors.
+    expert, none waiting on another); default ``"experts"`` up to ``configs.ROUTER_GROUPING`` local experts of the
+    backend, else ``"fused"``; the same tensors.
     ``topk_sort``: with ``"experts"`` grouping, the picks by one ``tl.topk`` instead of 16 max rounds (default
     ``configs.ROUTER_TOPK_SORT`` of the backend; off where this Triton has no ``tl.topk``; the same tensors).
     Raises ConfigError on bad shapes / top_k / experts / bucket_tokens / topk_warps / small_tokens / grouping.
@@ -207,7 +208,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                                        BLOCK_M=block_m, BLOCK_UB=triton.next_power_of_2(ub),
                                        num_warps=topk_warps or 8)
         return ids, wts, d
-    if (grouping or ROUTER_GROUPING[backend]) == "experts":
+    if (grouping or ("experts" if num_local <= ROUTER_GROUPING[backend] else "fused")) == "experts":
         router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
                                  ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta,
                                  SORT=_topk_sort(topk_sort, backend),

@@ -117,6 +117,30 @@ def test_group_pairs_per_expert_equals_torch_dispatch(tk, case):
         _same_dispatch(got, tk.ops.dispatch_gpu(ids, first, num_local, bm, one_program=True))
 
 
+def test_route_default_grouping_follows_the_local_expert_bound(tk, monkeypatch):
+    # configs.ROUTER_GROUPING: the per-expert launch serves up to that many local experts, the fused one above;
+    # both the same tensors, so the check is that the bound is read (and which kernel ran, by the scratch counters)
+    from k3rocm.kernels.moe import configs
+    from k3rocm.kernels.target import current_target
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=g).to(tk.dev, tk.act_dtype)
+    w = (torch.randn(32, 64, generator=g) * 0.1).to(tk.dev, tk.act_dtype)
+    ref = tk.ops.moe_route(x, w, None, 4, 0, 16, 16, grouping="fused", small_tokens=0)
+    ran = []
+    real = tk.ops._group_pairs
+    monkeypatch.setattr(tk.ops, "_group_pairs", lambda *a: (ran.append(a[2]), real(*a))[1])
+    backend = current_target().backend
+    for bound, expect in ((16, [16]), (15, [])):
+        ran.clear()
+        monkeypatch.setitem(configs.ROUTER_GROUPING, backend, bound)
+        monkeypatch.setattr(tk.ops, "ROUTER_GROUPING", configs.ROUTER_GROUPING)
+        got = tk.ops.moe_route(x, w, None, 4, 0, 16, 16, small_tokens=0)
+        assert ran == expect, bound
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        _same_dispatch(got[2], ref[2])
+
+
 def test_route_rejects_bad_grouping(tk):
     x = torch.randn(4, 16).to(tk.dev)
     with pytest.raises(tk.ops.ConfigError, match="grouping 'bogus'"):
