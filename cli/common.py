@@ -341,6 +341,9 @@ def _write_stages(session, stages) -> tuple[Path, dict[str, Path]]:
         extra["golden"] = str(Path(session.opts.golden).resolve())
     if session.opts.endpoint is not None:
         extra["endpoint"] = session.opts.endpoint.to_dict()
+    line = fallback_line(session)
+    if line:  # the console's last line, in the written report too
+        extra["fallback_note"] = line
     note = synthetic_note(session)
     if note:
         pl = session.run_placement

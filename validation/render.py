@@ -142,6 +142,7 @@ def render_markdown(rep: Report) -> str:
              *([f"- benchmarked server: {r['endpoint'].get('url')} ({r['endpoint'].get('gpus')} GPUs, "
                 f"{r['endpoint'].get('gpus_source')}); the checkpoint above only gave the prompts' vocabulary"]
                if isinstance(r.get("endpoint"), dict) else []),
+             *[f"- **{n}**" for n in _header_notes(r)],
              f"- k3rocm {sw.get('k3rocm')} @ {sw.get('git_sha')}; torch {sw.get('torch')} ({sw.get('torch_build')}),"
              f" triton {sw.get('triton')}, aiter {sw.get('aiter') or 'absent'}",
              "- evidence levels: " + ", ".join(f"{k} {v}" for k, v in d["evidence_levels"].items()), ""]
@@ -362,6 +363,18 @@ def _plot_caption(spec: dict) -> str:
         for lab, lv in per.items()) + "</p>"
 
 
+def _header_notes(r: dict) -> list[str]:
+    """The report-wide warnings of a reproduction block, for the header of both renderings: the synthetic run's
+    (random weights, no correctness claim) and the fallback run's (nothing ran on the profile's hardware)."""
+    notes = []
+    syn = r.get("synthetic")
+    if isinstance(syn, dict) and syn.get("note"):
+        notes.append(str(syn["note"]))
+    if r.get("fallback_note"):
+        notes.append(str(r["fallback_note"]))
+    return notes
+
+
 def _html_context(r: dict) -> list[str]:
     """The header lines of the Markdown report (checkpoint, profile, kernels, device, software), as HTML."""
     e = html.escape
@@ -378,6 +391,7 @@ def _html_context(r: dict) -> list[str]:
         ep = r["endpoint"]
         out.append(f"<li>benchmarked server {e(str(ep.get('url')))} ({e(str(ep.get('gpus')))} GPUs, "
                    f"{e(str(ep.get('gpus_source')))}); the checkpoint above only gave the prompts' vocabulary</li>")
+    out += [f"<li><strong>{e(n)}</strong></li>" for n in _header_notes(r)]
     out += [f"<li>k3rocm {e(str(sw.get('k3rocm')))} @ <code>{e(str(sw.get('git_sha')))}</code>; torch "
             f"{e(str(sw.get('torch')))} ({e(str(sw.get('torch_build')))}), triton {e(str(sw.get('triton')))}, "
             f"aiter {e(str(sw.get('aiter') or 'absent'))}</li>", "</ul>"]

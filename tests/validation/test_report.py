@@ -349,6 +349,24 @@ def test_html_header_names_checkpoint_profile_device_and_commit():
     assert "aiter None" not in render_html(rep) + render_markdown(rep)
 
 
+def test_random_weights_and_fallback_warnings_head_both_renderings():
+    # the console's last lines (synthetic weights; nothing ran on the profile's hardware) head the written report
+    # too, in Markdown and HTML, escaped; a report without them has neither line
+    rep = Report()
+    rep.merge_run(_repro("h"), [_stage("env")])
+    assert "RANDOM" not in render_markdown(rep) + render_html(rep)
+    assert "nothing ran" not in render_markdown(rep) + render_html(rep)
+    r = dict(_repro("h"), synthetic={"note": "WARNING: RANDOM WEIGHTS <x>", "preset": "k3-tiny"},
+             fallback_note="note: nothing ran on mi355x-8's hardware (8 x MI355X)")
+    rep = Report()
+    rep.merge_run(r, [_stage("env")])
+    md, page = render_markdown(rep), render_html(rep)
+    head = md.split("| stage |")[0]
+    assert "- **WARNING: RANDOM WEIGHTS <x>**" in head and "- **note: nothing ran on mi355x-8's hardware" in head
+    assert "<li><strong>WARNING: RANDOM WEIGHTS &lt;x&gt;</strong></li>" in page
+    assert "nothing ran on mi355x-8&#x27;s hardware" in page
+
+
 def test_out_that_is_a_dangling_link_or_loop_is_one_clear_line(tmp_path):
     from k3rocm.validation.session import require_dir_for_output
     loop = tmp_path / "loop"
