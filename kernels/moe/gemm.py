@@ -711,6 +711,16 @@ def write_block_table(bexp_ptr, bstart_ptr, UB, experts, live, counts, start, BL
 
 
 @triton.jit
+def pair_keys(ids_ptr, rp, m, first, num_local, SPARE: tl.constexpr):
+    """The grouping key of the pairs ``rp`` (int32 global expert ids at ``ids_ptr``): the local expert id, the other
+    ranks' pairs ``num_local`` (sorted after every local pair), lanes off ``m`` the spare bin ``SPARE``. Shared by
+    both groupings that count with ``tl.histogram`` (``moe_dispatch_kernel``, ``router.group_pairs_kernel``)."""
+    key = tl.load(ids_ptr + rp, mask=m, other=0) - first
+    key = tl.where((key >= 0) & (key < num_local), key, num_local)
+    return tl.where(m, key, SPARE)
+
+
+@triton.jit
 def moe_dispatch_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, counts_ptr, offsets_ptr,
                         bexp_ptr, bstart_ptr, run_ptr, UB,
                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -731,10 +741,7 @@ def moe_dispatch_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, count
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
         rp = p0 + tl.arange(0, BLOCK_P)
-        m = rp < P
-        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
-        key = tl.where((key >= 0) & (key < num_local), key, num_local)
-        key = tl.where(m, key, BLOCK_E - 1)
+        key = pair_keys(ids_ptr, rp, rp < P, first, num_local, BLOCK_E - 1)
         counts += tl.histogram(key, BLOCK_E)
     counts = tl.where(re <= num_local, counts, 0)
     start = tl.cumsum(counts, 0) - counts  # exclusive prefix: start row of each key
@@ -746,10 +753,8 @@ def moe_dispatch_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, count
     for p0 in range(0, P, BLOCK_P):
         rp = p0 + rq
         m = rp < P
-        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
-        valid = (key >= 0) & (key < num_local)
-        key = tl.where(valid, key, num_local)
-        key = tl.where(m, key, BLOCK_E - 1)
+        key = pair_keys(ids_ptr, rp, m, first, num_local, BLOCK_E - 1)
+        valid = key < num_local
         earlier = (key[:, None] == key[None, :]) & (rq[None, :] < rq[:, None])
         rank = tl.sum(earlier.to(tl.int32), axis=1)
         row = tl.load(run_ptr + key, mask=m, other=0) + rank

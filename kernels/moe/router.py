@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from k3rocm.kernels.isa import specialize
-from k3rocm.kernels.moe.gemm import write_block_table
+from k3rocm.kernels.moe.gemm import pair_keys, write_block_table
 
 
 @triton.jit
@@ -389,11 +389,7 @@ def group_pairs_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, counts
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
         rp = p0 + rq
-        m = rp < P
-        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
-        key = tl.where((key >= 0) & (key < num_local), key, num_local)
-        key = tl.where(m, key, BLOCK_E - 1)
-        counts += tl.histogram(key, BLOCK_E)
+        counts += tl.histogram(pair_keys(ids_ptr, rp, rp < P, first, num_local, BLOCK_E - 1), BLOCK_E)
     counts = tl.where(re <= num_local, counts, 0)
     start = tl.cumsum(counts, 0) - counts
     blocks = tl.where(re < num_local, (counts + BLOCK_M - 1) // BLOCK_M, 0)
@@ -407,9 +403,7 @@ def group_pairs_kernel(ids_ptr, first, num_local, P, sorted_ptr, pos_ptr, counts
     for p0 in range(0, P, BLOCK_P):
         rp = p0 + rq
         m = rp < P
-        key = tl.load(ids_ptr + rp, mask=m, other=0) - first
-        key = tl.where((key >= 0) & (key < num_local), key, num_local)
-        hit = (key == e) & m
+        hit = (pair_keys(ids_ptr, rp, m, first, num_local, BLOCK_E - 1) == e) & m
         h = hit.to(tl.int32)
         row = run + tl.cumsum(h, 0) - h
         tl.store(sorted_ptr + row, rp, mask=hit)
