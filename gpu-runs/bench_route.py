@@ -94,39 +94,30 @@ def bench_row(T, E, H, K, dev, graphs: bool, x_dtype: str = "fp32", num_local: i
             return torch.equal(got[0], b[0]) and torch.equal(got[1], b[1]) and all(
                 torch.equal(getattr(got[2], f), getattr(b[2], f)) for f in FIELDS)
 
-        try:
-            r["logits_graph_us"] = tt.do_bench_cudagraph(lambda: _ops._router_logits(x, gate, K, None), rep=100) * 1e3
-        except Exception as e:  # noqa: BLE001
-            r["logits_graph_error"] = f"{type(e).__name__}: {e}"[:200]
-        for grouping in ("fused", "experts"):
+        def timed(name, fn, check=True):
+            """``name``_graph_us (graph-replayed), ``name``_same (fn's tensors equal the served path's, with
+            ``check``), or ``name``_error: a failure is a result to report."""
             try:
-                r[f"grouping_{grouping}_same"] = same_as_b(new(grouping=grouping))
-                r[f"grouping_{grouping}_graph_us"] = tt.do_bench_cudagraph(
-                    lambda gr=grouping: new(grouping=gr), rep=100) * 1e3
+                if check:
+                    r[f"{name}_same"] = same_as_b(fn())
+                r[f"{name}_graph_us"] = tt.do_bench_cudagraph(fn, rep=100) * 1e3
             except Exception as e:  # noqa: BLE001
-                r[f"grouping_{grouping}_error"] = f"{type(e).__name__}: {e}"[:200]
-        try:  # the per-expert grouping after a top-k that picks by tl.topk (a partial sort), not 16 max rounds
-            r["sort_same"] = same_as_b(new(grouping="experts", topk_sort=True))
-            r["sort_graph_us"] = tt.do_bench_cudagraph(lambda: new(grouping="experts", topk_sort=True), rep=100) * 1e3
-        except Exception as e:  # noqa: BLE001
-            r["sort_error"] = f"{type(e).__name__}: {e}"[:200]
+                r[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+
+        logits = lambda: _ops._router_logits(x, gate, K, None)  # noqa: E731
+        timed("logits", logits, check=False)
+        for grouping in ("fused", "experts"):
+            timed(f"grouping_{grouping}", lambda gr=grouping: new(grouping=gr))
+        # the per-expert grouping after a top-k that picks by tl.topk (a partial sort), not 16 max rounds
+        timed("sort", lambda: new(grouping="experts", topk_sort=True))
         backend = current_target().backend
         served = ROUTER_LOGIT_PROGRAMS[backend]
         try:
             for n in (66, 132, 264, 528):
                 ROUTER_LOGIT_PROGRAMS[backend] = n
                 for grouping in ("fused", "experts"):
-                    try:
-                        r[f"programs{n}_{grouping}_same"] = same_as_b(new(grouping=grouping))
-                        r[f"programs{n}_{grouping}_graph_us"] = tt.do_bench_cudagraph(
-                            lambda gr=grouping: new(grouping=gr), rep=100) * 1e3
-                    except Exception as e:  # noqa: BLE001
-                        r[f"programs{n}_{grouping}_error"] = f"{type(e).__name__}: {e}"[:200]
-                try:
-                    r[f"programs{n}_logits_graph_us"] = tt.do_bench_cudagraph(
-                        lambda: _ops._router_logits(x, gate, K, None), rep=100) * 1e3
-                except Exception as e:  # noqa: BLE001
-                    r[f"programs{n}_logits_error"] = f"{type(e).__name__}: {e}"[:200]
+                    timed(f"programs{n}_{grouping}", lambda gr=grouping: new(grouping=gr))
+                timed(f"programs{n}_logits", logits, check=False)
         finally:
             ROUTER_LOGIT_PROGRAMS[backend] = served
     if graphs and dev == "cuda":  # every router config of the backend's table forced, graph-replayed: the pick
