@@ -544,7 +544,7 @@ class Engine:
         """The model mixers' view of the pools for a step's sequences: a block table indexed by slot id holding
         ``block_rows`` (on the device) at ``slots``; the other rows are unused by the step."""
         table = torch.zeros(self.kda.num_slots, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
-        table[slots.to(self.device)] = block_rows
+        table[self._to_dev(slots)] = block_rows  # pinned, non-blocking: no host wait at the step's start
         return _PagedCacheView(self.mla, self.kda, table)
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
