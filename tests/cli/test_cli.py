@@ -440,6 +440,22 @@ def test_bench_points_carry_their_budget_and_a_c1_breakdown(cache, tmp_path):
     assert ev["c2.breakdown.mixed.wall_ms"]["value"] > 0  # a chunk beside one decode row
 
 
+def test_default_budget_follows_a_larger_concurrency(cache, tmp_path, monkeypatch):
+    # without --max-num-batched-tokens, a concurrency above the engine's default budget raises the point's budget
+    # to it (every running request's decode row fits a step), and the setting row says what it is; the default
+    # is shrunk to 2 here so that concurrency 3 is above it
+    import k3rocm.validation.tiers.performance as perf
+
+    monkeypatch.setattr(perf, "MAX_NUM_BATCHED_TOKENS", 2)
+    run(["bench", "--concurrency", "2,3", "--input-len", "6", "--output-len", "3", "--num-prompts", "3",
+         "--warmups", "0", "--out", tmp_path / "r"])
+    bench = json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]
+    st = {x["name"]: x for x in bench["settings"]}
+    assert st["c3.max_num_batched_tokens"]["value"] == 3
+    assert st["c2.max_num_batched_tokens"]["value"] == 512  # at or below the default: the engine's own
+    assert "or the concurrency where that is larger" in st["c3.max_num_batched_tokens"]["detail"]
+
+
 def test_min_fraction_makes_speed_a_check(cache, tmp_path):
     # validate --min-fraction F: each concurrency point's fraction of the roofline is a check (the CPU run is far
     # below 0.99 of it: the performance tier fails, naming the row); bad values and levels are one line up front

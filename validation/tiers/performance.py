@@ -10,6 +10,7 @@ import torch
 
 from k3rocm.bench import PointInterrupted, run_bench
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO
+from k3rocm.runtime.engine import MAX_NUM_BATCHED_TOKENS
 from k3rocm.runtime.sizing import StepRoofline
 from k3rocm.validation.evidence import Stage, check, info, listed, setting
 from k3rocm.validation.session import Session
@@ -34,8 +35,12 @@ def run_bench_point(session: Session, *, concurrency: int, input_len: int, outpu
     dtypes (with several ranks: rank 0's step under the plan's split rules, bf16 trunk); ``run_bench`` evaluates it on every measured engine step. Returns a plain dict: vLLM metric
     fields, ``concurrency``, ``hang``, ``target`` and ``roofline`` (``total_floor_s``, ``total_measured_s``,
     ``fraction``) when the ceilings are known. ``max_num_batched_tokens``: the engine's tokens per step (None: its
-    default).
+    default, ``MAX_NUM_BATCHED_TOKENS``, or the concurrency where that is larger, so every decode row fits a step).
     """
+    if max_num_batched_tokens is None and concurrency > MAX_NUM_BATCHED_TOKENS:
+        # the default budget could not carry every running request's decode row in one step (the point would run a
+        # lighter load than its concurrency): the budget follows the concurrency, as the settings row then says
+        max_num_batched_tokens = concurrency
     eng = session.engine_for(max_batch=max(concurrency, 1), max_model_len=input_len + output_len + 1,
                              max_num_batched_tokens=max_num_batched_tokens)
     prof = session.run_profile
@@ -76,7 +81,8 @@ POINT_FIELDS = (
     ("num_prompts", "requests", "measured requests"),
     ("num_warmups", "requests", "warm-up requests before them (not measured)"),
     ("max_num_batched_tokens", "tokens", "the built-in engine's tokens per step: decode rows plus prefill chunk tokens "
-                                         "(bench --max-num-batched-tokens)"),
+                                         "(bench --max-num-batched-tokens; default 512, or the concurrency where "
+                                         "that is larger, so every running request's decode row fits a step)"),
     ("duration", "s", "first measured issue to last completion"),
     ("total_input_tokens", "tokens", "prompt tokens of the completed requests"),
     ("total_output_tokens", "tokens", "output tokens of the completed requests"),
