@@ -422,12 +422,17 @@ def host_memory_bytes() -> int | None:
     return int(n) if n > 0 else None
 
 
+#: the shipped cpu profile's assumed memory: a CPU profile still at this value takes the machine's own memory
+CPU_ASSUMED_MEMORY_BYTES = 16 * 2**30
+
+
 def _with_host_memory(prof: Profile) -> Profile:
-    """A CPU profile whose memory is an assumption (the shipped one: 16 GiB) with the memory this machine has
-    instead (its source says so); any other profile, or a CPU profile stating its memory otherwise, as it is."""
+    """A CPU profile whose memory is the shipped assumption (16 GiB, source "assumption...") with the memory this
+    machine has instead (its source says so); any other profile, or a CPU profile stating its memory otherwise —
+    a copied profile file whose ``memory_bytes`` was edited but whose source line was not included — as it is."""
     host = host_memory_bytes()
     if host is None or prof.backend != "cpu" or not prof.sources.get("device.memory_source", "").startswith(
-            "assumption"):
+            "assumption") or prof.memory_bytes != CPU_ASSUMED_MEMORY_BYTES:
         return prof
     src = dict(prof.sources)
     src["device.memory_source"] = (f"detected: this machine's physical memory ({host / 2**30:.2f} GiB, "
