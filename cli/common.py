@@ -380,9 +380,13 @@ def print_stages(stages, session=None) -> None:
 
 def fallback_line(session) -> str | None:
     """``"note: nothing ran on <profile>'s hardware (...): every measurement is measured-fallback, taken on ..."``
-    when the session's profile names other hardware than this machine's, else None. Raises nothing."""
+    when the session's profile names other hardware than this machine's; on its hardware, for ``--synthetic``, why
+    the measurements are measured-fallback all the same; else None. Raises nothing."""
     try:
         if session.hardware_matches:
+            if getattr(session, "synthetic", False):
+                return ("note: --synthetic: every measurement is measured-fallback even on the profile's hardware: "
+                        "one process with random weights standing for one rank of a layout is not the layout")
             return None
         p, d = session.profile, session.device_block()
     except K3Error:
