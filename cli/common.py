@@ -241,12 +241,15 @@ class Progress:
         if self._p is None:
             return self._plain(description)
         task = self._p.add_task(description, total=None)
+        label = [description]
 
-        def cb(done=None, total=None, *_, failed=0, tokens=None, **__):
+        def cb(done=None, total=None, text=None, *_, failed=0, tokens=None, **__):
+            if text == VERIFY_TEXT and label[0] == description:  # the load's verification pass starts
+                label[0] = f"{description}: {VERIFY_TEXT}"
             if total is not None:
                 self._p.update(task, total=total)
             if done is not None:
-                self._p.update(task, completed=done, description=description + _extra(failed, tokens))
+                self._p.update(task, completed=done, description=label[0] + _extra(failed, tokens))
         return cb
 
     def note(self, text: str) -> None:
@@ -265,9 +268,11 @@ class Progress:
 
     def _plain(self, description: str) -> Callable:
         t0 = time.monotonic()
-        state = {"last": -1e9, "total": None, "finished": False}
+        state = {"last": -1e9, "total": None, "finished": False, "label": description}
 
-        def cb(done=None, total=None, *_, failed=0, tokens=None, **__):
+        def cb(done=None, total=None, text=None, *_, failed=0, tokens=None, **__):
+            if text == VERIFY_TEXT and state["label"] == description:  # the load's verification pass starts
+                state.update(label=f"{description}: {VERIFY_TEXT}", finished=False, last=-1e9)
             if total is not None:
                 state["total"] = total
             if done is None:
@@ -281,9 +286,14 @@ class Progress:
             state["last"], state["finished"] = now, finished
             pct = f" ({100.0 * done / tot:.0f}%)" if tot else ""
             of = f"/{tot:,}" if tot is not None else ""
-            print(f"k3rocm: {description}: {done:,}{of}{pct}{_extra(failed, tokens)}, {now - t0:.0f} s",
+            print(f"k3rocm: {state['label']}: {done:,}{of}{pct}{_extra(failed, tokens)}, {now - t0:.0f} s",
                   file=sys.stderr, flush=True)
         return cb
+
+
+#: the text a load's progress callback gets once its verification pass starts (``k3rocm.runtime.load.VERIFY_TEXT``,
+#: not imported: the loader imports torch, which ``--help`` never loads)
+VERIFY_TEXT = "verifying"
 
 
 def _extra(failed: int = 0, tokens: int | None = None) -> str:

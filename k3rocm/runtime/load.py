@@ -51,6 +51,9 @@ from k3rocm.runtime.plan import Placement, ShardSlice, plan
 __all__ = ["load", "load_checkpoint", "verify_loaded", "checksum", "LoadReport", "LoadResult", "raw_read_throughput"]
 
 Progress = Callable[[int, int, str], None]
+#: the ``text`` a load's progress callback gets once the verification pass starts (bytes verified of the planned
+#: bytes, from 0 again): a bar shows the new phase instead of sitting at 100% while the checksums run
+VERIFY_TEXT = "verifying"
 PIECE = 64 << 20
 GROUP_BYTES = 8 << 20
 GB = 1e9
@@ -314,7 +317,8 @@ def load(index: CheckpointIndex | str | Path, placement: Placement, ranks: Itera
             :mod:`k3rocm.runtime.dist` each process passes its own rank).
         device: where the tensors go (``cpu``, ``cuda:N``).
         threads: reader threads (default ``min(16, 2 * cpu_count)``).
-        progress: ``progress(done_bytes, total_bytes, text)`` called as bytes land (thread-safe).
+        progress: ``progress(done_bytes, total_bytes, text)`` called as bytes land (thread-safe), then with
+            ``text`` :data:`VERIFY_TEXT` as the verification pass checks them (its bytes counted from 0 again).
         measure_raw: also time a sequential read of the same shard files (up to ``raw_limit_bytes``).
         verify: prove every planned tensor landed (:func:`verify_loaded`).
         strict: raise :class:`ValidationFailed` when verification finds a problem.
@@ -426,7 +430,7 @@ def load(index: CheckpointIndex | str | Path, placement: Placement, ranks: Itera
             rep.problems.append(f"rank {r}: {rep.bytes_loaded[r]} bytes read, {rep.bytes_planned[r]} planned")
     if verify:
         t0 = time.perf_counter()
-        n_ok, probs = verify_loaded(index, placement, {r: rank_weights[r] for r in ranks})
+        n_ok, probs = verify_loaded(index, placement, {r: rank_weights[r] for r in ranks}, progress=progress)
         rep.verify_seconds = time.perf_counter() - t0
         rep.tensors_verified = n_ok
         rep.problems.extend(probs)
@@ -445,8 +449,10 @@ def _run_jobs(jobs, shards, done, lock, progress, total, name) -> int:
     return n
 
 
-def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: dict[int, Any]) -> tuple[int, list[str]]:
+def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: dict[int, Any],
+                  progress: Progress | None = None) -> tuple[int, list[str]]:
     """Prove each planned tensor of each given rank landed: present, planned shape/dtype, checksum == source.
+    ``progress(done_bytes, total_bytes, VERIFY_TEXT)`` after each tensor checked (planned bytes of the given ranks).
 
     The source side is computed independently of the loader's byte arithmetic: ``index.read(name)`` (the
     reader's own mapping) cut with ``ShardSlice.index()`` by torch.
@@ -458,10 +464,17 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
     """
     ok = 0
     probs: list[str] = []
+    total = sum(placement.ranks[r].weights_bytes for r in rank_weights)
+    done = 0
+    if progress is not None:
+        progress(0, total, VERIFY_TEXT)
     for r, w in rank_weights.items():
         planned = placement.ranks[r].tensors
         names = set(w.keys()) if hasattr(w, "keys") else set(w)
         for name, sl in planned.items():
+            if progress is not None and done:
+                progress(done, total, VERIFY_TEXT)
+            done += sl.nbytes
             t = w.get(name) if hasattr(w, "get") else None
             if t is None:
                 probs.append(f"rank {r}: planned tensor {name} was not loaded")
@@ -490,6 +503,8 @@ def verify_loaded(index: CheckpointIndex, placement: Placement, rank_weights: di
         extra = names - set(planned)
         for name in sorted(extra)[:5]:
             probs.append(f"rank {r}: {name} was loaded but is not in the plan")
+    if progress is not None:
+        progress(total, total, VERIFY_TEXT)
     return ok, merge_rank_problems(probs)
 
 

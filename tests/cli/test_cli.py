@@ -725,6 +725,28 @@ def test_plain_progress_is_throttled():
     assert lines == ["k3rocm: loading: 1/100 (1%), 0 s", "k3rocm: loading: 100/100 (100%), 0 s"]
 
 
+def test_plain_progress_names_the_loads_verification_pass():
+    # after the bytes land, the loader's verification pass reports with text VERIFY_TEXT from 0 again: the log
+    # names the phase instead of sitting at 100%; the text is the loader's own constant
+    import contextlib
+    import io
+
+    from k3rocm.cli.common import VERIFY_TEXT, Progress
+    from k3rocm.runtime.load import VERIFY_TEXT as LOADER_TEXT
+
+    assert VERIFY_TEXT == LOADER_TEXT
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        with Progress(interval_s=3600) as bar:
+            cb = bar.callback("loading")
+            cb(100, 100, "shard-1")
+            cb(0, 100, VERIFY_TEXT)
+            cb(100, 100, VERIFY_TEXT)
+    assert buf.getvalue().splitlines() == ["k3rocm: loading: 100/100 (100%), 0 s",
+                                           "k3rocm: loading: verifying: 0/100 (0%), 0 s",
+                                           "k3rocm: loading: verifying: 100/100 (100%), 0 s"]
+
+
 def test_empty_or_orphan_options_are_refused(cache, tmp_path):
     for args in (["validate", "--kernels", ""], ["validate", "--kernels", "kda_prefill=torch,,moe_experts=torch"],
                  ["bench", "--model", "k3"]):

@@ -11,7 +11,7 @@ from k3rocm.checkpoint.reader import open_checkpoint
 from k3rocm.errors import ValidationFailed
 from k3rocm.profiles import load_profile
 from k3rocm.runtime import load as loadmod
-from k3rocm.runtime.load import checksum, load, verify_loaded
+from k3rocm.runtime.load import VERIFY_TEXT, checksum, load, verify_loaded
 from k3rocm.runtime.plan import plan
 
 
@@ -33,7 +33,8 @@ def index(any_ckpt):
 def test_load_tp1_every_tensor_exact(index):
     pl = plan(index.config, load_profile("cpu"), tp=1, ep=1)
     seen = []
-    res = load(index, pl, progress=lambda d, t, name: seen.append((d, t)))
+    verified = []
+    res = load(index, pl, progress=lambda d, t, name: (verified if name == VERIFY_TEXT else seen).append((d, t)))
     rep = res.report
     n = len(index.entries)
     assert rep.ok and rep.tensors_planned == rep.tensors_loaded == rep.tensors_verified == n
@@ -42,6 +43,9 @@ def test_load_tp1_every_tensor_exact(index):
     assert rep.raw_read_bytes > 0 and rep.raw_read_gbps > 0 and rep.aggregate_gbps > 0 and rep.load_vs_raw > 0
     # progress: monotone, ends at the total
     assert seen and all(a[0] <= b[0] for a, b in zip(seen, seen[1:])) and seen[-1][0] == seen[-1][1]
+    # then the verification pass, from 0 to the planned bytes, monotone as well
+    assert verified[0] == (0, pl.ranks[0].weights_bytes) and verified[-1] == (pl.ranks[0].weights_bytes,) * 2
+    assert len(verified) > 2 and all(a[0] <= b[0] for a, b in zip(verified, verified[1:]))
     w = res.weights
     for name in index.entries:  # independent check: the reader's own bytes
         assert torch.equal(_bytes(w[name]), _bytes(index.read(name))), name
