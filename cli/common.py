@@ -281,9 +281,10 @@ class Progress:
             finished = tot is not None and done >= tot
             if finished and state["finished"]:
                 return
-            if not finished and now - state["last"] < self.interval_s:
+            # a new failure is always said (a log's counts then agree with the error that may follow)
+            if not finished and now - state["last"] < self.interval_s and failed == state.get("failed", 0):
                 return
-            state["last"], state["finished"] = now, finished
+            state["last"], state["finished"], state["failed"] = now, finished, failed
             pct = f" ({100.0 * done / tot:.0f}%)" if tot else ""
             of = f"/{tot:,}" if tot is not None else ""
             print(f"k3rocm: {state['label']}: {done:,}{of}{pct}{_extra(failed, tokens)}, {now - t0:.0f} s",

@@ -177,7 +177,8 @@ class _Watchdog:
 
 def progress_ticker(progress: Callable | None, label: str, total: int, done: list[RequestRecord],
                     active: Callable[[], Any], every_s: float = 0.5):
-    """A generator for a phase's progress: ``send(True)`` after a request finished (always reported),
+    """A generator for a phase's progress, reporting 0 finished at once (the phase starts): ``send(True)`` after a
+    request finished (always reported),
     ``send(False)`` as tokens arrive (reported at most every ``every_s`` seconds). It calls
     ``progress(label, finished, total, failed=..., tokens=...)``; ``active()`` gives the in-flight records."""
     def gen():
@@ -193,6 +194,7 @@ def progress_ticker(progress: Callable | None, label: str, total: int, done: lis
                      tokens=sum(r.output_tokens for r in recs))
     g = gen()
     next(g)
+    g.send(True)  # the phase starts: 0 of its requests (a bar's clock starts here, not at the first token)
     return g
 
 
@@ -232,7 +234,7 @@ def _drive_engine(engine: Any, reqs: list[BenchRequest], conc: int, dog: _Watchd
                 t_end = max(t_end, ev.time)
                 if progress:
                     tick.send(True)
-        if progress and events:
+        if progress:  # every step, tokens or not (a long prefill step still moves the clock), at most every 0.5 s
             tick.send(False)
         thr = dog.threshold()
         now = time.perf_counter()

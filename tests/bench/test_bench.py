@@ -250,6 +250,9 @@ def test_bench_on_k3_tiny_engine(golden_ckpt, one_thread):
     assert all(8 <= r.input_len <= 10 and 3 <= r.output_len_target <= 4 for r in res.records)
     assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["mean_tpot_ms"] > 0 and m["p99_itl_ms"] >= m["median_itl_ms"]
     assert seen[-1] == ("measure", 6, 6)
+    # each phase reports 0 finished as it starts (a bar's clock starts then, not at the first token)
+    assert seen[0] == ("warmup", 0, 1) and ("measure", 0, 6) in seen
+    assert seen.index(("measure", 0, 6)) < min(i for i, x in enumerate(seen) if x[0] == "measure" and x[1] > 0)
     assert res.roofline is not None and 0 < res.roofline["fraction"] and len(res.roofline["per_step"]) > 0
     # what the report names as run: the torch oracle on the CPU, the Triton kernel on a GPU (auto-selected)
     assert res.target["ops"]["kda_decode"] == ("torch" if res.target["device"] == "cpu" else "triton")
