@@ -198,6 +198,9 @@ neither the run is refused rather than assume 1.""")
 @click.option("--endpoint-gpus", type=int, default=None, metavar="N",
               help="GPUs serving --endpoint: the divisor of its tok/s/GPU figures. Default: the device count of "
                    "--profile; with neither, an --endpoint run is refused.")
+@click.option("--endpoint-timeout", type=float, default=None, metavar="SECONDS",
+              help="How long --endpoint may stay silent (no response, or no new stream data) before a request "
+                   "counts as failed. Default: 60. Raise it for a queued server whose TTFT can be longer.")
 @click.option("--max-num-batched-tokens", type=int, default=None, metavar="TOKENS",
               help="Tokens per engine step: decode rows plus prefill chunk tokens (vLLM's name). Larger steps cut "
                    "the number of steps a prompt's prefill takes (each step's fixed cost is paid fewer times) and "
@@ -207,7 +210,7 @@ neither the run is refused rather than assume 1.""")
 @common_options
 @handle_errors
 def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warmups, endpoint, model_name,
-              endpoint_gpus, max_num_batched_tokens, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels,
+              endpoint_gpus, endpoint_timeout, max_num_batched_tokens, synthetic, preset, tp, ep, rank, checkpoint, profile, out, kernels,
               seed, debug):
     """Benchmark serving: TTFT, TPOT, ITL, E2EL percentiles, tok/s and tok/s/GPU, fraction of roofline.
 
@@ -221,7 +224,8 @@ def bench_cmd(concurrency, input_len, output_len, num_prompts, range_ratio, warm
     bench = BenchOptions(concurrency=parse_concurrency(concurrency) if concurrency is not None else None,
                          input_len=input_len, output_len=output_len, num_prompts=num_prompts,
                          range_ratio=range_ratio, warmups=warmups, endpoint=endpoint, model_name=model_name,
-                         endpoint_gpus=endpoint_gpus, max_num_batched_tokens=max_num_batched_tokens)
+                         endpoint_gpus=endpoint_gpus, max_num_batched_tokens=max_num_batched_tokens,
+                         endpoint_timeout=endpoint_timeout)
     if synthetic and endpoint is not None:
         raise ConfigError("--synthetic makes random weights for the built-in engine; --endpoint measures another "
                           "server: drop one")

@@ -49,6 +49,7 @@ class BenchOptions:
         endpoint_gpus: GPUs serving ``endpoint`` (the divisor of its tok/s/GPU figures).
         max_num_batched_tokens: the built-in engine's tokens per step (decode rows + prefill chunk tokens; vLLM's
             name); None: the engine's default (:data:`k3rocm.runtime.engine.MAX_NUM_BATCHED_TOKENS`).
+        endpoint_timeout: seconds ``endpoint`` may stay silent before a request fails (None: 60).
     """
 
     concurrency: list[int] | None = None
@@ -61,6 +62,11 @@ class BenchOptions:
     model_name: str | None = None
     endpoint_gpus: int | None = None
     max_num_batched_tokens: int | None = None
+    endpoint_timeout: float | None = None
+
+
+#: seconds an --endpoint may stay silent before a request fails, unless --endpoint-timeout says otherwise
+DEFAULT_ENDPOINT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,11 @@ def check_options(bench: BenchOptions, kernels: str, profile: str | None) -> tup
                           "figures use the GPUs it runs on: drop --endpoint-gpus or add --endpoint URL")
     if b.endpoint_gpus is not None and b.endpoint_gpus < 1:
         raise ConfigError(f"--endpoint-gpus {b.endpoint_gpus} must be >= 1 (GPUs serving --endpoint)")
+    if b.endpoint_timeout is not None and b.endpoint is None:
+        raise ConfigError("--endpoint-timeout bounds the waits on an --endpoint server; the built-in engine has its "
+                          "own watchdog: drop --endpoint-timeout or add --endpoint URL")
+    if b.endpoint_timeout is not None and not 0 < b.endpoint_timeout <= 86400:  # NaN fails the comparison too
+        raise ConfigError(f"--endpoint-timeout {b.endpoint_timeout} must be a number of seconds in (0, 86400]")
     if b.max_num_batched_tokens is not None and b.endpoint is not None:
         raise ConfigError("--max-num-batched-tokens sizes the built-in engine's steps; an --endpoint server schedules "
                           "its own: drop --max-num-batched-tokens or --endpoint")
@@ -410,7 +421,8 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
     n_gpus, source = gpus
     cfg = session.config if session.opts.checkpoint else preset("k3")
     client = OpenAIClient(endpoint, model=bench.model_name, vocab_size=cfg.vocab_size,
-                          special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id))
+                          special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id),
+                          timeout=bench.endpoint_timeout or DEFAULT_ENDPOINT_TIMEOUT_S)
     client.check_reachable()
 
     def point(c: int) -> dict:
@@ -430,7 +442,7 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
             results, stopped = run_sweep(stage, pts.concurrencies, point, lambda d: not d.get("completed"))
         gpu_detail = f"{n_gpus} GPU{'s' if n_gpus != 1 else ''} serving the endpoint, {source}"
         # the report's header must say what was measured: the server, not this machine or the checkpoint
-        session.opts.endpoint = EndpointTarget(endpoint, n_gpus, source)
+        session.opts.endpoint = EndpointTarget(endpoint, n_gpus, source, client.timeout)
         stage.add_settings(setting("bench", "endpoint.gpus", n_gpus, "GPU",
                                    detail=f"the tok/s/GPU figures assume {gpu_detail}"))
         bench_rows(session, stage, results, tier="bench", level="external")

@@ -140,7 +140,8 @@ def render_markdown(rep: Report) -> str:
              f"- device: {dev.get('sku', '?')} × {dev.get('count', '?')} ({dev.get('arch', '?')}, "
              f"backend {dev.get('backend', '?')})" + (" — the machine that sent the load" if r.get("endpoint") else ""),
              *([f"- benchmarked server: {r['endpoint'].get('url')} ({r['endpoint'].get('gpus')} GPUs, "
-                f"{r['endpoint'].get('gpus_source')}); the checkpoint above only gave the prompts' vocabulary"]
+                f"{r['endpoint'].get('gpus_source')}){_timeout_text(r['endpoint'])}; the checkpoint above only gave "
+                "the prompts' vocabulary"]
                if isinstance(r.get("endpoint"), dict) else []),
              *[f"- **{n}**" for n in _header_notes(r)],
              f"- k3rocm {sw.get('k3rocm')} @ {sw.get('git_sha')}; torch {sw.get('torch')} ({sw.get('torch_build')}),"
@@ -363,6 +364,12 @@ def _plot_caption(spec: dict) -> str:
         for lab, lv in per.items()) + "</p>"
 
 
+def _timeout_text(ep: dict) -> str:
+    """``", a request fails after 60 s without data"`` for an endpoint block that names its timeout, else ""."""
+    t = ep.get("timeout_s")
+    return f", a request fails after {t:g} s without data (--endpoint-timeout)" if isinstance(t, (int, float)) else ""
+
+
 def _header_notes(r: dict) -> list[str]:
     """The report-wide warnings of a reproduction block, for the header of both renderings: the synthetic run's
     (random weights, no correctness claim) and the fallback run's (nothing ran on the profile's hardware)."""
@@ -390,7 +397,8 @@ def _html_context(r: dict) -> list[str]:
     if isinstance(r.get("endpoint"), dict):
         ep = r["endpoint"]
         out.append(f"<li>benchmarked server {e(str(ep.get('url')))} ({e(str(ep.get('gpus')))} GPUs, "
-                   f"{e(str(ep.get('gpus_source')))}); the checkpoint above only gave the prompts' vocabulary</li>")
+                   f"{e(str(ep.get('gpus_source')))}){e(_timeout_text(ep))}; the checkpoint above only gave the "
+                   "prompts' vocabulary</li>")
     out += [f"<li><strong>{e(n)}</strong></li>" for n in _header_notes(r)]
     out += [f"<li>k3rocm {e(str(sw.get('k3rocm')))} @ <code>{e(str(sw.get('git_sha')))}</code>; torch "
             f"{e(str(sw.get('torch')))} ({e(str(sw.get('torch_build')))}), triton {e(str(sw.get('triton')))}, "

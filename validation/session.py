@@ -59,15 +59,17 @@ class EndpointTarget:
         url: the ``--endpoint`` URL.
         gpus: GPUs serving it (the divisor of its tok/s/GPU figures).
         gpus_source: where ``gpus`` comes from (``--endpoint-gpus`` or the device count of ``--profile``).
+        timeout_s: seconds the server may stay silent before a request fails (``--endpoint-timeout``).
     """
 
     url: str
     gpus: int
     gpus_source: str
+    timeout_s: float | None = None
 
     def to_dict(self) -> dict:
-        """``{"url", "gpus", "gpus_source"}`` (the report's ``endpoint`` block)."""
-        return {"url": self.url, "gpus": self.gpus, "gpus_source": self.gpus_source}
+        """``{"url", "gpus", "gpus_source", "timeout_s"}`` (the report's ``endpoint`` block)."""
+        return {"url": self.url, "gpus": self.gpus, "gpus_source": self.gpus_source, "timeout_s": self.timeout_s}
 
 
 @dataclass

@@ -120,7 +120,7 @@ class OpenAIClient:
                                 f"({e.strerror or e}); is the server up?") from None
 
     def describe(self) -> dict:
-        return {"endpoint": self.endpoint, "path": self.path, "model": self.model}
+        return {"endpoint": self.endpoint, "path": self.path, "model": self.model, "timeout_s": self.timeout}
 
     def _conn(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection

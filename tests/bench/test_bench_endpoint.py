@@ -134,6 +134,7 @@ def test_per_gpu_figures_divide_by_the_profile_gpus_and_say_so(tmp_path):
     assert "endpoint.gpus" in r.output
     md = (out / "report.md").read_text()  # the header names the server measured, not only this machine
     assert f"benchmarked server: {url} (8 GPUs" in md and "the machine that sent the load" in md
+    assert "a request fails after 60 s without data (--endpoint-timeout)" in md  # the default wait, said
 
 
 def test_endpoint_gpus_wins_over_the_profile(tmp_path):
@@ -230,6 +231,9 @@ DEAD = "http://127.0.0.1:9"  # never contacted: every refusal comes first
     (["--num-prompts", "2"], ["default --concurrency 4", "--num-prompts 4"]),
     (["--output-len", "1"], ["--output-len 1", "TPOT"]),
     (["--output-len", "0", "--endpoint", DEAD, "--endpoint-gpus", "8"], ["--output-len 0", "TPOT"]),
+    (["--endpoint-timeout", "30"], ["--endpoint-timeout", "--endpoint URL"]),
+    (["--endpoint", DEAD, "--endpoint-gpus", "8", "--endpoint-timeout", "0"], ["--endpoint-timeout 0", "(0, 86400]"]),
+    (["--endpoint", DEAD, "--endpoint-gpus", "8", "--endpoint-timeout", "nan"], ["--endpoint-timeout nan"]),
 ])
 def test_refusals_are_one_line_exit_2_and_create_nothing(tmp_path, args, words):
     out = tmp_path / "deep" / "r"
@@ -344,6 +348,17 @@ def test_a_server_that_never_answers_stops_after_the_warmups_and_says_connected_
     wu["sent"] = wu["failed"] = wu["asked"]  # every planned warm-up sent and failed: "all"
     line = _nothing_measured(url, {"concurrency": 2, "warmup": wu})
     assert "all 4 warm-up requests at concurrency 2 failed" in line and "no measured request was sent" in line
+
+
+def test_endpoint_timeout_bounds_the_wait_on_a_silent_server(tmp_path):
+    # --endpoint-timeout reaches the client: a silent server fails the run after 0.3 s per wait, and says so
+    with silent_server() as (url, _):
+        t0 = time.monotonic()
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--endpoint-timeout", "0.3", "--concurrency", "1",
+                 "--num-prompts", "1", "--warmups", "1", "--input-len", "4", "--output-len", "2",
+                 "--out", tmp_path / "r"], code=3)
+        took = time.monotonic() - t0
+    assert "no response within 0.3 s" in one_line_error(r) and took < 30
 
 
 class _Fails(_Streaming):

@@ -74,8 +74,8 @@ def test_defaults_follow_the_checkpoint_and_the_target(golden_ckpt):
 
 
 def test_endpoint_target_is_the_reports_endpoint_block():
-    assert EndpointTarget("http://h:8000", 8, "from --endpoint-gpus").to_dict() == \
-        {"url": "http://h:8000", "gpus": 8, "gpus_source": "from --endpoint-gpus"}
+    assert EndpointTarget("http://h:8000", 8, "from --endpoint-gpus", 60.0).to_dict() == \
+        {"url": "http://h:8000", "gpus": 8, "gpus_source": "from --endpoint-gpus", "timeout_s": 60.0}
     assert Options().endpoint is None
 
 

@@ -183,8 +183,12 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
         _collective_rows(session, stage, tier, tag, r, lv)
         _compile_rows(stage, tier, tag, r, lv)
         _breakdown_rows(stage, tier, tag, r, lv)
+        failed = int(r.get("failed") or 0)
         stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
-                        detail=f"watchdog: {r['hang']}" if r.get("hang") else "no request outlived the watchdog"))
+                        detail=f"watchdog: {r['hang']}" if r.get("hang") else
+                        "no request outlived the watchdog" + (
+                            f"; {failed} request{'s' if failed != 1 else ''} failed otherwise (an error, or an "
+                            "endpoint silent past --endpoint-timeout): see the failed row" if failed else "")))
         roof = r.get("roofline") or {}
         if roof.get("total_floor_s"):
             ceil = r.get("roofline_ceilings", {})
