@@ -436,6 +436,7 @@ def test_bench_points_carry_their_budget_and_a_c1_breakdown(cache, tmp_path):
     assert "c1.max_num_batched_tokens" not in ev and "level" not in st["c1.max_num_batched_tokens"]
     assert ev["c1.breakdown.decode.wall_ms"]["value"] > 0
     assert "1 decode row," in ev["c1.breakdown.decode.wall_ms"]["detail"]
+    assert "not comparable with TPOT" in ev["c1.breakdown.decode.wall_ms"]["detail"]
     assert ev["c1.breakdown.mixed.wall_ms"]["value"] == "not formed" and "concurrency 1" in ev["c1.breakdown.mixed.wall_ms"]["detail"]
     assert ev["c2.breakdown.mixed.wall_ms"]["value"] > 0  # a chunk beside one decode row
 

@@ -84,6 +84,18 @@ def test_min_fraction_and_performance_with_synthetic_agree(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_synthetic_ranks_breakdown_says_its_collectives_were_counted_not_run(tmp_path):
+    # one rank of TP2 alone: the collectives family of the step breakdown is the counting and a sync, and says so
+    out = tmp_path / "r"
+    run(["bench", "--synthetic", "--preset", "k3-tiny", "--profile", "cpu", "--tp", "2", "--ep", "2", "--rank", "1",
+         "--concurrency", "2", "--num-prompts", "2", "--warmups", "0", "--input-len", "6", "--output-len", "3",
+         "--out", out])
+    ev = {e["name"]: e for e in json.loads((out / "report.json").read_text())["stages"]["bench"]["evidence"]}
+    row = ev["c2.breakdown.decode.collectives"]
+    assert "counts its collectives without running them" in row["detail"]
+    assert "counts its collectives" not in ev["c2.breakdown.decode.KDA"]["detail"]
+
+
 def test_help_names_synthetic():
     for cmd in ("validate", "bench"):
         out = run([cmd, "--help"]).output

@@ -182,7 +182,7 @@ def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, l
                                   "digests, equal tokens — e.g. a TP/EP layout against one process"))
         _collective_rows(session, stage, tier, tag, r, lv)
         _compile_rows(stage, tier, tag, r, lv)
-        _breakdown_rows(stage, tier, tag, r, lv)
+        _breakdown_rows(stage, tier, tag, r, lv, synthetic=bool(getattr(session, "synthetic", False)))
         failed = int(r.get("failed") or 0)
         stage.add(check(tier, f"{tag}.no_hang", r.get("hang") is None, eq=True, level=lv,
                         detail=f"watchdog: {r['hang']}" if r.get("hang") else
@@ -364,20 +364,26 @@ NO_MIXED_AT_C1 = ("at concurrency 1 the engine holds one sequence, and a mixed s
                   "prefill chunk: the decode step alone is profiled")
 
 
-def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str) -> None:
+def _breakdown_rows(stage: Stage, tier: str, tag: str, r: dict, lv: str, synthetic: bool = False) -> None:
     """Per op family of one decode and one mixed step (:func:`k3rocm.bench.breakdown.step_breakdown`): ms each
-    and the step's wall time; the step is eager with a device sync per family, so shares are the reading."""
+    and the step's wall time; the step is eager with a device sync per family, so shares are the reading (its
+    wall time is not the served step's, and the rows say so). ``synthetic``: the collectives of a ``--synthetic``
+    rank are counted, not run, and their row says what its time is then."""
     parts = r.get("breakdown") or {}
     for kind, part in sorted(parts.items()):
         wall = float(part.get("wall_ms") or 0.0)
         nd, npre = part.get("num_decode"), part.get("num_prefill_tokens")
         stage.add(info(tier, f"{tag}.breakdown.{kind}.wall_ms", round(wall, 4), "ms", level=lv,
                        detail=f"one profiled eager {kind} step: {nd} decode row{'' if nd == 1 else 's'}, "
-                              f"{npre} prefill token{'' if npre == 1 else 's'} (synchronised per op family)"))
+                              f"{npre} prefill token{'' if npre == 1 else 's'} (synchronised per op family, not graphed: "
+                              "not the served step's time, so not comparable with TPOT; read the shares)"))
         for fam, ms in part["ms"].items():
             share = float(ms) / wall if wall > 0 else 0.0
+            extra = ("; a --synthetic rank counts its collectives without running them, so this is the counting "
+                     "and the family's device sync, not link time (the projected rows give that)"
+                     if synthetic and fam == "collectives" else "")
             stage.add(info(tier, f"{tag}.breakdown.{kind}.{fam.replace(' ', '_')}", round(float(ms), 4), "ms",
-                           level=lv, detail=f"{share:.1%} of the profiled {kind} step"))
+                           level=lv, detail=f"{share:.1%} of the profiled {kind} step{extra}"))
     if parts and "mixed" not in parts and r.get("concurrency") == 1:  # after the decode rows, in their unit
         stage.add(info(tier, f"{tag}.breakdown.mixed.wall_ms", "not formed", "ms", level=lv,
                        detail=NO_MIXED_AT_C1))
