@@ -357,9 +357,13 @@ def check_host_memory(bench: BenchOptions, pts: BenchPoints, available: int | No
     n = sum(request_counts(worst, bench.num_prompts, bench.warmups))
     need = n * (HOST_BYTES_PER_REQUEST + L * HOST_BYTES_PER_TOKEN)
     if need > HOST_MEMORY_SHARE * avail:
-        raise ConfigError(f"--concurrency {worst}: {n:,} requests of up to {L:,} tokens would take about "
-                          f"{need / 1e9:.1f} GB of host memory, more than half of the {avail / 1e9:.1f} GB available; "
-                          "lower --concurrency or --num-prompts")
+        measured, warm = request_counts(worst, bench.num_prompts, bench.warmups)
+        # name the options that set the counts: the explicit ones, and --concurrency whose defaults scale with it
+        knobs = [f for f, v in (("--num-prompts", bench.num_prompts), ("--warmups", bench.warmups)) if v is not None]
+        lower = " or ".join(["--concurrency"] * (len(knobs) < 2) + knobs)
+        raise ConfigError(f"--concurrency {worst}: {n:,} requests ({warm:,} warm-up + {measured:,} measured) of up to "
+                          f"{L:,} tokens would take about {need / 1e9:.1f} GB of host memory, more than half of the "
+                          f"{avail / 1e9:.1f} GB available; lower {lower}")
 
 
 def run_bench_job(session: Session, bench: BenchOptions, gpus: tuple[int, str] | None, bar: ProgressBar) -> Stage:

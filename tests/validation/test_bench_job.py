@@ -90,6 +90,9 @@ def test_a_sweep_the_host_memory_cannot_hold_is_refused_before_anything_runs(mon
         check_host_memory(BenchOptions(), big, available=24 * gb)
     check_host_memory(BenchOptions(), BenchPoints([64], 1024, 1024), available=24 * gb)  # the K3 default: ~0.2 GB
     check_host_memory(BenchOptions(num_prompts=10, warmups=0), big, available=24 * gb)  # few requests: fits
+    # the options that set the counts are named: an explicit --warmups that is the cause, not only --concurrency
+    with pytest.raises(ConfigError, match=r"1,000,000 warm-up \+ 40 measured.*lower --concurrency or --warmups$"):
+        check_host_memory(BenchOptions(warmups=1_000_000), BenchPoints([4], 64, 16), available=24 * gb)
     monkeypatch.setattr(BJ, "host_memory_available", lambda: None)
     check_host_memory(BenchOptions(), big)  # memory unknown (no /proc/meminfo): no check
 
