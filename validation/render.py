@@ -105,20 +105,20 @@ def stage_settings(stage: Stage) -> tuple[list, list[int], list[tuple[str, str, 
 
 
 def fmt_value(v, unit: str = "") -> str:
-    """A figure at a precision that fits its unit: ms 2 decimals, tok/s 1, s and req/s 3, counts with thousands
-    separators, booleans as yes/no, other floats 4 significant digits."""
+    """A figure at a precision that fits its unit: ms 2 decimals, tok/s 1, s and req/s 3 (a nonzero figure below
+    the unit's last decimal: 3 significant digits, never a false 0.0), counts with thousands separators, booleans
+    as yes/no, other floats 4 significant digits."""
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, int):
         return f"{v:,}"
     if isinstance(v, float):
-        if unit == "ms":
-            return f"{v:,.2f}"
-        if unit.startswith("tok/s"):
-            return f"{v:,.1f}"
-        if unit in ("s", "req/s"):
-            return f"{v:,.3f}"
-        return f"{v:.4g}"
+        fixed = {"ms": 2, "s": 3, "req/s": 3}.get(unit, 1 if unit.startswith("tok/s") else None)
+        if fixed is None:
+            return f"{v:.4g}"
+        if v and abs(v) < 10 ** -fixed:  # too small for the unit's decimals (0.0169 tok/s is not 0.0): 3 digits
+            return f"{v:.3g}"
+        return f"{v:,.{fixed}f}"
     return _fmt(v)
 
 

@@ -540,3 +540,13 @@ def test_a_legend_sits_outside_the_axes(monkeypatch):
     assert "<svg" in render._series_svg("breakdown", spec)
     (axes, legend), = boxes
     assert legend is not None and legend.x0 >= axes.x1  # wholly to the right: no bar is covered
+
+
+def test_figures_keep_their_units_precision_and_never_show_a_false_zero():
+    from k3rocm.validation.render import fmt_value
+
+    assert fmt_value(1234.56, "tok/s") == "1,234.6" and fmt_value(3.14159, "ms") == "3.14"
+    assert fmt_value(2.0, "s") == "2.000" and fmt_value(7, "tokens") == "7" and fmt_value(True) == "yes"
+    # below the unit's last decimal: three significant digits, not 0.0 (a CPU run's 0.0169 tok/s/GPU)
+    assert fmt_value(0.0169, "tok/s/GPU") == "0.0169" and fmt_value(0.0004, "ms") == "0.0004"
+    assert fmt_value(0.0, "tok/s") == "0.0"  # a true zero stays in the unit's form
