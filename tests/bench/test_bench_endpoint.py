@@ -288,12 +288,14 @@ class _Short(_FixedStream):
 def test_short_outputs_are_counted_in_a_row(tmp_path):
     out = tmp_path / "r"
     with serve(_Short) as url:
-        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out])
-    # ... and said on the console, not only in a report row
+        r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", *LOAD, "--out", out], code=1)
+    # every request short: the server ignored max_tokens / ignore_eos, the row fails (exit 1), and it is said on
+    # the console, not only in a report row
     assert "note: at concurrency 2, 4 completed request(s) returned fewer output tokens than asked" in \
         " ".join(r.output.split())
     rows = _rows(out)
     assert rows["c2.short_outputs"]["value"] == 4 and "fewer output tokens" in rows["c2.short_outputs"]["detail"]
+    assert rows["c2.short_outputs"]["passed"] is False and rows["c2.short_outputs"]["threshold"] == "<= 2"
     assert "c2.median_tpot_ms" not in rows  # one token each: no TPOT was measured, and none is shown
 
 
