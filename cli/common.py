@@ -463,7 +463,9 @@ def finish(stages, report_html: Path) -> None:
     click.echo(f"report: {report_html}")
     for s in stages:
         if s.status == "error":
-            fail(f"{s.tier} tier could not run: {s.error}", getattr(s, "exit_code", EXIT_USAGE))
+            # an interruption is not a tier that could not run: it ran and was stopped (its text says how far)
+            what = "was stopped" if str(s.error or "").startswith("interrupted") else "could not run"
+            fail(f"{s.tier} tier {what}: {s.error}", getattr(s, "exit_code", EXIT_USAGE))
         if s.status == "failed":
             f = s.failures[0]
             why = " ".join(str(getattr(f, "detail", "") or "").split())  # one line, whatever the detail holds

@@ -527,7 +527,8 @@ def test_ctrl_c_keeps_the_finished_points_marked_interrupted(tmp_path, monkeypat
     with serve(_Streaming) as url:
         r = run(["bench", "--endpoint", url, "--endpoint-gpus", "1", "--concurrency", "1,2,4", "--num-prompts", "4",
                  "--warmups", "0", "--input-len", "8", "--output-len", "4", "--out", out], code=130)
-    assert "interrupted (Ctrl-C) after 1 of 3 points" in one_line_error(r)
+    line = one_line_error(r)
+    assert "interrupted (Ctrl-C) after 1 of 3 points" in line and "bench tier was stopped" in line
     stage = json.loads((out / "report.json").read_text())["stages"]["bench"]
     rows = {e["name"]: e for e in stage["evidence"]}
     assert stage["status"] == "error" and "interrupted" in stage["error"]
