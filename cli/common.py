@@ -84,7 +84,7 @@ def handle_errors(fn: Callable) -> Callable:
         except Terminated:
             fail(terminated_line(), 143)
         except KeyboardInterrupt:
-            fail("interrupted", 130)
+            fail(f"interrupted (Ctrl-C); {_KEPT['kept'] or 'nothing was written'}", 130)
     return wrapper
 
 

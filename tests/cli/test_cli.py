@@ -508,6 +508,20 @@ def test_an_interrupted_validate_keeps_its_finished_tiers(cache, tmp_path, monke
     assert json.loads((tmp_path / "r2" / "report.json").read_text())["stages"]["load"]["status"] == "passed"
 
 
+def test_an_early_ctrl_c_says_nothing_was_written(cache, tmp_path, monkeypatch):
+    # Ctrl-C before any tier ran (here during the pre-flight check): exit 130, the line says nothing was written,
+    # and no --out is left behind (as SIGTERM's line does, below)
+    from k3rocm.validation.session import Session
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "preflight", stop)
+    line = one_line_error(run(["load", "--out", tmp_path / "a" / "r"], code=130))
+    assert line == "error: interrupted (Ctrl-C); nothing was written", line
+    assert not (tmp_path / "a").exists()
+
+
 def test_sigterm_says_where_the_report_is_only_when_one_was_written(cache, tmp_path, monkeypatch):
     """SIGTERM before anything is written: "nothing was written" and no --out left behind; after the report was
     written: the line names it; while it is being written (from creating --out on): held until it is whole."""
