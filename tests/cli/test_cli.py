@@ -457,6 +457,16 @@ def test_default_budget_follows_a_larger_concurrency(cache, tmp_path, monkeypatc
     assert "or the concurrency where that is larger" in st["c3.max_num_batched_tokens"]["detail"]
 
 
+def test_points_are_reported_in_ascending_concurrency_whatever_the_order_given(cache, tmp_path):
+    run(["bench", "--concurrency", "2,1", "--input-len", "6", "--output-len", "3", "--num-prompts", "2",
+         "--warmups", "0", "--out", tmp_path / "r"])
+    bench = json.loads((tmp_path / "r" / "report.json").read_text())["stages"]["bench"]
+    assert bench["series"]["throughput"]["x"] == [1, 2]
+    names = [e["name"] for e in bench["evidence"] if e["name"].endswith(".failed")]
+    assert names == ["c1.failed", "c2.failed"]
+    assert "| c=1 | c=2 |" in (tmp_path / "r" / "report.md").read_text()
+
+
 def test_min_fraction_makes_speed_a_check(cache, tmp_path):
     # validate --min-fraction F: each concurrency point's fraction of the roofline is a check (the CPU run is far
     # below 0.99 of it: the performance tier fails, naming the row); bad values and levels are one line up front

@@ -133,8 +133,10 @@ def layout_rows(session: Session, tier: str, lv: str) -> list:
 def bench_rows(session: Session, stage: Stage, results: list[dict], tier: str, level: str | None = None) -> None:
     """Evidence rows + plots for bench results (latency percentiles, throughput, roofline fraction).
 
-    ``level`` overrides the session's measurement level (``external`` for a benchmark of another server).
+    ``level`` overrides the session's measurement level (``external`` for a benchmark of another server). The
+    points' rows, tables and plots go in ascending concurrency, whatever order ``--concurrency`` ran them in.
     """
+    results = sorted(results, key=lambda r: int(r.get("concurrency") or 0))
     lv = level or session.measured_level
     if level is None:  # the built-in engine: the layout it ran
         stage.add(*layout_rows(session, tier, lv))
