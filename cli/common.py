@@ -420,12 +420,23 @@ def run_tiers_kept(session, level: str, what: str = "working") -> list:
 
     done: list = []
     current = {"tier": None}
+    # each tier that reports progress gets its own bar, named for its work ("working" only for another tier)
+    labels = {"load": "generating random weights" if getattr(session, "synthetic", False) else "loading",
+              "performance": "benchmarking"}
     try:
         with Progress() as bar:
+            bars: dict = {}
+
             def start(t):
                 current["tier"] = t
                 bar.stage(f"tier {t}")
-            return run_tiers(session, level, progress=bar.callback(what), on_start=start, on_stage=done.append)
+
+            def progress(*a, **k):
+                t = current["tier"]
+                if t not in bars:
+                    bars[t] = bar.callback(labels.get(t, what) if what == "working" else what)
+                bars[t](*a, **k)
+            return run_tiers(session, level, progress=progress, on_start=start, on_stage=done.append)
     except KeyboardInterrupt as e:
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         tier = current["tier"]

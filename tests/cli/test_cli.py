@@ -731,7 +731,7 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(golden_ckpt, tmp_
     r = run(["validate", "--checkpoint", golden_ckpt, "--level", "load", "--out", tmp_path])
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("k3rocm: ")]
     assert "k3rocm: tier env ..." in lines and "k3rocm: tier load ..." in lines
-    assert any(ln.startswith("k3rocm: working: ") and "(100%)" in ln for ln in lines), r.stderr
+    assert any(ln.startswith("k3rocm: loading: ") and "(100%)" in ln for ln in lines), r.stderr
 
 
 def test_plain_progress_is_throttled():
