@@ -273,6 +273,8 @@ class Progress:
         def cb(done=None, total=None, text=None, *_, failed=0, tokens=None, **__):
             if text == VERIFY_TEXT and state["label"] == description:  # the load's verification pass starts
                 state.update(label=f"{description}: {VERIFY_TEXT}", finished=False, last=-1e9)
+            if total is not None and total != state["total"] and state["finished"]:
+                state.update(finished=False, last=-1e9)  # the next phase on this bar (another total): said again
             if total is not None:
                 state["total"] = total
             if done is None:
@@ -431,11 +433,12 @@ def run_tiers_kept(session, level: str, what: str = "working") -> list:
                 current["tier"] = t
                 bar.stage(f"tier {t}")
 
-            def progress(*a, **k):
-                t = current["tier"]
-                if t not in bars:
-                    bars[t] = bar.callback(labels.get(t, what) if what == "working" else what)
-                bars[t](*a, **k)
+            def progress(*a, phase=None, **k):
+                key = (current["tier"], phase)  # a bench's warm-up and measured phases: a bar each, named
+                if key not in bars:
+                    name = labels.get(key[0], what) if what == "working" else what
+                    bars[key] = bar.callback(name + {"warmup": " warm-up", "measure": " measured"}.get(phase, ""))
+                bars[key](*a, **k)
             return run_tiers(session, level, progress=progress, on_start=start, on_stage=done.append)
     except KeyboardInterrupt as e:
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"

@@ -750,6 +750,26 @@ def test_plain_progress_is_throttled():
     assert lines == ["k3rocm: loading: 1/100 (1%), 0 s", "k3rocm: loading: 100/100 (100%), 0 s"]
 
 
+def test_plain_progress_says_a_second_phase_on_the_same_bar():
+    # a bar that finished one total and is handed another (a tier's next phase) prints the new phase again
+    import contextlib
+    import io
+
+    from k3rocm.cli.common import Progress
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        with Progress(interval_s=3600) as bar:
+            cb = bar.callback("benchmarking")
+            cb(0, 1)
+            cb(1, 1)
+            cb(0, 4)
+            cb(4, 4)
+            cb(4, 4)
+    assert buf.getvalue().splitlines() == ["k3rocm: benchmarking: 0/1 (0%), 0 s", "k3rocm: benchmarking: 1/1 (100%), 0 s",
+                                           "k3rocm: benchmarking: 0/4 (0%), 0 s", "k3rocm: benchmarking: 4/4 (100%), 0 s"]
+
+
 def test_plain_progress_names_the_loads_verification_pass():
     # after the bytes land, the loader's verification pass reports with text VERIFY_TEXT from 0 again: the log
     # names the phase instead of sitting at 100%; the text is the loader's own constant
