@@ -320,6 +320,8 @@ class Placement:
         fits: whether weights + reserves fit with room for at least one sequence of ``context_len``.
         problem: one line when it does not fit (the :class:`PlanError` message), else ``None``.
         roofline: :class:`k3rocm.runtime.sizing.StepRoofline` of one rank (``roofline.decode(batch, context)``).
+        host_shares: on the cpu backend, the rank processes sharing the host (its memory, bandwidth and compute
+            each get this share); 1 on GPUs.
     """
 
     config_name: str
@@ -342,6 +344,7 @@ class Placement:
     experts_per_rank: int
     heads_per_rank: dict
     notes: list = field(default_factory=list)
+    host_shares: int = 1
 
     @property
     def etp(self) -> int:
@@ -385,8 +388,9 @@ class Placement:
         }
         rows = [row(f"weights: {p}", parts.get(p, 0), split[p]) for p in PARTS]
         rows.append(row("weights per GPU", self.weights_bytes, "largest rank"))
+        shared = (f" / {self.host_shares} processes sharing this host" if self.host_shares > 1 else "")
         rows.append(row("usable memory per GPU", self.usable_bytes,
-                        f"{self.memory_bytes / GB:.1f} GB x {self.usable_fraction} ({self.profile_name})"))
+                        f"{self.memory_bytes / GB:.1f} GB x {self.usable_fraction}{shared} ({self.profile_name})"))
         rows.append(row("workspace reserve", self.workspace_reserve_bytes, "runtime, collectives, kernels"))
         rows.append(row("activation reserve", self.activation_reserve_bytes, f"{self.max_tokens} tokens per step"))
         c = self.cache
@@ -569,10 +573,11 @@ def activation_reserve(cfg: K3Config, tp: int, max_tokens: int) -> int:
     return int(per_tok * max_tokens)
 
 
-def _roofline(cfg: K3Config, profile: Profile, lay: _Layout) -> StepRoofline:
-    """Rank 0's step roofline: its non-expert bytes and parameters (embedding excluded) from the split rules."""
-    return StepRoofline.from_config(cfg, profile.hbm_bandwidth, profile.peak("bf16"), tp=lay.tp, ep=lay.ep,
-                                    rank_trunk=_rank_trunk(cfg, lay, 0))
+def _roofline(cfg: K3Config, profile: Profile, lay: _Layout, shares: int = 1) -> StepRoofline:
+    """Rank 0's step roofline: its non-expert bytes and parameters (embedding excluded) from the split rules;
+    ``shares`` processes on one host (cpu backend) split its bandwidth and compute, as they split its memory."""
+    return StepRoofline.from_config(cfg, profile.hbm_bandwidth / shares, profile.peak("bf16") / shares, tp=lay.tp,
+                                    ep=lay.ep, rank_trunk=_rank_trunk(cfg, lay, 0))
 
 
 @lru_cache(maxsize=32)
@@ -662,7 +667,8 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
     # on the cpu backend the ranks are processes sharing the host's memory: each gets its share
     if host_ranks is not None and not 1 <= host_ranks <= tp:
         raise PlanError(f"host_ranks {host_ranks} must be in 1..tp={tp}")
-    usable = profile.usable_bytes // (host_ranks or tp) if profile.backend == "cpu" else profile.usable_bytes
+    shares = (host_ranks or tp) if profile.backend == "cpu" else 1
+    usable = profile.usable_bytes // shares
     act = activation_reserve(cfg, tp, max_tokens)
     budget = usable - weights - profile.workspace_reserve_bytes - act
     per_seq = context_len * mla_tok + kda_seq
@@ -675,7 +681,7 @@ def plan(cfg: K3Config, profile: Profile, tp: int | None = None, ep: int | None 
                    max_tokens=max_tokens, ranks=ranks, usable_bytes=usable, memory_bytes=profile.memory_bytes,
                    usable_fraction=profile.usable_fraction, workspace_reserve_bytes=profile.workspace_reserve_bytes,
                    activation_reserve_bytes=act, cache=cache, fits=fits, problem=None,
-                   roofline=_roofline(cfg, profile, lay),
+                   roofline=_roofline(cfg, profile, lay, shares), host_shares=shares,
                    experts_per_rank=per,
                    heads_per_rank={"kda": cfg.kda_num_heads // tp, "mla": cfg.num_attention_heads // tp},
                    notes=notes)

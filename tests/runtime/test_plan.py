@@ -346,6 +346,16 @@ def test_cpu_share_of_the_host_is_per_process_here():
         plan(cfg, cpu, tp=4, ep=4, host_ranks=5)
     gpu = load_profile("mi355x-8")  # GPU profiles: one device per rank, host_ranks has no say
     assert plan(cfg, gpu, tp=8, ep=8, host_ranks=1).usable_bytes == plan(cfg, gpu, tp=8, ep=8).usable_bytes
+    # ... and their share of its bandwidth and compute: the step floor of a rank is not that of a rank with the
+    # whole host to itself (the plan once gave TP2 on one CPU a lower decode floor than TP1); the table says so
+    assert shared.host_shares == 16 and alone.host_shares == 1
+    assert shared.roofline.bandwidth == pytest.approx(cpu.hbm_bandwidth / 16)
+    assert alone.roofline.bandwidth == pytest.approx(cpu.hbm_bandwidth)
+    assert shared.roofline.peak_flops == pytest.approx(cpu.peak("bf16") / 16)
+    tp1, tp2 = plan(cfg, cpu, tp=1, ep=1, strict=False), plan(cfg, cpu, tp=2, ep=2, strict=False)
+    assert tp2.roofline.decode(1, 1024)["floor_s"] > tp1.roofline.decode(1, 1024)["floor_s"]
+    assert "/ 16 processes sharing this host" in json.dumps(shared.summary())
+    assert plan(cfg, gpu, tp=8, ep=8).host_shares == 1
 
 
 @pytest.mark.parametrize("name", ["k3-prefix-1", "k3-prefix-2", "k3-prefix-3"])
