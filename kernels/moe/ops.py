@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 from k3rocm.errors import ConfigError, HardwareError
 from k3rocm.kernels import tune
@@ -169,9 +170,15 @@ def _counters(dev: torch.device, groups: int) -> torch.Tensor:
 def _topk_sort(flag: bool | None, backend: str) -> bool:
     """Whether the top-k launch picks by ``tl.topk``: ``flag`` (default ``ROUTER_TOPK_SORT`` of the backend), and
     only where this Triton has ``tl.topk``."""
-    import triton.language as tl
-
     return bool(ROUTER_TOPK_SORT[backend] if flag is None else flag) and hasattr(tl, "topk")
+
+
+def _topk_only(part, b, ids, wts, E, scaling, meta, warps: int, sort: bool = False) -> None:
+    """The top-k launch without grouping (``router_topk_kernel``, one program per token; the dispatch arguments
+    unused), as ``moe_router`` and the ``"experts"`` grouping run it."""
+    router_topk_kernel[(ids.shape[0],)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
+                                        ids, ids, ids, ids, ids.shape[0], 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta,
+                                        SORT=sort, num_warps=warps)
 
 
 def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
@@ -189,17 +196,11 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
     meta = dict(SPLITS=splits, TOPK=top_k, HAS_BIAS=bias is not None, RENORM=bool(renormalize),
                 BLOCK_E=triton.next_power_of_2(E), BLOCK_KOUT=triton.next_power_of_2(top_k))
     if group is None:
-        router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
-                                 ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta, num_warps=4)
+        _topk_only(part, b, ids, wts, E, scaling, meta, 4)
         return ids, wts, None
     first, num_local, block_m, bucket_tokens, topk_warps, small_tokens, grouping, topk_sort = group
-    P = T * top_k
-    ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
-    d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
-                    torch.empty(num_local, dtype=torch.int64, device=dev),
-                    torch.empty(num_local + 1, dtype=torch.int64, device=dev),
-                    torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
-                    block_m, E)
+    d = _empty_dispatch(T * top_k, num_local, block_m, dev, E)
+    ub = d.block_expert.numel()
     backend = current_target().backend
     if T <= (ROUTER_SMALL_TOKENS[backend] if small_tokens is None else small_tokens):
         router_topk_small_kernel[(1,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling), T,
@@ -209,10 +210,7 @@ def _route(x, gate_weight, bias, top_k, renormalize, scaling, config, group):
                                        num_warps=topk_warps or 8)
         return ids, wts, d
     if (grouping or ("experts" if num_local <= ROUTER_GROUPING[backend] else "fused")) == "experts":
-        router_topk_kernel[(T,)](part, b, ids, wts, E, part.stride(0), part.stride(1), float(scaling),
-                                 ids, ids, ids, ids, T, 0, 1, ids, ids, ids, ids, ids, ids, 1, **meta,
-                                 SORT=_topk_sort(topk_sort, backend),
-                                 num_warps=topk_warps or 4)  # as moe_router launches it
+        _topk_only(part, b, ids, wts, E, scaling, meta, topk_warps or 4, _topk_sort(topk_sort, backend))
         _group_pairs(ids, first, num_local, d)
         return ids, wts, d
     block_l = triton.next_power_of_2(num_local + 1)
@@ -254,6 +252,22 @@ class GpuDispatch:
     num_experts: int | None = None  # global experts the pairs were routed over (None: all local)
 
 
+def _block_slots(P: int, block_m: int, num_local: int) -> int:
+    """Rows of the block table for ``P`` pairs over ``num_local`` experts: every block any routing of them could
+    need (``ceil(P / block_m)`` full blocks plus one partial block per expert), at most one per pair."""
+    return max(1, min(P, triton.cdiv(P, block_m) + num_local))
+
+
+def _empty_dispatch(P: int, num_local: int, block_m: int, dev: torch.device,
+                    num_experts: int | None = None) -> GpuDispatch:
+    """An unfilled :class:`GpuDispatch` of ``P`` pairs over ``num_local`` local experts (the kernels fill it)."""
+    ub = _block_slots(P, block_m, num_local)
+    i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+    return GpuDispatch(torch.empty(P, **i32), torch.empty(P, **i32), torch.empty(num_local, **i64),
+                       torch.empty(num_local + 1, **i64), torch.empty(ub, **i32), torch.empty(ub, **i32), block_m,
+                       num_experts)
+
+
 def _group_pairs(ids: torch.Tensor, first: int, num_local: int, d: GpuDispatch) -> None:
     """``router.group_pairs_kernel`` of the int32 ids ``[T, k]`` (or ``[P]``) into the allocated dispatch ``d``."""
     P = ids.numel()
@@ -283,31 +297,21 @@ def dispatch_gpu(topk_ids: torch.Tensor, first_expert: int, num_local: int, bloc
     dev = topk_ids.device
     P = topk_ids.numel()
     if per_expert and P > 0:
-        ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
-        d = GpuDispatch(torch.empty(P, dtype=torch.int32, device=dev), torch.empty(P, dtype=torch.int32, device=dev),
-                        torch.empty(num_local, dtype=torch.int64, device=dev),
-                        torch.empty(num_local + 1, dtype=torch.int64, device=dev),
-                        torch.empty(ub, dtype=torch.int32, device=dev), torch.empty(ub, dtype=torch.int32, device=dev),
-                        block_m)
+        d = _empty_dispatch(P, num_local, block_m, dev)
         _group_pairs(topk_ids.reshape(-1).to(torch.int32).contiguous(), first_expert, num_local, d)
         return d
     if one_program is None:
         one_program = 0 < P <= ONE_PROGRAM_MAX_PAIRS and num_local <= ONE_PROGRAM_MAX_EXPERTS
     if one_program and P > 0:
-        ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
+        d = _empty_dispatch(P, num_local, block_m, dev)
+        ub = d.block_expert.numel()
         ids32 = topk_ids.reshape(-1).to(torch.int32).contiguous()
         be = triton.next_power_of_2(num_local + 2)
-        sorted_pair = torch.empty(P, dtype=torch.int32, device=dev)
-        pos = torch.empty(P, dtype=torch.int32, device=dev)
-        counts = torch.empty(num_local, dtype=torch.int64, device=dev)
-        offsets = torch.empty(num_local + 1, dtype=torch.int64, device=dev)
-        block_expert = torch.empty(ub, dtype=torch.int32, device=dev)
-        block_start = torch.empty(ub, dtype=torch.int32, device=dev)
         run = torch.empty(be, dtype=torch.int32, device=dev)
-        moe_dispatch_kernel[(1,)](ids32, int(first_expert), num_local, P, sorted_pair, pos, counts, offsets,
-                                  block_expert, block_start, run, ub, BLOCK_M=block_m, BLOCK_P=64, BLOCK_E=be,
+        moe_dispatch_kernel[(1,)](ids32, int(first_expert), num_local, P, d.sorted_pair, d.pos, d.counts, d.offsets,
+                                  d.block_expert, d.block_start, run, ub, BLOCK_M=block_m, BLOCK_P=64, BLOCK_E=be,
                                   BLOCK_UB=triton.next_power_of_2(ub), num_warps=8)  # spill-free on gfx942/950
-        return GpuDispatch(sorted_pair, pos, counts, offsets, block_expert, block_start, block_m)
+        return d
     flat = topk_ids.reshape(-1).to(torch.int64)
     local = flat - int(first_expert)
     valid = (local >= 0) & (local < num_local)
@@ -324,7 +328,7 @@ def dispatch_gpu(topk_ids: torch.Tensor, first_expert: int, num_local: int, bloc
     pos = torch.where(valid, pos, torch.full_like(pos, -1)).to(torch.int32)
     blocks = (counts + block_m - 1) // block_m
     bcum = torch.cumsum(blocks, 0)
-    ub = max(1, min(P, triton.cdiv(P, block_m) + num_local))
+    ub = _block_slots(P, block_m, num_local)
     b = torch.arange(ub, device=dev)
     e = torch.searchsorted(bcum, b, right=True)
     ok = e < num_local
