@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from k3rocm.bench import run_bench
-from k3rocm.bench.client import OpenAIClient
+from k3rocm.bench.client import DEFAULT_TIMEOUT_S, OpenAIClient
 from k3rocm.bench.loadgen import DEFAULT_RANGE_RATIO, request_counts
 from k3rocm.checkpoint import layout
 from k3rocm.config import preset
@@ -63,10 +63,6 @@ class BenchOptions:
     endpoint_gpus: int | None = None
     max_num_batched_tokens: int | None = None
     endpoint_timeout: float | None = None
-
-
-#: seconds an --endpoint may stay silent before a request fails, unless --endpoint-timeout says otherwise
-DEFAULT_ENDPOINT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -426,7 +422,7 @@ def _endpoint_body(session: Session, bench: BenchOptions, pts: BenchPoints, gpus
     cfg = session.config if session.opts.checkpoint else preset("k3")
     client = OpenAIClient(endpoint, model=bench.model_name, vocab_size=cfg.vocab_size,
                           special_ids=(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id),
-                          timeout=bench.endpoint_timeout or DEFAULT_ENDPOINT_TIMEOUT_S)
+                          timeout=bench.endpoint_timeout or DEFAULT_TIMEOUT_S)
     client.check_reachable()
 
     def point(c: int) -> dict:

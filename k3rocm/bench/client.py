@@ -76,6 +76,11 @@ def body_snippet(raw: bytes, limit: int = SNIPPET_CHARS) -> str:
     return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
 
 
+#: seconds a server may stay silent (no response, no new stream data) before a request fails (``bench
+#: --endpoint-timeout`` overrides it)
+DEFAULT_TIMEOUT_S = 60.0
+
+
 class OpenAIClient:
     """Streaming client of one endpoint.
 
@@ -91,7 +96,7 @@ class OpenAIClient:
     """
 
     def __init__(self, endpoint: str, model: str | None = None, vocab_size: int = 163840,
-                 special_ids: tuple[int, ...] = (163584, 163585, 163586, 163839), timeout: float = 60.0):
+                 special_ids: tuple[int, ...] = (163584, 163585, 163586, 163839), timeout: float = DEFAULT_TIMEOUT_S):
         u = urlsplit(endpoint)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ConfigError(f"--endpoint {endpoint!r} is not an http(s)://host[:port] URL")
